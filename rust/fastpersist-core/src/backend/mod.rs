@@ -1,0 +1,332 @@
+//! Moving chunks between memory and files: the shared driver loop and the two backends.
+//!
+//! A job describes its work as an [`OpSource`]: it hands out [`IoOp`]s (staging a pool slot for a
+//! write, carving a destination slice for a read) and is told when each completes. [`drive`]
+//! keeps up to `queue_depth` ops in flight on the chosen backend until the source is exhausted,
+//! then drains. On the first error it stops taking new ops, drains what is in flight (buffers
+//! stay owned by the in-flight table until their completion arrives) and returns that error.
+
+mod threads;
+mod uring;
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::PathBuf;
+
+use crate::error::{Error, Result};
+use crate::pool::Slot;
+pub use crate::probe::BackendKind;
+
+/// An open data file and its path (for error messages).
+#[derive(Debug)]
+pub struct OpenFile {
+    /// The file.
+    pub file: File,
+    /// Its path.
+    pub path: PathBuf,
+    /// Opened with O_DIRECT: every transfer must be aligned.
+    pub direct: bool,
+}
+
+impl OpenFile {
+    fn fd(&self) -> RawFd {
+        self.file.as_raw_fd()
+    }
+}
+
+/// Which way bytes move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Memory to file.
+    Write,
+    /// File to memory.
+    Read,
+}
+
+/// Memory an op transfers from or into.
+#[derive(Debug)]
+pub enum IoBuf<'a> {
+    /// A staging slot (writes). Returns to its pool when the op is dropped after completion.
+    Slot(Slot),
+    /// A caller-owned destination (reads).
+    Slice(&'a mut [u8]),
+}
+
+impl IoBuf<'_> {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        match self {
+            IoBuf::Slot(slot) => slot.buf_mut().as_mut_ptr(),
+            IoBuf::Slice(slice) => slice.as_mut_ptr(),
+        }
+    }
+
+    fn capacity_bytes(&self) -> usize {
+        match self {
+            IoBuf::Slot(slot) => slot.buf().len_bytes(),
+            IoBuf::Slice(slice) => slice.len(),
+        }
+    }
+
+    /// The buffer's bytes.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            IoBuf::Slot(slot) => slot.buf(),
+            IoBuf::Slice(slice) => slice,
+        }
+    }
+}
+
+/// One transfer between a buffer and a file range.
+#[derive(Debug)]
+pub struct IoOp<'a> {
+    /// Index into the job's files.
+    pub file: usize,
+    /// Where in the file the transfer starts.
+    pub offset_bytes: u64,
+    /// The memory.
+    pub buf: IoBuf<'a>,
+    /// Bytes to transfer (padded to the alignment for O_DIRECT).
+    pub len_bytes: usize,
+    /// Reads only: the op is complete once this many bytes arrived, even if end-of-file cut the
+    /// padded remainder. Writes set it to `len_bytes`.
+    pub min_bytes: usize,
+    /// Bytes transferred so far (short transfers are resubmitted from here).
+    pub done_bytes: usize,
+    /// The job's identifier for this op.
+    pub tag: usize,
+}
+
+/// What a source has next.
+#[derive(Debug)]
+pub enum Next<'a> {
+    /// Submit this op.
+    Op(IoOp<'a>),
+    /// Nothing can be produced without blocking (e.g. no free slot); ask again after a completion.
+    NotYet,
+    /// No more ops.
+    Done,
+}
+
+/// The job side of the driver loop.
+pub trait OpSource<'a> {
+    /// The next op. `may_block` is true only when nothing is in flight, so blocking cannot
+    /// deadlock on slots that only a completion would return.
+    fn next_op(&mut self, may_block: bool) -> Result<Next<'a>>;
+    /// An op finished successfully (all its bytes moved).
+    fn completed(&mut self, op: IoOp<'a>) -> Result<()>;
+}
+
+/// Outcome of one (possibly partial) transfer.
+enum Progress {
+    Complete,
+    Resubmit,
+}
+
+/// Accounts `transferred` bytes of `op`; errors on a zero-byte write or an early end-of-file.
+fn advance(
+    op: &mut IoOp<'_>,
+    direction: Direction,
+    transferred: usize,
+    file: &OpenFile,
+) -> Result<Progress> {
+    if transferred == 0 {
+        return match direction {
+            Direction::Read if op.done_bytes >= op.min_bytes => Ok(Progress::Complete),
+            Direction::Read => Err(Error::SizeMismatch {
+                path: file.path.clone(),
+                expected_bytes: op.offset_bytes + op.min_bytes as u64,
+                found_bytes: op.offset_bytes + op.done_bytes as u64,
+            }),
+            Direction::Write => Err(Error::io(
+                "write",
+                &file.path,
+                std::io::Error::new(std::io::ErrorKind::WriteZero, "write returned 0 bytes"),
+            )),
+        };
+    }
+    op.done_bytes += transferred;
+    let complete = match direction {
+        // A read may stop at end-of-file inside the padding: enough once the logical bytes arrived.
+        Direction::Read => op.done_bytes >= op.min_bytes,
+        Direction::Write => op.done_bytes >= op.len_bytes,
+    };
+    Ok(if complete {
+        Progress::Complete
+    } else {
+        Progress::Resubmit
+    })
+}
+
+fn check_op(op: &IoOp<'_>, file: &OpenFile) -> Result<()> {
+    let align = crate::DIRECT_ALIGN_BYTES;
+    let bad = op.len_bytes > op.buf.capacity_bytes()
+        || op.min_bytes > op.len_bytes
+        || op.len_bytes > u32::MAX as usize
+        || (file.direct
+            && (!op.offset_bytes.is_multiple_of(align as u64)
+                || !op.len_bytes.is_multiple_of(align)
+                || !(op.buf.bytes().as_ptr() as usize).is_multiple_of(align)));
+    if bad {
+        return Err(Error::InvalidArgument(format!(
+            "internal: misaligned or oversized transfer of {} bytes at offset {} of {} (direct={})",
+            op.len_bytes,
+            op.offset_bytes,
+            file.path.display(),
+            file.direct
+        )));
+    }
+    Ok(())
+}
+
+/// A backend's submission side, as seen by the driver loop.
+trait Submitter<'a> {
+    /// Queues an op (it is in flight from here until it comes back from `wait`).
+    fn push(&mut self, op: IoOp<'a>) -> Result<()>;
+    /// Waits for at least one completion (or a resubmission) and appends finished ops.
+    fn wait(&mut self, finished: &mut Vec<(IoOp<'a>, Result<()>)>) -> Result<()>;
+}
+
+/// Runs `source` to completion on `backend` with up to `queue_depth` ops in flight.
+pub fn drive<'a>(
+    backend: BackendKind,
+    direction: Direction,
+    files: &[OpenFile],
+    queue_depth: usize,
+    source: &mut dyn OpSource<'a>,
+) -> Result<()> {
+    let queue_depth = queue_depth.clamp(1, 4096);
+    match backend {
+        BackendKind::IoUring => {
+            let mut ring = uring::UringSubmitter::new(direction, files, queue_depth)?;
+            run_loop(&mut ring, files, queue_depth, source)
+        }
+        BackendKind::Threads => threads::with_workers(direction, files, queue_depth, |workers| {
+            run_loop(workers, files, queue_depth, source)
+        }),
+    }
+}
+
+fn run_loop<'a>(
+    submitter: &mut dyn Submitter<'a>,
+    files: &[OpenFile],
+    queue_depth: usize,
+    source: &mut dyn OpSource<'a>,
+) -> Result<()> {
+    let mut in_flight = 0usize;
+    let mut source_done = false;
+    let mut first_error: Option<Error> = None;
+    let mut finished = Vec::with_capacity(queue_depth);
+    loop {
+        while first_error.is_none() && !source_done && in_flight < queue_depth {
+            match source.next_op(in_flight == 0) {
+                Ok(Next::Op(op)) => {
+                    let checked = files
+                        .get(op.file)
+                        .ok_or_else(|| {
+                            Error::InvalidArgument(format!("internal: no file {}", op.file))
+                        })
+                        .and_then(|file| check_op(&op, file));
+                    match checked.and_then(|()| submitter.push(op)) {
+                        Ok(()) => in_flight += 1,
+                        Err(e) => first_error = Some(e),
+                    }
+                }
+                Ok(Next::NotYet) => break,
+                Ok(Next::Done) => source_done = true,
+                Err(e) => first_error = Some(e),
+            }
+        }
+        if in_flight == 0 {
+            break;
+        }
+        // A failure of the wait itself leaves ops in flight; the submitter's drop handles them.
+        submitter.wait(&mut finished)?;
+        for (op, result) in finished.drain(..) {
+            in_flight -= 1;
+            let outcome = result.and_then(|()| {
+                if first_error.is_none() {
+                    source.completed(op)
+                } else {
+                    Ok(())
+                }
+            });
+            if let Err(e) = outcome {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(len: usize, min: usize, buf: &mut [u8]) -> IoOp<'_> {
+        IoOp {
+            file: 0,
+            offset_bytes: 0,
+            buf: IoBuf::Slice(buf),
+            len_bytes: len,
+            min_bytes: min,
+            done_bytes: 0,
+            tag: 0,
+        }
+    }
+
+    fn file() -> OpenFile {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        OpenFile {
+            file: std::fs::File::create(&path).unwrap(),
+            path,
+            direct: false,
+        }
+    }
+
+    #[test]
+    fn short_transfers_resubmit_until_done() {
+        let (f, mut mem) = (file(), vec![0u8; 8192]);
+        let mut w = op(8192, 8192, &mut mem);
+        assert!(matches!(
+            advance(&mut w, Direction::Write, 4096, &f),
+            Ok(Progress::Resubmit)
+        ));
+        assert_eq!(w.done_bytes, 4096);
+        assert!(matches!(
+            advance(&mut w, Direction::Write, 4096, &f),
+            Ok(Progress::Complete)
+        ));
+        let mut w = op(8192, 8192, &mut mem);
+        assert!(matches!(
+            advance(&mut w, Direction::Write, 0, &f),
+            Err(Error::Io { .. })
+        ));
+    }
+
+    #[test]
+    fn reads_complete_at_logical_length_and_detect_truncation() {
+        let (f, mut mem) = (file(), vec![0u8; 8192]);
+        let mut r = op(8192, 5000, &mut mem);
+        assert!(matches!(
+            advance(&mut r, Direction::Read, 3000, &f),
+            Ok(Progress::Resubmit)
+        ));
+        assert!(matches!(
+            advance(&mut r, Direction::Read, 2000, &f),
+            Ok(Progress::Complete)
+        ));
+        let mut r = op(8192, 5000, &mut mem);
+        assert!(matches!(
+            advance(&mut r, Direction::Read, 3000, &f),
+            Ok(Progress::Resubmit)
+        ));
+        assert!(matches!(
+            advance(&mut r, Direction::Read, 0, &f),
+            Err(Error::SizeMismatch { .. })
+        ));
+    }
+}

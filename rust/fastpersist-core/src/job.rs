@@ -1,0 +1,477 @@
+//! A write job: stage source bytes into pool slots (checksumming each chunk while it is hot)
+//! and drive a backend until every part file holds its range of the logical stream.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::DIRECT_ALIGN_BYTES;
+use crate::align::round_up;
+use crate::backend::{self, Direction, IoBuf, IoOp, Next, OpSource, OpenFile};
+use crate::checksum::Crc32c;
+use crate::error::{Error, Result};
+use crate::plan::{Chunk, Part, Plan};
+use crate::pool::{Pool, Slot};
+use crate::probe::{BackendKind, DirectMode};
+
+/// Bytes copied between checksum updates: small enough to still be in L2 when hashed.
+const CRC_PIECE_BYTES: usize = 256 << 10;
+
+/// Read-only memory of one source extent (a tensor's bytes), referenced by raw pointer so that a
+/// background thread can stage it while the caller keeps the owner alive.
+#[derive(Debug, Clone, Copy)]
+pub struct SourceRegion {
+    ptr: *const u8,
+    len_bytes: usize,
+}
+
+// SAFETY: a SourceRegion is only a promise (made in `new`) that the memory stays readable; the
+// job reads it from one thread at a time and never writes it.
+unsafe impl Send for SourceRegion {}
+
+impl SourceRegion {
+    /// # Safety
+    /// `ptr..ptr+len_bytes` must stay valid for reads until the job that receives this region
+    /// reports its sources released ([`JobProgress::wait_sources_released`]) or returns.
+    /// Concurrent writes to it are a caller bug that gives torn (not unsafe-to-write) data.
+    pub unsafe fn new(ptr: *const u8, len_bytes: usize) -> Self {
+        SourceRegion { ptr, len_bytes }
+    }
+
+    /// A region over a slice (the caller upholds the lifetime contract of [`SourceRegion::new`]).
+    pub fn from_slice(bytes: &[u8]) -> Self {
+        SourceRegion {
+            ptr: bytes.as_ptr(),
+            len_bytes: bytes.len(),
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len_bytes(&self) -> usize {
+        self.len_bytes
+    }
+}
+
+/// Knobs of one write job.
+#[derive(Debug, Clone)]
+pub struct WriteOptions {
+    /// The backend (already resolved by [`crate::probe::select`]).
+    pub backend: BackendKind,
+    /// O_DIRECT policy.
+    pub direct: DirectMode,
+    /// Writes in flight.
+    pub queue_depth: usize,
+    /// Compute per-chunk crc32c.
+    pub checksum: bool,
+    /// fsync every data file before returning.
+    pub durable: bool,
+}
+
+/// One file to write: a part of the plan and where it goes.
+#[derive(Debug, Clone)]
+pub struct WriteTarget {
+    /// The part.
+    pub part: Part,
+    /// The file to create (its directory must exist).
+    pub path: PathBuf,
+}
+
+/// What was written to one file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartReport {
+    /// The file.
+    pub path: PathBuf,
+    /// Its logical length.
+    pub len_bytes: u64,
+    /// crc32c of each chunk (empty when checksums are off).
+    pub chunk_crc32c: Vec<u32>,
+    /// Whether it was written with O_DIRECT.
+    pub direct: bool,
+}
+
+/// What a job wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteReport {
+    /// Per file, in target order.
+    pub parts: Vec<PartReport>,
+    /// Logical bytes written.
+    pub bytes_written: u64,
+}
+
+/// Progress shared between a job and whoever waits on it.
+#[derive(Debug)]
+pub struct JobProgress {
+    started: Instant,
+    staged_bytes: AtomicU64,
+    written_bytes: AtomicU64,
+    cancelled: AtomicBool,
+    released_after: Mutex<Option<Duration>>,
+    released: Condvar,
+}
+
+impl Default for JobProgress {
+    fn default() -> Self {
+        JobProgress {
+            started: Instant::now(),
+            staged_bytes: AtomicU64::new(0),
+            written_bytes: AtomicU64::new(0),
+            cancelled: AtomicBool::new(false),
+            released_after: Mutex::new(None),
+            released: Condvar::new(),
+        }
+    }
+}
+
+impl JobProgress {
+    /// Bytes copied into the pool so far.
+    pub fn staged_bytes(&self) -> u64 {
+        self.staged_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Bytes whose write completed so far.
+    pub fn written_bytes(&self) -> u64 {
+        self.written_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Asks the job to stop at the next chunk; it then fails with [`Error::Cancelled`].
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Relaxed);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Duration>> {
+        self.released_after
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn mark_sources_released(&self) {
+        let mut released = self.lock();
+        if released.is_none() {
+            *released = Some(self.started.elapsed());
+            self.released.notify_all();
+        }
+    }
+
+    /// Time from job start until the sources were released, once they are.
+    pub fn sources_released_after(&self) -> Option<Duration> {
+        *self.lock()
+    }
+
+    /// Waits until the job no longer reads source memory. Returns false on timeout.
+    pub fn wait_sources_released(&self, timeout: Duration) -> bool {
+        let guard = self.lock();
+        let (guard, _) = self
+            .released
+            .wait_timeout_while(guard, timeout, |released| released.is_none())
+            .unwrap_or_else(|e| e.into_inner());
+        guard.is_some()
+    }
+}
+
+/// Writes `targets` (parts of `plan`) from `sources` (one region per plan extent).
+///
+/// The sources are read only until `progress` reports them released, which happens as soon as
+/// the last chunk is staged (or the job fails); the rest of the job touches only pool memory.
+pub fn write_parts(
+    plan: &Plan,
+    targets: &[WriteTarget],
+    sources: Vec<SourceRegion>,
+    pool: &Pool,
+    options: &WriteOptions,
+    progress: &JobProgress,
+) -> Result<WriteReport> {
+    let mut staging = Staging::new(plan, targets, sources, pool, options, progress)?;
+    let result = (|| {
+        let files = open_targets(targets, options.direct)?;
+        staging.direct = files.iter().map(|f| f.direct).collect();
+        backend::drive(
+            options.backend,
+            Direction::Write,
+            &files,
+            options.queue_depth,
+            &mut staging,
+        )?;
+        finish_files(&files, targets, options.durable)?;
+        Ok(files.iter().map(|f| f.direct).collect::<Vec<_>>())
+    })();
+    staging.release_sources();
+    let direct = result?;
+    let parts = targets
+        .iter()
+        .zip(std::mem::take(&mut staging.crcs))
+        .zip(direct)
+        .map(|((target, chunk_crc32c), direct)| PartReport {
+            path: target.path.clone(),
+            len_bytes: target.part.len_bytes,
+            chunk_crc32c: if options.checksum {
+                chunk_crc32c
+            } else {
+                Vec::new()
+            },
+            direct,
+        })
+        .collect();
+    Ok(WriteReport {
+        parts,
+        bytes_written: targets.iter().map(|t| t.part.len_bytes).sum(),
+    })
+}
+
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
+}
+
+fn open_targets(targets: &[WriteTarget], direct: DirectMode) -> Result<Vec<OpenFile>> {
+    let mut decided: Vec<(PathBuf, bool)> = Vec::new();
+    let mut files = Vec::with_capacity(targets.len());
+    for target in targets {
+        let dir = parent_dir(&target.path);
+        let use_direct = match decided.iter().find(|(d, _)| d == dir) {
+            Some((_, yes)) => *yes,
+            None => {
+                let yes = direct.resolve(dir)?;
+                decided.push((dir.to_path_buf(), yes));
+                yes
+            }
+        };
+        let flags = libc::O_CLOEXEC | if use_direct { libc::O_DIRECT } else { 0 };
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o644)
+            .custom_flags(flags)
+            .open(&target.path)
+            .map_err(|e| Error::io("create", &target.path, e))?;
+        files.push(OpenFile {
+            file,
+            path: target.path.clone(),
+            direct: use_direct,
+        });
+    }
+    Ok(files)
+}
+
+fn finish_files(files: &[OpenFile], targets: &[WriteTarget], durable: bool) -> Result<()> {
+    for (file, target) in files.iter().zip(targets) {
+        let len = target.part.len_bytes;
+        // O_DIRECT wrote the tail padded to the alignment: cut it back to the logical length.
+        if file.direct && len % DIRECT_ALIGN_BYTES as u64 != 0 {
+            file.file
+                .set_len(len)
+                .map_err(|e| Error::io("truncate", &file.path, e))?;
+        }
+        if durable {
+            file.file
+                .sync_all()
+                .map_err(|e| Error::io("fsync", &file.path, e))?;
+        }
+    }
+    Ok(())
+}
+
+struct Staging<'p> {
+    plan: &'p Plan,
+    extent_ends: Vec<u64>,
+    sources: Option<Vec<SourceRegion>>,
+    /// (file index, chunk index within its part, chunk), round-robin across files so that every
+    /// stripe is busy at once.
+    chunks: Vec<(usize, usize, Chunk)>,
+    next: usize,
+    pool: &'p Pool,
+    checksum: bool,
+    direct: Vec<bool>,
+    crcs: Vec<Vec<u32>>,
+    progress: &'p JobProgress,
+}
+
+impl<'p> Staging<'p> {
+    fn new(
+        plan: &'p Plan,
+        targets: &[WriteTarget],
+        sources: Vec<SourceRegion>,
+        pool: &'p Pool,
+        options: &WriteOptions,
+        progress: &'p JobProgress,
+    ) -> Result<Self> {
+        let staging = Staging {
+            plan,
+            extent_ends: plan
+                .extent_offsets
+                .iter()
+                .zip(&plan.extent_bytes)
+                .map(|(o, l)| o + l)
+                .collect(),
+            sources: Some(sources),
+            chunks: Vec::new(),
+            next: 0,
+            pool,
+            checksum: options.checksum,
+            direct: vec![false; targets.len()],
+            crcs: Vec::new(),
+            progress,
+        };
+        // From here an early return drops `staging`, whose Drop releases the sources.
+        let mut staging = staging;
+        let sources = staging.sources.as_ref().expect("just set");
+        if sources.len() != plan.extent_bytes.len()
+            || sources
+                .iter()
+                .zip(&plan.extent_bytes)
+                .any(|(s, &l)| s.len_bytes as u64 != l)
+        {
+            return Err(Error::InvalidArgument(
+                "internal: source regions do not match the plan's extents".into(),
+            ));
+        }
+        if plan.chunk_bytes as usize > pool.slot_bytes() {
+            return Err(Error::InvalidArgument(format!(
+                "chunk_bytes ({}) is larger than the pool's slots ({})",
+                plan.chunk_bytes,
+                pool.slot_bytes()
+            )));
+        }
+        let per_file: Vec<Vec<Chunk>> = targets
+            .iter()
+            .map(|t| t.part.chunks(plan.chunk_bytes).collect())
+            .collect();
+        staging.crcs = per_file.iter().map(|c| vec![0; c.len()]).collect();
+        let rounds = per_file.iter().map(Vec::len).max().unwrap_or(0);
+        for round in 0..rounds {
+            for (file, chunks) in per_file.iter().enumerate() {
+                if let Some(chunk) = chunks.get(round) {
+                    staging.chunks.push((file, round, *chunk));
+                }
+            }
+        }
+        Ok(staging)
+    }
+
+    fn release_sources(&mut self) {
+        self.sources = None;
+        self.progress.mark_sources_released();
+    }
+
+    /// Copies stream bytes `[start, start + dst.len())` into `dst`, zero-filling gaps.
+    fn fill(&self, dst: &mut [u8], start: u64) {
+        let sources = self.sources.as_ref().expect("sources held while staging");
+        let end = start + dst.len() as u64;
+        let mut cursor = start;
+        let first = self.extent_ends.partition_point(|&e| e <= start);
+        for (index, region) in sources.iter().enumerate().skip(first) {
+            let ext_start = self.plan.extent_offsets[index];
+            if ext_start >= end {
+                break;
+            }
+            let from = ext_start.max(start);
+            let to = self.extent_ends[index].min(end);
+            if from >= to {
+                continue;
+            }
+            dst[(cursor - start) as usize..(from - start) as usize].fill(0);
+            let target = &mut dst[(from - start) as usize..(to - start) as usize];
+            // SAFETY: `from - ext_start + len <= region.len_bytes` (the region's length equals the
+            // extent's, checked in `new`), the region is readable until sources are released
+            // (SourceRegion::new's contract; we still hold them), and `target` is our own slot
+            // memory, so the two cannot overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    region.ptr.add((from - ext_start) as usize),
+                    target.as_mut_ptr(),
+                    target.len(),
+                );
+            }
+            cursor = to;
+        }
+        dst[(cursor - start) as usize..].fill(0);
+    }
+
+    fn stage(&mut self, slot: &mut Slot, chunk: &Chunk) -> u32 {
+        let len = chunk.len_bytes as usize;
+        let mut crc = Crc32c::default();
+        let mut done = 0;
+        while done < len {
+            let piece = CRC_PIECE_BYTES.min(len - done);
+            let dst = &mut slot.buf_mut()[done..done + piece];
+            self.fill(dst, chunk.stream_offset_bytes + done as u64);
+            if self.checksum {
+                crc.update(dst);
+            }
+            done += piece;
+            self.progress
+                .staged_bytes
+                .fetch_add(piece as u64, Ordering::Relaxed);
+        }
+        crc.finish()
+    }
+}
+
+impl Drop for Staging<'_> {
+    fn drop(&mut self) {
+        self.release_sources();
+    }
+}
+
+impl<'a> OpSource<'a> for Staging<'_> {
+    fn next_op(&mut self, may_block: bool) -> Result<Next<'a>> {
+        if self.next == self.chunks.len() {
+            self.release_sources();
+            return Ok(Next::Done);
+        }
+        if self.progress.cancelled.load(Ordering::Relaxed) {
+            return Err(Error::Cancelled(
+                "the save was cancelled while staging".into(),
+            ));
+        }
+        let mut slot = match self.pool.try_acquire() {
+            Some(slot) => slot,
+            None if !may_block => return Ok(Next::NotYet),
+            None => loop {
+                if let Some(slot) = self.pool.acquire_timeout(Duration::from_millis(50)) {
+                    break slot;
+                }
+                if self.progress.cancelled.load(Ordering::Relaxed) {
+                    return Err(Error::Cancelled(
+                        "the save was cancelled while staging".into(),
+                    ));
+                }
+            },
+        };
+        let (file, index, chunk) = self.chunks[self.next];
+        self.next += 1;
+        let crc = self.stage(&mut slot, &chunk);
+        self.crcs[file][index] = crc;
+        if self.next == self.chunks.len() {
+            // Everything is in the pool: the caller may modify its tensors from here on.
+            self.release_sources();
+        }
+        let logical = chunk.len_bytes as usize;
+        let len_bytes = if self.direct[file] {
+            round_up(logical, DIRECT_ALIGN_BYTES)
+        } else {
+            logical
+        };
+        Ok(Next::Op(IoOp {
+            file,
+            offset_bytes: chunk.file_offset_bytes,
+            buf: IoBuf::Slot(slot),
+            len_bytes,
+            min_bytes: len_bytes,
+            done_bytes: 0,
+            tag: logical,
+        }))
+    }
+
+    fn completed(&mut self, op: IoOp<'a>) -> Result<()> {
+        self.progress
+            .written_bytes
+            .fetch_add(op.tag as u64, Ordering::Relaxed);
+        Ok(())
+    }
+}

@@ -1,0 +1,204 @@
+//! A bounded pool of page-aligned staging slots, reused across saves.
+//!
+//! A slot is checked out as a [`Slot`] guard and goes back to the pool when dropped, so a slot
+//! that sits in an in-flight table returns only once its I/O has completed.
+
+use std::fmt;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use crate::align::AlignedBuf;
+
+struct PoolState {
+    free: Vec<(usize, AlignedBuf)>,
+    /// Slots allocated so far (they are allocated lazily, at most `slot_count`).
+    allocated: usize,
+}
+
+struct PoolInner {
+    slot_bytes: usize,
+    slot_count: usize,
+    state: Mutex<PoolState>,
+    returned: Condvar,
+}
+
+/// Page-aligned staging memory: `slot_count` slots of `slot_bytes` each.
+#[derive(Clone)]
+pub struct Pool {
+    inner: Arc<PoolInner>,
+}
+
+impl fmt::Debug for Pool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pool")
+            .field("slot_bytes", &self.inner.slot_bytes)
+            .field("slot_count", &self.inner.slot_count)
+            .finish()
+    }
+}
+
+impl Pool {
+    /// A pool of at most `pool_bytes` (but never fewer than two slots: double buffering).
+    pub fn new(slot_bytes: usize, pool_bytes: usize) -> Self {
+        let slot_bytes = crate::align::round_up(slot_bytes.max(1), crate::DIRECT_ALIGN_BYTES);
+        let slot_count = (pool_bytes / slot_bytes).max(2);
+        Pool {
+            inner: Arc::new(PoolInner {
+                slot_bytes,
+                slot_count,
+                state: Mutex::new(PoolState {
+                    free: Vec::with_capacity(slot_count),
+                    allocated: 0,
+                }),
+                returned: Condvar::new(),
+            }),
+        }
+    }
+
+    /// Bytes per slot (a multiple of the O_DIRECT alignment).
+    pub fn slot_bytes(&self) -> usize {
+        self.inner.slot_bytes
+    }
+
+    /// Number of slots.
+    pub fn slot_count(&self) -> usize {
+        self.inner.slot_count
+    }
+
+    /// Bytes currently allocated by the pool.
+    pub fn allocated_bytes(&self) -> usize {
+        self.lock().allocated * self.inner.slot_bytes
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        // A panic while holding this lock cannot leave the free list inconsistent (push/pop
+        // only), so a poisoned lock is still usable.
+        self.inner.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A free slot, or `None` if all are checked out.
+    pub fn try_acquire(&self) -> Option<Slot> {
+        let mut state = self.lock();
+        self.take(&mut state)
+    }
+
+    /// A free slot, waiting up to `timeout` for one to be returned.
+    pub fn acquire_timeout(&self, timeout: Duration) -> Option<Slot> {
+        let mut state = self.lock();
+        loop {
+            if let Some(slot) = self.take(&mut state) {
+                return Some(slot);
+            }
+            let (next, result) = self
+                .inner
+                .returned
+                .wait_timeout(state, timeout)
+                .unwrap_or_else(|e| e.into_inner());
+            state = next;
+            if result.timed_out() {
+                return self.take(&mut state);
+            }
+        }
+    }
+
+    fn take(&self, state: &mut PoolState) -> Option<Slot> {
+        let (index, buf) = if let Some(entry) = state.free.pop() {
+            entry
+        } else if state.allocated < self.inner.slot_count {
+            state.allocated += 1;
+            (
+                state.allocated - 1,
+                AlignedBuf::zeroed(self.inner.slot_bytes),
+            )
+        } else {
+            return None;
+        };
+        Some(Slot {
+            index,
+            buf: Some(buf),
+            pool: Arc::clone(&self.inner),
+        })
+    }
+}
+
+/// A checked-out staging slot. Returns to its pool on drop.
+pub struct Slot {
+    index: usize,
+    buf: Option<AlignedBuf>,
+    pool: Arc<PoolInner>,
+}
+
+impl Slot {
+    /// Stable index of this slot within its pool (for registered buffers).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The slot's memory.
+    pub fn buf(&self) -> &AlignedBuf {
+        self.buf.as_ref().expect("slot buffer present until drop")
+    }
+
+    /// The slot's memory, mutably.
+    pub fn buf_mut(&mut self) -> &mut AlignedBuf {
+        self.buf.as_mut().expect("slot buffer present until drop")
+    }
+}
+
+impl fmt::Debug for Slot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Slot").field("index", &self.index).finish()
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            let mut state = self.pool.state.lock().unwrap_or_else(|e| e.into_inner());
+            state.free.push((self.index, buf));
+            drop(state);
+            self.pool.returned.notify_one();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounded_and_reused() {
+        let pool = Pool::new(8192, 3 * 8192);
+        assert_eq!(pool.slot_count(), 3);
+        let a = pool.try_acquire().unwrap();
+        let b = pool.try_acquire().unwrap();
+        let c = pool.try_acquire().unwrap();
+        assert!(pool.try_acquire().is_none());
+        let a_index = a.index();
+        drop(a);
+        let again = pool.try_acquire().unwrap();
+        assert_eq!(again.index(), a_index);
+        assert_eq!(pool.allocated_bytes(), 3 * 8192);
+        drop((b, c, again));
+        assert_eq!(pool.allocated_bytes(), 3 * 8192);
+    }
+
+    #[test]
+    fn at_least_two_slots() {
+        let pool = Pool::new(1 << 20, 0);
+        assert_eq!(pool.slot_count(), 2);
+    }
+
+    #[test]
+    fn acquire_waits_for_return() {
+        let pool = Pool::new(4096, 2 * 4096);
+        let a = pool.try_acquire().unwrap();
+        let _b = pool.try_acquire().unwrap();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            drop(a);
+        });
+        assert!(pool.acquire_timeout(Duration::from_secs(5)).is_some());
+        t.join().unwrap();
+    }
+}

@@ -1,0 +1,237 @@
+//! A read job: fill one destination buffer (the logical stream, or a range of it) from part
+//! files with aligned reads, verifying each chunk's crc32c as it lands.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+
+use crate::DIRECT_ALIGN_BYTES;
+use crate::align::round_up;
+use crate::backend::{self, Direction, IoBuf, IoOp, Next, OpSource, OpenFile};
+use crate::checksum::crc32c;
+use crate::error::{Error, Result};
+use crate::probe::{BackendKind, DirectMode};
+
+/// One file to read into the destination.
+#[derive(Debug, Clone)]
+pub struct ReadPart {
+    /// The file.
+    pub path: PathBuf,
+    /// Its expected size.
+    pub len_bytes: u64,
+    /// Where its first byte goes in the destination.
+    pub dest_offset_bytes: u64,
+    /// Expected crc32c per chunk, or empty to skip verification.
+    pub chunk_crc32c: Vec<u32>,
+}
+
+/// Knobs of one read job.
+#[derive(Debug, Clone)]
+pub struct ReadOptions {
+    /// The backend.
+    pub backend: BackendKind,
+    /// O_DIRECT policy.
+    pub direct: DirectMode,
+    /// Reads in flight.
+    pub queue_depth: usize,
+    /// Size of one read (the chunk size the checksums were computed over).
+    pub chunk_bytes: u64,
+}
+
+struct ReadChunk {
+    file: usize,
+    file_offset_bytes: u64,
+    dest_offset_bytes: usize,
+    len_bytes: usize,
+    expected_crc: Option<u32>,
+}
+
+/// Reads every part into `dest`. Parts must not overlap in `dest` and must fit in it.
+pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) -> Result<u64> {
+    let chunk_bytes = options.chunk_bytes;
+    if chunk_bytes == 0
+        || !chunk_bytes.is_multiple_of(DIRECT_ALIGN_BYTES as u64)
+        || chunk_bytes > 1 << 30
+    {
+        return Err(Error::InvalidArgument(format!(
+            "chunk_bytes ({chunk_bytes}) must be a positive multiple of {DIRECT_ALIGN_BYTES} up to 1 GiB"
+        )));
+    }
+    let dest_len = dest.len() as u64;
+    let dest_aligned = (dest.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN_BYTES);
+    let mut files = Vec::with_capacity(parts.len());
+    let mut chunks = Vec::new();
+    for (index, part) in parts.iter().enumerate() {
+        let end = part.dest_offset_bytes.checked_add(part.len_bytes);
+        if end.is_none_or(|e| e > dest_len) {
+            return Err(Error::InvalidArgument(format!(
+                "{}: {} bytes at destination offset {} do not fit in {dest_len} bytes",
+                part.path.display(),
+                part.len_bytes,
+                part.dest_offset_bytes
+            )));
+        }
+        let chunk_count = part.len_bytes.div_ceil(chunk_bytes);
+        if !part.chunk_crc32c.is_empty() && part.chunk_crc32c.len() as u64 != chunk_count {
+            return Err(Error::InvalidArgument(format!(
+                "{}: {} checksums recorded for {chunk_count} chunks",
+                part.path.display(),
+                part.chunk_crc32c.len()
+            )));
+        }
+        // O_DIRECT needs every destination address aligned and room for the padded tail.
+        let padded_end = round_up(
+            (part.dest_offset_bytes + part.len_bytes) as usize,
+            DIRECT_ALIGN_BYTES,
+        );
+        let can_direct = dest_aligned
+            && part.dest_offset_bytes % DIRECT_ALIGN_BYTES as u64 == 0
+            && padded_end as u64 <= dest_len;
+        let dir = part.path.parent().unwrap_or(std::path::Path::new("."));
+        let use_direct = match options.direct {
+            DirectMode::Off => false,
+            _ if !can_direct => false,
+            mode => mode.resolve(dir)?,
+        };
+        let file = open_for_read(&part.path, use_direct)?;
+        let found = file
+            .metadata()
+            .map_err(|e| Error::io("stat", &part.path, e))?
+            .len();
+        if found != part.len_bytes {
+            return Err(Error::SizeMismatch {
+                path: part.path.clone(),
+                expected_bytes: part.len_bytes,
+                found_bytes: found,
+            });
+        }
+        files.push(OpenFile {
+            file,
+            path: part.path.clone(),
+            direct: use_direct,
+        });
+        for i in 0..chunk_count {
+            let file_offset_bytes = i * chunk_bytes;
+            chunks.push(ReadChunk {
+                file: index,
+                file_offset_bytes,
+                dest_offset_bytes: (part.dest_offset_bytes + file_offset_bytes) as usize,
+                len_bytes: chunk_bytes.min(part.len_bytes - file_offset_bytes) as usize,
+                expected_crc: part.chunk_crc32c.get(i as usize).copied(),
+            });
+        }
+    }
+    chunks.sort_by_key(|c| c.dest_offset_bytes);
+    let mut source = ReadSource::new(dest, chunks, &files)?;
+    backend::drive(
+        options.backend,
+        Direction::Read,
+        &files,
+        options.queue_depth,
+        &mut source,
+    )?;
+    Ok(parts.iter().map(|p| p.len_bytes).sum())
+}
+
+fn open_for_read(path: &std::path::Path, direct: bool) -> Result<std::fs::File> {
+    let flags = libc::O_CLOEXEC | if direct { libc::O_DIRECT } else { 0 };
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(path)
+        .map_err(|e| Error::io("open", path, e))
+}
+
+struct ReadSource<'a, 'f> {
+    /// Disjoint destination slices, one per chunk, in `chunks` order (taken as ops are made).
+    slices: Vec<Option<&'a mut [u8]>>,
+    chunks: Vec<ReadChunk>,
+    files: &'f [OpenFile],
+    next: usize,
+}
+
+impl<'a, 'f> ReadSource<'a, 'f> {
+    fn new(dest: &'a mut [u8], chunks: Vec<ReadChunk>, files: &'f [OpenFile]) -> Result<Self> {
+        let mut slices = Vec::with_capacity(chunks.len());
+        let mut rest = dest;
+        let mut rest_offset = 0usize;
+        for (i, chunk) in chunks.iter().enumerate() {
+            if chunk.dest_offset_bytes < rest_offset {
+                return Err(Error::InvalidArgument(format!(
+                    "{} overlaps another file in the destination at offset {}",
+                    files[chunk.file].path.display(),
+                    chunk.dest_offset_bytes
+                )));
+            }
+            let skip = chunk.dest_offset_bytes - rest_offset;
+            let tail = std::mem::take(&mut rest).split_at_mut(skip).1;
+            // The slice may include the padding up to the alignment (for O_DIRECT), but never
+            // reaches into the next chunk's bytes.
+            let next_start = chunks
+                .get(i + 1)
+                .map_or(usize::MAX, |c| c.dest_offset_bytes);
+            let want = if files[chunk.file].direct {
+                round_up(chunk.len_bytes, DIRECT_ALIGN_BYTES)
+            } else {
+                chunk.len_bytes
+            };
+            let take = want
+                .min(tail.len())
+                .min(next_start - chunk.dest_offset_bytes);
+            if take < want {
+                return Err(Error::InvalidArgument(format!(
+                    "internal: no room for the aligned read of {} at {}",
+                    files[chunk.file].path.display(),
+                    chunk.file_offset_bytes
+                )));
+            }
+            let (mine, after) = tail.split_at_mut(take);
+            slices.push(Some(mine));
+            rest = after;
+            rest_offset = chunk.dest_offset_bytes + take;
+        }
+        Ok(ReadSource {
+            slices,
+            chunks,
+            files,
+            next: 0,
+        })
+    }
+}
+
+impl<'a> OpSource<'a> for ReadSource<'a, '_> {
+    fn next_op(&mut self, _may_block: bool) -> Result<Next<'a>> {
+        let Some(chunk) = self.chunks.get(self.next) else {
+            return Ok(Next::Done);
+        };
+        let slice = self.slices[self.next].take().expect("each chunk read once");
+        let op = IoOp {
+            file: chunk.file,
+            offset_bytes: chunk.file_offset_bytes,
+            len_bytes: slice.len(),
+            min_bytes: chunk.len_bytes,
+            buf: IoBuf::Slice(slice),
+            done_bytes: 0,
+            tag: self.next,
+        };
+        self.next += 1;
+        Ok(Next::Op(op))
+    }
+
+    fn completed(&mut self, op: IoOp<'a>) -> Result<()> {
+        let chunk = &self.chunks[op.tag];
+        if let Some(expected) = chunk.expected_crc {
+            let found = crc32c(&op.buf.bytes()[..chunk.len_bytes]);
+            if found != expected {
+                return Err(Error::ChecksumMismatch {
+                    path: self.files[chunk.file].path.clone(),
+                    offset_bytes: chunk.file_offset_bytes,
+                    len_bytes: chunk.len_bytes as u64,
+                    expected,
+                    found,
+                });
+            }
+        }
+        Ok(())
+    }
+}

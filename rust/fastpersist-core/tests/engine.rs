@@ -1,0 +1,327 @@
+//! Real files, both backends, O_DIRECT on and off: write a plan and read it back.
+
+use std::path::{Path, PathBuf};
+
+use fastpersist_core::align::AlignedBuf;
+use fastpersist_core::error::Error;
+use fastpersist_core::job::{JobProgress, SourceRegion, WriteOptions, WriteTarget, write_parts};
+use fastpersist_core::plan::Plan;
+use fastpersist_core::pool::Pool;
+use fastpersist_core::probe::{self, BackendKind, DirectMode};
+use fastpersist_core::read::{ReadOptions, ReadPart, read_parts};
+
+const CHUNK: u64 = 64 << 10;
+
+fn backends() -> Vec<BackendKind> {
+    let mut kinds = vec![BackendKind::Threads];
+    match probe::uring_status() {
+        Ok(()) => kinds.push(BackendKind::IoUring),
+        // Skip, don't fail, where the kernel or a sandbox blocks io_uring.
+        Err(why) => eprintln!("skipping io_uring: {why}"),
+    }
+    kinds
+}
+
+fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn expected_stream(plan: &Plan, data: &[Vec<u8>]) -> Vec<u8> {
+    let mut stream = vec![0u8; plan.total_bytes as usize];
+    for (off, bytes) in plan.extent_offsets.iter().zip(data) {
+        stream[*off as usize..*off as usize + bytes.len()].copy_from_slice(bytes);
+    }
+    stream
+}
+
+struct Written {
+    plan: Plan,
+    parts: Vec<ReadPart>,
+    stream: Vec<u8>,
+}
+
+fn write_all(
+    dirs: &[PathBuf],
+    sizes: &[usize],
+    writers: usize,
+    backend: BackendKind,
+    direct: DirectMode,
+) -> Written {
+    let data: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| pseudo_random(n, i as u64 + 1))
+        .collect();
+    let lens: Vec<u64> = sizes.iter().map(|&n| n as u64).collect();
+    let plan = Plan::new(&lens, writers, dirs.len(), CHUNK).unwrap();
+    let pool = Pool::new(CHUNK as usize, 4 * CHUNK as usize);
+    let options = WriteOptions {
+        backend,
+        direct,
+        queue_depth: 4,
+        checksum: true,
+        durable: true,
+    };
+    let mut parts = Vec::new();
+    for writer in 0..writers {
+        let targets: Vec<WriteTarget> = plan
+            .parts_of_writer(writer)
+            .map(|p| WriteTarget {
+                part: *p,
+                path: dirs[p.stripe].join(format!("w{}-s{}.bin", p.writer, p.stripe)),
+            })
+            .collect();
+        let sources = data.iter().map(|d| SourceRegion::from_slice(d)).collect();
+        let progress = JobProgress::default();
+        let report = write_parts(&plan, &targets, sources, &pool, &options, &progress).unwrap();
+        assert!(progress.sources_released_after().is_some());
+        assert_eq!(progress.written_bytes(), report.bytes_written);
+        for (target, part) in targets.iter().zip(&report.parts) {
+            assert_eq!(
+                std::fs::metadata(&part.path).unwrap().len(),
+                target.part.len_bytes
+            );
+            assert_eq!(
+                part.chunk_crc32c.len() as u64,
+                target.part.chunk_count(CHUNK)
+            );
+            if direct == DirectMode::Off {
+                assert!(!part.direct);
+            }
+            parts.push(ReadPart {
+                path: part.path.clone(),
+                len_bytes: part.len_bytes,
+                dest_offset_bytes: target.part.stream_offset_bytes,
+                chunk_crc32c: part.chunk_crc32c.clone(),
+            });
+        }
+    }
+    let stream = expected_stream(&plan, &data);
+    Written {
+        plan,
+        parts,
+        stream,
+    }
+}
+
+fn read_back(w: &Written, backend: BackendKind, direct: DirectMode) -> Result<Vec<u8>, Error> {
+    let mut dest = AlignedBuf::zeroed(w.plan.total_bytes as usize);
+    let options = ReadOptions {
+        backend,
+        direct,
+        queue_depth: 4,
+        chunk_bytes: CHUNK,
+    };
+    read_parts(&w.parts, &mut dest, &options)?;
+    Ok(dest[..w.plan.total_bytes as usize].to_vec())
+}
+
+fn cases() -> Vec<Vec<usize>> {
+    vec![
+        vec![0],
+        vec![1],
+        vec![4095],
+        vec![4097],
+        (0..300).map(|i| (i * 37) % 700).collect(),
+        vec![5 * CHUNK as usize + 3],
+        vec![3, CHUNK as usize * 2, 0, 4096, 1, 100_000],
+    ]
+}
+
+fn stripe_dirs(root: &Path, count: usize) -> Vec<PathBuf> {
+    (0..count)
+        .map(|i| {
+            let d = root.join(format!("stripe{i}"));
+            std::fs::create_dir_all(&d).unwrap();
+            d
+        })
+        .collect()
+}
+
+#[test]
+fn round_trip_both_backends_direct_on_and_off() {
+    for backend in backends() {
+        for direct in [DirectMode::Auto, DirectMode::Off] {
+            for (writers, stripes) in [(1, 1), (2, 3)] {
+                for sizes in cases() {
+                    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+                    let dirs = stripe_dirs(root.path(), stripes);
+                    let written = write_all(&dirs, &sizes, writers, backend, direct);
+                    for read_backend in backends() {
+                        let got = read_back(&written, read_backend, direct).unwrap();
+                        assert!(
+                            got == written.stream,
+                            "mismatch: {backend:?} -> {read_backend:?}, {direct:?}, sizes {:?}",
+                            &sizes[..sizes.len().min(5)]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn direct_io_is_used_where_supported() {
+    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    if !probe::direct_io_supported(root.path()).unwrap() {
+        eprintln!("skipping: {} refuses O_DIRECT", root.path().display());
+        return;
+    }
+    let dirs = stripe_dirs(root.path(), 1);
+    let written = write_all(
+        &dirs,
+        &[100_003],
+        1,
+        BackendKind::Threads,
+        DirectMode::Require,
+    );
+    assert_eq!(written.parts.len(), 1);
+}
+
+#[test]
+fn corruption_and_truncation_are_detected() {
+    for backend in backends() {
+        let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let dirs = stripe_dirs(root.path(), 1);
+        let written = write_all(&dirs, &[300_000], 1, backend, DirectMode::Auto);
+        let path = &written.parts[0].path;
+        let mut bytes = std::fs::read(path).unwrap();
+        bytes[200_000] ^= 0x10;
+        std::fs::write(path, &bytes).unwrap();
+        match read_back(&written, backend, DirectMode::Auto) {
+            Err(Error::ChecksumMismatch {
+                offset_bytes,
+                len_bytes,
+                ..
+            }) => {
+                assert!(offset_bytes <= 200_000 && 200_000 < offset_bytes + len_bytes);
+            }
+            other => panic!("expected a checksum mismatch, got {other:?}"),
+        }
+        bytes.truncate(1000);
+        std::fs::write(path, &bytes).unwrap();
+        assert!(matches!(
+            read_back(&written, backend, DirectMode::Auto),
+            Err(Error::SizeMismatch { .. })
+        ));
+    }
+}
+
+#[test]
+fn os_errors_keep_errno_and_path() {
+    for backend in backends() {
+        let missing = PathBuf::from("/nonexistent-dir-fastpersist/x.bin");
+        let plan = Plan::new(&[10], 1, 1, CHUNK).unwrap();
+        let pool = Pool::new(CHUNK as usize, 2 * CHUNK as usize);
+        let data = [7u8; 10];
+        let options = WriteOptions {
+            backend,
+            direct: DirectMode::Off,
+            queue_depth: 2,
+            checksum: true,
+            durable: true,
+        };
+        let targets = [WriteTarget {
+            part: plan.parts[0],
+            path: missing.clone(),
+        }];
+        let progress = JobProgress::default();
+        let err = write_parts(
+            &plan,
+            &targets,
+            vec![SourceRegion::from_slice(&data)],
+            &pool,
+            &options,
+            &progress,
+        )
+        .unwrap_err();
+        match err {
+            Error::Io { path, source, .. } => {
+                assert_eq!(source.raw_os_error(), Some(libc::ENOENT));
+                assert_eq!(path, missing);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        assert!(
+            progress.sources_released_after().is_some(),
+            "sources released on failure"
+        );
+    }
+}
+
+#[test]
+fn pool_is_bounded_and_reused_across_jobs() {
+    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dirs = stripe_dirs(root.path(), 1);
+    let pool = Pool::new(CHUNK as usize, 3 * CHUNK as usize);
+    let data = pseudo_random(20 * CHUNK as usize, 9);
+    let plan = Plan::new(&[data.len() as u64], 1, 1, CHUNK).unwrap();
+    for backend in backends() {
+        for round in 0..3 {
+            let targets = [WriteTarget {
+                part: plan.parts[0],
+                path: dirs[0].join(format!("r{round}.bin")),
+            }];
+            let options = WriteOptions {
+                backend,
+                direct: DirectMode::Auto,
+                queue_depth: 8,
+                checksum: false,
+                durable: false,
+            };
+            write_parts(
+                &plan,
+                &targets,
+                vec![SourceRegion::from_slice(&data)],
+                &pool,
+                &options,
+                &JobProgress::default(),
+            )
+            .unwrap();
+            assert_eq!(std::fs::read(&targets[0].path).unwrap(), data);
+            assert_eq!(pool.allocated_bytes(), 3 * CHUNK as usize);
+        }
+    }
+}
+
+#[test]
+fn cancelled_job_fails_and_releases_sources() {
+    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let dirs = stripe_dirs(root.path(), 1);
+    let data = pseudo_random(10 * CHUNK as usize, 3);
+    let plan = Plan::new(&[data.len() as u64], 1, 1, CHUNK).unwrap();
+    let pool = Pool::new(CHUNK as usize, 2 * CHUNK as usize);
+    let targets = [WriteTarget {
+        part: plan.parts[0],
+        path: dirs[0].join("c.bin"),
+    }];
+    let options = WriteOptions {
+        backend: BackendKind::Threads,
+        direct: DirectMode::Off,
+        queue_depth: 2,
+        checksum: true,
+        durable: false,
+    };
+    let progress = JobProgress::default();
+    progress.cancel();
+    let err = write_parts(
+        &plan,
+        &targets,
+        vec![SourceRegion::from_slice(&data)],
+        &pool,
+        &options,
+        &progress,
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::Cancelled(_)));
+    assert!(progress.sources_released_after().is_some());
+}
