@@ -1,1 +1,309 @@
-//! placeholder
+//! `fastpersist._core`: a thin translator between Python and `fastpersist-core`. Functions
+//! extract arguments, release the GIL around the core call, and map errors.
+
+mod buffers;
+mod errors;
+mod handle;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use fastpersist_core::job::{WriteOptions, WriteTarget, write_parts};
+use fastpersist_core::probe::{self, BackendChoice, DirectMode};
+use fastpersist_core::read::{ReadOptions, ReadPart, read_parts};
+use fastpersist_core::{checksum, durable, plan, pool};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use buffers::HeldBuffer;
+use errors::IntoPyResult;
+use handle::{Shared, WriteHandle};
+
+/// The layout of a checkpoint: where each extent sits in the stream and which parts exist.
+#[pyclass(frozen, module = "fastpersist._core")]
+struct Plan {
+    inner: Arc<plan::Plan>,
+}
+
+#[pymethods]
+impl Plan {
+    #[new]
+    #[pyo3(signature = (extent_bytes, writer_count=1, stripe_count=1, chunk_bytes=8 << 20))]
+    fn new(
+        py: Python<'_>,
+        extent_bytes: Vec<u64>,
+        writer_count: usize,
+        stripe_count: usize,
+        chunk_bytes: u64,
+    ) -> PyResult<Self> {
+        let inner = plan::Plan::new(&extent_bytes, writer_count, stripe_count, chunk_bytes)
+            .into_py_result(py)?;
+        Ok(Plan {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// Logical stream length in bytes.
+    #[getter]
+    fn total_bytes(&self) -> u64 {
+        self.inner.total_bytes
+    }
+
+    /// Size of one aligned write.
+    #[getter]
+    fn chunk_bytes(&self) -> u64 {
+        self.inner.chunk_bytes
+    }
+
+    /// Offset of each extent in the stream.
+    #[getter]
+    fn extent_offsets(&self) -> Vec<u64> {
+        self.inner.extent_offsets.clone()
+    }
+
+    /// Parts as `(writer, stripe, stream_offset_bytes, len_bytes)`.
+    #[getter]
+    fn parts(&self) -> Vec<(usize, usize, u64, u64)> {
+        self.inner
+            .parts
+            .iter()
+            .map(|p| (p.writer, p.stripe, p.stream_offset_bytes, p.len_bytes))
+            .collect()
+    }
+}
+
+/// Page-aligned staging memory, reused across saves.
+#[pyclass(frozen, module = "fastpersist._core")]
+struct Pool {
+    inner: pool::Pool,
+}
+
+#[pymethods]
+impl Pool {
+    #[new]
+    fn new(slot_bytes: usize, pool_bytes: usize) -> PyResult<Self> {
+        if slot_bytes == 0 || slot_bytes > plan::MAX_CHUNK_BYTES as usize {
+            return Err(PyValueError::new_err(format!(
+                "slot_bytes must be in 1..={}",
+                plan::MAX_CHUNK_BYTES
+            )));
+        }
+        Ok(Pool {
+            inner: pool::Pool::new(slot_bytes, pool_bytes),
+        })
+    }
+
+    /// Bytes per slot.
+    #[getter]
+    fn slot_bytes(&self) -> usize {
+        self.inner.slot_bytes()
+    }
+
+    /// Number of slots.
+    #[getter]
+    fn slot_count(&self) -> usize {
+        self.inner.slot_count()
+    }
+
+    /// Bytes allocated so far (slots are allocated on first use).
+    #[getter]
+    fn allocated_bytes(&self) -> usize {
+        self.inner.allocated_bytes()
+    }
+}
+
+/// Starts writing `writer`'s parts of `plan` to `paths` from `sources` (one buffer per extent).
+/// With `background=False` the write runs on this thread (GIL released) and the returned
+/// handle is already finished.
+#[pyfunction]
+#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false))]
+#[allow(clippy::too_many_arguments)]
+fn start_write(
+    py: Python<'_>,
+    plan: &Plan,
+    writer: usize,
+    paths: Vec<PathBuf>,
+    sources: Vec<Bound<'_, PyAny>>,
+    pool: &Pool,
+    backend: &str,
+    direct_io: &str,
+    queue_depth: usize,
+    checksum: bool,
+    durable: bool,
+    background: bool,
+) -> PyResult<WriteHandle> {
+    let selection =
+        probe::select(BackendChoice::parse(backend).into_py_result(py)?).into_py_result(py)?;
+    let options = WriteOptions {
+        backend: selection.kind,
+        direct: DirectMode::parse(direct_io).into_py_result(py)?,
+        queue_depth,
+        checksum,
+        durable,
+    };
+    let parts: Vec<_> = plan.inner.parts_of_writer(writer).copied().collect();
+    if parts.len() != paths.len() {
+        return Err(PyValueError::new_err(format!(
+            "writer {writer} has {} parts but {} paths were given",
+            parts.len(),
+            paths.len()
+        )));
+    }
+    let targets: Vec<WriteTarget> = parts
+        .into_iter()
+        .zip(paths)
+        .map(|(part, path)| WriteTarget { part, path })
+        .collect();
+    let held = sources
+        .iter()
+        .enumerate()
+        .map(|(i, obj)| HeldBuffer::get(obj, false, &format!("source {i}")))
+        .collect::<PyResult<Vec<_>>>()?;
+    let regions: Vec<_> = held.iter().map(HeldBuffer::region).collect();
+    let shared = Shared::new();
+    let (job_plan, job_pool, job_shared) = (
+        Arc::clone(&plan.inner),
+        pool.inner.clone(),
+        Arc::clone(&shared),
+    );
+    let job = move || {
+        let outcome = write_parts(
+            &job_plan,
+            &targets,
+            regions,
+            &job_pool,
+            &options,
+            &job_shared.progress,
+        );
+        job_shared.finish(outcome);
+    };
+    let thread = if background {
+        let spawned = std::thread::Builder::new()
+            .name("fastpersist-save".into())
+            .spawn(job);
+        Some(spawned.map_err(|e| {
+            pyo3::exceptions::PyOSError::new_err(format!("cannot start the save thread: {e}"))
+        })?)
+    } else {
+        py.detach(job);
+        None
+    };
+    Ok(WriteHandle {
+        shared,
+        sources: Mutex::new(Some(held)),
+        backend: selection.kind.name(),
+        fallback_reason: selection.fallback_reason,
+        thread: Mutex::new(thread),
+    })
+}
+
+/// Reads part files into `dest` (a writable C-contiguous buffer), verifying chunk checksums.
+/// `parts` holds `(path, len_bytes, dest_offset_bytes, chunk_crc32c)`; an empty checksum list
+/// skips verification. Returns the bytes read.
+#[pyfunction]
+#[pyo3(signature = (parts, dest, *, chunk_bytes, backend="auto", direct_io="auto", queue_depth=8))]
+fn read_into(
+    py: Python<'_>,
+    parts: Vec<(PathBuf, u64, u64, Vec<u32>)>,
+    dest: &Bound<'_, PyAny>,
+    chunk_bytes: u64,
+    backend: &str,
+    direct_io: &str,
+    queue_depth: usize,
+) -> PyResult<u64> {
+    let selection =
+        probe::select(BackendChoice::parse(backend).into_py_result(py)?).into_py_result(py)?;
+    let options = ReadOptions {
+        backend: selection.kind,
+        direct: DirectMode::parse(direct_io).into_py_result(py)?,
+        queue_depth,
+        chunk_bytes,
+    };
+    let parts: Vec<ReadPart> = parts
+        .into_iter()
+        .map(
+            |(path, len_bytes, dest_offset_bytes, chunk_crc32c)| ReadPart {
+                path,
+                len_bytes,
+                dest_offset_bytes,
+                chunk_crc32c,
+            },
+        )
+        .collect();
+    let held = HeldBuffer::get(dest, true, "dest")?;
+    // SAFETY: `held` was obtained writable, stays alive for this call, and nothing else in this
+    // process touches it meanwhile (the caller handed it over for the read).
+    let dest_slice = unsafe { held.as_mut_slice() };
+    py.detach(|| read_parts(&parts, dest_slice, &options))
+        .into_py_result(py)
+}
+
+/// `(backend, fallback_reason)` that `choice` resolves to here (honours FASTPERSIST_BACKEND).
+#[pyfunction]
+#[pyo3(signature = (choice="auto"))]
+fn select_backend(py: Python<'_>, choice: &str) -> PyResult<(&'static str, Option<String>)> {
+    let selection =
+        probe::select(BackendChoice::parse(choice).into_py_result(py)?).into_py_result(py)?;
+    Ok((selection.kind.name(), selection.fallback_reason))
+}
+
+/// Probes io_uring now (uncached): None if usable, else why not. `simulate_errno` is a test hook.
+#[pyfunction]
+#[pyo3(signature = (simulate_errno=None))]
+fn probe_uring(simulate_errno: Option<i32>) -> Option<String> {
+    probe::probe_uring(simulate_errno).err()
+}
+
+/// Whether files in `directory` can be opened with O_DIRECT.
+#[pyfunction]
+fn direct_io_supported(py: Python<'_>, directory: PathBuf) -> PyResult<bool> {
+    py.detach(|| probe::direct_io_supported(&directory))
+        .into_py_result(py)
+}
+
+/// crc32c (Castagnoli) of a buffer.
+#[pyfunction]
+fn crc32c(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u32> {
+    let held = HeldBuffer::get(data, false, "data")?;
+    Ok(py.detach(|| checksum::crc32c(held.as_slice())))
+}
+
+/// fsyncs a file.
+#[pyfunction]
+fn fsync_path(py: Python<'_>, path: PathBuf) -> PyResult<()> {
+    py.detach(|| durable::fsync_path(&path)).into_py_result(py)
+}
+
+/// fsyncs a directory (makes renames and new entries in it durable).
+#[pyfunction]
+fn fsync_dir(py: Python<'_>, path: PathBuf) -> PyResult<()> {
+    py.detach(|| durable::fsync_dir(&path)).into_py_result(py)
+}
+
+/// Atomically puts `src` at `dst`, exchanging with an existing `dst` (which then sits at `src`).
+/// Returns whether an exchange happened.
+#[pyfunction]
+fn replace_atomically(py: Python<'_>, src: PathBuf, dst: PathBuf) -> PyResult<bool> {
+    py.detach(|| durable::replace_atomically(&src, &dst))
+        .into_py_result(py)
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("DIRECT_ALIGN_BYTES", fastpersist_core::DIRECT_ALIGN_BYTES)?;
+    m.add("EXTENT_ALIGN_BYTES", plan::EXTENT_ALIGN_BYTES)?;
+    m.add_class::<Plan>()?;
+    m.add_class::<Pool>()?;
+    m.add_class::<WriteHandle>()?;
+    m.add_function(wrap_pyfunction!(start_write, m)?)?;
+    m.add_function(wrap_pyfunction!(read_into, m)?)?;
+    m.add_function(wrap_pyfunction!(select_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(probe_uring, m)?)?;
+    m.add_function(wrap_pyfunction!(direct_io_supported, m)?)?;
+    m.add_function(wrap_pyfunction!(crc32c, m)?)?;
+    m.add_function(wrap_pyfunction!(fsync_path, m)?)?;
+    m.add_function(wrap_pyfunction!(fsync_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(replace_atomically, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,44 @@
+"""The exception tree of fastpersist (the Rust core raises these too).
+
+Operating-system failures are not wrapped: they stay real :class:`OSError` subclasses with
+``errno`` and ``filename`` set, so ``except FileNotFoundError`` and ``e.errno == errno.ENOSPC``
+work as usual.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "ChecksumMismatchError",
+    "CorruptCheckpointError",
+    "FastPersistError",
+    "SaveCancelledError",
+    "UnsupportedValueError",
+]
+
+
+class FastPersistError(Exception):
+    """Base class of every error fastpersist raises (besides ``OSError`` and ``ValueError``)."""
+
+
+class CorruptCheckpointError(FastPersistError):
+    """A checkpoint is unreadable: bad manifest, truncated file, inconsistent layout.
+
+    The message names the file, the tensor key path or the byte range involved.
+    """
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """A chunk's crc32c differs from the one recorded at save time (bit rot, torn write)."""
+
+
+class BackendUnavailableError(FastPersistError):
+    """A ``"require"``-style setting (``backend="io_uring"``, ``direct_io="require"``) cannot be honoured here."""
+
+
+class UnsupportedValueError(FastPersistError, TypeError):
+    """A leaf of the state cannot be stored without pickling; the message names its key path."""
+
+
+class SaveCancelledError(FastPersistError):
+    """A save stopped before it committed (cancelled, or its sources changed while staging)."""

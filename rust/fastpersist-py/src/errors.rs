@@ -1,0 +1,63 @@
+//! Maps engine errors onto the Python exception tree (defined in `fastpersist.errors`, so
+//! there is one hierarchy for Rust and Python) and onto real `OSError`s that keep errno.
+
+use fastpersist_core::Error;
+use pyo3::exceptions::{PyOSError, PyValueError};
+use pyo3::prelude::*;
+
+fn python_error(py: Python<'_>, class: &str, message: String) -> PyErr {
+    let built = py
+        .import("fastpersist.errors")
+        .and_then(|m| m.getattr(class))
+        .and_then(|cls| cls.call1((message,)));
+    match built {
+        Ok(instance) => PyErr::from_value(instance),
+        Err(e) => e,
+    }
+}
+
+/// Converts an engine error into the Python exception users catch.
+pub(crate) fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
+    match err {
+        Error::Io { op, path, source } => match source.raw_os_error() {
+            // OSError(errno, strerror, filename) picks the subclass (FileNotFoundError, ...)
+            // and fills .errno and .filename.
+            Some(errno) => {
+                let mut message = format!("{op}: {}", std::io::Error::from_raw_os_error(errno));
+                if let Some(pos) = message.find(" (os error") {
+                    message.truncate(pos);
+                }
+                if errno == libc::ENOSPC {
+                    message.push_str(" (the disk is full: free space or choose another directory)");
+                }
+                PyOSError::new_err((errno, message, path.to_string_lossy().into_owned()))
+            }
+            None => PyOSError::new_err((
+                libc::EIO,
+                err.to_string(),
+                path.to_string_lossy().into_owned(),
+            )),
+        },
+        Error::SizeMismatch { .. } => python_error(py, "CorruptCheckpointError", err.to_string()),
+        Error::ChecksumMismatch { .. } => {
+            python_error(py, "ChecksumMismatchError", err.to_string())
+        }
+        Error::BackendUnavailable(_) => {
+            python_error(py, "BackendUnavailableError", err.to_string())
+        }
+        Error::Cancelled(_) => python_error(py, "SaveCancelledError", err.to_string()),
+        Error::InvalidArgument(_) => PyValueError::new_err(err.to_string()),
+    }
+}
+
+/// Result conversion helper for bindings functions.
+pub(crate) trait IntoPyResult<T> {
+    /// Maps the error with [`to_pyerr`].
+    fn into_py_result(self, py: Python<'_>) -> PyResult<T>;
+}
+
+impl<T> IntoPyResult<T> for Result<T, Error> {
+    fn into_py_result(self, py: Python<'_>) -> PyResult<T> {
+        self.map_err(|e| to_pyerr(py, &e))
+    }
+}
