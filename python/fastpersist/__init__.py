@@ -1,6 +1,13 @@
-"""fastpersist: near-free deep-learning checkpoints."""
+"""fastpersist: near-free deep-learning checkpoints.
+
+Large page-aligned O_DIRECT writes through io_uring (thread-pool fallback), striped across
+drives and data-parallel ranks, overlapped with training. See ``fastpersist.save``,
+``fastpersist.save_async`` and ``fastpersist.load``.
+"""
 
 from . import _core
+from .api import inspect, load, save, save_async, verify
+from .config import Config, SaveResult
 from .errors import (
     BackendUnavailableError,
     ChecksumMismatchError,
@@ -9,15 +16,24 @@ from .errors import (
     SaveCancelledError,
     UnsupportedValueError,
 )
+from .futures import SaveFuture
 
-__version__ = _core.__version__
+__version__: str = _core.__version__
 
 __all__ = [
     "BackendUnavailableError",
     "ChecksumMismatchError",
+    "Config",
     "CorruptCheckpointError",
     "FastPersistError",
     "SaveCancelledError",
+    "SaveFuture",
+    "SaveResult",
     "UnsupportedValueError",
     "__version__",
+    "inspect",
+    "load",
+    "save",
+    "save_async",
+    "verify",
 ]

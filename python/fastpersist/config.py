@@ -1,0 +1,96 @@
+"""`Config` (the knobs of a save or load) and `SaveResult` (what a save reports)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Config", "SaveResult"]
+
+_BACKENDS = ("auto", "io_uring", "threads")
+_DIRECT = ("auto", "require", "off")
+_CHECKSUMS = ("crc32c", "off")
+
+
+@dataclass(frozen=True)
+class Config:
+    """How a checkpoint is written and read.
+
+    Args:
+        stripes: directories (one per SSD) to spread the data files over; ``None`` keeps them
+            inside the checkpoint directory. Each must be on a filesystem that survives as long
+            as the checkpoint; the manifest records their absolute paths.
+        chunk_bytes: size of one aligned write (a multiple of 4096, at most 1 GiB).
+        queue_depth: writes in flight per save.
+        pool_bytes: page-aligned staging memory. When it is at least the state's size a save
+            snapshots the whole state at once ("snapshot mode": ``wait_staged()`` returns after
+            one memory copy); otherwise staging proceeds as writes drain the pool ("bounded
+            mode": less memory, staging lasts as long as the write).
+        backend: ``"auto"`` (io_uring where it works, else threads; ``FASTPERSIST_BACKEND``
+            overrides), ``"io_uring"`` (or :class:`BackendUnavailableError`), ``"threads"``.
+        direct_io: ``"auto"`` (O_DIRECT where the filesystem accepts it), ``"require"``, ``"off"``.
+        checksum: ``"crc32c"`` per chunk, verified on load; or ``"off"``.
+        durable: fsync data, manifest and directories before a save reports success.
+
+    Example:
+        >>> import fastpersist as fp
+        >>> cfg = fp.Config(pool_bytes=1 << 30, queue_depth=16)
+        >>> cfg.chunk_bytes
+        8388608
+    """
+
+    stripes: Sequence[str | os.PathLike[str]] | None = None
+    chunk_bytes: int = 8 << 20
+    queue_depth: int = 8
+    pool_bytes: int = 256 << 20
+    backend: str = "auto"
+    direct_io: str = "auto"
+    checksum: str = "crc32c"
+    durable: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: object, expected: str) -> ValueError:
+            return ValueError(f"Config.{name}={value!r}: expected {expected}")
+
+        if type(self.chunk_bytes) is not int or not 4096 <= self.chunk_bytes <= 1 << 30 or self.chunk_bytes % 4096:
+            raise bad("chunk_bytes", self.chunk_bytes, "a multiple of 4096 between 4096 and 1 GiB")
+        if type(self.queue_depth) is not int or not 1 <= self.queue_depth <= 1024:
+            raise bad("queue_depth", self.queue_depth, "an integer in 1..1024")
+        if type(self.pool_bytes) is not int or self.pool_bytes < 0:
+            raise bad("pool_bytes", self.pool_bytes, "a non-negative integer")
+        if self.backend not in _BACKENDS:
+            raise bad("backend", self.backend, " | ".join(_BACKENDS))
+        if self.direct_io not in _DIRECT:
+            raise bad("direct_io", self.direct_io, " | ".join(_DIRECT))
+        if self.checksum not in _CHECKSUMS:
+            raise bad("checksum", self.checksum, " | ".join(_CHECKSUMS))
+        if not isinstance(self.durable, bool):
+            raise bad("durable", self.durable, "True or False")
+        if self.stripes is not None:
+            if isinstance(self.stripes, (str, bytes)) or not len(self.stripes):
+                raise bad("stripes", self.stripes, "None or a non-empty list of directories")
+            object.__setattr__(self, "stripes", tuple(os.path.abspath(os.fspath(s)) for s in self.stripes))
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a committed save did.
+
+    Attributes:
+        path: the checkpoint directory.
+        nbytes: bytes of tensor data written (the logical stream, this rank's share in a group).
+        seconds: wall time from the call until the checkpoint was committed.
+        staged_seconds: time until the sources could be modified again.
+        gb_per_s: ``nbytes / seconds / 1e9``.
+        backend: ``"io_uring"`` or ``"threads"``.
+        files: the data files written by this process.
+    """
+
+    path: str
+    nbytes: int
+    seconds: float
+    staged_seconds: float
+    gb_per_s: float
+    backend: str
+    files: list[str] = field(default_factory=list)

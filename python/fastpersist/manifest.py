@@ -1,0 +1,297 @@
+"""The native checkpoint manifest: building it at save time and validating it strictly at load.
+
+A checkpoint is a directory holding ``manifest.json`` and the data files it names. Everything a
+loader touches is checked here first, before any data byte is read: version, file names (plain
+names, confined to the checkpoint or its recorded stripe directories), byte ranges (in bounds,
+covering the stream exactly once), chunk checksum counts, blob bounds, and every tensor's
+dtype x shape x stride against its blob. See docs/format.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import CorruptCheckpointError
+from .flatten import TensorRecord, dtype_itemsize, records_from_json
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "FileEntry",
+    "Manifest",
+    "read_manifest",
+]
+
+FORMAT_NAME = "fastpersist"
+#: (major, minor). A reader accepts any minor of its major and rejects other majors.
+FORMAT_VERSION = (1, 0)
+MANIFEST_NAME = "manifest.json"
+#: A manifest larger than this is refused before parsing (a hostile file could be huge).
+MAX_MANIFEST_BYTES = 1 << 30
+
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One data file: a contiguous range of the logical byte stream."""
+
+    name: str
+    stripe: int | None
+    writer: int
+    stream_offset_bytes: int
+    len_bytes: int
+    chunk_crc32c: list[int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "stripe": self.stripe,
+            "writer": self.writer,
+            "stream_offset_bytes": self.stream_offset_bytes,
+            "len_bytes": self.len_bytes,
+            "chunk_crc32c": self.chunk_crc32c,
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated manifest."""
+
+    format_version: tuple[int, int]
+    checkpoint_id: str
+    created: str
+    library_version: str
+    chunk_bytes: int
+    checksum: str
+    total_bytes: int
+    blobs: list[tuple[int, int]]
+    files: list[FileEntry]
+    stripes: list[str]
+    tensors: list[TensorRecord]
+    tree: dict[str, Any]
+    extra: dict[str, Any]
+
+    def file_path(self, root: str, entry: FileEntry) -> str:
+        """Where `entry` lives, for a checkpoint directory `root`."""
+        base = root if entry.stripe is None else self.stripes[entry.stripe]
+        return os.path.join(base, entry.name)
+
+
+def build(
+    *,
+    checkpoint_id: str,
+    created: str,
+    library_version: str,
+    chunk_bytes: int,
+    checksum: str,
+    total_bytes: int,
+    blobs: list[tuple[int, int]],
+    files: list[FileEntry],
+    stripes: list[str],
+    tensors: list[dict[str, Any]],
+    tree: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> bytes:
+    """Serialises a manifest (the inverse of :func:`parse`)."""
+    doc = {
+        "format": FORMAT_NAME,
+        "format_version": list(FORMAT_VERSION),
+        "checkpoint_id": checkpoint_id,
+        "created": created,
+        "library_version": library_version,
+        "chunk_bytes": chunk_bytes,
+        "checksum": checksum,
+        "extent_align_bytes": 64,
+        "total_bytes": total_bytes,
+        "blobs": [{"offset_bytes": o, "len_bytes": n} for o, n in blobs],
+        "files": [f.to_json() for f in files],
+        "stripes": stripes,
+        "tensors": tensors,
+        "tree": tree,
+        "extra": extra or {},
+    }
+    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+
+
+def read_manifest(root: str) -> Manifest:
+    """Reads and validates ``root/manifest.json``.
+
+    Raises:
+        FileNotFoundError: `root` or its manifest does not exist (a partial or missing checkpoint).
+        CorruptCheckpointError: the manifest is malformed or inconsistent; the message says where.
+    """
+    path = os.path.join(root, MANIFEST_NAME)
+    if not os.path.isdir(root):
+        if os.path.exists(root):
+            raise CorruptCheckpointError(f"{root} is not a fastpersist checkpoint (not a directory)")
+        raise FileNotFoundError(2, "no checkpoint here", root)
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(2, "no manifest.json: not a committed fastpersist checkpoint", path) from None
+    if size > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{path}: manifest of {size} bytes is implausibly large")
+    with open(path, "rb") as f:
+        raw = f.read()
+    return parse(raw, where=path)
+
+
+def _int(doc: dict[str, Any], key: str, where: str, *, minimum: int = 0) -> int:
+    value = doc.get(key)
+    if type(value) is not int or value < minimum:
+        raise CorruptCheckpointError(f"{where}: field {key!r} must be an integer >= {minimum}, found {value!r}")
+    return value
+
+
+def parse(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
+    """Parses and validates manifest bytes. `where` names the file in error messages."""
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: not a fastpersist manifest")
+    version = doc.get("format_version")
+    if not isinstance(version, list) or len(version) != 2 or not all(type(v) is int and v >= 0 for v in version):
+        raise CorruptCheckpointError(f"{where}: bad format_version {version!r}")
+    if version[0] != FORMAT_VERSION[0]:
+        raise CorruptCheckpointError(
+            f"{where}: format version {version[0]}.{version[1]} is not supported by this fastpersist "
+            f"(reads {FORMAT_VERSION[0]}.x); upgrade fastpersist to load it"
+        )
+    chunk_bytes = _int(doc, "chunk_bytes", where, minimum=4096)
+    if chunk_bytes % 4096 or chunk_bytes > 1 << 30:
+        raise CorruptCheckpointError(f"{where}: chunk_bytes {chunk_bytes} is not a multiple of 4096 up to 1 GiB")
+    total_bytes = _int(doc, "total_bytes", where)
+    checksum = doc.get("checksum")
+    if checksum not in ("crc32c", "off"):
+        raise CorruptCheckpointError(f"{where}: unknown checksum {checksum!r}")
+    stripes = doc.get("stripes", [])
+    if not isinstance(stripes, list) or not all(isinstance(s, str) and os.path.isabs(s) for s in stripes):
+        raise CorruptCheckpointError(f"{where}: stripes must be a list of absolute directory paths")
+    files = _parse_files(doc.get("files"), where, chunk_bytes, total_bytes, checksum, len(stripes))
+    blobs = _parse_blobs(doc.get("blobs"), where, total_bytes)
+    try:
+        tensors = records_from_json(doc.get("tensors"))
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{where}: bad tensor record: {e}") from None
+    _check_tensors_fit(tensors, blobs, where)
+    tree = doc.get("tree")
+    if not isinstance(tree, dict):
+        raise CorruptCheckpointError(f"{where}: missing tree")
+    extra = doc.get("extra", {})
+    if not isinstance(extra, dict):
+        raise CorruptCheckpointError(f"{where}: extra must be an object")
+    strings = {k: doc.get(k, "") for k in ("checkpoint_id", "created", "library_version")}
+    if not all(isinstance(v, str) for v in strings.values()):
+        raise CorruptCheckpointError(f"{where}: checkpoint_id, created and library_version must be strings")
+    return Manifest(
+        format_version=(version[0], version[1]),
+        checkpoint_id=strings["checkpoint_id"],
+        created=strings["created"],
+        library_version=strings["library_version"],
+        chunk_bytes=chunk_bytes,
+        checksum=checksum,
+        total_bytes=total_bytes,
+        blobs=blobs,
+        files=files,
+        stripes=stripes,
+        tensors=tensors,
+        tree=tree,
+        extra=extra,
+    )
+
+
+def _parse_files(
+    items: object, where: str, chunk_bytes: int, total_bytes: int, checksum: str, stripe_count: int
+) -> list[FileEntry]:
+    if not isinstance(items, list):
+        raise CorruptCheckpointError(f"{where}: files must be a list")
+    files = []
+    seen: set[tuple[int | None, str]] = set()
+    for i, item in enumerate(items):
+        at = f"{where}: files[{i}]"
+        if not isinstance(item, dict):
+            raise CorruptCheckpointError(f"{at} must be an object")
+        name = item.get("name")
+        if not isinstance(name, str) or not _FILE_NAME.match(name) or name == MANIFEST_NAME or ".." in name:
+            raise CorruptCheckpointError(f"{at}: file name {name!r} is not a plain file name inside the checkpoint")
+        stripe = item.get("stripe")
+        if stripe is not None and (type(stripe) is not int or not 0 <= stripe < stripe_count):
+            raise CorruptCheckpointError(f"{at}: stripe {stripe!r} out of range (0..{stripe_count - 1})")
+        if (stripe, name) in seen:
+            raise CorruptCheckpointError(f"{at}: file {name!r} listed twice")
+        seen.add((stripe, name))
+        offset = _int(item, "stream_offset_bytes", at)
+        length = _int(item, "len_bytes", at, minimum=1)
+        writer = _int(item, "writer", at)
+        crcs = item.get("chunk_crc32c")
+        if not isinstance(crcs, list) or not all(type(c) is int and 0 <= c < 1 << 32 for c in crcs):
+            raise CorruptCheckpointError(f"{at}: chunk_crc32c must be a list of 32-bit integers")
+        expected = math.ceil(length / chunk_bytes) if checksum == "crc32c" else 0
+        if len(crcs) != expected:
+            raise CorruptCheckpointError(
+                f"{at} ({name}): {len(crcs)} chunk checksums for {math.ceil(length / chunk_bytes)} chunks"
+            )
+        if offset % chunk_bytes:
+            raise CorruptCheckpointError(f"{at} ({name}): stream offset {offset} is not chunk-aligned")
+        files.append(FileEntry(name, stripe, writer, offset, length, crcs))
+    cursor = 0
+    for entry in sorted(files, key=lambda f: f.stream_offset_bytes):
+        if entry.stream_offset_bytes != cursor:
+            kind = "overlaps" if entry.stream_offset_bytes < cursor else "leaves a gap before"
+            raise CorruptCheckpointError(
+                f"{where}: file {entry.name} {kind} byte {cursor} of the data stream "
+                f"(it starts at {entry.stream_offset_bytes})"
+            )
+        cursor += entry.len_bytes
+    if cursor != total_bytes:
+        raise CorruptCheckpointError(f"{where}: files hold {cursor} bytes but total_bytes is {total_bytes}")
+    return files
+
+
+def _parse_blobs(items: object, where: str, total_bytes: int) -> list[tuple[int, int]]:
+    if not isinstance(items, list):
+        raise CorruptCheckpointError(f"{where}: blobs must be a list")
+    blobs = []
+    end = 0
+    for i, item in enumerate(items):
+        at = f"{where}: blobs[{i}]"
+        if not isinstance(item, dict):
+            raise CorruptCheckpointError(f"{at} must be an object")
+        offset, length = _int(item, "offset_bytes", at), _int(item, "len_bytes", at)
+        if offset < end or offset + length > total_bytes:
+            raise CorruptCheckpointError(
+                f"{at}: bytes [{offset}, {offset + length}) overlap the previous blob or leave the "
+                f"{total_bytes}-byte stream"
+            )
+        end = offset + length
+        blobs.append((offset, length))
+    return blobs
+
+
+def _check_tensors_fit(tensors: list[TensorRecord], blobs: list[tuple[int, int]], where: str) -> None:
+    for i, t in enumerate(tensors):
+        at = f"{where}: tensor {i} ({t.key_path})"
+        if not 0 <= t.blob < len(blobs):
+            raise CorruptCheckpointError(f"{at}: blob index {t.blob} out of range")
+        if len(t.stride) != len(t.shape) or any(s < 0 for s in t.stride):
+            raise CorruptCheckpointError(f"{at}: stride {t.stride} does not fit shape {t.shape}")
+        itemsize = dtype_itemsize(t.kind, t.dtype)
+        if 0 in t.shape:
+            span = 0
+        else:
+            span = (sum((n - 1) * s for n, s in zip(t.shape, t.stride, strict=True)) + 1) * itemsize
+        blob_len = blobs[t.blob][1]
+        if t.offset_bytes < 0 or t.offset_bytes + span > blob_len or t.offset_bytes % itemsize:
+            raise CorruptCheckpointError(
+                f"{at}: {t.dtype}{list(t.shape)} at byte {t.offset_bytes} needs {span} bytes but blob "
+                f"{t.blob} has {blob_len}"
+            )

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: installs what it needs (the Rust extension through
+# maturin, the Python test dependencies), then runs Rust format/lint/tests, the _core stub
+# check, ruff, and pytest (API tests run on every backend this machine offers).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+
+python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore ".[test]"
+
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo test --workspace --locked
+
+# Run outside the source tree so the installed package (with its compiled _core) is checked.
+(cd /tmp && python3 -m mypy.stubtest fastpersist._core --allowlist "$repo/.mypy-stubtest-allowlist")
+python3 -m ruff check python tests benches
+
+python3 -m pytest tests -q -p no:cacheprovider

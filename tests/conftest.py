@@ -1,0 +1,43 @@
+"""Shared fixtures: every save/load test runs on each backend this machine offers."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import fastpersist as fp
+import pytest
+from fastpersist import _core
+
+
+def available_backends() -> list[str]:
+    backends = ["threads"]
+    try:
+        _core.select_backend("io_uring")
+    except fp.BackendUnavailableError:
+        pass
+    else:
+        backends.insert(0, "io_uring")
+    return backends
+
+
+@pytest.fixture(params=available_backends())
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def config(backend: str) -> fp.Config:
+    """Small chunks so that small states still span several chunks and files."""
+    return fp.Config(backend=backend, chunk_bytes=64 << 10, pool_bytes=1 << 20, queue_depth=4)
+
+
+@pytest.fixture
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A directory on a disk that accepts O_DIRECT (pytest's tmp dir is on the root ext4 here)."""
+    path = tmp_path_factory.mktemp("ckpt")
+    yield str(path)
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0

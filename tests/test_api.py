@@ -1,0 +1,258 @@
+"""save / save_async / load / inspect / verify through the public API, on every backend."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import shutil
+
+import fastpersist as fp
+import numpy as np
+import pytest
+import torch
+from training import make_run, restore, seed_all, train_step, training_state
+
+
+def assert_same(a: object, b: object, path: str = "state") -> None:
+    assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor)
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)), path
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray)
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict)
+        assert list(a.keys()) == list(b.keys()), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple))
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), path
+    else:
+        assert a == b, path
+
+
+Point = collections.namedtuple("Point", ["x", "y"])
+
+
+def sample_state() -> dict[str, object]:
+    torch.manual_seed(0)
+    emb = torch.nn.Parameter(torch.randn(50, 8))
+    return {
+        "model": collections.OrderedDict(
+            [("emb.weight", emb), ("head.weight", emb), ("bias", torch.zeros(50, dtype=torch.bfloat16))]
+        ),
+        "opt": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(50, 8)}}, "lr": 1e-3},
+        "big": torch.arange(300_000, dtype=torch.float32).reshape(1000, 300).t(),  # non-contiguous
+        "arr": np.arange(10, dtype=np.int16),
+        "misc": [None, True, 2**80, -0.0, float("inf"), "s", b"\x00\xff", torch.float16, torch.Size([2, 3])],
+        "pt": Point(1, torch.ones(2, dtype=torch.complex64)),
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(7, dtype=torch.int64),
+    }
+
+
+def test_round_trip_and_aliasing(workdir: str, config: fp.Config) -> None:
+    state = sample_state()
+    path = os.path.join(workdir, "ck")
+    res = fp.save(state, path, config=config)
+    assert res.backend == config.backend
+    assert res.nbytes > 1_200_000 and res.seconds > 0 and res.files
+    loaded = fp.load(path, config=config)
+    assert_same(state, loaded)
+    emb, head = loaded["model"]["emb.weight"], loaded["model"]["head.weight"]
+    assert isinstance(emb, torch.nn.Parameter) and emb.requires_grad
+    with torch.no_grad():
+        emb.add_(1)
+    assert torch.equal(emb, head), "tied weights must come back sharing storage"
+
+
+def test_training_resume_is_bit_exact(workdir: str, config: fp.Config) -> None:
+    seed_all(0)
+    model, opt, sched = make_run(0)
+    for _ in range(3):
+        train_step(model, opt, sched)
+    path = os.path.join(workdir, "train")
+    fp.save(training_state(model, opt, sched, 3), path, config=config)
+    expected = [train_step(model, opt, sched) for _ in range(5)]
+    expected_params = {k: v.clone() for k, v in model.state_dict().items()}
+
+    seed_all(123)  # scramble every RNG: the checkpoint must restore them
+    model2, opt2, sched2, step = restore(fp.load(path, config=config))
+    assert step == 3
+    got = [train_step(model2, opt2, sched2) for _ in range(5)]
+    assert got == expected
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, expected_params[k]), k
+
+
+def test_out_fills_existing_tensors_in_place(workdir: str, config: fp.Config) -> None:
+    model, _, _ = make_run(0)
+    path = os.path.join(workdir, "out")
+    fp.save({"model": model.state_dict()}, path, config=config)
+    other, _, _ = make_run(1)
+    target = {"model": other.state_dict()}
+    ptrs = {k: v.data_ptr() for k, v in target["model"].items()}
+    result = fp.load(path, out=target, config=config)
+    assert result is target
+    for k, v in target["model"].items():
+        assert v.data_ptr() == ptrs[k], k
+        assert torch.equal(v, model.state_dict()[k]), k
+
+
+def test_out_mismatch_is_rejected(workdir: str) -> None:
+    path = os.path.join(workdir, "mm")
+    fp.save({"a": torch.zeros(3)}, path)
+    with pytest.raises(ValueError, match="state"):
+        fp.load(path, out={"a": torch.zeros(4)})
+
+
+def test_save_async_semantics(workdir: str, config: fp.Config) -> None:
+    state = {"w": torch.randn(1 << 18), "step": 1}
+    fut = fp.save_async(state, os.path.join(workdir, "a"), config=config)
+    fut.wait_staged()
+    state["w"].add_(1)  # allowed after wait_staged
+    res = fut.wait()
+    assert fut.done() and fut.exception() is None and fut.result() is res
+    loaded = fp.load(res.path)
+    assert torch.equal(loaded["w"] + 1, state["w"])
+    seen = []
+    fut.add_done_callback(seen.append)
+    assert seen == [fut]
+
+
+def test_overwrite_is_atomic_and_keeps_old_on_failure(workdir: str, config: fp.Config) -> None:
+    path = os.path.join(workdir, "ow")
+    fp.save({"v": torch.tensor([1])}, path, config=config)
+    fp.save({"v": torch.tensor([2])}, path, config=config)
+    assert fp.load(path)["v"].item() == 2
+    with pytest.raises(fp.UnsupportedValueError, match=r"state\.bad"):
+        fp.save({"v": torch.tensor([3]), "bad": object()}, path, config=config)
+    assert fp.load(path)["v"].item() == 2
+    assert sorted(os.listdir(workdir)) == ["ow"], "no temporary leftovers"
+
+
+def test_refuses_to_replace_a_foreign_directory(workdir: str) -> None:
+    target = os.path.join(workdir, "mine")
+    os.mkdir(target)
+    with open(os.path.join(target, "precious.txt"), "w") as f:
+        f.write("x")
+    with pytest.raises(FileExistsError):
+        fp.save({"a": 1}, target)
+    assert os.path.exists(os.path.join(target, "precious.txt"))
+
+
+def test_inspect_and_verify_catch_a_flipped_byte(workdir: str, config: fp.Config) -> None:
+    path = os.path.join(workdir, "iv")
+    fp.save({"a": torch.arange(100_000, dtype=torch.int32), "b": torch.ones(10)}, path, config=config)
+    info = fp.inspect(path)
+    assert info["tensors"] == 2 and info["bytes"] == 400_040 and info["format_version"] == "1.0"
+    assert info["checksum"] == "crc32c" and info["files"]
+    assert fp.verify(path)["chunks"] == sum(f["chunks"] for f in info["files"])
+    data_file = info["files"][0]["path"]
+    with open(data_file, "r+b") as f:
+        f.seek(1234)
+        byte = f.read(1)
+        f.seek(1234)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(fp.ChecksumMismatchError, match=r"state\.a"):
+        fp.verify(path)
+    with pytest.raises(fp.ChecksumMismatchError, match=r"bytes \[0, 65536\)"):
+        fp.load(path, config=config)
+    assert fp.load(path, verify=False)["b"].sum().item() == 10
+
+
+def test_damaged_checkpoints_raise_clear_errors(workdir: str) -> None:
+    path = os.path.join(workdir, "dm")
+    fp.save({"a": torch.ones(5000)}, path)
+    with pytest.raises(FileNotFoundError):
+        fp.load(os.path.join(workdir, "nothing"))
+    manifest = os.path.join(path, "manifest.json")
+    doc = json.load(open(manifest))
+    data_file = os.path.join(path, doc["files"][0]["name"])
+    os.truncate(data_file, 100)
+    with pytest.raises(fp.CorruptCheckpointError, match="wrong size"):
+        fp.load(path)
+    os.remove(data_file)
+    with pytest.raises(fp.CorruptCheckpointError, match="missing"):
+        fp.load(path)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: d.update(format_version=[2, 0]), "upgrade fastpersist"),
+        (lambda d: d["files"][0].update(name="../../etc/passwd"), "plain file name"),
+        (lambda d: d["files"][0].update(len_bytes=10**12), "chunk checksums|total_bytes"),
+        (lambda d: d.update(total_bytes=d["total_bytes"] + 1), "total_bytes"),
+        (lambda d: d["blobs"][0].update(len_bytes=10**12), "blobs"),
+        (lambda d: d["tensors"][0].update(shape=[10**6]), "needs"),
+        (lambda d: d["files"][0].update(chunk_crc32c=[]), "checksums"),
+        (lambda d: d.update(tree={"t": "nope"}), "manifest"),
+    ],
+)
+def test_hostile_manifest_edits_are_rejected(workdir: str, edit, message: str) -> None:  # type: ignore[no-untyped-def]
+    path = os.path.join(workdir, "h")
+    fp.save({"a": torch.ones(5000)}, path)
+    manifest = os.path.join(path, "manifest.json")
+    doc = json.load(open(manifest))
+    edit(doc)
+    with open(manifest, "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(fp.CorruptCheckpointError, match=message):
+        fp.load(path)
+
+
+def test_map_location_and_numpy_only(workdir: str) -> None:
+    path = os.path.join(workdir, "ml")
+    fp.save({"a": torch.ones(3), "n": np.ones(2)}, path)
+    loaded = fp.load(path, map_location="cpu")
+    assert loaded["a"].device.type == "cpu"
+    loaded = fp.load(path, map_location={"cpu": "cpu"})
+    assert isinstance(loaded["n"], np.ndarray)
+
+
+def test_stripes_spread_files_and_load(workdir: str, config: fp.Config) -> None:
+    stripes = [os.path.join(workdir, f"ssd{i}") for i in range(3)]
+    for s in stripes:
+        os.mkdir(s)
+    cfg = fp.Config(stripes=stripes, backend=config.backend, chunk_bytes=64 << 10)
+    state = {"w": torch.randn(200_000)}
+    path = os.path.join(workdir, "striped")
+    res = fp.save(state, path, config=cfg)
+    assert len(res.files) == 3
+    assert {os.path.dirname(os.path.dirname(f)) for f in res.files} == set(stripes)
+    assert torch.equal(fp.load(path)["w"], state["w"])
+    fp.save({"w": torch.zeros(1)}, path, config=cfg)  # replacing removes the old stripe dirs
+    assert sum(len(os.listdir(s)) for s in stripes) == 1
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        fp.Config(chunk_bytes=1000)
+    with pytest.raises(ValueError, match="backend"):
+        fp.Config(backend="uring")
+    with pytest.raises(ValueError, match="direct_io"):
+        fp.Config(direct_io="yes")
+
+
+def test_empty_state(workdir: str, config: fp.Config) -> None:
+    path = os.path.join(workdir, "e")
+    fp.save({}, path, config=config)
+    assert fp.load(path) == {}
+    fp.save({"x": torch.empty(0)}, path, config=config)
+    assert fp.load(path)["x"].numel() == 0
+
+
+def test_leftover_free_failure_on_missing_parent(workdir: str) -> None:
+    with pytest.raises(FileNotFoundError):
+        fp.save({"a": torch.ones(2)}, os.path.join(workdir, "no", "such", "dir"))
+    shutil.rmtree(workdir)
