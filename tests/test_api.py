@@ -8,10 +8,12 @@ import math
 import os
 import shutil
 
-import fastpersist as fp
 import numpy as np
 import pytest
 import torch
+
+import fastpersist as fp
+
 from training import make_run, restore, seed_all, train_step, training_state
 
 

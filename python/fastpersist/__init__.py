@@ -7,6 +7,7 @@ drives and data-parallel ranks, overlapped with training. See ``fastpersist.save
 
 from . import _core
 from .api import inspect, load, save, save_async, verify
+from .checkpointer import Checkpointer
 from .config import Config, SaveResult
 from .errors import (
     BackendUnavailableError,
@@ -22,6 +23,7 @@ __version__: str = _core.__version__
 
 __all__ = [
     "BackendUnavailableError",
+    "Checkpointer",
     "ChecksumMismatchError",
     "Config",
     "CorruptCheckpointError",

@@ -26,8 +26,9 @@ class SaveFuture:
         >>> fut.wait().gb_per_s                              # doctest: +SKIP
     """
 
-    def __init__(self, job: SaveJob) -> None:
+    def __init__(self, job: SaveJob, on_commit: Callable[[SaveResult], object] | None = None) -> None:
         self._job = job
+        self._on_commit = on_commit
         self._finished = threading.Event()
         self._lock = threading.Lock()
         self._result: SaveResult | None = None
@@ -44,6 +45,15 @@ class SaveFuture:
             result = None
         else:
             error = None
+            if self._on_commit is not None:
+                # Bookkeeping after the commit (retention, index) must not turn a committed
+                # save into a failed one: log instead.
+                try:
+                    self._on_commit(result)
+                except Exception:
+                    import logging
+
+                    logging.getLogger("fastpersist").exception("after-commit step failed for %s", self.path)
         with self._lock:
             self._result, self._error = result, error
             self._finished.set()

@@ -1,0 +1,256 @@
+"""`Checkpointer`: per-iteration checkpoints that overlap training, with retention and resume.
+
+Layout under `root`::
+
+    root/step-00000120/      a committed checkpoint (see docs/format.md)
+    root/step-00000121/
+    root/latest.json         {"step": 121, "path": "step-00000121", ...}, replaced atomically
+
+The loop calls ``ck.save(step, state)`` after ``optimizer.step()`` and ``ck.wait_staged()``
+right before the next ``optimizer.step()`` (or installs :func:`fastpersist.integrations.guard_optimizer`
+so it cannot be forgotten). The save of step *i* is written while step *i+1* runs forward and
+backward.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+from typing import Any
+
+from . import _core
+from .api import load, verify
+from .config import Config, SaveResult
+from .errors import CorruptCheckpointError
+from .futures import SaveFuture
+from .manifest import MANIFEST_NAME, read_manifest
+from .saving import STRIPE_SUFFIX, SaveJob, remove_checkpoint_tree
+
+__all__ = ["Checkpointer"]
+
+log = logging.getLogger("fastpersist")
+
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_LEFTOVER_TMP = re.compile(r"^\.step-\d{8,}\.fptmp-[0-9a-f]{12}$")
+_LEFTOVER_STRIPE = re.compile(r"^step-\d{8,}\.[0-9a-f]{12}" + re.escape(STRIPE_SUFFIX) + "$")
+INDEX_NAME = "latest.json"
+
+
+class Checkpointer:
+    """Saves a training state every `every` steps, asynchronously, keeping the newest `keep`.
+
+    Args:
+        root: directory holding the checkpoints (created if missing).
+        every: save when ``step % every == 0``.
+        keep: committed checkpoints to keep (>= 1). Older ones are deleted only after a newer
+            one has committed, so there is always at least one good checkpoint.
+        config: a :class:`Config`; by default the staging pool is sized to hold the whole state
+            (snapshot mode, capped at a quarter of RAM) so ``wait_staged()`` costs one memcpy.
+        group: reserved for distributed saves (not yet available).
+
+    Example:
+        >>> ck = fp.Checkpointer("runs/exp1", every=1, keep=2)        # doctest: +SKIP
+        >>> for step in range(start, steps):                           # doctest: +SKIP
+        ...     loss = model(batch).loss; loss.backward()
+        ...     ck.wait_staged()          # the previous save no longer reads the tensors
+        ...     opt.step(); opt.zero_grad()
+        ...     ck.save(step, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step})
+        >>> ck.wait()
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        every: int = 1,
+        keep: int = 2,
+        config: Config | None = None,
+        group: object = None,
+    ) -> None:
+        if type(every) is not int or every < 1:
+            raise ValueError(f"every={every!r}: expected an integer >= 1")
+        if type(keep) is not int or keep < 1:
+            raise ValueError(f"keep={keep!r}: expected an integer >= 1 (the last good checkpoint is always kept)")
+        if group is not None:
+            raise NotImplementedError("Checkpointer(group=...) is not available yet in this build")
+        self.root = os.path.abspath(os.fspath(root))
+        self.every = every
+        self.keep = keep
+        self.config = config
+        self._future: SaveFuture | None = None
+        self._lock = threading.Lock()
+        self._verified: dict[str, tuple[Any, ...]] = {}
+        os.makedirs(self.root, exist_ok=True)
+        self.removed_leftovers = self._remove_leftovers()
+
+    # -- paths -------------------------------------------------------------------------------
+
+    def path(self, step: int) -> str:
+        """The directory of `step`'s checkpoint."""
+        return os.path.join(self.root, f"step-{step:08d}")
+
+    def steps(self) -> list[int]:
+        """Steps with a committed checkpoint (a manifest), oldest first. Does not verify data."""
+        found = []
+        for name in os.listdir(self.root):
+            match = _STEP_DIR.match(name)
+            if match and os.path.exists(os.path.join(self.root, name, MANIFEST_NAME)):
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def _remove_leftovers(self) -> list[str]:
+        """Deletes temporary directories of crashed saves (and only those)."""
+        removed = []
+        for name in os.listdir(self.root):
+            if _LEFTOVER_TMP.match(name):
+                removed.append(os.path.join(self.root, name))
+        referenced: set[str] = set()
+        for step in self.steps():
+            try:
+                referenced.update(read_manifest(self.path(step)).stripes)
+            except (CorruptCheckpointError, OSError):
+                pass
+        for stripe_root in (self.config.stripes or []) if self.config else []:
+            try:
+                names = os.listdir(stripe_root)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                full = os.path.join(os.fspath(stripe_root), name)
+                if _LEFTOVER_STRIPE.match(name) and full not in referenced:
+                    removed.append(full)
+        for path in removed:
+            log.info("removing leftover of an interrupted save: %s", path)
+            shutil.rmtree(path, ignore_errors=True)
+        return removed
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def _config_for(self, state: object) -> Config:
+        if self.config is not None:
+            return self.config
+        from .flatten import flatten
+
+        nbytes = sum(b.nbytes for b in flatten(state).blobs)
+        chunk = Config().chunk_bytes
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        wanted = -(-nbytes // chunk) * chunk
+        pool = max(Config().pool_bytes, min(wanted, ram // 4 // chunk * chunk))
+        self.config = Config(pool_bytes=pool)
+        return self.config
+
+    def save(self, step: int, state: object) -> SaveFuture | None:
+        """Starts saving `state` as `step` if the step is due; returns its future, else None.
+
+        Waits for the previous save to commit first (at most one save is in flight). If the
+        previous save failed, its error is logged and raised here.
+        """
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step={step!r}: expected a non-negative integer")
+        if step % self.every:
+            return None
+        self.wait()
+        with self._lock:
+            job = SaveJob(state, self.path(step), self._config_for(state), background=True)
+            self._future = SaveFuture(job, on_commit=self._after_commit)
+            return self._future
+
+    def _after_commit(self, result: SaveResult) -> None:
+        step = int(os.path.basename(result.path).split("-")[1])
+        self._write_index(step)
+        for old in self.steps()[: -self.keep]:
+            if old != step:
+                remove_checkpoint_tree(self.path(old))
+
+    def _write_index(self, step: int) -> None:
+        doc = {
+            "step": step,
+            "path": os.path.basename(self.path(step)),
+            "updated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        }
+        tmp = os.path.join(self.root, f".{INDEX_NAME}.tmp-{os.getpid()}-{threading.get_ident()}")
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(self.root, INDEX_NAME))
+        _core.fsync_dir(self.root)
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Blocks until the in-flight save (if any) no longer reads the state's tensors."""
+        future = self._future
+        if future is not None:
+            future.wait_staged(timeout)
+
+    def wait(self, timeout: float | None = None) -> SaveResult | None:
+        """Blocks until the in-flight save (if any) commits; returns its result or raises its error."""
+        future = self._future
+        if future is None:
+            return None
+        try:
+            return future.wait(timeout)
+        finally:
+            if future.done():
+                with self._lock:
+                    if self._future is future:
+                        self._future = None
+
+    # -- resuming ----------------------------------------------------------------------------
+
+    def _fingerprint(self, path: str) -> tuple[Any, ...]:
+        manifest = read_manifest(path)
+        stats = []
+        for entry in manifest.files:
+            st = os.stat(manifest.file_path(path, entry))
+            stats.append((st.st_size, st.st_mtime_ns, st.st_ino))
+        return (manifest.checkpoint_id, tuple(stats))
+
+    def _verifies(self, step: int) -> bool:
+        path = self.path(step)
+        try:
+            fingerprint = self._fingerprint(path)
+            if self._verified.get(path) == fingerprint:
+                return True
+            verify(path)
+        except (CorruptCheckpointError, OSError) as e:
+            log.warning("checkpoint %s fails verification, skipping it: %s", path, e)
+            return False
+        self._verified[path] = fingerprint
+        return True
+
+    def latest(self) -> int | None:
+        """The newest step whose checkpoint is committed and verifies (every chunk checksum), or None.
+
+        Verification results are cached per checkpoint while its files are unchanged.
+        """
+        for step in reversed(self.steps()):
+            if self._verifies(step):
+                return step
+        return None
+
+    def load(self, step: int | None = None, *, out: object = None, map_location: Any = None) -> Any:
+        """Loads `step` (default: :meth:`latest`).
+
+        Raises:
+            FileNotFoundError: there is no good checkpoint under `root`.
+        """
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise FileNotFoundError(2, "no committed, verified checkpoint", self.root)
+        return load(self.path(step), out=out, map_location=map_location)
+
+    def guard(self, optimizer: Any) -> Any:
+        """Makes ``optimizer.step()`` call :meth:`wait_staged` first; returns the hook handle."""
+        from .integrations import guard_optimizer
+
+        return guard_optimizer(optimizer, self)
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self.root!r}, every={self.every}, keep={self.keep})"

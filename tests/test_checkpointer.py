@@ -1,0 +1,148 @@
+"""Checkpointer: overlap, retention, resume, leftovers, the mutation guard, resource bounds."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+
+import pytest
+import torch
+
+import fastpersist as fp
+from fastpersist.integrations import guard_optimizer
+
+from training import make_run, restore, seed_all, train_step, training_state
+
+
+def test_resume_from_latest_is_bit_exact(workdir: str, backend: str) -> None:
+    total, stop = 8, random.Random(7).randint(2, 6)
+    seed_all(0)
+    model, opt, sched = make_run(0)
+    expected = [train_step(model, opt, sched) for _ in range(total)]
+
+    seed_all(0)
+    model, opt, sched = make_run(0)
+    ck = fp.Checkpointer(workdir, keep=2, config=fp.Config(backend=backend))
+    ck.guard(opt)  # every optimizer.step() first waits for the previous save's staging
+    for step in range(stop):
+        train_step(model, opt, sched)
+        ck.save(step, training_state(model, opt, sched, step))
+    ck.wait()
+    assert ck.steps() == [stop - 2, stop - 1]
+
+    seed_all(99)
+    ck2 = fp.Checkpointer(workdir, keep=2)
+    assert ck2.latest() == stop - 1
+    model2, opt2, sched2, step = restore(ck2.load())
+    assert step == stop - 1
+    got = [train_step(model2, opt2, sched2) for _ in range(total - stop)]
+    assert got == expected[stop:]
+    index = json.load(open(os.path.join(workdir, "latest.json")))
+    assert index["step"] == stop - 1 and index["path"] == f"step-{stop - 1:08d}"
+
+
+def test_every_and_keep(workdir: str) -> None:
+    ck = fp.Checkpointer(workdir, every=3, keep=1)
+    futures = [ck.save(step, {"step": step, "w": torch.full((10,), step)}) for step in range(10)]
+    assert [f is not None for f in futures] == [s % 3 == 0 for s in range(10)]
+    ck.wait()
+    assert ck.steps() == [9]
+    assert ck.load()["step"] == 9
+    with pytest.raises(ValueError):
+        fp.Checkpointer(workdir, keep=0)
+
+
+def test_latest_skips_a_corrupt_checkpoint(workdir: str) -> None:
+    ck = fp.Checkpointer(workdir, keep=3)
+    for step in range(3):
+        ck.save(step, {"w": torch.full((50_000,), float(step))})
+    ck.wait()
+    assert ck.latest() == 2
+    newest = fp.inspect(ck.path(2))["files"][0]["path"]
+    with open(newest, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xff")
+    assert ck.latest() == 1
+    assert ck.load()["w"][0].item() == 1.0
+
+
+def test_leftovers_of_a_crash_are_removed_and_only_those(workdir: str) -> None:
+    ck = fp.Checkpointer(workdir)
+    ck.save(1, {"a": torch.ones(3)})
+    ck.wait()
+    leftover = os.path.join(workdir, ".step-00000002.fptmp-0123456789ab")
+    os.makedirs(leftover)
+    open(os.path.join(leftover, "data-w0-s0.bin"), "wb").close()
+    unrelated = os.path.join(workdir, "notes.txt")
+    open(unrelated, "w").close()
+    ck2 = fp.Checkpointer(workdir)
+    assert ck2.removed_leftovers == [leftover]
+    assert not os.path.exists(leftover) and os.path.exists(unrelated)
+    assert ck2.latest() == 1
+
+
+def test_mutation_before_staging_ends_fails_the_save(workdir: str, backend: str) -> None:
+    # A bounded pool much smaller than the state: staging lasts until the disk drains.
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, pool_bytes=128 << 10, queue_depth=1, durable=True)
+    ck = fp.Checkpointer(workdir, keep=2, config=cfg)
+    w = torch.zeros(8 << 20 // 4)
+    ck.save(1, {"w": w})
+    ck.wait()
+    fut = ck.save(2, {"w": w})
+    assert fut is not None
+    w.add_(1)  # "optimizer.step()" before wait_staged()
+    with pytest.raises(fp.SaveCancelledError, match=r"state\.w.*wait_staged"):
+        ck.wait()
+    assert ck.steps() == [1]
+    assert ck.latest() == 1 and ck.load()["w"].sum().item() == 0
+
+
+def test_mutation_after_staging_keeps_pre_step_values(workdir: str) -> None:
+    ck = fp.Checkpointer(workdir)
+    model, opt, sched = make_run(0)
+    train_step(model, opt, sched)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ck.save(0, {"model": model.state_dict()})
+    ck.wait_staged()
+    train_step(model, opt, sched)  # optimizer.step() after wait_staged: allowed
+    ck.wait()
+    loaded = ck.load()["model"]
+    for k, v in before.items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_guard_optimizer_waits_before_step(workdir: str) -> None:
+    cfg = fp.Config(chunk_bytes=64 << 10, pool_bytes=128 << 10, queue_depth=1)
+    ck = fp.Checkpointer(workdir, config=cfg)
+    model, opt, sched = make_run(0)
+    handle = guard_optimizer(opt, ck)
+    for step in range(3):
+        train_step(model, opt, sched)  # its optimizer.step() waits for the staging of the previous save
+        ck.save(step, {"model": model.state_dict(), "opt": opt.state_dict()})
+    ck.wait()
+    handle.remove()
+    assert ck.latest() == 2
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_thousand_saves_leak_no_fds_or_threads(workdir: str) -> None:
+    ck = fp.Checkpointer(workdir, keep=2, config=fp.Config(durable=False))
+    ck.save(0, {"w": torch.ones(16)})
+    ck.wait()
+    fds, threads, py_threads = _open_fds(), _os_threads(), threading.active_count()
+    for step in range(1, 1001):
+        ck.save(step, {"w": torch.full((16,), step), "step": step})
+    ck.wait()
+    assert ck.steps() == [999, 1000]
+    assert _open_fds() == fds
+    assert threading.active_count() == py_threads
+    assert _os_threads() <= threads + 1  # a torch/OpenMP worker may appear lazily
