@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-import fastpersist as fp
 import pytest
+
+import fastpersist as fp
 from fastpersist import _core
 
 

@@ -11,6 +11,9 @@ import typing
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from fastpersist.errors import UnsupportedValueError
 from fastpersist.flatten import (
     MAX_DEPTH,
@@ -25,8 +28,6 @@ from fastpersist.flatten import (
     records_to_json,
     unflatten,
 )
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 Point = collections.namedtuple("Point", ["x", "y"])
 

@@ -23,9 +23,15 @@ _OWN_STORAGE_BELOW_BYTES = 1 << 20
 MapLocation = str | torch.device | Mapping[str, str] | Callable[[torch.Tensor, str], torch.Tensor] | None
 
 
-def _require_no_group(group: object) -> None:
-    if group is not None:
-        raise NotImplementedError("group= (distributed saves) is not available yet in this build")
+def _start(
+    state: object, path: str | os.PathLike[str], config: Config | None, group: object, sharded: bool, background: bool
+) -> Any:
+    config = config or Config()
+    if group is None and not sharded:
+        return SaveJob(state, path, config, background=background)
+    from .distributed import GroupSaveJob
+
+    return GroupSaveJob(state, path, config, group, sharded=sharded, background=background)
 
 
 def save(
@@ -34,6 +40,7 @@ def save(
     *,
     config: Config | None = None,
     group: object = None,
+    sharded: bool = False,
 ) -> SaveResult:
     """Writes `state` to the checkpoint directory `path` and returns once it is durable and committed.
 
@@ -43,6 +50,12 @@ def save(
     :class:`UnsupportedValueError` naming its key path. An existing checkpoint at `path` is
     replaced atomically: readers see the old one or the new one, never a mix.
 
+    With ``group=`` (a ``torch.distributed`` process group, or ``dist.group.WORLD``) every rank
+    of the group must call ``save`` with the same `path`. Replicated state (identical on every
+    rank): each writer rank (``Config.writers``) writes a disjoint ~1/N of the bytes and the
+    result is one checkpoint. ``sharded=True``: each rank's own state becomes one shard;
+    ``load(path, group=...)`` gives each rank its shard back. See docs/distributed.md.
+
     Example:
         >>> import fastpersist as fp, torch
         >>> model = torch.nn.Linear(4, 2)
@@ -50,9 +63,7 @@ def save(
         >>> res.nbytes > 0
         True
     """
-    _require_no_group(group)
-    job = SaveJob(state, path, config or Config(), background=False)
-    return job.finish()
+    return _start(state, path, config, group, sharded, background=False).finish()  # type: ignore[no-any-return]
 
 
 def save_async(
@@ -61,6 +72,7 @@ def save_async(
     *,
     config: Config | None = None,
     group: object = None,
+    sharded: bool = False,
 ) -> SaveFuture:
     """Starts saving `state` to `path` in the background and returns a :class:`SaveFuture` at once.
 
@@ -75,8 +87,7 @@ def save_async(
         >>> fut.wait().path.endswith("fp-doc-async")
         True
     """
-    _require_no_group(group)
-    return SaveFuture(SaveJob(state, path, config or Config(), background=True))
+    return SaveFuture(_start(state, path, config, group, sharded, background=True))
 
 
 def _aligned_uint8(nbytes: int) -> torch.Tensor:
@@ -163,6 +174,7 @@ def load(
     out: object = None,
     group: object = None,
     config: Config | None = None,
+    shard: int | None = None,
 ) -> Any:
     """Reads a checkpoint written by :func:`save` and returns the state.
 
@@ -177,6 +189,9 @@ def load(
         verify: check chunk checksums (cheap: crc32c runs at >10 GB/s).
         out: an existing state of the same structure whose tensors are filled in place (no new
             tensor allocation); it is returned.
+        group: for a sharded checkpoint, each rank of `group` gets its own shard back. A
+            replicated checkpoint is read whole on every rank (group or not).
+        shard: read this shard of a sharded checkpoint (without a group).
 
     Raises:
         FileNotFoundError: there is no committed checkpoint at `path`.
@@ -188,10 +203,19 @@ def load(
         >>> sorted(state)
         ['model', 'step']
     """
-    _require_no_group(group)
     root = os.path.abspath(os.fspath(path))
     config = config or Config()
     m = read_manifest(root)
+    if m.shards:
+        return load(
+            os.path.join(root, m.shards[_shard_index(root, len(m.shards), group, shard)]),
+            map_location=map_location,
+            verify=verify,
+            out=out,
+            config=config,
+        )
+    if shard is not None:
+        raise ValueError(f"{root} is not sharded; load it without shard=")
     stream = _read_stream(root, m, verify, config)
     # Large blobs stay zero-copy views of the stream buffer. Small ones get storage of their
     # own: it costs nothing, and some torch APIs (torch.set_rng_state, for one) crash on a
@@ -214,6 +238,22 @@ def load(
         return unflatten(m.tree, tensors)
     except ValueError as e:
         raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
+
+
+def _shard_index(root: str, shard_count: int, group: object, shard: int | None) -> int:
+    if shard is None:
+        if group is None:
+            raise ValueError(
+                f"{root} is sharded over {shard_count} ranks: load it with group= (a group of that size) or shard=k"
+            )
+        from .distributed import group_rank_and_size
+
+        shard, size = group_rank_and_size(group)
+        if size != shard_count:
+            raise ValueError(f"{root} has {shard_count} shards but the group has {size} ranks")
+    if not 0 <= shard < shard_count:
+        raise ValueError(f"shard={shard} out of range: {root} has {shard_count} shards")
+    return shard
 
 
 def _fill(out: object, tensors: list[object], where: str) -> None:
@@ -249,6 +289,23 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     root = os.path.abspath(os.fspath(path))
     m = read_manifest(root)
+    if m.shards:
+        shards = [inspect(os.path.join(root, name)) for name in m.shards]
+        return {
+            "path": root,
+            "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
+            "created": m.created,
+            "checkpoint_id": m.checkpoint_id,
+            "library_version": m.library_version,
+            "shards": shards,
+            "tensors": sum(s["tensors"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards),
+            "total_bytes": sum(s["total_bytes"] for s in shards),
+            "files": [f for s in shards for f in s["files"]],
+            "checksum": m.checksum,
+            "chunk_bytes": m.chunk_bytes,
+            "tensor_list": [t for s in shards for t in s["tensor_list"]],
+        }
     tensor_list = []
     data_bytes = 0
     for t in m.tensors:
@@ -298,6 +355,9 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
     root = os.path.abspath(os.fspath(path))
     m = read_manifest(root)
     chunks = 0
+    if m.shards:
+        totals = [verify(os.path.join(root, name)) for name in m.shards]
+        return {key: sum(t[key] for t in totals) for key in ("files", "bytes", "chunks")}
     for f in m.files:
         file_path = m.file_path(root, f)
         try:

@@ -37,7 +37,7 @@ log = logging.getLogger("fastpersist")
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _LEFTOVER_TMP = re.compile(r"^\.step-\d{8,}\.fptmp-[0-9a-f]{12}$")
-_LEFTOVER_STRIPE = re.compile(r"^step-\d{8,}\.[0-9a-f]{12}" + re.escape(STRIPE_SUFFIX) + "$")
+_LEFTOVER_STRIPE = re.compile(r"^step-\d{8,}\.[0-9a-f]{12}(\.[rw]\d+)?" + re.escape(STRIPE_SUFFIX) + "$")
 INDEX_NAME = "latest.json"
 
 
@@ -51,7 +51,10 @@ class Checkpointer:
             one has committed, so there is always at least one good checkpoint.
         config: a :class:`Config`; by default the staging pool is sized to hold the whole state
             (snapshot mode, capped at a quarter of RAM) so ``wait_staged()`` costs one memcpy.
-        group: reserved for distributed saves (not yet available).
+        group: a ``torch.distributed`` process group: every rank calls the same methods; the
+            save is replicated across the group (or sharded with ``sharded=True``); rank 0
+            commits, applies retention and maintains the index.
+        sharded: each rank saves its own shard (FSDP/ZeRO-style); needs `group`.
 
     Example:
         >>> ck = fp.Checkpointer("runs/exp1", every=1, keep=2)        # doctest: +SKIP
@@ -71,22 +74,31 @@ class Checkpointer:
         keep: int = 2,
         config: Config | None = None,
         group: object = None,
+        sharded: bool = False,
     ) -> None:
         if type(every) is not int or every < 1:
             raise ValueError(f"every={every!r}: expected an integer >= 1")
         if type(keep) is not int or keep < 1:
             raise ValueError(f"keep={keep!r}: expected an integer >= 1 (the last good checkpoint is always kept)")
-        if group is not None:
-            raise NotImplementedError("Checkpointer(group=...) is not available yet in this build")
+        if sharded and group is None:
+            raise ValueError("sharded=True needs group=")
         self.root = os.path.abspath(os.fspath(root))
         self.every = every
         self.keep = keep
         self.config = config
+        self.group = group
+        self.sharded = sharded
+        self.rank = 0
+        if group is not None:
+            from .distributed import group_rank_and_size
+
+            self.rank = group_rank_and_size(group)[0]
         self._future: SaveFuture | None = None
         self._lock = threading.Lock()
         self._verified: dict[str, tuple[Any, ...]] = {}
         os.makedirs(self.root, exist_ok=True)
-        self.removed_leftovers = self._remove_leftovers()
+        # In a group only rank 0 cleans up: the others may share the directory.
+        self.removed_leftovers = self._remove_leftovers() if self.rank == 0 else []
 
     # -- paths -------------------------------------------------------------------------------
 
@@ -156,8 +168,15 @@ class Checkpointer:
             return None
         self.wait()
         with self._lock:
-            job = SaveJob(state, self.path(step), self._config_for(state), background=True)
-            self._future = SaveFuture(job, on_commit=self._after_commit)
+            config = self._config_for(state)
+            job: Any
+            if self.group is None:
+                job = SaveJob(state, self.path(step), config, background=True)
+            else:
+                from .distributed import GroupSaveJob
+
+                job = GroupSaveJob(state, self.path(step), config, self.group, sharded=self.sharded, background=True)
+            self._future = SaveFuture(job, on_commit=self._after_commit if self.rank == 0 else None)
             return self._future
 
     def _after_commit(self, result: SaveResult) -> None:
@@ -244,7 +263,7 @@ class Checkpointer:
             step = self.latest()
             if step is None:
                 raise FileNotFoundError(2, "no committed, verified checkpoint", self.root)
-        return load(self.path(step), out=out, map_location=map_location)
+        return load(self.path(step), out=out, map_location=map_location, group=self.group)
 
     def guard(self, optimizer: Any) -> Any:
         """Makes ``optimizer.step()`` call :meth:`wait_staged` first; returns the hook handle."""

@@ -32,6 +32,10 @@ class Config:
         direct_io: ``"auto"`` (O_DIRECT where the filesystem accepts it), ``"require"``, ``"off"``.
         checksum: ``"crc32c"`` per chunk, verified on load; or ``"off"``.
         durable: fsync data, manifest and directories before a save reports success.
+        writers: in a process group, which ranks write data: ``"rank"`` (every rank),
+            ``"node"`` (one per node), or an integer k (the first k ranks of each node).
+        timeout_s: in a process group, how long a rank waits for the others at each step of
+            the commit before it gives up and raises (a failed or killed rank).
 
     Example:
         >>> import fastpersist as fp
@@ -48,6 +52,8 @@ class Config:
     direct_io: str = "auto"
     checksum: str = "crc32c"
     durable: bool = True
+    writers: str | int = "rank"
+    timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, expected: str) -> ValueError:
@@ -67,6 +73,10 @@ class Config:
             raise bad("checksum", self.checksum, " | ".join(_CHECKSUMS))
         if not isinstance(self.durable, bool):
             raise bad("durable", self.durable, "True or False")
+        if not (self.writers in ("rank", "node") or (type(self.writers) is int and self.writers >= 1)):
+            raise bad("writers", self.writers, '"rank", "node" or an integer >= 1')
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise bad("timeout_s", self.timeout_s, "a positive number of seconds")
         if self.stripes is not None:
             if isinstance(self.stripes, (str, bytes)) or not len(self.stripes):
                 raise bad("stripes", self.stripes, "None or a non-empty list of directories")

@@ -49,10 +49,33 @@ _SUPPORTED = (
 
 # Tensor dtypes whose bytes we write; filtered by what this torch build has.
 _TORCH_DTYPE_CANDIDATES = (
-    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
-    "float16", "bfloat16", "float32", "float64", "complex32", "complex64", "complex128",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex32",
+    "complex64",
+    "complex128",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "bits8",
+    "bits16",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
 )
 TORCH_DTYPES: dict[str, torch.dtype] = {
     n: d for n in _TORCH_DTYPE_CANDIDATES if isinstance(d := vars(torch).get(n), torch.dtype)
@@ -60,14 +83,26 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 _TORCH_DTYPE_NAME: dict[torch.dtype, str] = {d: n for n, d in TORCH_DTYPES.items()}
 _ITEMSIZE: dict[str, int] = {n: d.itemsize for n, d in TORCH_DTYPES.items()}
 # Every torch.dtype, for dtype-valued leaves; vars() so no lazy torch submodule is imported.
-_ANY_TORCH_DTYPE: dict[str, torch.dtype] = {
-    n: d for n, d in vars(torch).items() if isinstance(d, torch.dtype)
-}
+_ANY_TORCH_DTYPE: dict[str, torch.dtype] = {n: d for n, d in vars(torch).items() if isinstance(d, torch.dtype)}
 # Dtypes for which Tensor.numpy() works: about twice as fast as a uint8 torch view.
 _NUMPY_VIEWABLE = frozenset(
     getattr(torch, n)
-    for n in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32",
-              "uint64", "float16", "float32", "float64", "complex64", "complex128")
+    for n in (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    )
 )
 _NUMPY_KINDS = frozenset("biufcmMSU")
 _U8 = np.dtype(np.uint8)
@@ -100,9 +135,7 @@ class Blob:
 
     __slots__ = ("_data", "nbytes", "source", "version")
 
-    def __init__(
-        self, data: np.ndarray | None, source: object, version: int | None, nbytes: int = -1
-    ) -> None:
+    def __init__(self, data: np.ndarray | None, source: object, version: int | None, nbytes: int = -1) -> None:
         self._data = data
         self.source = source
         self.version = version
@@ -198,9 +231,7 @@ def flatten(state: object, *, root_name: str = "state") -> FlatState:
         root = walker.node(state, root_name, 0)
         walker.finish()
     except RecursionError:
-        raise UnsupportedValueError(
-            f"at key path {root_name}: the state is nested too deeply to save"
-        ) from None
+        raise UnsupportedValueError(f"at key path {root_name}: the state is nested too deeply to save") from None
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -331,13 +362,9 @@ class _Walker:
 
     def _enter(self, x: object, path: str, depth: int) -> None:
         if depth >= MAX_DEPTH:
-            raise UnsupportedValueError(
-                f"at key path {path}: containers nested deeper than {MAX_DEPTH} levels"
-            )
+            raise UnsupportedValueError(f"at key path {path}: containers nested deeper than {MAX_DEPTH} levels")
         if id(x) in self._on_path:
-            raise UnsupportedValueError(
-                f"at key path {path}: cyclic reference (a container that contains itself)"
-            )
+            raise UnsupportedValueError(f"at key path {path}: cyclic reference (a container that contains itself)")
         self._on_path.add(id(x))
 
     def _mapping(self, x: dict[Any, Any], path: str, depth: int, tag: str) -> dict[str, Any]:
@@ -454,8 +481,16 @@ class _Walker:
             version = None
         self.records.append(
             TensorRecord(
-                path, "torch", name, list(canonical[0]), list(canonical[1]), len(self.blobs), 0,
-                "cpu" if cpu else str(x.device), x.requires_grad, type(x) is _Parameter,
+                path,
+                "torch",
+                name,
+                list(canonical[0]),
+                list(canonical[1]),
+                len(self.blobs),
+                0,
+                "cpu" if cpu else str(x.device),
+                x.requires_grad,
+                type(x) is _Parameter,
             )
         )
         self.blobs.append(Blob(data, x, version, numel * _ITEMSIZE[name]))
@@ -466,8 +501,7 @@ class _Walker:
             raise _unsupported(path, a, f"numpy dtype {dt}; use a numeric, bool, datetime or string dtype")
         shape, stride = _canonical(a.shape)
         self.records.append(
-            TensorRecord(path, "numpy", dt.str, list(shape), list(stride), len(self.blobs), 0,
-                         "cpu", False, False)
+            TensorRecord(path, "numpy", dt.str, list(shape), list(stride), len(self.blobs), 0, "cpu", False, False)
         )
         self.blobs.append(Blob(np.ascontiguousarray(a).reshape(-1).view(_U8), a, None))
 
@@ -500,8 +534,15 @@ class _Walker:
         self.blobs[blob] = Blob(raw.cpu().numpy(), owner, version)
         for (i, t, path), start in zip(group, starts, strict=True):
             self.records[i] = TensorRecord(
-                path, "torch", _TORCH_DTYPE_NAME[t.dtype], list(t.shape), list(t.stride()),
-                blob, start - lo, "cpu" if t.is_cpu else str(t.device), t.requires_grad,
+                path,
+                "torch",
+                _TORCH_DTYPE_NAME[t.dtype],
+                list(t.shape),
+                list(t.stride()),
+                blob,
+                start - lo,
+                "cpu" if t.is_cpu else str(t.device),
+                t.requires_grad,
                 type(t) is _Parameter,
             )
 
@@ -592,8 +633,16 @@ def dtype_itemsize(kind: str, dtype: str) -> int:
 
 
 _RECORD_FIELDS = (
-    "key_path", "kind", "dtype", "shape", "stride", "blob", "offset_bytes", "device",
-    "requires_grad", "is_parameter",
+    "key_path",
+    "kind",
+    "dtype",
+    "shape",
+    "stride",
+    "blob",
+    "offset_bytes",
+    "device",
+    "requires_grad",
+    "is_parameter",
 )
 
 
@@ -606,9 +655,16 @@ def records_to_json(records: list[TensorRecord]) -> list[dict[str, Any]]:
     """
     return [
         {
-            "key_path": r.key_path, "kind": r.kind, "dtype": r.dtype, "shape": r.shape,
-            "stride": r.stride, "blob": r.blob, "offset_bytes": r.offset_bytes,
-            "device": r.device, "requires_grad": r.requires_grad, "is_parameter": r.is_parameter,
+            "key_path": r.key_path,
+            "kind": r.kind,
+            "dtype": r.dtype,
+            "shape": r.shape,
+            "stride": r.stride,
+            "blob": r.blob,
+            "offset_bytes": r.offset_bytes,
+            "device": r.device,
+            "requires_grad": r.requires_grad,
+            "is_parameter": r.is_parameter,
         }
         for r in records
     ]
@@ -679,9 +735,7 @@ def _record_from_json(i: int, item: object) -> TensorRecord:
         d = TORCH_DTYPES[dtype]
         if requires_grad and not (d.is_floating_point or d.is_complex):
             raise bad(f"requires_grad is set on a {dtype} tensor")
-    return TensorRecord(
-        key_path, kind, dtype, shape, stride, blob, offset_bytes, device, requires_grad, is_parameter
-    )
+    return TensorRecord(key_path, kind, dtype, shape, stride, blob, offset_bytes, device, requires_grad, is_parameter)
 
 
 # ----------------------------------------------------------------------------- materialize
@@ -700,8 +754,13 @@ def materialize(records: list[TensorRecord], blob_buffers: list[torch.Tensor]) -
     """
     bufs = list(blob_buffers)
     for b, buf in enumerate(bufs):
-        if not (isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.dim() == 1
-                and buf.is_cpu and buf.is_contiguous()):
+        if not (
+            isinstance(buf, torch.Tensor)
+            and buf.dtype == torch.uint8
+            and buf.dim() == 1
+            and buf.is_cpu
+            and buf.is_contiguous()
+        ):
             raise ValueError(f"blob buffer {b} must be a 1-D contiguous uint8 CPU tensor")
     # view(dtype) needs the byte offset in the storage to be a multiple of the itemsize;
     # realign a whole blob at once so that its records still share one storage.
@@ -921,9 +980,7 @@ class _Builder:
                 raise _SpecError("'v' must be a list")
             self._deeper(depth)
             return tuple(self.key(v, depth + 1) for v in values)
-        raise _SpecError(
-            "a dict key must be a string, boolean, null, or an int, float, bytes, dtype or tuple node"
-        )
+        raise _SpecError("a dict key must be a string, boolean, null, or an int, float, bytes, dtype or tuple node")
 
     def leaf(self, node: dict[str, Any], tag: object) -> object:
         if tag == "int":
@@ -939,8 +996,10 @@ class _Builder:
             return _dec_dtype(*_fields(node, "v"))
         if tag == "size":
             (v,) = _fields(node, "v")
-            if type(v) is not list or len(v) > _MAX_DIMS or not all(
-                type(n) is int and -_MAX_EXTENT <= n < _MAX_EXTENT for n in v
+            if (
+                type(v) is not list
+                or len(v) > _MAX_DIMS
+                or not all(type(n) is int and -_MAX_EXTENT <= n < _MAX_EXTENT for n in v)
             ):
                 raise _SpecError("a size must be a list of at most 64 integers")
             return torch.Size(v)
@@ -977,13 +1036,13 @@ class _Builder:
         if not (
             type(fields) is list
             and len(fields) == len(values) <= _MAX_FIELDS
-            and all(type(f) is str and f.isidentifier() and not f.startswith("_")
-                    and not keyword.iskeyword(f) for f in fields)
+            and all(
+                type(f) is str and f.isidentifier() and not f.startswith("_") and not keyword.iskeyword(f)
+                for f in fields
+            )
             and len(set(fields)) == len(fields)
         ):
-            raise _SpecError(
-                f"namedtuple 'fields' must be at most {_MAX_FIELDS} distinct identifiers, one per value"
-            )
+            raise _SpecError(f"namedtuple 'fields' must be at most {_MAX_FIELDS} distinct identifiers, one per value")
         key = (module, name, tuple(fields))
         cls = self._ntuples.get(key)
         if cls is None:

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import CorruptCheckpointError
@@ -35,6 +35,7 @@ MANIFEST_NAME = "manifest.json"
 #: A manifest larger than this is refused before parsing (a hostile file could be huge).
 MAX_MANIFEST_BYTES = 1 << 30
 
+_SHARD_NAME = re.compile(r"^shard-\d{5}$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
@@ -77,6 +78,8 @@ class Manifest:
     tensors: list[TensorRecord]
     tree: dict[str, Any]
     extra: dict[str, Any]
+    #: Sub-directories holding one shard each (a sharded save); empty otherwise.
+    shards: list[str] = field(default_factory=list)
 
     def file_path(self, root: str, entry: FileEntry) -> str:
         """Where `entry` lives, for a checkpoint directory `root`."""
@@ -98,6 +101,7 @@ def build(
     tensors: list[dict[str, Any]],
     tree: dict[str, Any],
     extra: dict[str, Any] | None = None,
+    shards: list[str] | None = None,
 ) -> bytes:
     """Serialises a manifest (the inverse of :func:`parse`)."""
     doc = {
@@ -117,6 +121,8 @@ def build(
         "tree": tree,
         "extra": extra or {},
     }
+    if shards:
+        doc["shards"] = shards
     return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
 
 
@@ -189,6 +195,11 @@ def parse(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
     extra = doc.get("extra", {})
     if not isinstance(extra, dict):
         raise CorruptCheckpointError(f"{where}: extra must be an object")
+    shards = doc.get("shards", [])
+    if not isinstance(shards, list) or not all(isinstance(n, str) and _SHARD_NAME.match(n) for n in shards):
+        raise CorruptCheckpointError(f"{where}: shards must be a list of names like 'shard-00000'")
+    if len(set(shards)) != len(shards):
+        raise CorruptCheckpointError(f"{where}: a shard is listed twice")
     strings = {k: doc.get(k, "") for k in ("checkpoint_id", "created", "library_version")}
     if not all(isinstance(v, str) for v in strings.values()):
         raise CorruptCheckpointError(f"{where}: checkpoint_id, created and library_version must be strings")
@@ -206,6 +217,7 @@ def parse(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
         tensors=tensors,
         tree=tree,
         extra=extra,
+        shards=shards,
     )
 
 

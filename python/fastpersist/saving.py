@@ -1,4 +1,4 @@
-"""One save, start to commit: flatten, plan, stage and write (in Rust), check, commit.
+"""One process's part of a save: flatten, plan, stage and write (in Rust), check, commit.
 
 The commit protocol (docs/format.md): data files go into a fresh temporary directory beside the
 target (and into fresh per-checkpoint directories under each stripe); the Rust job fsyncs them;
@@ -6,6 +6,10 @@ the manifest is written and fsynced last; the temporary directory is atomically 
 the target (``renameat2``), and the parent directory fsynced. A reader therefore sees the old
 checkpoint or the new one, never a mix; a crash at any point leaves the old one intact plus a
 ``.NAME.fptmp-*`` leftover that carries no manifest at the target path.
+
+A single-process save is one :class:`SaveJob` that owns the temporary directory and commits.
+In a process group (``distributed.py``) every rank runs a :class:`SaveJob` for its share, and
+the rank that owns the temporary directory writes the manifest and commits for all.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import threading
 import time
 import uuid
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from . import _core
@@ -26,7 +31,7 @@ from .errors import SaveCancelledError
 from .flatten import FlatState, flatten, records_to_json
 from .manifest import MANIFEST_NAME, FileEntry, build, read_manifest
 
-__all__ = ["SaveJob", "pool_for"]
+__all__ = ["Layout", "SaveJob", "pool_for", "remove_checkpoint_tree", "single_layout"]
 
 log = logging.getLogger("fastpersist")
 
@@ -56,7 +61,7 @@ def _warn_fallback_once(reason: str | None) -> None:
         warnings.warn(reason, RuntimeWarning, stacklevel=4)
 
 
-def _check_target(path: str) -> None:
+def check_target(path: str) -> None:
     """Refuses to replace anything but a fastpersist checkpoint (or an empty directory)."""
     if not os.path.lexists(path):
         return
@@ -66,71 +71,144 @@ def _check_target(path: str) -> None:
     raise FileExistsError(17, "exists and is not a fastpersist checkpoint; refusing to replace it", path)
 
 
-class SaveJob:
-    """A save in progress. Not public: :class:`SaveFuture` and :func:`save` drive it."""
+def tmp_dir_for(path: str, checkpoint_id: str) -> str:
+    parent, name = os.path.split(path)
+    return os.path.join(parent, f".{name}{TMP_MARKER}{checkpoint_id[:12]}")
 
-    def __init__(self, state: object, path: str | os.PathLike[str], config: Config, *, background: bool) -> None:
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this process's share of a save goes.
+
+    Attributes:
+        checkpoint_id: the save's random id (the same on every rank of a group).
+        tmp_dir: the temporary checkpoint directory, renamed to the target at commit.
+        data_dir: where this process's data files go when there are no stripes.
+        writer: this process's writer index, or None when it writes no data.
+        writer_count: writers in the plan.
+        owner: this process creates `tmp_dir` and commits it.
+        tag: distinguishes this process's stripe directories from other ranks' ("" alone).
+    """
+
+    checkpoint_id: str
+    tmp_dir: str
+    data_dir: str
+    writer: int | None
+    writer_count: int
+    owner: bool
+    tag: str = ""
+
+
+def single_layout(path: str) -> Layout:
+    checkpoint_id = uuid.uuid4().hex
+    tmp = tmp_dir_for(path, checkpoint_id)
+    return Layout(checkpoint_id, tmp, tmp, 0, 1, True)
+
+
+@dataclass
+class Written:
+    """What this process wrote: its files (stripe = local index) and its stripe directories."""
+
+    entries: list[FileEntry]
+    stripe_dirs: list[str]
+    report: dict[str, Any]
+
+
+class SaveJob:
+    """This process's share of a save. Not public: :class:`SaveFuture`, :func:`save` and the
+    group protocol drive it."""
+
+    def __init__(
+        self,
+        state: object,
+        path: str | os.PathLike[str],
+        config: Config,
+        *,
+        background: bool,
+        layout: Layout | None = None,
+    ) -> None:
         self.started = time.perf_counter()
         self.path = os.path.abspath(os.fspath(path))
         self.config = config
-        _check_target(self.path)
+        self.layout = layout = layout or single_layout(self.path)
+        self.committed = False
+        self.handle: Any = None
+        self._created: list[str] = []
+        if layout.owner:
+            check_target(self.path)
         flat = flatten(state)
         self._flat: FlatState | None = flat
-        self.checkpoint_id = uuid.uuid4().hex
-        parent, name = os.path.split(self.path)
-        self.tmp_dir = os.path.join(parent, f".{name}{TMP_MARKER}{self.checkpoint_id[:12]}")
+        name = os.path.basename(self.path)
         stripe_roots = list(config.stripes or [])
-        self.stripe_dirs = [os.path.join(r, f"{name}.{self.checkpoint_id[:12]}{STRIPE_SUFFIX}") for r in stripe_roots]
-        self.plan = _core.Plan([b.nbytes for b in flat.blobs], 1, max(1, len(stripe_roots)), config.chunk_bytes)
+        self.stripe_dirs = [
+            os.path.join(r, f"{name}.{layout.checkpoint_id[:12]}{layout.tag}{STRIPE_SUFFIX}") for r in stripe_roots
+        ]
+        self.plan = _core.Plan(
+            [b.nbytes for b in flat.blobs], layout.writer_count, max(1, len(stripe_roots)), config.chunk_bytes
+        )
         self.tensor_json = records_to_json(flat.tensors)
-        self._tree = flat.spec
-        self._blob_lengths = [b.nbytes for b in flat.blobs]
-        self.committed = False
-        self.blob_owner = {}
+        self.tree = flat.spec
+        self.blob_lengths = [b.nbytes for b in flat.blobs]
+        self.blob_owner: dict[int, str] = {}
         for rec in flat.tensors:
             self.blob_owner.setdefault(rec.blob, rec.key_path)
         self._mutation_lock = threading.Lock()
         self._mutation_checked = False
-        self.stripe_dirs_used: list[str] = []
-        os.mkdir(self.tmp_dir)
+        self.my_parts = [p for p in self.plan.parts if p[0] == layout.writer]
         try:
-            used_stripes = {stripe for _w, stripe, _o, _n in self.plan.parts} if stripe_roots else set()
-            self.stripe_dirs_used = [d for i, d in enumerate(self.stripe_dirs) if i in used_stripes]
+            if layout.owner:
+                # In a group the owner made it already, before the others could write into it.
+                if not os.path.isdir(layout.tmp_dir):
+                    os.mkdir(layout.tmp_dir)
+                self._created.append(layout.tmp_dir)
+            if layout.data_dir != layout.tmp_dir:
+                os.mkdir(layout.data_dir)
+                self._created.append(layout.data_dir)
+            self.stripe_dirs_used = sorted({self.stripe_dirs[p[1]] for p in self.my_parts} if stripe_roots else set())
             for d in self.stripe_dirs_used:
                 os.mkdir(d)
+                self._created.append(d)
             self.part_names: list[tuple[int | None, str]] = []
             paths = []
-            for _writer, stripe, _offset, _length in self.plan.parts:
-                fname = f"data-w{_writer}-s{stripe}.bin"
+            for writer, stripe, _offset, _length in self.my_parts:
+                fname = f"data-w{writer}-s{stripe}.bin"
                 if stripe_roots:
                     self.part_names.append((stripe, fname))
                     paths.append(os.path.join(self.stripe_dirs[stripe], fname))
                 else:
                     self.part_names.append((None, fname))
-                    paths.append(os.path.join(self.tmp_dir, fname))
-            self.handle = _core.start_write(
-                self.plan,
-                0,
-                paths,
-                [b.data for b in flat.blobs],
-                pool_for(config),
-                backend=config.backend,
-                direct_io=config.direct_io,
-                queue_depth=config.queue_depth,
-                checksum=config.checksum == "crc32c",
-                durable=config.durable,
-                background=background,
-            )
+                    paths.append(os.path.join(layout.data_dir, fname))
+            if self.my_parts:
+                self.handle = _core.start_write(
+                    self.plan,
+                    layout.writer,
+                    paths,
+                    [b.data for b in flat.blobs],
+                    pool_for(config),
+                    backend=config.backend,
+                    direct_io=config.direct_io,
+                    queue_depth=config.queue_depth,
+                    checksum=config.checksum == "crc32c",
+                    durable=config.durable,
+                    background=background,
+                )
+                _warn_fallback_once(self.handle.fallback_reason)
         except BaseException:
             self.discard()
             raise
-        _warn_fallback_once(self.handle.fallback_reason)
+
+    @property
+    def backend(self) -> str:
+        if self.handle is not None:
+            return str(self.handle.backend)
+        return _core.select_backend(self.config.backend)[0]
 
     # -- staging and the mutation guard ------------------------------------------------------
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Returns when the sources may be modified; raises if they were modified too early."""
-        self.handle.wait_staged(timeout)
+        if self.handle is not None:
+            self.handle.wait_staged(timeout)
         self.check_mutation()
 
     def check_mutation(self) -> None:
@@ -144,7 +222,7 @@ class SaveJob:
                 return
             self._mutation_checked = True
             flat, self._flat = self._flat, None  # drop references to the user's tensors
-        if flat is None:
+        if flat is None or self.handle is None:
             return
         for index, blob in enumerate(flat.blobs):
             if blob.version is None:
@@ -159,85 +237,97 @@ class SaveJob:
                     "previous one is untouched."
                 )
 
-    # -- commit ------------------------------------------------------------------------------
+    # -- the pieces of a commit --------------------------------------------------------------
 
-    def finish(self, timeout: float | None = None) -> SaveResult:
-        """Waits for the data, checks sources, writes the manifest and commits atomically."""
-        try:
+    def wait_written(self, timeout: float | None = None) -> Written:
+        """Waits until this process's files are written (and durable), after the mutation check."""
+        report: dict[str, Any] = {"parts": [], "bytes_written": 0, "staged_seconds": 0.0}
+        if self.handle is not None:
             report = self.handle.wait(timeout)
-            self.check_mutation()
-            self._commit(report)
-        except BaseException:
-            self.discard()
-            raise
+        self.check_mutation()
+        entries = [
+            FileEntry(fname, stripe, writer, offset, length, list(part["chunk_crc32c"]))
+            for (stripe, fname), (writer, _s, offset, length), part in zip(
+                self.part_names, self.my_parts, report["parts"], strict=True
+            )
+        ]
+        if self.config.durable:
+            for d in self.stripe_dirs_used:
+                _core.fsync_dir(d)
+                _core.fsync_dir(os.path.dirname(d))
+            if self.layout.data_dir != self.layout.tmp_dir and os.path.isdir(self.layout.data_dir):
+                _core.fsync_dir(self.layout.data_dir)
+        return Written(entries, self.stripe_dirs, report)
+
+    def manifest(self, entries: list[FileEntry], stripes: list[str], extra: dict[str, Any] | None = None) -> bytes:
+        """This job's manifest, listing `entries` (from every writer, stripes indexing `stripes`)."""
+        return build(
+            checkpoint_id=self.layout.checkpoint_id,
+            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            library_version=_core.__version__,
+            chunk_bytes=self.config.chunk_bytes,
+            checksum=self.config.checksum,
+            total_bytes=self.plan.total_bytes,
+            blobs=list(zip(self.plan.extent_offsets, self.blob_lengths, strict=True)),
+            files=entries,
+            stripes=stripes,
+            tensors=self.tensor_json,
+            tree=self.tree,
+            extra=extra,
+        )
+
+    def publish(self, manifest: bytes) -> None:
+        """Owner only: writes the manifest into the temporary directory and commits it atomically."""
+        write_manifest(self.layout.tmp_dir, manifest, durable=self.config.durable)
+        self.commit_tmp()
+
+    def commit_tmp(self) -> None:
+        """Owner only: atomically puts the finished temporary directory at the target path."""
+        assert self.layout.owner
+        check_target(self.path)
+        exchanged = _core.replace_atomically(self.layout.tmp_dir, self.path)
+        self.committed = True
+        if self.config.durable:
+            _core.fsync_dir(os.path.dirname(self.path))
+        if exchanged:
+            remove_checkpoint_tree(self.layout.tmp_dir)
+
+    def result(self, written: Written) -> SaveResult:
         seconds = time.perf_counter() - self.started
-        nbytes = int(report["bytes_written"])
-        staged = report.get("staged_seconds")
+        nbytes = int(written.report["bytes_written"])
+        staged = written.report.get("staged_seconds")
         return SaveResult(
             path=self.path,
             nbytes=nbytes,
             seconds=seconds,
             staged_seconds=float(staged) if staged is not None else seconds,
             gb_per_s=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-            backend=self.handle.backend,
-            files=[p["path"] for p in report["parts"]],
+            backend=self.backend,
+            files=[p["path"] for p in written.report["parts"]],
         )
 
-    def _commit(self, report: dict[str, Any]) -> None:
-        entries = []
-        for (stripe, fname), (writer, _s, offset, length), part in zip(
-            self.part_names, self.plan.parts, report["parts"], strict=True
-        ):
-            entries.append(FileEntry(fname, stripe, writer, offset, length, list(part["chunk_crc32c"])))
-        offsets = self.plan.extent_offsets
-        doc = build(
-            checkpoint_id=self.checkpoint_id,
-            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            library_version=_core.__version__,
-            chunk_bytes=self.config.chunk_bytes,
-            checksum=self.config.checksum,
-            total_bytes=self.plan.total_bytes,
-            blobs=list(zip(offsets, self._blob_lengths, strict=True)),
-            files=entries,
-            stripes=self.stripe_dirs,
-            tensors=self.tensor_json,
-            tree=self._tree,
-        )
-        manifest_path = os.path.join(self.tmp_dir, MANIFEST_NAME)
-        fd = os.open(manifest_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    def finish(self, timeout: float | None = None) -> SaveResult:
+        """Single process: waits for the data, checks sources, writes the manifest, commits."""
         try:
-            view = memoryview(doc)
-            while view:
-                view = view[os.write(fd, view) :]
-            if self.config.durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        if self.config.durable:
-            _core.fsync_dir(self.tmp_dir)
-            for d in self.stripe_dirs_used:
-                _core.fsync_dir(d)
-                _core.fsync_dir(os.path.dirname(d))
-        _check_target(self.path)
-        exchanged = _core.replace_atomically(self.tmp_dir, self.path)
-        self.committed = True
-        if self.config.durable:
-            _core.fsync_dir(os.path.dirname(self.path))
-        if exchanged:
-            remove_checkpoint_tree(self.tmp_dir)
+            written = self.wait_written(timeout)
+            self.publish(self.manifest(written.entries, written.stripe_dirs))
+        except BaseException:
+            self.discard()
+            raise
+        return self.result(written)
 
     def discard(self) -> None:
-        """Removes everything this job created (it was never committed)."""
-        self.handle_cancel_quietly()
+        """Removes what this process created for a save that did not commit."""
+        self.cancel_quietly()
         if self.committed:
             # The new checkpoint is in place; only the old tree (exchanged to tmp_dir) remains.
-            remove_checkpoint_tree(self.tmp_dir)
+            remove_checkpoint_tree(self.layout.tmp_dir)
             return
-        for d in [self.tmp_dir, *self.stripe_dirs]:
+        for d in reversed(self._created):
             shutil.rmtree(d, ignore_errors=True)
 
-    def handle_cancel_quietly(self) -> None:
-        handle = getattr(self, "handle", None)
+    def cancel_quietly(self) -> None:
+        handle = self.handle
         if handle is not None and not handle.done():
             handle.cancel()
             try:
@@ -246,13 +336,35 @@ class SaveJob:
                 pass
 
 
-def remove_checkpoint_tree(root: str) -> None:
-    """Deletes a checkpoint directory and the stripe directories its manifest names."""
+def write_manifest(directory: str, manifest: bytes, *, durable: bool) -> None:
+    """Writes `manifest` as ``directory/manifest.json`` (new file), fsyncing it and the directory."""
+    fd = os.open(os.path.join(directory, MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        stripes = read_manifest(root).stripes
+        view = memoryview(manifest)
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    if durable:
+        _core.fsync_dir(directory)
+
+
+def remove_checkpoint_tree(root: str) -> None:
+    """Deletes a checkpoint directory and the stripe directories its manifest (or its shards') names."""
+    try:
+        manifest = read_manifest(root)
     except Exception:
-        stripes = []
-    for d in stripes:
-        if d.endswith(STRIPE_SUFFIX):
-            shutil.rmtree(d, ignore_errors=True)
+        manifest = None
+    if manifest is not None:
+        stripes = list(manifest.stripes)
+        for shard in manifest.shards:
+            try:
+                stripes.extend(read_manifest(os.path.join(root, shard)).stripes)
+            except Exception:
+                pass
+        for d in stripes:
+            if d.endswith(STRIPE_SUFFIX):
+                shutil.rmtree(d, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)

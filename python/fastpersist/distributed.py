@@ -1,0 +1,337 @@
+"""Saves across a ``torch.distributed`` process group (DESIGN.md §5).
+
+**Replicated** state (DDP, or the data-parallel copies of a model-parallel shard): the logical
+byte stream is split at chunk granularity into near-equal ranges, one per writer rank; each
+writer stages and writes only its range, into its own stripe directories. **Sharded** state
+(FSDP/ZeRO: each rank's state differs): each rank writes its whole state as shard
+``shard-{rank:05d}`` of the checkpoint.
+
+The commit protocol runs over a private gloo group whose operations time out after
+``Config.timeout_s``:
+
+A. rank 0 checks the target, creates the temporary directory and broadcasts the save's id (or
+   its error, so every rank fails at once);
+B. every rank writes its share (and, sharded, its shard manifest); a failure is caught, not
+   raised yet;
+C. all ranks exchange a status: files and checksums, or the error. If any rank failed, or one
+   does not answer within the timeout (killed, hung), every rank cleans up and raises;
+D. rank 0 writes the manifest and commits atomically; it broadcasts the outcome, so every rank
+   returns only once the checkpoint is committed (or raises if it was not).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from .config import Config, SaveResult
+from .errors import FastPersistError
+from .manifest import FileEntry, build
+from .saving import Layout, SaveJob, check_target, tmp_dir_for, write_manifest
+
+__all__ = ["GroupSaveError", "GroupSaveJob", "group_rank_and_size", "writer_map"]
+
+T = TypeVar("T")
+
+
+class GroupSaveError(FastPersistError):
+    """A save in a process group failed on some rank, or a rank stopped answering; nothing was committed."""
+
+
+class _Control:
+    """A private gloo group with the save's timeout, for the protocol's small messages."""
+
+    def __init__(self, group: Any, timeout_s: float) -> None:
+        ranks = dist.get_process_group_ranks(group)
+        self.pg = dist.new_group(
+            ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
+        )
+        self.rank = dist.get_rank(self.pg)
+        self.size = dist.get_world_size(self.pg)
+        self.timeout_s = timeout_s
+        self.hosts: list[str] = self.all_gather(socket.gethostname())
+
+    def all_gather(self, obj: T) -> list[T]:
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        box = [obj]
+        dist.broadcast_object_list(box, group=self.pg, group_src=0)
+        return box[0]  # type: ignore[no-any-return]
+
+
+_controls: dict[tuple[int, float], _Control] = {}
+_controls_lock = threading.Lock()
+
+
+def _control_for(group: Any, timeout_s: float) -> _Control:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group= needs an initialised torch.distributed process group (dist.init_process_group)")
+    group = dist.group.WORLD if group is None else group
+    key = (id(group), float(timeout_s))
+    with _controls_lock:
+        control = _controls.get(key)
+    if control is None:
+        control = _Control(group, timeout_s)
+        with _controls_lock:
+            _controls[key] = control
+    return control
+
+
+def _forget(control: _Control) -> None:
+    """Drops a control group after a failed collective (its state is no longer trustworthy)."""
+    with _controls_lock:
+        for key, value in list(_controls.items()):
+            if value is control:
+                del _controls[key]
+
+
+def group_rank_and_size(group: Any) -> tuple[int, int]:
+    """This process's rank in `group` (None = the default group) and the group's size."""
+    group = dist.group.WORLD if group is None else group
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def writer_map(hosts: list[str], writers: str | int) -> dict[int, int]:
+    """Maps group rank -> writer index for ``Config.writers``, given each rank's host name.
+
+    ``"rank"``: every rank writes; ``"node"``: the lowest rank of each host; ``k``: the ``k``
+    lowest ranks of each host. Writer indices follow rank order.
+
+    Example:
+        >>> writer_map(["a", "a", "b", "b"], "node")
+        {0: 0, 2: 1}
+    """
+    if writers == "rank":
+        chosen = list(range(len(hosts)))
+    else:
+        per_host = 1 if writers == "node" else int(writers)
+        seen: dict[str, int] = {}
+        chosen = []
+        for rank, host in enumerate(hosts):
+            if seen.get(host, 0) < per_host:
+                seen[host] = seen.get(host, 0) + 1
+                chosen.append(rank)
+    return {rank: index for index, rank in enumerate(chosen)}
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+class GroupSaveJob:
+    """One rank's side of a group save; the same interface as :class:`SaveJob` for SaveFuture."""
+
+    def __init__(
+        self,
+        state: object,
+        path: str | os.PathLike[str],
+        config: Config,
+        group: Any,
+        *,
+        sharded: bool,
+        background: bool,
+    ) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.config = config
+        self.sharded = sharded
+        self.control = _control_for(group, config.timeout_s)
+        self.rank = self.control.rank
+        self.job: SaveJob | None = None
+        self.start_error: BaseException | None = None
+        own_error: BaseException | None = None
+        start: tuple[str, str, str] | None = None
+        if self.rank == 0:
+            try:
+                check_target(self.path)
+                checkpoint_id = uuid.uuid4().hex
+                tmp = tmp_dir_for(self.path, checkpoint_id)
+                os.mkdir(tmp)
+                start = ("ok", checkpoint_id, tmp)
+            except Exception as e:
+                own_error = e
+                start = ("error", _describe(e), "")
+        start = self._collective("start the save", lambda: self.control.broadcast(start))
+        assert start is not None
+        if start[0] == "error":
+            if own_error is not None:
+                raise own_error
+            raise GroupSaveError(f"rank 0 could not start the save of {self.path}: {start[1]}")
+        checkpoint_id, tmp = start[1], start[2]
+        if sharded:
+            self.writer = 0
+            layout = Layout(
+                checkpoint_id,
+                tmp,
+                os.path.join(tmp, self.shard_name(self.rank)),
+                0,
+                1,
+                self.rank == 0,
+                f".r{self.rank}",
+            )
+        else:
+            writers = writer_map(self.control.hosts, config.writers)
+            self.writer = writers.get(self.rank)  # type: ignore[assignment]
+            layout = Layout(
+                checkpoint_id,
+                tmp,
+                tmp,
+                self.writer,
+                len(writers),
+                self.rank == 0,
+                f".w{self.writer}" if self.writer is not None else "",
+            )
+        self.layout = layout
+        try:
+            self.job = SaveJob(state, self.path, config, background=background, layout=layout)
+        except BaseException as e:  # reported to the group in finish(); wait_staged re-raises it
+            self.start_error = e
+
+    @staticmethod
+    def shard_name(rank: int) -> str:
+        return f"shard-{rank:05d}"
+
+    def _collective(self, what: str, op: Callable[[], T]) -> T:
+        try:
+            return op()
+        except Exception as e:
+            _forget(self.control)
+            raise GroupSaveError(
+                f"rank {self.rank}: the process group stopped answering while trying to {what} for {self.path} "
+                f"(a rank failed, was killed, or took longer than timeout_s={self.config.timeout_s}): {e}. "
+                "Nothing was committed by this rank."
+            ) from e
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        if self.start_error is not None:
+            raise self.start_error
+        assert self.job is not None
+        self.job.wait_staged(timeout)
+
+    def _discard_local(self) -> None:
+        if self.job is not None:
+            self.job.discard()
+
+    def finish(self, timeout: float | None = None) -> SaveResult:
+        local_error = self.start_error
+        written = None
+        if self.job is not None and local_error is None:
+            try:
+                written = self.job.wait_written(timeout)
+                if self.sharded:
+                    doc = self.job.manifest(written.entries, written.stripe_dirs)
+                    write_manifest(self.layout.data_dir, doc, durable=self.config.durable)
+            except BaseException as e:
+                local_error = e
+        if local_error is not None or written is None or self.job is None:
+            status: tuple[Any, ...] = ("error", self.rank, _describe(local_error or RuntimeError("no job")))
+        else:
+            status = (
+                "ok",
+                self.rank,
+                self.writer,
+                [e.to_json() for e in written.entries],
+                written.stripe_dirs,
+                self.job.plan.total_bytes,
+                len(self.job.tensor_json),
+            )
+        try:
+            statuses = self._collective("exchange write results", lambda: self.control.all_gather(status))
+        except GroupSaveError:
+            self._discard_local()
+            raise
+        failures = [s for s in statuses if s[0] == "error"]
+        if not failures and not self.sharded and len({(s[5], s[6]) for s in statuses}) > 1:
+            failures = [
+                (
+                    "error",
+                    -1,
+                    "the state differs between ranks (sizes or tensor counts); pass sharded=True "
+                    "if each rank holds its own shard",
+                )
+            ]
+        if failures:
+            self._discard_local()
+            if local_error is not None:
+                raise local_error
+            detail = "; ".join(f"rank {s[1]}: {s[2]}" for s in failures)
+            raise GroupSaveError(f"the save of {self.path} failed ({detail}); nothing was committed")
+        assert self.job is not None and written is not None
+        outcome: tuple[str, str] | None = None
+        if self.rank == 0:
+            try:
+                self._commit(statuses)
+                outcome = ("ok", "")
+            except BaseException as e:
+                outcome = ("error", _describe(e))
+                self.job.discard()
+        try:
+            outcome = self._collective("learn whether rank 0 committed", lambda: self.control.broadcast(outcome))
+        except GroupSaveError:
+            if self.rank != 0:
+                self._discard_local()
+            raise
+        assert outcome is not None
+        if outcome[0] == "error":
+            self._discard_local()
+            raise GroupSaveError(f"rank 0 could not commit {self.path}: {outcome[1]}")
+        return self.job.result(written)
+
+    def _commit(self, statuses: list[tuple[Any, ...]]) -> None:
+        assert self.job is not None
+        if self.sharded:
+            doc = build(
+                checkpoint_id=self.layout.checkpoint_id,
+                created=_now(),
+                library_version=_version(),
+                chunk_bytes=self.config.chunk_bytes,
+                checksum=self.config.checksum,
+                total_bytes=0,
+                blobs=[],
+                files=[],
+                stripes=[],
+                tensors=[],
+                tree={"spec_version": 1, "root": None},
+                shards=[self.shard_name(s[1]) for s in statuses],
+            )
+            self.job.publish(doc)
+            return
+        stripes: list[str] = []
+        entries: list[FileEntry] = []
+        for s in sorted((s for s in statuses if s[2] is not None), key=lambda s: s[2]):
+            base = len(stripes)
+            stripes.extend(s[4])
+            for item in s[3]:
+                stripe = None if item["stripe"] is None else base + item["stripe"]
+                entries.append(
+                    FileEntry(
+                        item["name"],
+                        stripe,
+                        item["writer"],
+                        item["stream_offset_bytes"],
+                        item["len_bytes"],
+                        item["chunk_crc32c"],
+                    )
+                )
+        self.job.publish(self.job.manifest(entries, stripes))
+
+
+def _now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _version() -> str:
+    from . import _core
+
+    return _core.__version__

@@ -1,0 +1,182 @@
+"""Code that runs inside each rank of the distributed tests (spawned processes, gloo backend)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fastpersist as fp
+
+
+def make_state(seed: int, tensors: int = 12) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    emb = torch.randn(300, 64, generator=gen)
+    return {
+        "model": {f"layer{i}.weight": torch.randn(64 + i, 97, generator=gen) for i in range(tensors)}
+        | {"emb": emb, "head": emb},
+        "opt": {"state": {i: {"exp_avg": torch.randn(500, generator=gen)} for i in range(4)}, "lr": 0.1},
+        "step": seed,
+    }
+
+
+def same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def run(rank: int, world: int, init_file: str, scenario: str, workdir: str, backend: str) -> None:
+    """Entry point of each spawned rank; writes result-{rank}.json (or error-{rank}.txt)."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        result = SCENARIOS[scenario](rank, world, workdir, backend)
+        with open(os.path.join(workdir, f"result-{rank}.json"), "w") as f:
+            json.dump(result, f)
+    except BaseException:
+        with open(os.path.join(workdir, f"error-{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if scenario != "killed_rank":
+            dist.destroy_process_group()
+
+
+def replicated(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    state = make_state(7)
+    stripes = [os.path.join(workdir, f"rank{rank}-ssd{i}") for i in range(2)]  # differ per rank
+    for d in stripes:
+        os.makedirs(d, exist_ok=True)
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, stripes=stripes)
+    path = os.path.join(workdir, "ckpt")
+    res = fp.save(state, path, config=cfg, group=dist.group.WORLD)
+    loaded = fp.load(path, group=dist.group.WORLD)
+    # An async save through the same group, then a Checkpointer in the group.
+    fut = fp.save_async(make_state(8), os.path.join(workdir, "ckpt-async"), config=cfg, group=dist.group.WORLD)
+    fut.wait_staged()
+    fut.wait()
+    ck = fp.Checkpointer(os.path.join(workdir, "run"), keep=2, group=dist.group.WORLD)
+    for step in range(3):
+        ck.save(step, make_state(step))
+    ck.wait()
+    dist.barrier()
+    return {
+        "nbytes": res.nbytes,
+        "files": res.files,
+        "same": same(state, loaded),
+        "async_same": same(make_state(8), fp.load(os.path.join(workdir, "ckpt-async"))),
+        "latest": ck.latest(),
+        "ck_same": same(make_state(2), ck.load()),
+    }
+
+
+def writers_node(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, writers="node")
+    res = fp.save(make_state(3), os.path.join(workdir, "node"), config=cfg, group=dist.group.WORLD)
+    return {"nbytes": res.nbytes}
+
+
+def sharded(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    mine = make_state(100 + rank, tensors=3 + rank)  # shapes differ per rank
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10)
+    path = os.path.join(workdir, "sharded")
+    fp.save(mine, path, config=cfg, group=dist.group.WORLD, sharded=True)
+    return {"same": same(mine, fp.load(path, group=dist.group.WORLD))}
+
+
+def _previous_then(
+    rank: int, workdir: str, backend: str, timeout_s: float, bad: Callable[[int], Any]
+) -> dict[str, Any]:
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, timeout_s=timeout_s)
+    path = os.path.join(workdir, "ckpt")
+    fp.save(make_state(1), path, config=fp.Config(chunk_bytes=64 << 10), group=dist.group.WORLD)
+    started = time.monotonic()
+    try:
+        fp.save(bad(rank), path, config=cfg, group=dist.group.WORLD)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = ""
+    elapsed = time.monotonic() - started
+    return {"error": error, "elapsed": elapsed, "previous_ok": same(make_state(1), fp.load(path))}
+
+
+def failing_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    def bad(r: int) -> Any:
+        state = make_state(2)
+        if r == 1:
+            state["oops"] = object()  # rank 1 fails while flattening
+        return state
+
+    return _previous_then(rank, workdir, backend, 30.0, bad)
+
+
+def killed_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, timeout_s=5.0)
+    path = os.path.join(workdir, "ckpt")
+    fp.save(make_state(1), path, config=cfg, group=dist.group.WORLD)
+    started = time.monotonic()
+    fut = fp.save_async(make_state(2), path, config=cfg, group=dist.group.WORLD)
+    if rank == 1:
+        os._exit(3)  # killed mid-save
+    try:
+        fut.wait()
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = ""
+    return {"error": error, "elapsed": time.monotonic() - started, "previous_ok": same(make_state(1), fp.load(path))}
+
+
+def hung_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    if rank == 1:  # rank 1 stalls inside its share of the save, longer than the timeout
+        from fastpersist.saving import SaveJob
+
+        original = SaveJob.wait_written
+
+        def stalled(self: SaveJob, timeout: float | None = None) -> Any:
+            time.sleep(7)
+            return original(self, timeout)
+
+        SaveJob.wait_written = stalled  # type: ignore[method-assign]
+
+    def unchanged(r: int) -> Any:
+        return make_state(2)
+
+    return _previous_then(rank, workdir, backend, 3.0, unchanged)
+
+
+def enospc_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    small = os.path.join(workdir, "tiny")  # a 1 MiB tmpfs mounted by the test for rank 1
+    cfg_for = {0: [os.path.join(workdir, "big")], 1: [small]}
+    os.makedirs(cfg_for[0][0], exist_ok=True)
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, stripes=cfg_for[rank], timeout_s=30.0)
+    path = os.path.join(workdir, "ckpt")
+    fp.save({"w": torch.zeros(10)}, path, config=cfg, group=dist.group.WORLD)
+    started = time.monotonic()
+    try:
+        fp.save({"w": torch.randn(4 << 20)}, path, config=cfg, group=dist.group.WORLD)  # 16 MiB: 8 per rank
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = ""
+    return {"error": error, "elapsed": time.monotonic() - started, "previous_ok": fp.load(path)["w"].numel() == 10}
+
+
+SCENARIOS: dict[str, Callable[[int, int, str, str], dict[str, Any]]] = {
+    "replicated": replicated,
+    "writers_node": writers_node,
+    "sharded": sharded,
+    "failing_rank": failing_rank,
+    "killed_rank": killed_rank,
+    "enospc_rank": enospc_rank,
+    "hung_rank": hung_rank,
+}
