@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -272,7 +272,7 @@ def _fill(out: object, tensors: list[object], where: str) -> None:
             with torch.no_grad():
                 dest.copy_(loaded)  # type: ignore[arg-type]
         else:
-            dest[...] = loaded
+            cast(Any, dest)[...] = loaded
 
 
 def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:

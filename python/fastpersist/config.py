@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 __all__ = ["Config", "SaveResult"]
 
@@ -48,11 +49,11 @@ class Config:
     chunk_bytes: int = 8 << 20
     queue_depth: int = 8
     pool_bytes: int = 256 << 20
-    backend: str = "auto"
-    direct_io: str = "auto"
-    checksum: str = "crc32c"
+    backend: Literal["auto", "io_uring", "threads"] = "auto"
+    direct_io: Literal["auto", "require", "off"] = "auto"
+    checksum: Literal["crc32c", "off"] = "crc32c"
     durable: bool = True
-    writers: str | int = "rank"
+    writers: Literal["rank", "node"] | int = "rank"
     timeout_s: float = 600.0
 
     def __post_init__(self) -> None:

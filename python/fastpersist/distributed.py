@@ -27,7 +27,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
@@ -50,8 +50,11 @@ class _Control:
 
     def __init__(self, group: Any, timeout_s: float) -> None:
         ranks = dist.get_process_group_ranks(group)
-        self.pg = dist.new_group(
-            ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
+        self.pg: Any = cast(
+            Any,
+            dist.new_group(
+                ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
+            ),
         )
         self.rank = dist.get_rank(self.pg)
         self.size = dist.get_world_size(self.pg)
@@ -97,8 +100,8 @@ def _forget(control: _Control) -> None:
 
 def group_rank_and_size(group: Any) -> tuple[int, int]:
     """This process's rank in `group` (None = the default group) and the group's size."""
-    group = dist.group.WORLD if group is None else group
-    return dist.get_rank(group), dist.get_world_size(group)
+    pg: Any = dist.group.WORLD if group is None else group
+    return dist.get_rank(pg), dist.get_world_size(pg)
 
 
 def writer_map(hosts: list[str], writers: str | int) -> dict[int, int]:

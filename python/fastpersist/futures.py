@@ -45,7 +45,7 @@ class SaveFuture:
             result = None
         else:
             error = None
-            if self._on_commit is not None:
+            if self._on_commit is not None and result is not None:
                 # Bookkeeping after the commit (retention, index) must not turn a committed
                 # save into a failed one: log instead.
                 try:

@@ -179,6 +179,7 @@ class SaveJob:
                     self.part_names.append((None, fname))
                     paths.append(os.path.join(layout.data_dir, fname))
             if self.my_parts:
+                assert layout.writer is not None
                 self.handle = _core.start_write(
                     self.plan,
                     layout.writer,

@@ -1,6 +1,7 @@
 //! A write job: stage source bytes into pool slots (checksumming each chunk while it is hot)
 //! and drive a backend until every part file holds its range of the logical stream.
 
+use std::collections::VecDeque;
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
@@ -249,6 +250,9 @@ fn open_targets(targets: &[WriteTarget], direct: DirectMode) -> Result<Vec<OpenF
             .custom_flags(flags)
             .open(&target.path)
             .map_err(|e| Error::io("create", &target.path, e))?;
+        // Writes inside the file's size run in parallel on ext4; a full disk fails here.
+        crate::durable::preallocate(&file, target.part.len_bytes)
+            .map_err(|e| Error::io("preallocate", &target.path, e))?;
         files.push(OpenFile {
             file,
             path: target.path.clone(),
@@ -289,6 +293,16 @@ struct Staging<'p> {
     direct: Vec<bool>,
     crcs: Vec<Vec<u32>>,
     progress: &'p JobProgress,
+    /// Chunks staged while the queue was full, in order, waiting for a queue slot.
+    ahead: VecDeque<StagedChunk>,
+}
+
+/// A chunk copied into a pool slot, not yet submitted.
+struct StagedChunk {
+    file: usize,
+    offset_bytes: u64,
+    slot: Slot,
+    logical_bytes: usize,
 }
 
 impl<'p> Staging<'p> {
@@ -316,6 +330,7 @@ impl<'p> Staging<'p> {
             direct: vec![false; targets.len()],
             crcs: Vec::new(),
             progress,
+            ahead: VecDeque::new(),
         };
         // From here an early return drops `staging`, whose Drop releases the sources.
         let mut staging = staging;
@@ -418,31 +433,18 @@ impl Drop for Staging<'_> {
     }
 }
 
-impl<'a> OpSource<'a> for Staging<'_> {
-    fn next_op(&mut self, may_block: bool) -> Result<Next<'a>> {
-        if self.next == self.chunks.len() {
-            self.release_sources();
-            return Ok(Next::Done);
-        }
+impl Staging<'_> {
+    fn check_cancelled(&self) -> Result<()> {
         if self.progress.cancelled.load(Ordering::Relaxed) {
             return Err(Error::Cancelled(
                 "the save was cancelled while staging".into(),
             ));
         }
-        let mut slot = match self.pool.try_acquire() {
-            Some(slot) => slot,
-            None if !may_block => return Ok(Next::NotYet),
-            None => loop {
-                if let Some(slot) = self.pool.acquire_timeout(Duration::from_millis(50)) {
-                    break slot;
-                }
-                if self.progress.cancelled.load(Ordering::Relaxed) {
-                    return Err(Error::Cancelled(
-                        "the save was cancelled while staging".into(),
-                    ));
-                }
-            },
-        };
+        Ok(())
+    }
+
+    /// Stages the next chunk into `slot`.
+    fn stage_next(&mut self, mut slot: Slot) -> StagedChunk {
         let (file, index, chunk) = self.chunks[self.next];
         self.next += 1;
         let crc = self.stage(&mut slot, &chunk);
@@ -451,21 +453,67 @@ impl<'a> OpSource<'a> for Staging<'_> {
             // Everything is in the pool: the caller may modify its tensors from here on.
             self.release_sources();
         }
-        let logical = chunk.len_bytes as usize;
-        let len_bytes = if self.direct[file] {
-            round_up(logical, DIRECT_ALIGN_BYTES)
-        } else {
-            logical
-        };
-        Ok(Next::Op(IoOp {
+        StagedChunk {
             file,
             offset_bytes: chunk.file_offset_bytes,
-            buf: IoBuf::Slot(slot),
+            slot,
+            logical_bytes: chunk.len_bytes as usize,
+        }
+    }
+
+    fn op_for<'a>(&self, staged: StagedChunk) -> IoOp<'a> {
+        let len_bytes = if self.direct[staged.file] {
+            round_up(staged.logical_bytes, DIRECT_ALIGN_BYTES)
+        } else {
+            staged.logical_bytes
+        };
+        IoOp {
+            file: staged.file,
+            offset_bytes: staged.offset_bytes,
+            buf: IoBuf::Slot(staged.slot),
             len_bytes,
             min_bytes: len_bytes,
             done_bytes: 0,
-            tag: logical,
-        }))
+            tag: staged.logical_bytes,
+        }
+    }
+}
+
+impl<'a> OpSource<'a> for Staging<'_> {
+    fn next_op(&mut self, may_block: bool) -> Result<Next<'a>> {
+        if self.ahead.is_empty() && self.next == self.chunks.len() {
+            self.release_sources();
+            return Ok(Next::Done);
+        }
+        self.check_cancelled()?;
+        if let Some(staged) = self.ahead.pop_front() {
+            return Ok(Next::Op(self.op_for(staged)));
+        }
+        let slot = match self.pool.try_acquire() {
+            Some(slot) => slot,
+            None if !may_block => return Ok(Next::NotYet),
+            None => loop {
+                if let Some(slot) = self.pool.acquire_timeout(Duration::from_millis(50)) {
+                    break slot;
+                }
+                self.check_cancelled()?;
+            },
+        };
+        let staged = self.stage_next(slot);
+        Ok(Next::Op(self.op_for(staged)))
+    }
+
+    fn prepare_ahead(&mut self) -> Result<bool> {
+        if self.next == self.chunks.len() {
+            return Ok(false);
+        }
+        self.check_cancelled()?;
+        let Some(slot) = self.pool.try_acquire() else {
+            return Ok(false);
+        };
+        let staged = self.stage_next(slot);
+        self.ahead.push_back(staged);
+        Ok(true)
     }
 
     fn completed(&mut self, op: IoOp<'a>) -> Result<()> {

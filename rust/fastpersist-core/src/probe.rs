@@ -96,7 +96,7 @@ impl DirectMode {
                     Ok(true)
                 } else {
                     Err(Error::BackendUnavailable(format!(
-                        "direct_io=\"require\" but the filesystem of {} refuses O_DIRECT (tmpfs does); \
+                        "direct_io=\"require\" but the filesystem of {} refuses O_DIRECT (ramfs does, and tmpfs before Linux 6.6); \
                          use direct_io=\"auto\" or another directory",
                         dir.display()
                     )))
@@ -210,7 +210,8 @@ pub fn select(choice: BackendChoice) -> Result<Selection> {
     }
 }
 
-/// Whether files in `dir` can be opened with O_DIRECT (tmpfs and some filesystems refuse it).
+/// Whether files in `dir` can be opened with O_DIRECT (ramfs, tmpfs before Linux 6.6 and some
+/// FUSE filesystems refuse it).
 pub fn direct_io_supported(dir: &Path) -> Result<bool> {
     let cookie = dir.join(format!(
         ".fastpersist-direct-probe-{}-{:?}",

@@ -62,7 +62,8 @@ fn write_all(
         .collect();
     let lens: Vec<u64> = sizes.iter().map(|&n| n as u64).collect();
     let plan = Plan::new(&lens, writers, dirs.len(), CHUNK).unwrap();
-    let pool = Pool::new(CHUNK as usize, 4 * CHUNK as usize);
+    // More slots than writes in flight, so chunks are also staged ahead while the queue is full.
+    let pool = Pool::new(CHUNK as usize, 12 * CHUNK as usize);
     let options = WriteOptions {
         backend,
         direct,

@@ -28,7 +28,8 @@ struct Plan {
 #[pymethods]
 impl Plan {
     #[new]
-    #[pyo3(signature = (extent_bytes, writer_count=1, stripe_count=1, chunk_bytes=8 << 20))]
+    // A literal default (not `8 << 20`) so that the text signature shows it, not `...`.
+    #[pyo3(signature = (extent_bytes, writer_count=1, stripe_count=1, chunk_bytes=8388608))]
     fn new(
         py: Python<'_>,
         extent_bytes: Vec<u64>,

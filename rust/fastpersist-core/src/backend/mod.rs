@@ -114,6 +114,11 @@ pub trait OpSource<'a> {
     fn next_op(&mut self, may_block: bool) -> Result<Next<'a>>;
     /// An op finished successfully (all its bytes moved).
     fn completed(&mut self, op: IoOp<'a>) -> Result<()>;
+    /// Called while every queue slot is busy: prepare one more op ahead of time (a write stages
+    /// a chunk into a free pool slot) without blocking. Returns whether it did.
+    fn prepare_ahead(&mut self) -> Result<bool> {
+        Ok(false)
+    }
 }
 
 /// Outcome of one (possibly partial) transfer.
@@ -184,6 +189,8 @@ trait Submitter<'a> {
     fn push(&mut self, op: IoOp<'a>) -> Result<()>;
     /// Waits for at least one completion (or a resubmission) and appends finished ops.
     fn wait(&mut self, finished: &mut Vec<(IoOp<'a>, Result<()>)>) -> Result<()>;
+    /// Appends ops that have already finished, without waiting.
+    fn poll(&mut self, finished: &mut Vec<(IoOp<'a>, Result<()>)>) -> Result<()>;
 }
 
 /// Runs `source` to completion on `backend` with up to `queue_depth` ops in flight.
@@ -239,8 +246,20 @@ fn run_loop<'a>(
         if in_flight == 0 {
             break;
         }
+        // The queue is full: until something completes, let the source work ahead (a write
+        // copies further chunks into free pool slots, so with a pool as large as the state its
+        // sources are released after one memory copy instead of at the disk's pace).
+        while first_error.is_none() && finished.is_empty() {
+            match source.prepare_ahead() {
+                Ok(true) => submitter.poll(&mut finished)?,
+                Ok(false) => break,
+                Err(e) => first_error = Some(e),
+            }
+        }
         // A failure of the wait itself leaves ops in flight; the submitter's drop handles them.
-        submitter.wait(&mut finished)?;
+        if finished.is_empty() {
+            submitter.wait(&mut finished)?;
+        }
         for (op, result) in finished.drain(..) {
             in_flight -= 1;
             let outcome = result.and_then(|()| {
@@ -285,6 +304,89 @@ mod tests {
             path,
             direct: false,
         }
+    }
+
+    /// A disk that completes nothing until waited on.
+    struct SlowDisk<'a> {
+        pending: Vec<IoOp<'a>>,
+    }
+
+    impl<'a> Submitter<'a> for SlowDisk<'a> {
+        fn push(&mut self, op: IoOp<'a>) -> Result<()> {
+            self.pending.push(op);
+            Ok(())
+        }
+        fn wait(&mut self, finished: &mut Vec<(IoOp<'a>, Result<()>)>) -> Result<()> {
+            finished.extend(self.pending.drain(..).map(|op| (op, Ok(()))));
+            Ok(())
+        }
+        fn poll(&mut self, _finished: &mut Vec<(IoOp<'a>, Result<()>)>) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Hands out `total` ops; counts how many it prepared ahead.
+    struct Counting<'a> {
+        bufs: Vec<&'a mut [u8]>,
+        ahead: Vec<&'a mut [u8]>,
+        most_ahead: usize,
+        completed: usize,
+    }
+
+    impl<'a> Counting<'a> {
+        fn op(buf: &'a mut [u8]) -> IoOp<'a> {
+            IoOp {
+                file: 0,
+                offset_bytes: 0,
+                len_bytes: buf.len(),
+                min_bytes: buf.len(),
+                buf: IoBuf::Slice(buf),
+                done_bytes: 0,
+                tag: 0,
+            }
+        }
+    }
+
+    impl<'a> OpSource<'a> for Counting<'a> {
+        fn next_op(&mut self, _may_block: bool) -> Result<Next<'a>> {
+            let buf = if self.ahead.is_empty() {
+                self.bufs.pop()
+            } else {
+                Some(self.ahead.remove(0))
+            };
+            Ok(buf.map_or(Next::Done, |b| Next::Op(Self::op(b))))
+        }
+        fn completed(&mut self, _op: IoOp<'a>) -> Result<()> {
+            self.completed += 1;
+            Ok(())
+        }
+        fn prepare_ahead(&mut self) -> Result<bool> {
+            let Some(buf) = self.bufs.pop() else {
+                return Ok(false);
+            };
+            self.ahead.push(buf);
+            self.most_ahead = self.most_ahead.max(self.ahead.len());
+            Ok(true)
+        }
+    }
+
+    #[test]
+    fn a_full_queue_lets_the_source_work_ahead() {
+        let files = [file()];
+        let mut mem = [0u8; 10 * 16];
+        let mut source = Counting {
+            bufs: mem.chunks_mut(16).collect(),
+            ahead: Vec::new(),
+            most_ahead: 0,
+            completed: 0,
+        };
+        let mut disk = SlowDisk {
+            pending: Vec::new(),
+        };
+        run_loop(&mut disk, &files, 3, &mut source).unwrap();
+        // Three ops in flight, and all seven others prepared before the first completion.
+        assert_eq!(source.most_ahead, 7);
+        assert_eq!(source.completed, 10);
     }
 
     #[test]

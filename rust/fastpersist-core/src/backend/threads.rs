@@ -100,4 +100,9 @@ impl<'a> Submitter<'a> for ThreadWorkers<'a> {
         finished.extend(self.finished.try_iter());
         Ok(())
     }
+
+    fn poll(&mut self, finished: &mut Vec<Finished<'a>>) -> Result<()> {
+        finished.extend(self.finished.try_iter());
+        Ok(())
+    }
 }

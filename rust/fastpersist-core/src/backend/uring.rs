@@ -144,6 +144,19 @@ impl<'a> Submitter<'a> for UringSubmitter<'_, 'a> {
 
     fn wait(&mut self, finished: &mut Vec<(IoOp<'a>, Result<()>)>) -> Result<()> {
         self.submit(1)?;
+        self.reap(finished)
+    }
+
+    fn poll(&mut self, finished: &mut Vec<(IoOp<'a>, Result<()>)>) -> Result<()> {
+        // Entering the kernel also runs the task work that posts completions (COOP_TASKRUN).
+        self.submit(0)?;
+        self.reap(finished)
+    }
+}
+
+impl<'a> UringSubmitter<'_, 'a> {
+    /// Takes every completion the ring holds: finished ops are appended, short ones resubmitted.
+    fn reap(&mut self, finished: &mut Vec<(IoOp<'a>, Result<()>)>) -> Result<()> {
         let reaped: Vec<(usize, i32)> = self
             .ring
             .completion()
@@ -191,6 +204,13 @@ impl Drop for UringSubmitter<'_, '_> {
     fn drop(&mut self) {
         let live = self.in_flight.iter().filter(|op| op.is_some()).count();
         if live == 0 {
+            // The kernel tears a ring down asynchronously, and registered files keep their
+            // files open until it has: a caller that deletes a file it just wrote would see
+            // the space come back later, and an unmount could fail with EBUSY. Unregistering
+            // while the ring is alive drops those references now.
+            if self.fixed_files {
+                let _ = self.ring.submitter().unregister_files();
+            }
             return;
         }
         // Only reached when io_uring_enter itself failed with ops in flight. Try to reap them;

@@ -1,0 +1,213 @@
+"""Type stub of ``fastpersist._core``: the PyO3 bindings to the Rust engine.
+
+Hand-written; checked against the compiled module by
+``python -m mypy.stubtest fastpersist._core --allowlist .mypy-stubtest-allowlist``.
+
+Every function that touches a file or a large buffer releases the GIL while it works.
+Operating-system failures raise real ``OSError`` subclasses with ``errno`` and ``filename`` set;
+engine failures raise the classes of :mod:`fastpersist.errors`.
+"""
+
+import os
+from collections.abc import Sequence
+from typing import Any, Literal, TypedDict, final, type_check_only
+
+import numpy as np
+from typing_extensions import Buffer
+
+__all__ = [
+    "DIRECT_ALIGN_BYTES",
+    "EXTENT_ALIGN_BYTES",
+    "Plan",
+    "Pool",
+    "WriteHandle",
+    "__version__",
+    "crc32c",
+    "direct_io_supported",
+    "fsync_dir",
+    "fsync_path",
+    "probe_uring",
+    "read_into",
+    "replace_atomically",
+    "select_backend",
+    "start_write",
+]
+
+__version__: str
+#: Alignment (bytes) of file offsets, lengths and buffer addresses for O_DIRECT.
+DIRECT_ALIGN_BYTES: int
+#: Alignment (bytes) of every extent (tensor) inside the logical stream.
+EXTENT_ALIGN_BYTES: int
+
+_StrPath = str | os.PathLike[str]
+# Any object with the buffer protocol. numpy's stubs declare ndarray.__buffer__ only for Python
+# >= 3.12, so arrays are named explicitly for checkers targeting 3.11.
+_Buffer = Buffer | np.ndarray[Any, Any]
+_BackendChoice = Literal["auto", "io_uring", "threads"]
+_BackendName = Literal["io_uring", "threads"]
+_DirectIO = Literal["auto", "require", "off"]
+
+@type_check_only
+class PartReport(TypedDict):
+    """What one write job wrote to one part file (an entry of ``WriteReport["parts"]``)."""
+
+    path: str
+    len_bytes: int
+    #: crc32c of each ``chunk_bytes`` chunk of the file; empty when checksums are off.
+    chunk_crc32c: list[int]
+    #: Whether the file was written with O_DIRECT.
+    direct: bool
+
+@type_check_only
+class WriteReport(TypedDict):
+    """The dict :meth:`WriteHandle.wait` returns."""
+
+    #: One entry per path given to :func:`start_write`, in that order.
+    parts: list[PartReport]
+    bytes_written: int
+    backend: _BackendName
+    #: From :func:`start_write` until every byte was written (and fsynced when durable).
+    seconds: float
+    #: From :func:`start_write` until the sources were released.
+    staged_seconds: float | None
+
+@final
+class Plan:
+    """The layout of a checkpoint: extents in one logical stream, cut into parts.
+
+    >>> plan = Plan([10, 100_000], writer_count=1, stripe_count=2, chunk_bytes=65536)
+    >>> plan.extent_offsets, plan.total_bytes
+    ([0, 64], 100064)
+    """
+
+    def __new__(
+        cls,
+        extent_bytes: Sequence[int],
+        writer_count: int = 1,
+        stripe_count: int = 1,
+        chunk_bytes: int = 8388608,
+    ) -> Plan: ...
+    @property
+    def total_bytes(self) -> int:
+        """Logical stream length in bytes."""
+    @property
+    def chunk_bytes(self) -> int:
+        """Size of one aligned write."""
+    @property
+    def extent_offsets(self) -> list[int]:
+        """Offset of each extent in the stream (64-byte aligned, gaps are zero)."""
+    @property
+    def parts(self) -> list[tuple[int, int, int, int]]:
+        """Parts as ``(writer, stripe, stream_offset_bytes, len_bytes)``, ordered by writer then stripe."""
+
+@final
+class Pool:
+    """Page-aligned staging memory (``slot_bytes`` per slot, at least two slots), reused across saves.
+
+    >>> pool = Pool(8 << 20, 256 << 20)
+    >>> pool.slot_count
+    32
+    """
+
+    def __new__(cls, slot_bytes: int, pool_bytes: int) -> Pool: ...
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes per slot (a multiple of ``DIRECT_ALIGN_BYTES``)."""
+    @property
+    def slot_count(self) -> int:
+        """Number of slots."""
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes allocated so far (slots are allocated on first use)."""
+
+@final
+class WriteHandle:
+    """A running or finished write job, returned by :func:`start_write` (not constructible)."""
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Waits until the sources are no longer read; raises ``TimeoutError`` after ``timeout`` seconds."""
+    def wait(self, timeout: float | None = None) -> WriteReport:
+        """Waits until every byte is written (fsynced when durable); raises the job's error."""
+    def done(self) -> bool:
+        """True once the job has finished, successfully or not."""
+    def staged(self) -> bool:
+        """True once the source buffers are no longer read."""
+    def cancel(self) -> None:
+        """Asks the job to stop; :meth:`wait` then raises ``SaveCancelledError``."""
+    @property
+    def bytes_staged(self) -> int:
+        """Bytes copied into the staging pool so far."""
+    @property
+    def bytes_written(self) -> int:
+        """Bytes whose write has completed so far."""
+    @property
+    def backend(self) -> _BackendName:
+        """The backend the job runs on."""
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why ``backend="auto"`` fell back to threads, if it did."""
+    @property
+    def staged_seconds(self) -> float | None:
+        """Seconds from the start until the sources were released, once they are."""
+
+def start_write(
+    plan: Plan,
+    writer: int,
+    paths: Sequence[_StrPath],
+    sources: Sequence[_Buffer],
+    pool: Pool,
+    *,
+    backend: _BackendChoice = "auto",
+    direct_io: _DirectIO = "auto",
+    queue_depth: int = 8,
+    checksum: bool = True,
+    durable: bool = True,
+    background: bool = False,
+) -> WriteHandle:
+    """Writes ``writer``'s parts of ``plan`` to ``paths`` (one per part) from ``sources``.
+
+    ``sources`` holds one C-contiguous buffer per extent of ``plan``; they are held (and must
+    not be modified) until the handle reports them staged.
+
+    With ``background=False`` the write runs on the calling thread (GIL released) and the handle
+    returned is already finished.
+    """
+
+def read_into(
+    parts: Sequence[tuple[_StrPath, int, int, Sequence[int]]],
+    dest: _Buffer,
+    *,
+    chunk_bytes: int,
+    backend: _BackendChoice = "auto",
+    direct_io: _DirectIO = "auto",
+    queue_depth: int = 8,
+) -> int:
+    """Reads part files into the writable buffer ``dest``, verifying chunk checksums; returns bytes read.
+
+    ``parts`` holds ``(path, len_bytes, dest_offset_bytes, chunk_crc32c)``; an empty checksum
+    list skips verification.
+    """
+
+def select_backend(choice: _BackendChoice = "auto") -> tuple[_BackendName, str | None]:
+    """``(backend, fallback_reason)`` that ``choice`` resolves to here (honours ``FASTPERSIST_BACKEND``)."""
+
+def probe_uring(simulate_errno: int | None = None) -> str | None:
+    """Probes io_uring now (uncached): ``None`` if usable, else why not and how to fix it."""
+
+def direct_io_supported(directory: _StrPath) -> bool:
+    """Whether files in ``directory`` can be opened with O_DIRECT."""
+
+def crc32c(data: _Buffer) -> int:
+    """crc32c (Castagnoli) of a buffer."""
+
+def fsync_path(path: _StrPath) -> None:
+    """fsyncs a file."""
+
+def fsync_dir(path: _StrPath) -> None:
+    """fsyncs a directory (makes new entries and renames in it durable)."""
+
+def replace_atomically(src: _StrPath, dst: _StrPath) -> bool:
+    """Atomically puts ``src`` at ``dst``, exchanging with an existing ``dst``.
+
+    Returns whether an exchange happened (the old ``dst`` is then at ``src``).
+    """
