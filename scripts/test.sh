@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: installs what it needs (the Rust extension through
 # maturin, the Python test dependencies), then runs Rust format/lint/tests, the _core stub
-# check, ruff, and pytest (API tests run on every backend this machine offers).
+# check, mypy --strict, ruff, and pytest (API tests run on every backend this machine offers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -14,6 +14,7 @@ cargo test --workspace --locked
 
 # Run outside the source tree so the installed package (with its compiled _core) is checked.
 (cd /tmp && python3 -m mypy.stubtest fastpersist._core --allowlist "$repo/.mypy-stubtest-allowlist")
+(cd /tmp && python3 -m mypy --config-file "$repo/pyproject.toml" -p fastpersist)
 python3 -m ruff check python tests benches
 
 python3 -m pytest tests -q -p no:cacheprovider
