@@ -167,8 +167,10 @@ def test_inspect_and_verify_catch_a_flipped_byte(workdir: str, config: fp.Config
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(fp.ChecksumMismatchError, match=r"state\.a"):
         fp.verify(path)
-    with pytest.raises(fp.ChecksumMismatchError, match=r"bytes \[0, 65536\)"):
+    with pytest.raises(fp.ChecksumMismatchError, match=r"bytes \[0, 65536\)") as caught:
         fp.load(path, config=config)
+    assert caught.value.filename == data_file and caught.value.offset_bytes == 0
+    assert caught.value.tensors == ["state.a"]
     assert fp.load(path, verify=False)["b"].sum().item() == 10
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -135,35 +136,40 @@ def _read_stream(path: str, m: Manifest, verify: bool, config: Config) -> torch.
     except FileNotFoundError as e:
         raise CorruptCheckpointError(f"data file {e.filename} named in {path}/manifest.json is missing") from None
     except ChecksumMismatchError as e:
-        raise ChecksumMismatchError(f"{e}; {_tensors_hit(m, path, str(e))}") from None
+        assert e.filename is not None and e.offset_bytes is not None and e.len_bytes is not None
+        raise _checksum_error(
+            m, path, e.filename, e.offset_bytes, e.len_bytes, e.expected or 0, e.found or 0
+        ) from None
     return stream
 
 
-def _tensors_hit(m: Manifest, path: str, message: str) -> str:
-    """Names the tensors stored in the corrupt chunk (parsed from the engine's message)."""
-    import re
-
-    match = re.search(r"in (.+) bytes \[(\d+), (\d+)\)", message)
-    if not match:
-        return "tensors affected unknown"
-    file_path, lo, hi = match.group(1), int(match.group(2)), int(match.group(3))
+def _checksum_error(
+    m: Manifest, root: str, file_path: str, offset: int, length: int, expected: int, found: int
+) -> ChecksumMismatchError:
+    """A ChecksumMismatchError naming the file, the byte range and the tensors stored there."""
+    lo = hi = -1
     for f in m.files:
-        if m.file_path(path, f) == file_path:
-            lo, hi = lo + f.stream_offset_bytes, hi + f.stream_offset_bytes
+        if m.file_path(root, f) == file_path:
+            lo, hi = offset + f.stream_offset_bytes, offset + length + f.stream_offset_bytes
             break
     hit = []
     for t in m.tensors:
         start = m.blobs[t.blob][0] + t.offset_bytes
-        n = 1
-        for d in t.shape:
-            n *= d
-        end = start + n * dtype_itemsize(t.kind, t.dtype)
+        end = start + math.prod(t.shape) * dtype_itemsize(t.kind, t.dtype)
         if start < hi and lo < end:
             hit.append(t.key_path)
-    if not hit:
-        return "no tensor data in that range (padding)"
-    shown = ", ".join(hit[:5]) + (f" and {len(hit) - 5} more" if len(hit) > 5 else "")
-    return f"tensors affected: {shown}"
+    if hit:
+        shown = ", ".join(hit[:5]) + (f" and {len(hit) - 5} more" if len(hit) > 5 else "")
+        which = f"tensors affected: {shown}"
+    else:
+        which = "no tensor data in that range (alignment padding)"
+    error = ChecksumMismatchError(
+        f"checksum mismatch in {file_path} bytes [{offset}, {offset + length}): expected crc32c {expected:#010x}, "
+        f"found {found:#010x}; {which}"
+    )
+    error.filename, error.offset_bytes, error.len_bytes = file_path, offset, length
+    error.expected, error.found, error.tensors = expected, found, hit
+    return error
 
 
 def load(
@@ -309,10 +315,7 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
     tensor_list = []
     data_bytes = 0
     for t in m.tensors:
-        n = 1
-        for d in t.shape:
-            n *= d
-        nbytes = n * dtype_itemsize(t.kind, t.dtype)
+        nbytes = math.prod(t.shape) * dtype_itemsize(t.kind, t.dtype)
         data_bytes += nbytes
         tensor_list.append(
             {
@@ -376,11 +379,7 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
                 data = os.pread(fd, length, offset)
                 found = _core.crc32c(data)
                 if found != expected:
-                    message = (
-                        f"checksum mismatch in {file_path} bytes [{offset}, {offset + length}): expected crc32c "
-                        f"{expected:#010x}, found {found:#010x}"
-                    )
-                    raise ChecksumMismatchError(f"{message}; {_tensors_hit(m, root, message)}")
+                    raise _checksum_error(m, root, file_path, offset, length, expected, found)
                 chunks += 1
         finally:
             os.close(fd)

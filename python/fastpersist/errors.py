@@ -29,7 +29,19 @@ class CorruptCheckpointError(FastPersistError):
 
 
 class ChecksumMismatchError(CorruptCheckpointError):
-    """A chunk's crc32c differs from the one recorded at save time (bit rot, torn write)."""
+    """A chunk's crc32c differs from the one recorded at save time (bit rot, torn write).
+
+    Attributes (None when unknown): ``filename``, ``offset_bytes`` and ``len_bytes`` (the chunk's
+    byte range in that file), ``expected`` and ``found`` (the checksums), and ``tensors`` (key
+    paths of the tensors stored in that range).
+    """
+
+    filename: str | None = None
+    offset_bytes: int | None = None
+    len_bytes: int | None = None
+    expected: int | None = None
+    found: int | None = None
+    tensors: list[str] | None = None
 
 
 class BackendUnavailableError(FastPersistError):

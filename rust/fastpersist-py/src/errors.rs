@@ -6,10 +6,27 @@ use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 
 fn python_error(py: Python<'_>, class: &str, message: String) -> PyErr {
+    python_error_with(py, class, message, &[])
+}
+
+/// Builds `fastpersist.errors.<class>(message)` and sets `attributes` on it, so callers can
+/// react to the details (which file, which byte range) without parsing the message.
+fn python_error_with(
+    py: Python<'_>,
+    class: &str,
+    message: String,
+    attributes: &[(&str, Py<PyAny>)],
+) -> PyErr {
     let built = py
         .import("fastpersist.errors")
         .and_then(|m| m.getattr(class))
-        .and_then(|cls| cls.call1((message,)));
+        .and_then(|cls| cls.call1((message,)))
+        .and_then(|instance| {
+            for (name, value) in attributes {
+                instance.setattr(*name, value.bind(py))?;
+            }
+            Ok(instance)
+        });
     match built {
         Ok(instance) => PyErr::from_value(instance),
         Err(e) => e,
@@ -39,8 +56,41 @@ pub(crate) fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
             )),
         },
         Error::SizeMismatch { .. } => python_error(py, "CorruptCheckpointError", err.to_string()),
-        Error::ChecksumMismatch { .. } => {
-            python_error(py, "ChecksumMismatchError", err.to_string())
+        Error::ChecksumMismatch {
+            path,
+            offset_bytes,
+            len_bytes,
+            expected,
+            found,
+        } => {
+            let attributes = (|| -> PyResult<Vec<(&str, Py<PyAny>)>> {
+                Ok(vec![
+                    (
+                        "filename",
+                        path.to_string_lossy()
+                            .into_owned()
+                            .into_pyobject(py)?
+                            .into_any()
+                            .unbind(),
+                    ),
+                    (
+                        "offset_bytes",
+                        offset_bytes.into_pyobject(py)?.into_any().unbind(),
+                    ),
+                    (
+                        "len_bytes",
+                        len_bytes.into_pyobject(py)?.into_any().unbind(),
+                    ),
+                    ("expected", expected.into_pyobject(py)?.into_any().unbind()),
+                    ("found", found.into_pyobject(py)?.into_any().unbind()),
+                ])
+            })();
+            match attributes {
+                Ok(attributes) => {
+                    python_error_with(py, "ChecksumMismatchError", err.to_string(), &attributes)
+                }
+                Err(e) => e,
+            }
         }
         Error::BackendUnavailable(_) => {
             python_error(py, "BackendUnavailableError", err.to_string())
