@@ -1,4 +1,4 @@
-"""The ``fastpersist`` command line: ``demo``, ``inspect PATH``, ``verify PATH``."""
+"""The ``fastpersist`` command line: ``demo``, ``bench``, ``inspect PATH``, ``verify PATH``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 __all__ = ["main", "parse_size"]
 
@@ -85,7 +85,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"building a {args.size / 2**20:.0f} MiB mixed-precision Adam state ...", flush=True)
     state = _synthetic_state(args.size)
     nbytes = _state_bytes(state)
-    backends = ["threads"]
+    backends: list[Literal["io_uring", "threads"]] = ["threads"]
     try:
         _core.select_backend("io_uring")
         backends.insert(0, "io_uring")
@@ -167,6 +167,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+
+    return bench.run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastpersist", description="Fast, safe deep-learning checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,6 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--reps", type=int, default=3, help="repetitions per method (default 3)")
     demo.add_argument("--keep", action="store_true", help="keep the checkpoint")
     demo.set_defaults(func=cmd_demo)
+    from . import bench
+
+    bench_parser = sub.add_parser(
+        "bench",
+        help="time saves and cold loads against the drive's limit, torch.save, safetensors and DCP",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(func=cmd_bench)
     insp = sub.add_parser("inspect", help="describe a checkpoint from its manifest")
     insp.add_argument("path")
     insp.add_argument("--json", action="store_true")
