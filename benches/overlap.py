@@ -11,6 +11,9 @@ iterations/s of:
 * ``torch.distributed.checkpoint.async_save`` every iteration (waiting for the previous one
   before starting the next, as its docs advise).
 
+The rate is the steady-state iterations/s of the loop; waiting for the last checkpoint to be
+durable after the loop happens once per run and is reported apart ("final drain").
+
 ``--compute cpu`` replaces the wait with real single-threaded forward/backward work of about
 the same duration, which shows the CPU cost of staging honestly (the copy competes for the
 machine's cores).
@@ -92,16 +95,22 @@ def run_loop(
     before_step: Callable[[], None],
     after_step: Callable[[int], None],
     finish: Callable[[], None],
-) -> float:
-    """Iterations per second of the loop: work -> before_step -> opt.step -> after_step."""
+) -> tuple[float, float]:
+    """(steady-state iterations/s, seconds to drain the last checkpoint after the loop).
+
+    The drain (waiting for the final save to be durable) happens once per training run, not
+    per iteration, so it is reported apart from the per-iteration rate.
+    """
     t = time.perf_counter()
     for step in range(iters):
         device_work()
         before_step()
         opt.step()
         after_step(step)
+    loop = time.perf_counter() - t
+    t = time.perf_counter()
     finish()
-    return iters / (time.perf_counter() - t)
+    return iters / loop, time.perf_counter() - t
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,13 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         def device_work() -> None:
             time.sleep(t_dev)  # releases the GIL, like waiting on a GPU
 
-    def none() -> float:
+    def none() -> tuple[float, float]:
         return run_loop(args.iters, device_work, params, opt, lambda: None, lambda s: None, lambda: None)
 
-    def fastpersist_ck() -> float:
+    def fastpersist_ck() -> tuple[float, float]:
         ck_root = os.path.join(root, "ck")
         ck = fp.Checkpointer(ck_root, keep=2, config=fp.Config(pool_bytes=state_bytes))
-        rate = run_loop(
+        result = run_loop(
             args.iters,
             device_work,
             params,
@@ -149,20 +158,20 @@ def main(argv: list[str] | None = None) -> int:
             ck.wait,
         )
         shutil.rmtree(ck_root)
-        return rate
+        return result
 
-    def torch_save() -> float:
+    def torch_save() -> tuple[float, float]:
         path = os.path.join(root, "t.pt")
 
         def save(step: int) -> None:
             torch.save(state_of(params, opt, step), path)
             fsync_path(path)
 
-        rate = run_loop(args.iters, device_work, params, opt, lambda: None, save, lambda: None)
+        result = run_loop(args.iters, device_work, params, opt, lambda: None, save, lambda: None)
         os.remove(path)
-        return rate
+        return result
 
-    def dcp_async() -> float:
+    def dcp_async() -> tuple[float, float]:
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
@@ -180,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
                 dcp.async_save(state_of(params, opt, step), checkpoint_id=os.path.join(root, f"dcp{step % 2}"))
             )
 
-        rate = run_loop(args.iters, device_work, params, opt, lambda: None, save, wait_previous)
+        result = run_loop(args.iters, device_work, params, opt, lambda: None, save, wait_previous)
         for i in range(2):
             shutil.rmtree(os.path.join(root, f"dcp{i}"), ignore_errors=True)
-        return rate
+        return result
 
     methods = {
         "no checkpoint": none,
@@ -193,23 +202,33 @@ def main(argv: list[str] | None = None) -> int:
     }
     methods = {k: v for k, v in methods.items() if not any(s in k.lower() for s in args.skip)}
     rates: dict[str, list[float]] = {name: [] for name in methods}
+    drains: dict[str, list[float]] = {name: [] for name in methods}
     for rnd in range(args.rounds):
         for name, fn in methods.items():
             print(f"round {rnd + 1}/{args.rounds}: {name} ...", file=sys.stderr, flush=True)
             gc.collect()
-            rates[name].append(fn())
+            rate, drain = fn()
+            rates[name].append(rate)
+            drains[name].append(drain)
     base = statistics.median(rates["no checkpoint"])
     print(
         f"\ncompute={args.compute}, T={t_dev:.2f} s, state {state_bytes / 2**30:.2f} GiB, {args.iters} iterations x "
         f"{args.rounds} rounds (median)"
     )
-    print(f"{'method':28} {'it/s':>8} {'min':>8} {'max':>8} {'overhead':>9}")
+    print(f"{'method':28} {'it/s':>8} {'min':>8} {'max':>8} {'overhead':>9} {'final drain s':>14}")
     rows = {}
     for name, values in rates.items():
         med = statistics.median(values)
         overhead = base / med - 1
-        rows[name] = {"median_it_s": med, "min": min(values), "max": max(values), "overhead": overhead}
-        print(f"{name:28} {med:8.3f} {min(values):8.3f} {max(values):8.3f} {overhead:8.1%}")
+        drain = statistics.median(drains[name])
+        rows[name] = {
+            "median_it_s": med,
+            "min": min(values),
+            "max": max(values),
+            "overhead": overhead,
+            "final_drain_s": drain,
+        }
+        print(f"{name:28} {med:8.3f} {min(values):8.3f} {max(values):8.3f} {overhead:8.1%} {drain:14.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"compute": args.compute, "T": t_dev, "state_bytes": state_bytes, "rows": rows}, f, indent=2)
