@@ -79,14 +79,6 @@ class CpuWork:
             self._once()
 
 
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def run_loop(
     iters: int,
     device_work: Callable[[], None],
@@ -165,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def save(step: int) -> None:
             torch.save(state_of(params, opt, step), path)
-            fsync_path(path)
+            fp._core.fsync_path(path)
 
         result = run_loop(args.iters, device_work, params, opt, lambda: None, save, lambda: None)
         os.remove(path)

@@ -91,7 +91,7 @@ def save_async(
     return SaveFuture(_start(state, path, config, group, sharded, background=True))
 
 
-def _aligned_uint8(nbytes: int) -> torch.Tensor:
+def aligned_uint8(nbytes: int) -> torch.Tensor:
     """An uninitialised CPU uint8 tensor of `nbytes` (+ O_DIRECT slack) starting on a page boundary."""
     align = _core.DIRECT_ALIGN_BYTES
     padded = -(-nbytes // align) * align + align
@@ -120,7 +120,7 @@ def _map_device(location: MapLocation, tensor: torch.Tensor, saved_device: str) 
 
 
 def _read_stream(path: str, m: Manifest, verify: bool, config: Config) -> torch.Tensor:
-    stream = _aligned_uint8(m.total_bytes)
+    stream = aligned_uint8(m.total_bytes)
     parts = [
         (m.file_path(path, f), f.len_bytes, f.stream_offset_bytes, f.chunk_crc32c if verify else []) for f in m.files
     ]
@@ -137,9 +137,7 @@ def _read_stream(path: str, m: Manifest, verify: bool, config: Config) -> torch.
         raise CorruptCheckpointError(f"data file {e.filename} named in {path}/manifest.json is missing") from None
     except ChecksumMismatchError as e:
         assert e.filename is not None and e.offset_bytes is not None and e.len_bytes is not None
-        raise _checksum_error(
-            m, path, e.filename, e.offset_bytes, e.len_bytes, e.expected or 0, e.found or 0
-        ) from None
+        raise _checksum_error(m, path, e.filename, e.offset_bytes, e.len_bytes, e.expected or 0, e.found or 0) from None
     return stream
 
 

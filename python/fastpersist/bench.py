@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from . import _core
+from .api import aligned_uint8
 from .cli import parse_size
 
 if TYPE_CHECKING:
@@ -276,14 +278,6 @@ def _count_tensors(node: object) -> int:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _remove(path: str) -> None:
     from .saving import remove_checkpoint_tree
 
@@ -327,19 +321,6 @@ def _aligned_buffer(nbytes: int) -> np.ndarray:
     buf = raw[skip : skip + padded]
     buf.fill(0x5A)
     return buf
-
-
-def _fresh_torch_buffer(nbytes: int) -> torch.Tensor:
-    """An untouched page-aligned torch uint8 buffer of `nbytes` rounded up to 4096, +4096 slack."""
-    import torch
-
-    from . import _core
-
-    align = _core.DIRECT_ALIGN_BYTES
-    padded = -(-nbytes // align) * align + align
-    raw = torch.empty(padded + align, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % align
-    return raw[skip : skip + padded]
 
 
 def _release_memory() -> None:
@@ -739,7 +720,7 @@ class Bench:
         def torch_save() -> dict[str, float]:
             start = time.perf_counter()
             torch.save(self.state, path)
-            _fsync_file(path)
+            _core.fsync_path(path)
             return {key: time.perf_counter() - start}
 
         self.save_methods.append(Method("torch.save + fsync", torch_save, [path], keep_last=True))
@@ -754,7 +735,7 @@ class Bench:
             def st_save() -> dict[str, float]:
                 start = time.perf_counter()
                 save_file(self.safetensors_dict, st_path, metadata=self.safetensors_meta)
-                _fsync_file(st_path)
+                _core.fsync_path(st_path)
                 return {st_key: time.perf_counter() - start}
 
             self.save_methods.append(Method("safetensors.save_file + fsync", st_save, [st_path], keep_last=True))
@@ -847,7 +828,7 @@ class Bench:
             # What every load pays on top of the drive: the kernel faults in (zeroes) new pages.
             # Allocated by torch like fastpersist.load's buffer (numpy would madvise huge pages).
             start = time.perf_counter()
-            dest = _fresh_torch_buffer(self.nbytes)
+            dest = aligned_uint8(self.nbytes)
             _core.read_into(
                 parts,
                 dest.numpy(),

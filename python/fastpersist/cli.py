@@ -65,14 +65,6 @@ def _state_bytes(state: Any) -> int:
     return total
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     import torch
 
@@ -101,7 +93,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             times.setdefault(f"fastpersist.save ({backend})", []).append(time.perf_counter() - t)
         t = time.perf_counter()
         torch.save(state, torch_file)
-        _fsync_file(torch_file)
+        _core.fsync_path(torch_file)
         times.setdefault("torch.save + fsync", []).append(time.perf_counter() - t)
         os.remove(torch_file)
         print(f"  repetition {rep + 1}/{args.reps} done", flush=True)
