@@ -69,7 +69,7 @@ class _Control:
     def broadcast(self, obj: T) -> T:
         box = [obj]
         dist.broadcast_object_list(box, group=self.pg, group_src=0)
-        return box[0]  # type: ignore[no-any-return]
+        return box[0]
 
 
 _controls: dict[tuple[int, float], _Control] = {}

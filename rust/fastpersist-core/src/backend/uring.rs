@@ -8,14 +8,20 @@ use std::io;
 
 use io_uring::{IoUring, opcode, squeue, types};
 
-use super::{Direction, IoOp, OpenFile, Progress, Submitter, advance};
+use super::{Direction, IoBuf, IoOp, OpenFile, Progress, Submitter, advance};
 use crate::error::{Error, Result};
+
+/// Entries in a ring's registered-buffer table (slots with a higher index use plain writes).
+const FIXED_SLOT_TABLE: usize = 4096;
 
 pub(super) struct UringSubmitter<'f, 'a> {
     ring: IoUring,
     direction: Direction,
     files: &'f [OpenFile],
     fixed_files: bool,
+    /// Pool slots registered with this ring (by slot index), when the kernel allowed a
+    /// buffer table at all; a write from a registered slot skips pinning its pages.
+    fixed_slots: Option<Vec<bool>>,
     in_flight: Vec<Option<IoOp<'a>>>,
     free_keys: Vec<usize>,
     unsubmitted: usize,
@@ -46,18 +52,71 @@ impl<'f, 'a> UringSubmitter<'f, 'a> {
         let fds: Vec<_> = files.iter().map(OpenFile::fd).collect();
         // Registered files save a file-table lookup per op; "try, fall back" when refused.
         let fixed_files = !fds.is_empty() && ring.submitter().register_files(&fds).is_ok();
+        // A sparse table costs nothing until a slot is registered into it (on first use, see
+        // `register_slot`); "try, fall back" to plain writes when refused (memlock, old kernel).
+        let fixed_slots = (direction == Direction::Write
+            && ring
+                .submitter()
+                .register_buffers_sparse(FIXED_SLOT_TABLE as u32)
+                .is_ok())
+        .then(|| vec![false; FIXED_SLOT_TABLE]);
         Ok(UringSubmitter {
             ring,
             direction,
             files,
             fixed_files,
+            fixed_slots,
             in_flight: Vec::with_capacity(queue_depth),
             free_keys: Vec::new(),
             unsubmitted: 0,
         })
     }
 
+    /// Registers pool slot `index` (memory `base..base+len`) on first use; whether it is registered.
+    fn register_slot(&mut self, index: usize, base: *mut u8, len: usize) -> bool {
+        let Some(table) = self.fixed_slots.as_mut() else {
+            return false;
+        };
+        if index >= table.len() {
+            return false;
+        }
+        if !table[index] {
+            let iov = libc::iovec {
+                iov_base: base.cast(),
+                iov_len: len,
+            };
+            // SAFETY: a slot's memory is allocated once and stays allocated (at the same address)
+            // for the life of its pool, which the job borrows for longer than this ring lives;
+            // the registration is dropped with the ring (or unregistered in Drop).
+            let registered = unsafe {
+                self.ring
+                    .submitter()
+                    .register_buffers_update(index as u32, &[iov], None)
+            };
+            if registered.is_err() {
+                self.fixed_slots = None;
+                return false;
+            }
+            table[index] = true;
+        }
+        true
+    }
+
     fn entry_for(&mut self, key: usize) -> squeue::Entry {
+        let slot = match &mut self.in_flight[key]
+            .as_mut()
+            .expect("op present for its key")
+            .buf
+        {
+            IoBuf::Slot(slot) if self.direction == Direction::Write => Some((
+                slot.index(),
+                slot.buf_mut().as_mut_ptr(),
+                slot.buf().len_bytes(),
+            )),
+            _ => None,
+        };
+        let fixed_index = slot
+            .and_then(|(index, base, len)| self.register_slot(index, base, len).then_some(index));
         let op = self.in_flight[key]
             .as_mut()
             .expect("op present for its key");
@@ -67,6 +126,18 @@ impl<'f, 'a> UringSubmitter<'f, 'a> {
         let len = (op.len_bytes - op.done_bytes) as u32;
         let offset = op.offset_bytes + op.done_bytes as u64;
         let fd = self.files[op.file].fd();
+        if let Some(index) = fixed_index {
+            let entry = if self.fixed_files {
+                opcode::WriteFixed::new(types::Fixed(op.file as u32), ptr, len, index as u16)
+                    .offset(offset)
+                    .build()
+            } else {
+                opcode::WriteFixed::new(types::Fd(fd), ptr, len, index as u16)
+                    .offset(offset)
+                    .build()
+            };
+            return entry.user_data(key as u64);
+        }
         let entry = match (self.direction, self.fixed_files) {
             (Direction::Write, true) => opcode::Write::new(types::Fixed(op.file as u32), ptr, len)
                 .offset(offset)
@@ -210,6 +281,10 @@ impl Drop for UringSubmitter<'_, '_> {
             // while the ring is alive drops those references now.
             if self.fixed_files {
                 let _ = self.ring.submitter().unregister_files();
+            }
+            // Likewise unpin the registered slots now rather than at the asynchronous teardown.
+            if self.fixed_slots.is_some() {
+                let _ = self.ring.submitter().unregister_buffers();
             }
             return;
         }
