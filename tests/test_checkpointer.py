@@ -146,3 +146,22 @@ def test_a_thousand_saves_leak_no_fds_or_threads(workdir: str) -> None:
     assert _open_fds() == fds
     assert threading.active_count() == py_threads
     assert _os_threads() <= threads + 1  # a torch/OpenMP worker may appear lazily
+
+
+def test_staging_pools_are_reused_and_bounded(workdir: str) -> None:
+    from fastpersist import saving
+
+    ck = fp.Checkpointer(os.path.join(workdir, "ck"), keep=1)
+    ck.save(0, {"w": torch.ones(1000)})
+    ck.wait()
+    pool = ck._pool
+    assert pool is not None
+    ck.save(1, {"w": torch.ones(1000)})
+    ck.wait()
+    assert ck._pool is pool, "a Checkpointer reuses its pool"
+    for i, pool_bytes in enumerate([1 << 20, 2 << 20, 3 << 20]):
+        fp.save({"w": torch.ones(10)}, os.path.join(workdir, f"s{i}"), config=fp.Config(pool_bytes=pool_bytes))
+    assert len(saving._pools) <= saving._POOLS_KEPT, "pools for other sizes are let go"
+    ck.save(2, {"w": torch.ones(1000)})
+    ck.wait()
+    assert ck._pool is pool and pool.allocated_bytes > 0

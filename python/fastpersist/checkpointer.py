@@ -29,7 +29,7 @@ from .config import Config, SaveResult
 from .errors import CorruptCheckpointError
 from .futures import SaveFuture
 from .manifest import MANIFEST_NAME, read_manifest
-from .saving import STRIPE_SUFFIX, SaveJob, remove_checkpoint_tree
+from .saving import STRIPE_SUFFIX, SaveJob, pool_for, remove_checkpoint_tree
 
 __all__ = ["Checkpointer"]
 
@@ -94,6 +94,7 @@ class Checkpointer:
 
             self.rank = group_rank_and_size(group)[0]
         self._future: SaveFuture | None = None
+        self._pool: Any = None
         self._lock = threading.Lock()
         self._verified: dict[str, tuple[Any, ...]] = {}
         os.makedirs(self.root, exist_ok=True)
@@ -169,13 +170,17 @@ class Checkpointer:
         self.wait()
         with self._lock:
             config = self._config_for(state)
+            if self._pool is None:
+                self._pool = pool_for(config)  # held for this Checkpointer's life, reused by every save
             job: Any
             if self.group is None:
-                job = SaveJob(state, self.path(step), config, background=True)
+                job = SaveJob(state, self.path(step), config, background=True, pool=self._pool)
             else:
                 from .distributed import GroupSaveJob
 
-                job = GroupSaveJob(state, self.path(step), config, self.group, sharded=self.sharded, background=True)
+                job = GroupSaveJob(
+                    state, self.path(step), config, self.group, sharded=self.sharded, background=True, pool=self._pool
+                )
             self._future = SaveFuture(job, on_commit=self._after_commit if self.rank == 0 else None)
             return self._future
 

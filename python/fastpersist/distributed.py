@@ -143,6 +143,7 @@ class GroupSaveJob:
         *,
         sharded: bool,
         background: bool,
+        pool: Any = None,
     ) -> None:
         self.path = os.path.abspath(os.fspath(path))
         self.config = config
@@ -195,7 +196,7 @@ class GroupSaveJob:
             )
         self.layout = layout
         try:
-            self.job = SaveJob(state, self.path, config, background=background, layout=layout)
+            self.job = SaveJob(state, self.path, config, background=background, layout=layout, pool=pool)
         except BaseException as e:  # reported to the group in finish(); wait_staged re-raises it
             self.start_error = e
 

@@ -14,6 +14,7 @@ the rank that owns the temporary directory writes the manifest and commits for a
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import os
@@ -38,7 +39,10 @@ log = logging.getLogger("fastpersist")
 TMP_MARKER = ".fptmp-"
 STRIPE_SUFFIX = ".fpstripe"
 
-_pools: dict[tuple[int, int], _core.Pool] = {}
+#: Pools kept alive between saves, most recently used last. Bounded, so a process that saves
+#: states of many sizes does not keep a pool per size (a Checkpointer holds its own).
+_POOLS_KEPT = 2
+_pools: collections.OrderedDict[tuple[int, int], _core.Pool] = collections.OrderedDict()
 _pools_lock = threading.Lock()
 _warned_fallback = False
 
@@ -47,9 +51,10 @@ def pool_for(config: Config) -> _core.Pool:
     """The process-wide staging pool for this chunk size and budget (reused across saves)."""
     key = (config.chunk_bytes, config.pool_bytes)
     with _pools_lock:
-        pool = _pools.get(key)
-        if pool is None:
-            pool = _pools[key] = _core.Pool(config.chunk_bytes, config.pool_bytes)
+        pool = _pools.pop(key, None) or _core.Pool(config.chunk_bytes, config.pool_bytes)
+        _pools[key] = pool
+        while len(_pools) > _POOLS_KEPT:
+            _pools.popitem(last=False)
         return pool
 
 
@@ -126,6 +131,7 @@ class SaveJob:
         *,
         background: bool,
         layout: Layout | None = None,
+        pool: _core.Pool | None = None,
     ) -> None:
         self.started = time.perf_counter()
         self.path = os.path.abspath(os.fspath(path))
@@ -185,7 +191,7 @@ class SaveJob:
                     layout.writer,
                     paths,
                     [b.data for b in flat.blobs],
-                    pool_for(config),
+                    pool if pool is not None else pool_for(config),
                     backend=config.backend,
                     direct_io=config.direct_io,
                     queue_depth=config.queue_depth,
