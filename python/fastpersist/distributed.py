@@ -295,8 +295,6 @@ class GroupSaveJob:
         if self.sharded:
             doc = build(
                 checkpoint_id=self.layout.checkpoint_id,
-                created=_now(),
-                library_version=_version(),
                 chunk_bytes=self.config.chunk_bytes,
                 checksum=self.config.checksum,
                 total_bytes=0,
@@ -327,15 +325,3 @@ class GroupSaveJob:
                     )
                 )
         self.job.publish(self.job.manifest(entries, stripes))
-
-
-def _now() -> str:
-    import datetime
-
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-
-
-def _version() -> str:
-    from . import _core
-
-    return _core.__version__

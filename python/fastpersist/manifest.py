@@ -9,6 +9,7 @@ dtype x shape x stride against its blob. See docs/format.md.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _core
 from .errors import CorruptCheckpointError
 from .flatten import TensorRecord, dtype_itemsize, records_from_json
 
@@ -90,8 +92,6 @@ class Manifest:
 def build(
     *,
     checkpoint_id: str,
-    created: str,
-    library_version: str,
     chunk_bytes: int,
     checksum: str,
     total_bytes: int,
@@ -108,8 +108,8 @@ def build(
         "format": FORMAT_NAME,
         "format_version": list(FORMAT_VERSION),
         "checkpoint_id": checkpoint_id,
-        "created": created,
-        "library_version": library_version,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "library_version": _core.__version__,
         "chunk_bytes": chunk_bytes,
         "checksum": checksum,
         "extent_align_bytes": 64,

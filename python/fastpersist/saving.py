@@ -15,7 +15,6 @@ the rank that owns the temporary directory writes the manifest and commits for a
 from __future__ import annotations
 
 import collections
-import datetime
 import logging
 import os
 import shutil
@@ -270,8 +269,6 @@ class SaveJob:
         """This job's manifest, listing `entries` (from every writer, stripes indexing `stripes`)."""
         return build(
             checkpoint_id=self.layout.checkpoint_id,
-            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            library_version=_core.__version__,
             chunk_bytes=self.config.chunk_bytes,
             checksum=self.config.checksum,
             total_bytes=self.plan.total_bytes,

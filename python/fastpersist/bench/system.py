@@ -20,6 +20,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .. import _core
+from ..api import aligned_uint8
 
 Backend = Literal["io_uring", "threads"]
 GB = 1e9
@@ -64,11 +65,7 @@ def _status_bytes(field_name: str) -> int:
 
 def _aligned_buffer(nbytes: int) -> np.ndarray:
     """A prefilled (touched) page-aligned uint8 array of `nbytes` rounded up to 4096, +4096 slack."""
-    align = _core.DIRECT_ALIGN_BYTES
-    padded = -(-nbytes // align) * align + align
-    raw = np.empty(padded + align, dtype=np.uint8)
-    skip = (-raw.ctypes.data) % align
-    buf = raw[skip : skip + padded]
+    buf = aligned_uint8(nbytes).numpy()  # the array keeps the tensor (and its memory) alive
     buf.fill(0x5A)
     return buf
 
