@@ -87,7 +87,7 @@ def test_mutation_before_staging_ends_fails_the_save(workdir: str, backend: str)
     # A bounded pool much smaller than the state: staging lasts until the disk drains.
     cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, pool_bytes=128 << 10, queue_depth=1, durable=True)
     ck = fp.Checkpointer(workdir, keep=2, config=cfg)
-    w = torch.zeros(8 << 20 // 4)
+    w = torch.zeros((8 << 20) // 4)  # 8 MiB: above the size copied at call time
     ck.save(1, {"w": w})
     ck.wait()
     fut = ck.save(2, {"w": w})

@@ -9,7 +9,7 @@ engine failures raise the classes of :mod:`fastpersist.errors`.
 """
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypedDict, final, type_check_only
 
 import numpy as np
@@ -163,6 +163,10 @@ def start_write(
     checksum: bool = True,
     durable: bool = True,
     background: bool = False,
+    watched: Sequence[bool] | None = None,
+    on_staged: Callable[[list[int]], bool] | None = None,
+    copy_max_extent_bytes: int = 0,
+    copy_budget_bytes: int = 0,
 ) -> WriteHandle:
     """Writes ``writer``'s parts of ``plan`` to ``paths`` (one per part) from ``sources``.
 
@@ -171,6 +175,11 @@ def start_write(
 
     With ``background=False`` the write runs on the calling thread (GIL released) and the handle
     returned is already finished.
+
+    The mutation guard: ``watched[i]`` says extent ``i``'s source may be modified while the job
+    runs. Watched extents of at most ``copy_max_extent_bytes`` are copied (smallest first, up to
+    ``copy_budget_bytes``) before this returns; ``on_staged(extents)`` is called from the job's
+    thread once each other watched extent is staged whole, and a false result fails the job.
     """
 
 def read_into(

@@ -13,7 +13,7 @@ from . import _core
 from .config import Config, SaveResult
 from .errors import ChecksumMismatchError, CorruptCheckpointError
 from .flatten import dtype_itemsize, flatten, materialize, unflatten
-from .futures import SaveFuture
+from .futures import SaveFuture, SaveJobLike
 from .manifest import Manifest, read_manifest
 from .saving import SaveJob
 
@@ -25,14 +25,19 @@ MapLocation = str | torch.device | Mapping[str, str] | Callable[[torch.Tensor, s
 
 
 def _start(
-    state: object, path: str | os.PathLike[str], config: Config | None, group: object, sharded: bool, background: bool
-) -> Any:
+    state: object,
+    path: str | os.PathLike[str],
+    config: Config | None,
+    group: object,
+    sharded: bool,
+) -> SaveJobLike:
     config = config or Config()
+    # The engine always runs on its own thread, so that waiting for it can be interrupted.
     if group is None and not sharded:
-        return SaveJob(state, path, config, background=background)
+        return SaveJob(state, path, config, background=True)
     from .distributed import GroupSaveJob
 
-    return GroupSaveJob(state, path, config, group, sharded=sharded, background=background)
+    return GroupSaveJob(state, path, config, group, sharded=sharded, background=True)
 
 
 def save(
@@ -64,7 +69,7 @@ def save(
         >>> res.nbytes > 0
         True
     """
-    return _start(state, path, config, group, sharded, background=False).finish()  # type: ignore[no-any-return]
+    return _start(state, path, config, group, sharded).finish()
 
 
 def save_async(
@@ -88,7 +93,7 @@ def save_async(
         >>> fut.wait().path.endswith("fp-doc-async")
         True
     """
-    return SaveFuture(_start(state, path, config, group, sharded, background=True))
+    return SaveFuture(_start(state, path, config, group, sharded))
 
 
 def aligned_uint8(nbytes: int) -> torch.Tensor:

@@ -43,7 +43,8 @@ class Blob:
 
     `data` is a 1-D C-contiguous uint8 CPU array; it views the source memory when it can
     (contiguous CPU tensors and arrays), else it holds a copy. `source` keeps that memory alive
-    and `version` (torch's `_version` at flatten time, None for numpy and inference tensors)
+    and `version` (torch's `_version` at flatten time; None for numpy arrays, inference tensors and
+    copies, which nothing can modify under a save)
     lets a save detect that the source was modified before staging finished.
 
     A zero-copy view of a tensor is only built when `data` is first read (about 1 us per

@@ -15,6 +15,7 @@ backward.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from . import _core
 from .api import load, verify
 from .config import Config, SaveResult
 from .errors import CorruptCheckpointError
-from .futures import SaveFuture
+from .futures import SaveFuture, SaveJobLike
 from .manifest import MANIFEST_NAME, read_manifest
 from .saving import STRIPE_SUFFIX, SaveJob, pool_for, remove_checkpoint_tree
 
@@ -160,19 +161,20 @@ class Checkpointer:
     def save(self, step: int, state: object) -> SaveFuture | None:
         """Starts saving `state` as `step` if the step is due; returns its future, else None.
 
-        Waits for the previous save to commit first (at most one save is in flight). If the
-        previous save failed, its error is logged and raised here.
+        Waits for the previous save to finish first (at most one save is in flight). If the
+        previous save failed and nobody has seen its error yet (``wait_staged()`` raises it at
+        once), it is raised here and this step is not saved.
         """
         if type(step) is not int or step < 0:
             raise ValueError(f"step={step!r}: expected a non-negative integer")
         if step % self.every:
             return None
-        self.wait()
+        self._finish_previous()
         with self._lock:
             config = self._config_for(state)
             if self._pool is None:
                 self._pool = pool_for(config)  # held for this Checkpointer's life, reused by every save
-            job: Any
+            job: SaveJobLike
             if self.group is None:
                 job = SaveJob(state, self.path(step), config, background=True, pool=self._pool)
             else:
@@ -181,11 +183,28 @@ class Checkpointer:
                 job = GroupSaveJob(
                     state, self.path(step), config, self.group, sharded=self.sharded, background=True, pool=self._pool
                 )
-            self._future = SaveFuture(job, on_commit=self._after_commit if self.rank == 0 else None)
+            on_commit = functools.partial(self._after_commit, step) if self.rank == 0 else None
+            self._future = SaveFuture(job, on_commit=on_commit)
             return self._future
 
-    def _after_commit(self, result: SaveResult) -> None:
-        step = int(os.path.basename(result.path).split("-")[1])
+    def _finish_previous(self) -> None:
+        """Waits for the save in flight; raises its error unless the caller has seen it already."""
+        future = self._future
+        if future is None:
+            return
+        seen = future.error_seen
+        try:
+            future.wait()
+        except BaseException as e:
+            if not seen:
+                raise
+            log.info("not raising again the failure of %s, already raised to the caller: %s", future.path, e)
+        finally:
+            with self._lock:
+                if self._future is future:
+                    self._future = None
+
+    def _after_commit(self, step: int, result: SaveResult) -> None:
         self._write_index(step)
         for old in self.steps()[: -self.keep]:
             if old != step:

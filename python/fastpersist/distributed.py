@@ -221,6 +221,17 @@ class GroupSaveJob:
         assert self.job is not None
         self.job.wait_staged(timeout)
 
+    def cancel(self) -> bool:
+        """Stops this rank's share unless it was already reported good to the group; the group
+        then fails the save on every rank."""
+        return self.job.cancel() if self.job is not None else False
+
+    def _fail(self, error: BaseException) -> BaseException:
+        """Makes `error` this rank's verdict unless one stands already; returns the standing one."""
+        if self.job is None:
+            return error
+        return self.job.verdict.fail(error) or error
+
     def _discard_local(self) -> None:
         if self.job is not None:
             self.job.discard()
@@ -234,8 +245,10 @@ class GroupSaveJob:
                 if self.sharded:
                     doc = self.job.manifest(written.entries, written.stripe_dirs)
                     write_manifest(self.layout.data_dir, doc, durable=self.config.durable)
+                # From here this rank's share is reported good: a late cancel() cannot undo that.
+                self.job.verdict.seal()
             except BaseException as e:
-                local_error = e
+                local_error = self.job.verdict.fail(e) or e
         if local_error is not None or written is None or self.job is None:
             status: tuple[Any, ...] = ("error", self.rank, _describe(local_error or RuntimeError("no job")))
         else:
@@ -250,7 +263,8 @@ class GroupSaveJob:
             )
         try:
             statuses = self._collective("exchange write results", lambda: self.control.all_gather(status))
-        except GroupSaveError:
+        except GroupSaveError as e:
+            self._fail(e)
             self._discard_local()
             raise
         failures = [s for s in statuses if s[0] == "error"]
@@ -264,11 +278,12 @@ class GroupSaveJob:
                 )
             ]
         if failures:
-            self._discard_local()
-            if local_error is not None:
-                raise local_error
             detail = "; ".join(f"rank {s[1]}: {s[2]}" for s in failures)
-            raise GroupSaveError(f"the save of {self.path} failed ({detail}); nothing was committed")
+            error = self._fail(
+                local_error or GroupSaveError(f"the save of {self.path} failed ({detail}); nothing was committed")
+            )
+            self._discard_local()
+            raise error
         assert self.job is not None and written is not None
         outcome: tuple[str, str] | None = None
         if self.rank == 0:
@@ -280,14 +295,17 @@ class GroupSaveJob:
                 self.job.discard()
         try:
             outcome = self._collective("learn whether rank 0 committed", lambda: self.control.broadcast(outcome))
-        except GroupSaveError:
+        except GroupSaveError as e:
             if self.rank != 0:
+                self._fail(e)
                 self._discard_local()
             raise
         assert outcome is not None
         if outcome[0] == "error":
+            error = self._fail(GroupSaveError(f"rank 0 could not commit {self.path}: {outcome[1]}"))
             self._discard_local()
-            raise GroupSaveError(f"rank 0 could not commit {self.path}: {outcome[1]}")
+            raise error
+        self.job.verdict.mark_committed()
         return self.job.result(written)
 
     def _commit(self, statuses: list[tuple[Any, ...]]) -> None:

@@ -7,6 +7,8 @@ work as usual.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 __all__ = [
     "BackendUnavailableError",
     "ChecksumMismatchError",
@@ -52,5 +54,6 @@ class UnsupportedValueError(FastPersistError, TypeError):
     """A leaf of the state cannot be stored without pickling; the message names its key path."""
 
 
-class SaveCancelledError(FastPersistError):
-    """A save stopped before it committed (cancelled, or its sources changed while staging)."""
+class SaveCancelledError(FastPersistError, concurrent.futures.CancelledError):
+    """A save stopped before it committed: cancelled, or a source tensor was modified in place
+    before its bytes were staged. Nothing was committed; the previous checkpoint is untouched."""

@@ -361,10 +361,12 @@ class _Walker:
             data = _byte_view(x.detach().resolve_conj().resolve_neg().contiguous().cpu())
         size = x.shape
         canonical = _CANONICAL.get(size) or _canonical(size)
-        try:
-            version = x._version
-        except RuntimeError:  # inference tensors track no version
-            version = None
+        version = None
+        if data is None:  # a view of the source, not a copy: the mutation guard watches it
+            try:
+                version = x._version
+            except RuntimeError:  # inference tensors track no version
+                pass
         self.records.append(
             TensorRecord(
                 path,
@@ -413,10 +415,12 @@ class _Walker:
         raw = torch.empty(0, dtype=torch.uint8, device=owner.device)
         raw.set_(owner.untyped_storage(), lo, (hi - lo,), (1,))
         blob = self.records[group[0][0]].blob
-        try:
-            version = owner._version
-        except RuntimeError:  # inference tensors track no version
-            version = None
+        version = None
+        if raw.is_cpu:  # a view of the source (a device tensor's bytes are copied here)
+            try:
+                version = owner._version
+            except RuntimeError:  # inference tensors track no version
+                pass
         self.blobs[blob] = Blob(raw.cpu().numpy(), owner, version)
         for (i, t, path), start in zip(group, starts, strict=True):
             self.records[i] = TensorRecord(

@@ -1,23 +1,47 @@
-"""`SaveFuture`: the handle `save_async` returns, shaped like `concurrent.futures.Future`."""
+"""`SaveFuture`: the handle `save_async` returns, a real `concurrent.futures.Future`."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable
+from typing import Protocol
 
 from .config import SaveResult
-from .saving import SaveJob
 
-__all__ = ["SaveFuture"]
+__all__ = ["SaveFuture", "SaveJobLike"]
+
+log = logging.getLogger("fastpersist")
 
 
-class SaveFuture:
+class SaveJobLike(Protocol):
+    """What a :class:`SaveFuture` drives: one process's save, alone or as a rank of a group."""
+
+    @property
+    def path(self) -> str: ...
+
+    def wait_staged(self, timeout: float | None = None) -> None: ...
+
+    def finish(self, timeout: float | None = None) -> SaveResult: ...
+
+    def cancel(self) -> bool: ...
+
+
+class SaveFuture(concurrent.futures.Future[SaveResult]):
     """A save running in the background.
 
     Two moments matter: :meth:`wait_staged` returns once the state's tensors may be modified
     again (call it before ``optimizer.step()``); :meth:`wait` returns once the checkpoint is
     durable and committed. A commit thread finishes the save even if nobody waits, and the
     interpreter waits for it at exit, so a started save either commits whole or not at all.
+
+    It is a ``concurrent.futures.Future``: ``concurrent.futures.wait``, ``as_completed``,
+    ``result``, ``exception``, ``add_done_callback``, ``running`` and ``cancelled`` behave as
+    usual. A save has one verdict: once it failed for anyone (``wait_staged`` raised, or
+    ``cancel()`` returned True), it never commits and ``wait()`` raises that same error. A failure
+    that nobody observed is logged at ERROR on the ``fastpersist`` logger when the future is
+    dropped.
 
     Example:
         >>> fut = fp.save_async(state, "ckpt/step-10")      # doctest: +SKIP
@@ -26,14 +50,13 @@ class SaveFuture:
         >>> fut.wait().gb_per_s                              # doctest: +SKIP
     """
 
-    def __init__(self, job: SaveJob, on_commit: Callable[[SaveResult], object] | None = None) -> None:
+    def __init__(self, job: SaveJobLike, on_commit: Callable[[SaveResult], object] | None = None) -> None:
+        super().__init__()
         self._job = job
         self._on_commit = on_commit
-        self._finished = threading.Event()
-        self._lock = threading.Lock()
-        self._result: SaveResult | None = None
-        self._error: BaseException | None = None
-        self._callbacks: list[Callable[[SaveFuture], object]] = []
+        self._error_seen = False
+        self._cancelled_by_caller = False
+        self.set_running_or_notify_cancel()
         self._thread = threading.Thread(target=self._run, name="fastpersist-commit", daemon=False)
         self._thread.start()
 
@@ -41,48 +64,43 @@ class SaveFuture:
         try:
             result = self._job.finish()
         except BaseException as e:
-            error: BaseException | None = e
-            result = None
-        else:
-            error = None
-            if self._on_commit is not None and result is not None:
-                # Bookkeeping after the commit (retention, index) must not turn a committed
-                # save into a failed one: log instead.
-                try:
-                    self._on_commit(result)
-                except Exception:
-                    import logging
-
-                    logging.getLogger("fastpersist").exception("after-commit step failed for %s", self.path)
-        with self._lock:
-            self._result, self._error = result, error
-            self._finished.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            self._call(fn)
-
-    def _call(self, fn: Callable[[SaveFuture], object]) -> None:
-        try:
-            fn(self)
-        except Exception:
-            import logging
-
-            logging.getLogger("fastpersist").exception("exception in a SaveFuture done-callback")
+            self.set_exception(e)
+            return
+        if self._on_commit is not None:
+            # Bookkeeping after the commit (retention, index) must not turn a committed save
+            # into a failed one: log instead.
+            try:
+                self._on_commit(result)
+            except Exception:
+                log.exception("after-commit step failed for %s", self.path)
+        self.set_result(result)
 
     @property
     def path(self) -> str:
         """The checkpoint directory being written."""
         return self._job.path
 
+    @property
+    def error_seen(self) -> bool:
+        """True once the save's error has been raised to (or returned to) a caller."""
+        return self._error_seen
+
     def wait_staged(self, timeout: float | None = None) -> None:
         """Blocks until the source tensors may be modified.
 
         Raises:
             TimeoutError: staging did not finish within `timeout` seconds.
-            SaveCancelledError: a source tensor was modified in place before staging finished
-                (the save will not commit).
+            SaveCancelledError: a source tensor was modified in place before its bytes were
+                staged, or the save was cancelled (it will not commit; ``wait()`` raises the
+                same error).
         """
-        self._job.wait_staged(timeout)
+        try:
+            self._job.wait_staged(timeout)
+        except TimeoutError:
+            raise
+        except BaseException:
+            self._error_seen = True
+            raise
 
     def wait(self, timeout: float | None = None) -> SaveResult:
         """Blocks until the checkpoint is committed and returns its :class:`SaveResult`.
@@ -90,35 +108,49 @@ class SaveFuture:
         Raises the save's error (``OSError``, :class:`SaveCancelledError`, ...) if it failed, or
         ``TimeoutError`` if `timeout` seconds pass first.
         """
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"the save of {self.path} did not finish within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
+        try:
+            return self.result(timeout)
+        except TimeoutError:
+            if self.done():
+                raise
+            raise TimeoutError(f"the save of {self.path} did not finish within {timeout} s") from None
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """Same as :meth:`wait` (``concurrent.futures`` spelling)."""
-        return self.wait(timeout)
+        try:
+            return super().result(timeout)
+        finally:
+            if self.done():
+                self._error_seen = True
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error, or None if it committed. Waits like :meth:`wait`."""
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"the save of {self.path} did not finish within {timeout} s")
-        return self._error
+        error = super().exception(timeout)
+        self._error_seen = True
+        return error
 
-    def done(self) -> bool:
-        """True once the save committed or failed."""
-        return self._finished.is_set()
+    def cancel(self) -> bool:
+        """Stops the save if it has not committed or failed yet.
 
-    def add_done_callback(self, fn: Callable[[SaveFuture], object]) -> None:
-        """Calls ``fn(self)`` when the save finishes (at once if it already has)."""
-        with self._lock:
-            if not self._finished.is_set():
-                self._callbacks.append(fn)
-                return
-        self._call(fn)
+        Returns True if it will not commit: the future then finishes (once its temporary files
+        are removed) with :class:`SaveCancelledError`, and :meth:`cancelled` turns True.
+        """
+        if self.done() or not self._job.cancel():
+            return False
+        self._cancelled_by_caller = True
+        return True
+
+    def cancelled(self) -> bool:
+        """True if :meth:`cancel` stopped the save and it has finished cleaning up."""
+        return self._cancelled_by_caller and self.done()
+
+    def __del__(self) -> None:
+        if not self.done() or self._error_seen or self._cancelled_by_caller:
+            return
+        error = super().exception(0)
+        if error is not None:
+            log.error("the save of %s failed and nobody waited for its result: %s", self.path, error)
 
     def __repr__(self) -> str:
-        state = "pending" if not self.done() else ("failed" if self._error else "committed")
+        state = "pending" if not self.done() else ("failed" if super().exception(0) else "committed")
         return f"<SaveFuture {self.path} {state}>"

@@ -30,6 +30,7 @@ from .config import Config, SaveResult
 from .errors import SaveCancelledError
 from .flatten import FlatState, flatten, records_to_json
 from .manifest import MANIFEST_NAME, FileEntry, build, read_manifest
+from .verdict import Verdict
 
 __all__ = ["Layout", "SaveJob", "pool_for", "remove_checkpoint_tree", "single_layout"]
 
@@ -37,6 +38,12 @@ log = logging.getLogger("fastpersist")
 
 TMP_MARKER = ".fptmp-"
 STRIPE_SUFFIX = ".fpstripe"
+
+#: Watched tensors of at most this size are copied when the save starts, smallest first and up
+#: to COPY_AT_START_BUDGET_BYTES in all, so that nothing the next forward pass updates in place
+#: (BatchNorm statistics, step counters, other small buffers) can race their staging.
+COPY_AT_START_MAX_BYTES = 1 << 20
+COPY_AT_START_BUDGET_BYTES = 64 << 20
 
 #: Pools kept alive between saves, most recently used last. Bounded, so a process that saves
 #: states of many sizes does not keep a pool per size (a Checkpointer holds its own).
@@ -136,7 +143,6 @@ class SaveJob:
         self.path = os.path.abspath(os.fspath(path))
         self.config = config
         self.layout = layout = layout or single_layout(self.path)
-        self.committed = False
         self.handle: Any = None
         self._created: list[str] = []
         if layout.owner:
@@ -157,8 +163,7 @@ class SaveJob:
         self.blob_owner: dict[int, str] = {}
         for rec in flat.tensors:
             self.blob_owner.setdefault(rec.blob, rec.key_path)
-        self._mutation_lock = threading.Lock()
-        self._mutation_checked = False
+        self.verdict = Verdict()
         self.my_parts = [p for p in self.plan.parts if p[0] == layout.writer]
         try:
             if layout.owner:
@@ -197,6 +202,10 @@ class SaveJob:
                     checksum=config.checksum == "crc32c",
                     durable=config.durable,
                     background=background,
+                    watched=[b.version is not None for b in flat.blobs],
+                    on_staged=self._check_staged,
+                    copy_max_extent_bytes=COPY_AT_START_MAX_BYTES,
+                    copy_budget_bytes=COPY_AT_START_BUDGET_BYTES,
                 )
                 _warn_fallback_once(self.handle.fallback_reason)
         except BaseException:
@@ -211,46 +220,69 @@ class SaveJob:
 
     # -- staging and the mutation guard ------------------------------------------------------
 
-    def wait_staged(self, timeout: float | None = None) -> None:
-        """Returns when the sources may be modified; raises if they were modified too early."""
-        if self.handle is not None:
-            self.handle.wait_staged(timeout)
-        self.check_mutation()
+    def _check_staged(self, blobs: list[int]) -> bool:
+        """The mutation guard, called by the job's thread as soon as `blobs` are staged whole.
 
-    def check_mutation(self) -> None:
-        """Compares each torch source's version counter with its value at flatten time.
-
-        Run once, by whoever first sees staging finish. A bump means an in-place change (e.g.
-        ``optimizer.step()``) raced the copy, so the staged bytes may mix two iterations.
+        Each torch source's version counter (bumped by every in-place operation, shared by
+        views) must still be what it was at flatten time: otherwise the staged bytes may mix
+        two iterations, and the save fails for everyone. A change after this point is fine.
         """
-        with self._mutation_lock:
-            if self._mutation_checked:
-                return
-            self._mutation_checked = True
-            flat, self._flat = self._flat, None  # drop references to the user's tensors
-        if flat is None or self.handle is None:
-            return
-        for index, blob in enumerate(flat.blobs):
-            if blob.version is None:
-                continue
+        flat = self._flat
+        if flat is None:
+            return True
+        for index in blobs:
+            blob = flat.blobs[index]
             now = blob.source._version  # type: ignore[attr-defined]
             if now != blob.version:
-                self.handle.cancel()
-                raise SaveCancelledError(
-                    f"tensor {self.blob_owner.get(index, f'blob {index}')!r} was modified in place while the "
-                    f"save of {self.path} was copying it (version {blob.version} -> {now}); call "
-                    "wait_staged() before optimizer.step(). The checkpoint was not committed; the "
-                    "previous one is untouched."
+                self.verdict.fail(
+                    SaveCancelledError(
+                        f"tensor {self.blob_owner.get(index, f'blob {index}')!r} was modified in place before "
+                        f"the save of {self.path} had copied it (version {blob.version} -> {now}); call "
+                        "wait_staged() before optimizer.step(). The checkpoint was not committed; the "
+                        "previous one is untouched."
+                    )
                 )
+                return False
+        return True
+
+    def _release_sources(self) -> None:
+        """Drops this job's references to the user's tensors once the engine no longer reads them."""
+        if self.handle is None or self.handle.staged():
+            self._flat = None
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Returns when the sources may be modified; raises if the save was cancelled (a source
+        changed before it was staged, or someone cancelled it)."""
+        if self.handle is not None:
+            self.handle.wait_staged(timeout)
+        self._release_sources()
+        if isinstance(self.verdict.error, SaveCancelledError):
+            raise self.verdict.error
+
+    def cancel(self) -> bool:
+        """Stops the save unless it already committed or failed; returns whether it did."""
+        if not self.verdict.cancel(SaveCancelledError(f"the save of {self.path} was cancelled; nothing was committed")):
+            return False
+        if self.handle is not None:
+            self.handle.cancel()
+        return True
 
     # -- the pieces of a commit --------------------------------------------------------------
 
     def wait_written(self, timeout: float | None = None) -> Written:
-        """Waits until this process's files are written (and durable), after the mutation check."""
+        """Waits until this process's files are written (and durable); raises the save's verdict."""
         report: dict[str, Any] = {"parts": [], "bytes_written": 0, "staged_seconds": 0.0}
-        if self.handle is not None:
-            report = self.handle.wait(timeout)
-        self.check_mutation()
+        try:
+            if self.handle is not None:
+                report = self.handle.wait(timeout)
+        except TimeoutError:
+            raise
+        except BaseException as e:
+            raise self.verdict.fail(e) or e from None
+        finally:
+            self._release_sources()
+        if self.verdict.error is not None:
+            raise self.verdict.error
         entries = [
             FileEntry(fname, stripe, writer, offset, length, list(part["chunk_crc32c"]))
             for (stripe, fname), (writer, _s, offset, length), part in zip(
@@ -286,11 +318,17 @@ class SaveJob:
         self.commit_tmp()
 
     def commit_tmp(self) -> None:
-        """Owner only: atomically puts the finished temporary directory at the target path."""
+        """Owner only: atomically puts the finished temporary directory at the target path,
+        unless the save's verdict is already a failure."""
         assert self.layout.owner
         check_target(self.path)
-        exchanged = _core.replace_atomically(self.layout.tmp_dir, self.path)
-        self.committed = True
+        exchanged = False
+
+        def put_in_place() -> None:
+            nonlocal exchanged
+            exchanged = _core.replace_atomically(self.layout.tmp_dir, self.path)
+
+        self.verdict.commit(put_in_place)
         if self.config.durable:
             _core.fsync_dir(os.path.dirname(self.path))
         if exchanged:
@@ -311,19 +349,22 @@ class SaveJob:
         )
 
     def finish(self, timeout: float | None = None) -> SaveResult:
-        """Single process: waits for the data, checks sources, writes the manifest, commits."""
+        """Single process: waits for the data, writes the manifest, commits (unless failed)."""
         try:
             written = self.wait_written(timeout)
             self.publish(self.manifest(written.entries, written.stripe_dirs))
-        except BaseException:
+        except BaseException as e:
+            error = self.verdict.fail(e) or e
             self.discard()
-            raise
+            if error is e:
+                raise
+            raise error from None
         return self.result(written)
 
     def discard(self) -> None:
         """Removes what this process created for a save that did not commit."""
         self.cancel_quietly()
-        if self.committed:
+        if self.verdict.committed:
             # The new checkpoint is in place; only the old tree (exchanged to tmp_dir) remains.
             remove_checkpoint_tree(self.layout.tmp_dir)
             return
@@ -331,12 +372,13 @@ class SaveJob:
             shutil.rmtree(d, ignore_errors=True)
 
     def cancel_quietly(self) -> None:
+        """Stops the engine's job and waits for it (its error, if any, is already the verdict)."""
         handle = self.handle
         if handle is not None and not handle.done():
             handle.cancel()
             try:
                 handle.wait()
-            except BaseException:
+            except Exception:
                 pass
 
 

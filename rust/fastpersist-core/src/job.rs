@@ -102,6 +102,40 @@ pub struct WriteReport {
     pub bytes_written: u64,
 }
 
+/// A moment in a job's life that others wait for: set once, with the time since the job began.
+#[derive(Debug, Default)]
+struct Latch {
+    after: Mutex<Option<Duration>>,
+    reached: Condvar,
+}
+
+impl Latch {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Duration>> {
+        self.after.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set(&self, elapsed: Duration) {
+        let mut after = self.lock();
+        if after.is_none() {
+            *after = Some(elapsed);
+            self.reached.notify_all();
+        }
+    }
+
+    fn get(&self) -> Option<Duration> {
+        *self.lock()
+    }
+
+    fn wait(&self, timeout: Duration) -> bool {
+        let guard = self.lock();
+        let (guard, _) = self
+            .reached
+            .wait_timeout_while(guard, timeout, |after| after.is_none())
+            .unwrap_or_else(|e| e.into_inner());
+        guard.is_some()
+    }
+}
+
 /// Progress shared between a job and whoever waits on it.
 #[derive(Debug)]
 pub struct JobProgress {
@@ -109,8 +143,8 @@ pub struct JobProgress {
     staged_bytes: AtomicU64,
     written_bytes: AtomicU64,
     cancelled: AtomicBool,
-    released_after: Mutex<Option<Duration>>,
-    released: Condvar,
+    copied_early: Latch,
+    released: Latch,
 }
 
 impl Default for JobProgress {
@@ -120,8 +154,8 @@ impl Default for JobProgress {
             staged_bytes: AtomicU64::new(0),
             written_bytes: AtomicU64::new(0),
             cancelled: AtomicBool::new(false),
-            released_after: Mutex::new(None),
-            released: Condvar::new(),
+            copied_early: Latch::default(),
+            released: Latch::default(),
         }
     }
 }
@@ -137,38 +171,78 @@ impl JobProgress {
         self.written_bytes.load(Ordering::Relaxed)
     }
 
-    /// Asks the job to stop at the next chunk; it then fails with [`Error::Cancelled`].
+    /// Asks the job to stop. It fails with [`Error::Cancelled`] at its next chunk, or at the
+    /// latest before it reports success: a cancelled job never succeeds.
     pub fn cancel(&self) {
-        self.cancelled.store(true, Ordering::Relaxed);
+        self.cancelled.store(true, Ordering::SeqCst);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Duration>> {
-        self.released_after
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+    /// Whether [`JobProgress::cancel`] was called.
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::SeqCst)
+    }
+
+    fn check_cancelled(&self, when: &str) -> Result<()> {
+        if self.is_cancelled() {
+            return Err(Error::Cancelled(format!("the save was cancelled {when}")));
+        }
+        Ok(())
+    }
+
+    fn mark_copied_early(&self) {
+        self.copied_early.set(self.started.elapsed());
+    }
+
+    /// Waits until the job has copied the extents a [`Guard`] asked to copy at once (or
+    /// failed, or finished staging). Returns false on timeout.
+    pub fn wait_copied_early(&self, timeout: Duration) -> bool {
+        self.copied_early.wait(timeout)
     }
 
     fn mark_sources_released(&self) {
-        let mut released = self.lock();
-        if released.is_none() {
-            *released = Some(self.started.elapsed());
-            self.released.notify_all();
-        }
+        self.mark_copied_early();
+        self.released.set(self.started.elapsed());
     }
 
     /// Time from job start until the sources were released, once they are.
     pub fn sources_released_after(&self) -> Option<Duration> {
-        *self.lock()
+        self.released.get()
     }
 
     /// Waits until the job no longer reads source memory. Returns false on timeout.
     pub fn wait_sources_released(&self, timeout: Duration) -> bool {
-        let guard = self.lock();
-        let (guard, _) = self
-            .released
-            .wait_timeout_while(guard, timeout, |released| released.is_none())
-            .unwrap_or_else(|e| e.into_inner());
-        guard.is_some()
+        self.released.wait(timeout)
+    }
+}
+
+/// Told when extents have been staged whole: from then on their source may change freely.
+pub trait StagingObserver: Send {
+    /// `extents` (plan indices) just had the last of this job's bytes of them staged. An error
+    /// fails the job (e.g. the source was modified before it was staged).
+    fn extents_staged(&mut self, extents: &[usize]) -> Result<()>;
+}
+
+/// The mutation guard's side of a job: which extents may change under it, and who checks.
+pub struct Guard {
+    /// Per plan extent: its source may be modified by someone while the job runs.
+    pub watched: Vec<bool>,
+    /// Watched extents of at most this many bytes are copied into job-owned memory before the
+    /// job reports [`JobProgress::wait_copied_early`], smallest first, up to
+    /// `copy_budget_bytes` in all: nothing can race them afterwards.
+    pub copy_max_extent_bytes: u64,
+    /// Total bytes of early copies.
+    pub copy_budget_bytes: u64,
+    /// Told when each remaining watched extent has been staged whole.
+    pub observer: Box<dyn StagingObserver>,
+}
+
+impl std::fmt::Debug for Guard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Guard")
+            .field("watched", &self.watched.iter().filter(|w| **w).count())
+            .field("copy_max_extent_bytes", &self.copy_max_extent_bytes)
+            .field("copy_budget_bytes", &self.copy_budget_bytes)
+            .finish_non_exhaustive()
     }
 }
 
@@ -184,7 +258,24 @@ pub fn write_parts(
     options: &WriteOptions,
     progress: &JobProgress,
 ) -> Result<WriteReport> {
-    let mut staging = Staging::new(plan, targets, sources, pool, options, progress)?;
+    write_parts_guarded(plan, targets, sources, pool, options, progress, None)
+}
+
+/// [`write_parts`] with a mutation [`Guard`]: small watched extents are copied first, and the
+/// guard's observer hears when each other watched extent is staged whole, so it can check that
+/// its source had not changed before then (and fail the job if it had).
+pub fn write_parts_guarded(
+    plan: &Plan,
+    targets: &[WriteTarget],
+    sources: Vec<SourceRegion>,
+    pool: &Pool,
+    options: &WriteOptions,
+    progress: &JobProgress,
+    guard: Option<Guard>,
+) -> Result<WriteReport> {
+    let staging = Staging::new(plan, targets, sources, pool, options, progress, guard);
+    progress.mark_copied_early();
+    let mut staging = staging?;
     let result = (|| {
         let files = open_targets(targets, options.direct)?;
         staging.direct = files.iter().map(|f| f.direct).collect();
@@ -196,6 +287,8 @@ pub fn write_parts(
             &mut staging,
         )?;
         finish_files(&files, targets, options.durable)?;
+        // Every chunk may be on disk already, but a cancelled job must not report success.
+        progress.check_cancelled("after its data was written")?;
         Ok(files.iter().map(|f| f.direct).collect::<Vec<_>>())
     })();
     staging.release_sources();
@@ -295,6 +388,20 @@ struct Staging<'p> {
     progress: &'p JobProgress,
     /// Chunks staged while the queue was full, in order, waiting for a queue slot.
     ahead: VecDeque<StagedChunk>,
+    guard: Option<GuardState>,
+}
+
+/// What the staging side keeps of a [`Guard`].
+struct GuardState {
+    watched: Vec<bool>,
+    /// Per extent, this job's bytes of it not yet staged (watched extents only).
+    remaining_bytes: Vec<u64>,
+    /// Extents staged whole since the observer was last told.
+    just_staged: Vec<usize>,
+    observer: Box<dyn StagingObserver>,
+    /// Early copies of small watched extents; the job's sources point into it for those. Its
+    /// heap block never moves (sized once, never grown) and lives as long as the staging.
+    _early_copies: Vec<u8>,
 }
 
 /// A chunk copied into a pool slot, not yet submitted.
@@ -313,6 +420,7 @@ impl<'p> Staging<'p> {
         pool: &'p Pool,
         options: &WriteOptions,
         progress: &'p JobProgress,
+        guard: Option<Guard>,
     ) -> Result<Self> {
         let staging = Staging {
             plan,
@@ -331,6 +439,7 @@ impl<'p> Staging<'p> {
             crcs: Vec::new(),
             progress,
             ahead: VecDeque::new(),
+            guard: None,
         };
         // From here an early return drops `staging`, whose Drop releases the sources.
         let mut staging = staging;
@@ -365,7 +474,112 @@ impl<'p> Staging<'p> {
                 }
             }
         }
+        if let Some(guard) = guard {
+            staging.start_guard(guard, targets)?;
+        }
         Ok(staging)
+    }
+
+    /// Calls `f(extent, overlap_bytes)` for every extent overlapping stream bytes `[start, end)`.
+    fn for_extents_in(&self, start: u64, end: u64, mut f: impl FnMut(usize, u64)) {
+        let first = self.extent_ends.partition_point(|&e| e <= start);
+        for index in first..self.extent_ends.len() {
+            let ext_start = self.plan.extent_offsets[index];
+            if ext_start >= end {
+                break;
+            }
+            let overlap = self.extent_ends[index].min(end) - ext_start.max(start);
+            if overlap > 0 {
+                f(index, overlap);
+            }
+        }
+    }
+
+    /// Counts this job's bytes of each watched extent, and copies the small ones at once.
+    fn start_guard(&mut self, guard: Guard, targets: &[WriteTarget]) -> Result<()> {
+        let extent_count = self.plan.extent_bytes.len();
+        if guard.watched.len() != extent_count {
+            return Err(Error::InvalidArgument(format!(
+                "internal: the guard watches {} extents, the plan has {extent_count}",
+                guard.watched.len()
+            )));
+        }
+        let mut watched = guard.watched;
+        let mut remaining_bytes = vec![0u64; extent_count];
+        for target in targets {
+            let start = target.part.stream_offset_bytes;
+            self.for_extents_in(start, start + target.part.len_bytes, |i, n| {
+                if watched[i] {
+                    remaining_bytes[i] += n;
+                }
+            });
+        }
+        let mut small: Vec<usize> = (0..extent_count)
+            .filter(|&i| remaining_bytes[i] > 0)
+            .filter(|&i| self.plan.extent_bytes[i] <= guard.copy_max_extent_bytes)
+            .collect();
+        small.sort_by_key(|&i| self.plan.extent_bytes[i]);
+        let mut total = 0u64;
+        small.retain(|&i| {
+            total += self.plan.extent_bytes[i];
+            total <= guard.copy_budget_bytes
+        });
+        let mut early_copies = vec![
+            0u8;
+            small
+                .iter()
+                .map(|&i| self.plan.extent_bytes[i] as usize)
+                .sum()
+        ];
+        let sources = self.sources.as_mut().expect("sources held while staging");
+        let mut at = 0;
+        for &i in &small {
+            let len = sources[i].len_bytes;
+            let dst = &mut early_copies[at..at + len];
+            // SAFETY: the region is readable (SourceRegion::new's contract; the job holds the
+            // sources until it releases them, which has not happened yet), its length is the
+            // extent's (checked in `new`), and `dst` is memory of our own.
+            unsafe { std::ptr::copy_nonoverlapping(sources[i].ptr, dst.as_mut_ptr(), len) };
+            // SAFETY: `early_copies` is never grown or dropped before the staging is, so the
+            // region stays readable for as long as the job reads its sources.
+            sources[i] = unsafe { SourceRegion::new(dst.as_ptr(), len) };
+            watched[i] = false;
+            remaining_bytes[i] = 0;
+            at += len;
+        }
+        self.guard = Some(GuardState {
+            watched,
+            remaining_bytes,
+            just_staged: Vec::new(),
+            observer: guard.observer,
+            _early_copies: early_copies,
+        });
+        Ok(())
+    }
+
+    /// Records that stream bytes `[start, start + len_bytes)` are staged, and tells the guard's
+    /// observer about the watched extents that are now staged whole.
+    fn note_staged(&mut self, start: u64, len_bytes: u64) -> Result<()> {
+        let Some(mut guard) = self.guard.take() else {
+            return Ok(());
+        };
+        self.for_extents_in(start, start + len_bytes, |i, n| {
+            if guard.watched[i] {
+                guard.remaining_bytes[i] -= n;
+                if guard.remaining_bytes[i] == 0 {
+                    guard.just_staged.push(i);
+                }
+            }
+        });
+        let told = if guard.just_staged.is_empty() {
+            Ok(())
+        } else {
+            let told = guard.observer.extents_staged(&guard.just_staged);
+            guard.just_staged.clear();
+            told
+        };
+        self.guard = Some(guard);
+        told
     }
 
     fn release_sources(&mut self) {
@@ -435,30 +649,26 @@ impl Drop for Staging<'_> {
 
 impl Staging<'_> {
     fn check_cancelled(&self) -> Result<()> {
-        if self.progress.cancelled.load(Ordering::Relaxed) {
-            return Err(Error::Cancelled(
-                "the save was cancelled while staging".into(),
-            ));
-        }
-        Ok(())
+        self.progress.check_cancelled("while staging")
     }
 
     /// Stages the next chunk into `slot`.
-    fn stage_next(&mut self, mut slot: Slot) -> StagedChunk {
+    fn stage_next(&mut self, mut slot: Slot) -> Result<StagedChunk> {
         let (file, index, chunk) = self.chunks[self.next];
         self.next += 1;
         let crc = self.stage(&mut slot, &chunk);
         self.crcs[file][index] = crc;
+        self.note_staged(chunk.stream_offset_bytes, chunk.len_bytes)?;
         if self.next == self.chunks.len() {
             // Everything is in the pool: the caller may modify its tensors from here on.
             self.release_sources();
         }
-        StagedChunk {
+        Ok(StagedChunk {
             file,
             offset_bytes: chunk.file_offset_bytes,
             slot,
             logical_bytes: chunk.len_bytes as usize,
-        }
+        })
     }
 
     fn op_for<'a>(&self, staged: StagedChunk) -> IoOp<'a> {
@@ -499,7 +709,7 @@ impl<'a> OpSource<'a> for Staging<'_> {
                 self.check_cancelled()?;
             },
         };
-        let staged = self.stage_next(slot);
+        let staged = self.stage_next(slot)?;
         Ok(Next::Op(self.op_for(staged)))
     }
 
@@ -511,7 +721,7 @@ impl<'a> OpSource<'a> for Staging<'_> {
         let Some(slot) = self.pool.try_acquire() else {
             return Ok(false);
         };
-        let staged = self.stage_next(slot);
+        let staged = self.stage_next(slot)?;
         self.ahead.push_back(staged);
         Ok(true)
     }

@@ -6,7 +6,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use fastpersist_core::Error;
-use fastpersist_core::job::{JobProgress, WriteReport};
+use fastpersist_core::job::{JobProgress, StagingObserver, WriteReport};
 use pyo3::exceptions::PyTimeoutError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -76,6 +76,38 @@ fn wait_interruptibly(
         py.check_signals()?;
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return Ok(false);
+        }
+    }
+}
+
+/// The mutation guard's check, in Python: called from the job's thread with the GIL.
+pub(crate) struct PyStagingObserver {
+    callback: Py<PyAny>,
+}
+
+impl PyStagingObserver {
+    pub fn new(callback: Py<PyAny>) -> Self {
+        PyStagingObserver { callback }
+    }
+}
+
+impl StagingObserver for PyStagingObserver {
+    fn extents_staged(&mut self, extents: &[usize]) -> fastpersist_core::Result<()> {
+        let verdict = Python::try_attach(|py| {
+            self.callback
+                .call1(py, (extents.to_vec(),))
+                .and_then(|ok| ok.bind(py).is_truthy())
+                .map_err(|e| e.to_string())
+        });
+        match verdict {
+            Some(Ok(true)) => Ok(()),
+            Some(Ok(false)) => Err(Error::Cancelled(
+                "a source was modified before its bytes were staged".into(),
+            )),
+            Some(Err(e)) => Err(Error::Cancelled(format!("the staging check failed: {e}"))),
+            None => Err(Error::Cancelled(
+                "the interpreter is shutting down; the save cannot be checked".into(),
+            )),
         }
     }
 }
@@ -209,9 +241,11 @@ impl Drop for WriteHandle {
         // until it stops (staging is bounded; the job never waits on Python).
         let sources = self.sources.get_mut().unwrap_or_else(|e| e.into_inner());
         if sources.is_some() {
-            self.shared
-                .progress
-                .wait_sources_released(Duration::from_secs(u64::MAX / 4));
+            let progress = &self.shared.progress;
+            let forever = Duration::from_secs(u64::MAX / 4);
+            // The job's staging check needs the GIL: let go of it while waiting.
+            Python::try_attach(|py| py.detach(|| progress.wait_sources_released(forever)))
+                .unwrap_or_else(|| progress.wait_sources_released(forever));
         }
     }
 }

@@ -8,7 +8,7 @@ mod handle;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use fastpersist_core::job::{WriteOptions, WriteTarget, write_parts};
+use fastpersist_core::job::{Guard, WriteOptions, WriteTarget, write_parts_guarded};
 use fastpersist_core::probe::{self, BackendChoice, DirectMode};
 use fastpersist_core::read::{ReadOptions, ReadPart, read_parts};
 use fastpersist_core::{checksum, durable, plan, pool};
@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 
 use buffers::HeldBuffer;
 use errors::IntoPyResult;
-use handle::{Shared, WriteHandle};
+use handle::{PyStagingObserver, Shared, WriteHandle};
 
 /// The layout of a checkpoint: where each extent sits in the stream and which parts exist.
 #[pyclass(frozen, module = "fastpersist._core")]
@@ -116,8 +116,14 @@ impl Pool {
 /// Starts writing `writer`'s parts of `plan` to `paths` from `sources` (one buffer per extent).
 /// With `background=False` the write runs on this thread (GIL released) and the returned
 /// handle is already finished.
+///
+/// The mutation guard: `watched[i]` says extent `i`'s source may be modified while the job
+/// runs. Watched extents of at most `copy_max_extent_bytes` are copied (smallest first, up to
+/// `copy_budget_bytes`) before this returns; `on_staged(extents)` is called (from the job's
+/// thread, with the GIL) once each other watched extent is staged whole, and a false result
+/// (or an exception) fails the job.
 #[pyfunction]
-#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false))]
+#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0))]
 #[allow(clippy::too_many_arguments)]
 fn start_write(
     py: Python<'_>,
@@ -132,7 +138,23 @@ fn start_write(
     checksum: bool,
     durable: bool,
     background: bool,
+    watched: Option<Vec<bool>>,
+    on_staged: Option<Py<PyAny>>,
+    copy_max_extent_bytes: u64,
+    copy_budget_bytes: u64,
 ) -> PyResult<WriteHandle> {
+    let guard = match (watched, on_staged) {
+        (Some(watched), Some(callback)) => Some(Guard {
+            watched,
+            copy_max_extent_bytes,
+            copy_budget_bytes,
+            observer: Box::new(PyStagingObserver::new(callback)),
+        }),
+        (None, None) => None,
+        _ => {
+            return Err(PyValueError::new_err("watched= and on_staged= go together"));
+        }
+    };
     let selection =
         probe::select(BackendChoice::parse(backend).into_py_result(py)?).into_py_result(py)?;
     let options = WriteOptions {
@@ -168,13 +190,14 @@ fn start_write(
         Arc::clone(&shared),
     );
     let job = move || {
-        let outcome = write_parts(
+        let outcome = write_parts_guarded(
             &job_plan,
             &targets,
             regions,
             &job_pool,
             &options,
             &job_shared.progress,
+            guard,
         );
         job_shared.finish(outcome);
     };
@@ -182,9 +205,16 @@ fn start_write(
         let spawned = std::thread::Builder::new()
             .name("fastpersist-save".into())
             .spawn(job);
-        Some(spawned.map_err(|e| {
+        let thread = spawned.map_err(|e| {
             pyo3::exceptions::PyOSError::new_err(format!("cannot start the save thread: {e}"))
-        })?)
+        })?;
+        // Small watched sources are copied before the caller may touch them again.
+        py.detach(|| {
+            shared
+                .progress
+                .wait_copied_early(std::time::Duration::from_secs(u64::MAX / 4))
+        });
+        Some(thread)
     } else {
         py.detach(job);
         None

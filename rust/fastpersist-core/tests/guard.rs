@@ -1,0 +1,251 @@
+//! The mutation guard's engine side: early copies of small watched extents, one report per
+//! watched extent when its bytes are all staged, and a cancelled job that never succeeds.
+
+use std::sync::{Arc, Mutex};
+
+use fastpersist_core::error::{Error, Result};
+use fastpersist_core::job::{
+    Guard, JobProgress, SourceRegion, StagingObserver, WriteOptions, WriteTarget,
+    write_parts_guarded,
+};
+use fastpersist_core::plan::Plan;
+use fastpersist_core::pool::Pool;
+use fastpersist_core::probe::{BackendKind, DirectMode};
+
+const CHUNK: u64 = 64 << 10;
+
+/// Records what it is told; fails when it hears of `fail_on`.
+struct Recorder {
+    seen: Arc<Mutex<Vec<usize>>>,
+    fail_on: Option<usize>,
+}
+
+impl StagingObserver for Recorder {
+    fn extents_staged(&mut self, extents: &[usize]) -> Result<()> {
+        self.seen.lock().unwrap().extend_from_slice(extents);
+        if self.fail_on.is_some_and(|f| extents.contains(&f)) {
+            return Err(Error::Cancelled(
+                "extent changed before it was staged".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn options() -> WriteOptions {
+    WriteOptions {
+        backend: BackendKind::Threads,
+        direct: DirectMode::Off,
+        queue_depth: 2,
+        checksum: true,
+        durable: false,
+    }
+}
+
+struct Setup {
+    _root: tempfile::TempDir,
+    data: Vec<Vec<u8>>,
+    plan: Plan,
+    targets: Vec<WriteTarget>,
+}
+
+fn setup(sizes: &[usize], writers: usize, writer: usize) -> Setup {
+    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let data: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| vec![i as u8 + 1; n])
+        .collect();
+    let lens: Vec<u64> = sizes.iter().map(|&n| n as u64).collect();
+    let plan = Plan::new(&lens, writers, 1, CHUNK).unwrap();
+    let targets = plan
+        .parts_of_writer(writer)
+        .map(|p| WriteTarget {
+            part: *p,
+            path: root.path().join(format!("w{}.bin", p.writer)),
+        })
+        .collect();
+    Setup {
+        _root: root,
+        data,
+        plan,
+        targets,
+    }
+}
+
+fn regions(data: &mut [Vec<u8>]) -> Vec<SourceRegion> {
+    data.iter()
+        // SAFETY: every test keeps `data` alive until write_parts_guarded returns.
+        .map(|d| unsafe { SourceRegion::new(d.as_ptr(), d.len()) })
+        .collect()
+}
+
+#[test]
+fn every_watched_extent_is_reported_once_and_small_ones_are_copied_first() {
+    // Extent 0 and 2 are small (copied at once, never reported), 1 and 3 are large.
+    let mut s = setup(
+        &[100, 5 * CHUNK as usize + 7, 200, 3 * CHUNK as usize],
+        1,
+        0,
+    );
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let guard = Guard {
+        watched: vec![true, true, true, true],
+        copy_max_extent_bytes: 1024,
+        copy_budget_bytes: 1 << 20,
+        observer: Box::new(Recorder {
+            seen: Arc::clone(&seen),
+            fail_on: None,
+        }),
+    };
+    let pool = Pool::new(CHUNK as usize, 2 * CHUNK as usize);
+    let progress = JobProgress::default();
+    let sources = regions(&mut s.data);
+    write_parts_guarded(
+        &s.plan,
+        &s.targets,
+        sources,
+        &pool,
+        &options(),
+        &progress,
+        Some(guard),
+    )
+    .unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![1, 3]);
+    assert!(progress.wait_copied_early(std::time::Duration::ZERO));
+}
+
+#[test]
+fn early_copies_stop_at_the_budget_smallest_first() {
+    let mut s = setup(&[300, 100, 200], 1, 0);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let guard = Guard {
+        watched: vec![true, true, true],
+        copy_max_extent_bytes: 1024,
+        copy_budget_bytes: 300, // 100 + 200 fit; 300 does not
+        observer: Box::new(Recorder {
+            seen: Arc::clone(&seen),
+            fail_on: None,
+        }),
+    };
+    let pool = Pool::new(CHUNK as usize, 2 * CHUNK as usize);
+    let sources = regions(&mut s.data);
+    let report = write_parts_guarded(
+        &s.plan,
+        &s.targets,
+        sources,
+        &pool,
+        &options(),
+        &JobProgress::default(),
+        Some(guard),
+    )
+    .unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![0]);
+    // The copies are what was written.
+    let written = std::fs::read(&report.parts[0].path).unwrap();
+    for (offset, bytes) in s.plan.extent_offsets.iter().zip(&s.data) {
+        assert_eq!(
+            &written[*offset as usize..*offset as usize + bytes.len()],
+            &bytes[..]
+        );
+    }
+}
+
+#[test]
+fn an_observer_error_fails_the_job() {
+    let mut s = setup(&[2 * CHUNK as usize, 2 * CHUNK as usize], 1, 0);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let guard = Guard {
+        watched: vec![true, true],
+        copy_max_extent_bytes: 0,
+        copy_budget_bytes: 0,
+        observer: Box::new(Recorder {
+            seen: Arc::clone(&seen),
+            fail_on: Some(0),
+        }),
+    };
+    let pool = Pool::new(CHUNK as usize, 8 * CHUNK as usize);
+    let progress = JobProgress::default();
+    let sources = regions(&mut s.data);
+    let err = write_parts_guarded(
+        &s.plan,
+        &s.targets,
+        sources,
+        &pool,
+        &options(),
+        &progress,
+        Some(guard),
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::Cancelled(_)), "{err:?}");
+    assert!(progress.sources_released_after().is_some());
+}
+
+#[test]
+fn a_writer_hears_only_of_extents_it_writes() {
+    // Two writers split 4 chunks; extent 0 lies in writer 0's half, extent 1 in writer 1's.
+    let mut s = setup(&[2 * CHUNK as usize, 2 * CHUNK as usize], 2, 1);
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let guard = Guard {
+        watched: vec![true, true],
+        copy_max_extent_bytes: 0,
+        copy_budget_bytes: 0,
+        observer: Box::new(Recorder {
+            seen: Arc::clone(&seen),
+            fail_on: Some(0),
+        }),
+    };
+    let pool = Pool::new(CHUNK as usize, 4 * CHUNK as usize);
+    let sources = regions(&mut s.data);
+    write_parts_guarded(
+        &s.plan,
+        &s.targets,
+        sources,
+        &pool,
+        &options(),
+        &JobProgress::default(),
+        Some(guard),
+    )
+    .unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![1]);
+}
+
+/// Cancels the job from inside the last report: every chunk is staged (and may be submitted)
+/// by then, yet the job must fail.
+struct CancelAtEnd {
+    progress: Arc<JobProgress>,
+}
+
+impl StagingObserver for CancelAtEnd {
+    fn extents_staged(&mut self, _extents: &[usize]) -> Result<()> {
+        self.progress.cancel();
+        Ok(())
+    }
+}
+
+#[test]
+fn a_job_cancelled_after_the_last_chunk_was_staged_still_fails() {
+    let mut s = setup(&[3 * CHUNK as usize], 1, 0);
+    let progress = Arc::new(JobProgress::default());
+    let guard = Guard {
+        watched: vec![true],
+        copy_max_extent_bytes: 0,
+        copy_budget_bytes: 0,
+        observer: Box::new(CancelAtEnd {
+            progress: Arc::clone(&progress),
+        }),
+    };
+    let pool = Pool::new(CHUNK as usize, 8 * CHUNK as usize);
+    let sources = regions(&mut s.data);
+    let err = write_parts_guarded(
+        &s.plan,
+        &s.targets,
+        sources,
+        &pool,
+        &options(),
+        &progress,
+        Some(guard),
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::Cancelled(_)), "{err:?}");
+}
