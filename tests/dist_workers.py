@@ -171,7 +171,31 @@ def enospc_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, 
     return {"error": error, "elapsed": time.monotonic() - started, "previous_ok": fp.load(path)["w"].numel() == 10}
 
 
+def torn_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    """Rank 1 steps its optimizer before its share was staged; rank 0 behaves."""
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, pool_bytes=128 << 10, queue_depth=1)
+    path = os.path.join(workdir, "ckpt")
+    fp.save(make_state(1), path, config=cfg, group=dist.group.WORLD)
+    state = {"w": torch.zeros((32 << 20) // 4), "step": 2}
+    fut = fp.save_async(state, path, config=cfg, group=dist.group.WORLD)
+    staged_error = ""
+    if rank == 1:
+        state["w"][-1:].add_(1)
+        try:
+            fut.wait_staged()
+        except Exception as e:
+            staged_error = f"{type(e).__name__}: {e}"
+    try:
+        fut.wait()
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = ""
+    return {"staged_error": staged_error, "error": error, "previous_ok": same(make_state(1), fp.load(path))}
+
+
 SCENARIOS: dict[str, Callable[[int, int, str, str], dict[str, Any]]] = {
+    "torn_rank": torn_rank,
     "replicated": replicated,
     "writers_node": writers_node,
     "sharded": sharded,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import json
 import math
 import os
@@ -104,10 +105,63 @@ def test_out_fills_existing_tensors_in_place(workdir: str, config: fp.Config) ->
     target = {"model": other.state_dict()}
     ptrs = {k: v.data_ptr() for k, v in target["model"].items()}
     result = fp.load(path, out=target, config=config)
-    assert result is target
     for k, v in target["model"].items():
+        assert result["model"][k] is v, k  # the returned state holds out's tensors
         assert v.data_ptr() == ptrs[k], k
         assert torch.equal(v, model.state_dict()[k]), k
+
+
+def test_out_is_matched_by_key_not_position(workdir: str, backend: str) -> None:
+    path = os.path.join(workdir, "bykey")
+    saved = {"a": torch.arange(5.0), "b": torch.arange(5.0) + 100, "step": 7, "lr": 0.5, "rng": torch.arange(3)}
+    fp.save(saved, path)
+    out = {"b": torch.zeros(5), "a": torch.zeros(5), "step": -1}  # other order, stale values
+    ptr_a = out["a"].data_ptr()
+    state = fp.load(path, out=out, config=fp.Config(backend=backend))
+    assert torch.equal(out["a"], saved["a"]) and torch.equal(out["b"], saved["b"])
+    assert out["a"].data_ptr() == ptr_a and state["a"] is out["a"]
+    assert state["step"] == 7 and state["lr"] == 0.5  # non-tensor values from the checkpoint
+    assert torch.equal(state["rng"], saved["rng"])  # a tensor out lacks comes back new
+
+
+def test_out_missing_key_or_mismatch_names_the_key_and_leaves_out_untouched(workdir: str) -> None:
+    path = os.path.join(workdir, "mismatch")
+    fp.save({"model": {"w": torch.ones(4), "b": torch.ones(2)}}, path)
+    out = {"model": {"w": torch.zeros(4), "extra": torch.zeros(1)}}
+    with pytest.raises(ValueError, match=r"state\.model\.extra"):
+        fp.load(path, out=out)
+    out = {"model": {"w": torch.zeros(4), "b": torch.zeros(3)}}
+    with pytest.raises(ValueError, match=r"state\.model\.b.*float32\[3\].*float32\[2\]"):
+        fp.load(path, out=out)
+    assert out["model"]["w"].sum().item() == 0  # checked before anything was read
+    with pytest.raises(ValueError, match=r"state\.model\.w"):
+        fp.load(path, out={"model": {"w": torch.zeros(4, dtype=torch.float64)}})
+
+
+def test_out_reads_through_a_bounded_window(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastpersist import _core, fill
+
+    path = os.path.join(workdir, "window")
+    saved = {f"t{i}": torch.full(((1 << 20) // 4,), float(i)) for i in range(12)}  # 12 MiB
+    saved["tied"] = saved["t0"]
+    fp.save(saved, path, config=fp.Config(chunk_bytes=64 << 10))
+    sizes: list[int] = []
+    real = _core.PagedBuffer
+
+    def recording(nbytes: int) -> _core.PagedBuffer:
+        sizes.append(nbytes)
+        return real(nbytes)
+
+    monkeypatch.setattr(fill._core, "PagedBuffer", recording)
+    monkeypatch.setattr(fill, "stream_windows", lambda m: fill_windows(m, 3 << 20))
+    from fastpersist.reading import stream_windows as fill_windows
+
+    out = {k: torch.zeros_like(v) for k, v in saved.items() if k != "tied"}
+    state = fp.load(path, out=out)
+    for k, v in out.items():
+        assert torch.equal(v, saved[k]), k
+    assert torch.equal(state["tied"], saved["t0"])
+    assert sizes and max(sizes) <= (3 << 20) + (256 << 10)  # never the state's 12 MiB
 
 
 def test_out_mismatch_is_rejected(workdir: str) -> None:
@@ -260,3 +314,33 @@ def test_leftover_free_failure_on_missing_parent(workdir: str) -> None:
     with pytest.raises(FileNotFoundError):
         fp.save({"a": torch.ones(2)}, os.path.join(workdir, "no", "such", "dir"))
     shutil.rmtree(workdir)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_kept_tensor_does_not_pin_the_rest_of_the_checkpoint(workdir: str, backend: str) -> None:
+    path = os.path.join(workdir, "pin")
+    n = (64 << 20) // 4
+    fp.save({"a": torch.ones(n), "b": torch.full((n,), 2.0), "tied": {"x": torch.zeros(n)}}, path)
+    state = fp.load(path, config=fp.Config(backend=backend))
+    # Each large tensor's storage is its own pages, not the whole stream.
+    assert state["a"].untyped_storage().nbytes() < (64 << 20) + 8192
+    before = _rss_bytes()
+    keep = state["a"]
+    del state
+    gc.collect()
+    freed = before - _rss_bytes()
+    assert freed > 100 << 20, f"only {freed} bytes returned after dropping 128 MiB of tensors"
+    assert keep.sum().item() == n
+
+
+def test_shared_storage_stays_shared_after_load(workdir: str) -> None:
+    path = os.path.join(workdir, "shared")
+    base = torch.arange(float((2 << 20) // 4))
+    fp.save({"w": base, "view": base[10:20]}, path)
+    state = fp.load(path)
+    state["w"][10] = -1.0
+    assert state["view"][0].item() == -1.0

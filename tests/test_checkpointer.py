@@ -92,7 +92,7 @@ def test_mutation_before_staging_ends_fails_the_save(workdir: str, backend: str)
     ck.wait()
     fut = ck.save(2, {"w": w})
     assert fut is not None
-    w.add_(1)  # "optimizer.step()" before wait_staged()
+    w[-1:].add_(1)  # "optimizer.step()" before wait_staged()
     with pytest.raises(fp.SaveCancelledError, match=r"state\.w.*wait_staged"):
         ck.wait()
     assert ck.steps() == [1]

@@ -98,6 +98,15 @@ def test_a_failing_rank_fails_every_rank_and_commits_nothing(workdir: str) -> No
     assert not [n for n in os.listdir(workdir) if ".fptmp-" in n]
 
 
+def test_a_torn_share_on_one_rank_commits_nothing_anywhere(workdir: str, backend: str) -> None:
+    results = run_group(2, "torn_rank", workdir, backend)
+    assert "SaveCancelledError" in results[1]["staged_error"]
+    assert results[1]["error"] == results[1]["staged_error"]  # the same verdict
+    assert "GroupSaveError" in results[0]["error"] and "rank 1" in results[0]["error"]
+    assert all(r["previous_ok"] for r in results), results
+    assert not [n for n in os.listdir(workdir) if ".fptmp-" in n or n.endswith(".fpstripe")]
+
+
 def test_a_killed_rank_makes_the_others_raise_in_bounded_time(workdir: str) -> None:
     results = run_group(2, "killed_rank", workdir, "threads", timeout_s=60)
     assert results[1].get("exitcode") == 3

@@ -31,6 +31,8 @@ __all__ = [
     "replace_atomically",
     "select_backend",
     "start_write",
+    "read_ranges_into",
+    "PagedBuffer",
 ]
 
 __version__: str
@@ -181,6 +183,35 @@ def start_write(
     ``copy_budget_bytes``) before this returns; ``on_staged(extents)`` is called from the job's
     thread once each other watched extent is staged whole, and a false result fails the job.
     """
+
+def read_ranges_into(
+    ranges: Sequence[tuple[_StrPath, int, int, int, int, Sequence[int]]],
+    dest: _Buffer,
+    *,
+    chunk_bytes: int,
+    backend: _BackendChoice = "auto",
+    direct_io: _DirectIO = "auto",
+    queue_depth: int = 8,
+) -> int:
+    """Reads ranges of part files into ``dest``, verifying each chunk's crc32c.
+
+    ``ranges`` holds ``(path, file_len_bytes, file_offset_bytes, len_bytes, dest_offset_bytes,
+    chunk_crc32c)``: a range starts at a chunk boundary of its file and ``chunk_crc32c`` lists
+    its chunks' checksums (empty: unchecked). Returns the bytes read.
+    """
+
+@final
+class PagedBuffer:
+    """Page-aligned, writable memory for loads whose pages go back to the OS span by span.
+
+    ``span(offset_bytes, len_bytes)`` is a buffer that keeps only the pages under it mapped;
+    pages no span holds any more are unmapped at once.
+    """
+
+    def __new__(cls, len_bytes: int) -> PagedBuffer: ...
+    def span(self, offset_bytes: int, len_bytes: int) -> PagedBuffer: ...
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
 
 def read_into(
     parts: Sequence[tuple[_StrPath, int, int, Sequence[int]]],

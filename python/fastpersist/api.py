@@ -5,21 +5,21 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from . import _core
 from .config import Config, SaveResult
-from .errors import ChecksumMismatchError, CorruptCheckpointError
-from .flatten import dtype_itemsize, flatten, materialize, unflatten
+from .errors import CorruptCheckpointError
+from .fill import fill_by_key
+from .flatten import dtype_itemsize, materialize, unflatten
 from .futures import SaveFuture, SaveJobLike
-from .manifest import Manifest, read_manifest
+from .manifest import read_manifest
+from .reading import blob_buffers, checksum_error, read_stream, windowable
 from .saving import SaveJob
 
 __all__ = ["inspect", "load", "save", "save_async", "verify"]
-
-_OWN_STORAGE_BELOW_BYTES = 1 << 20
 
 MapLocation = str | torch.device | Mapping[str, str] | Callable[[torch.Tensor, str], torch.Tensor] | None
 
@@ -96,15 +96,6 @@ def save_async(
     return SaveFuture(_start(state, path, config, group, sharded))
 
 
-def aligned_uint8(nbytes: int) -> torch.Tensor:
-    """An uninitialised CPU uint8 tensor of `nbytes` (+ O_DIRECT slack) starting on a page boundary."""
-    align = _core.DIRECT_ALIGN_BYTES
-    padded = -(-nbytes // align) * align + align
-    raw = torch.empty(padded + align, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % align
-    return raw[skip : skip + padded]
-
-
 def _map_device(location: MapLocation, tensor: torch.Tensor, saved_device: str) -> torch.Tensor:
     if location is None:
         target: str | torch.device = saved_device
@@ -124,57 +115,6 @@ def _map_device(location: MapLocation, tensor: torch.Tensor, saved_device: str) 
     return moved
 
 
-def _read_stream(path: str, m: Manifest, verify: bool, config: Config) -> torch.Tensor:
-    stream = aligned_uint8(m.total_bytes)
-    parts = [
-        (m.file_path(path, f), f.len_bytes, f.stream_offset_bytes, f.chunk_crc32c if verify else []) for f in m.files
-    ]
-    try:
-        _core.read_into(
-            parts,
-            stream.numpy(),
-            chunk_bytes=m.chunk_bytes,
-            backend=config.backend,
-            direct_io=config.direct_io,
-            queue_depth=config.queue_depth,
-        )
-    except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"data file {e.filename} named in {path}/manifest.json is missing") from None
-    except ChecksumMismatchError as e:
-        assert e.filename is not None and e.offset_bytes is not None and e.len_bytes is not None
-        raise _checksum_error(m, path, e.filename, e.offset_bytes, e.len_bytes, e.expected or 0, e.found or 0) from None
-    return stream
-
-
-def _checksum_error(
-    m: Manifest, root: str, file_path: str, offset: int, length: int, expected: int, found: int
-) -> ChecksumMismatchError:
-    """A ChecksumMismatchError naming the file, the byte range and the tensors stored there."""
-    lo = hi = -1
-    for f in m.files:
-        if m.file_path(root, f) == file_path:
-            lo, hi = offset + f.stream_offset_bytes, offset + length + f.stream_offset_bytes
-            break
-    hit = []
-    for t in m.tensors:
-        start = m.blobs[t.blob][0] + t.offset_bytes
-        end = start + math.prod(t.shape) * dtype_itemsize(t.kind, t.dtype)
-        if start < hi and lo < end:
-            hit.append(t.key_path)
-    if hit:
-        shown = ", ".join(hit[:5]) + (f" and {len(hit) - 5} more" if len(hit) > 5 else "")
-        which = f"tensors affected: {shown}"
-    else:
-        which = "no tensor data in that range (alignment padding)"
-    error = ChecksumMismatchError(
-        f"checksum mismatch in {file_path} bytes [{offset}, {offset + length}): expected crc32c {expected:#010x}, "
-        f"found {found:#010x}; {which}"
-    )
-    error.filename, error.offset_bytes, error.len_bytes = file_path, offset, length
-    error.expected, error.found, error.tensors = expected, found, hit
-    return error
-
-
 def load(
     path: str | os.PathLike[str],
     *,
@@ -189,15 +129,20 @@ def load(
 
     The manifest is validated strictly before any data is read, and with ``verify=True`` every
     chunk's crc32c is checked as it arrives. Loading never executes code from the file.
-    Tensors are views over one page-aligned buffer (read with O_DIRECT); tensors that shared
-    storage when saved share it again.
+    The stream is read with O_DIRECT into page-aligned memory; each tensor over 1 MiB keeps
+    only its own pages (dropping it frees them, whatever else is kept), smaller ones are
+    copied. Tensors that shared storage when saved share it again.
 
     Args:
         map_location: as in ``torch.load``: ``None`` (the device each tensor was saved from), a
             device, a ``{saved: target}`` dict, or ``fn(tensor, saved_device) -> tensor``.
         verify: check chunk checksums (cheap: crc32c runs at >10 GB/s).
-        out: an existing state of the same structure whose tensors are filled in place (no new
-            tensor allocation); it is returned.
+        out: an existing state whose tensors are filled in place, matched by key path (never
+            by position); each must exist in the checkpoint with the same dtype and shape, else
+            ``ValueError`` names it and `out` is left untouched. The returned state has the
+            checkpoint's structure and non-tensor values, holding `out`'s tensors; tensors
+            `out` lacks come back new. Reads through a bounded window (64 MiB, or the largest
+            tensor), never a buffer of the state's size.
         group: for a sharded checkpoint, each rank of `group` gets its own shard back. A
             replicated checkpoint is read whole on every rank (group or not).
         shard: read this shard of a sharded checkpoint (without a group).
@@ -225,24 +170,23 @@ def load(
         )
     if shard is not None:
         raise ValueError(f"{root} is not sharded; load it without shard=")
-    stream = _read_stream(root, m, verify, config)
-    # Large blobs stay zero-copy views of the stream buffer. Small ones get storage of their
-    # own: it costs nothing, and some torch APIs (torch.set_rng_state, for one) crash on a
-    # tensor whose storage_offset is not 0.
-    blob_buffers = [
-        stream[o : o + n] if n > _OWN_STORAGE_BELOW_BYTES else stream[o : o + n].clone() for o, n in m.blobs
-    ]
+    if out is not None and windowable(m):
+        return fill_by_key(out, root, m, verify, config, lambda t, rec: _map_device(map_location, t, rec.device))
+    buffers = blob_buffers(read_stream(root, m, verify, config), m)
     try:
-        tensors = materialize(m.tensors, blob_buffers)
+        tensors = materialize(m.tensors, buffers)
     except ValueError as e:
         raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
+    del buffers
     tensors = [
         _map_device(map_location, t, rec.device) if isinstance(t, torch.Tensor) else t
         for t, rec in zip(tensors, m.tensors, strict=True)
     ]
     if out is not None:
-        _fill(out, tensors, root)
-        return out
+        raise CorruptCheckpointError(
+            f"{root}/manifest.json: its files do not start on chunk boundaries (fastpersist never writes "
+            "such a layout), so out= cannot be filled window by window"
+        )
     try:
         return unflatten(m.tree, tensors)
     except ValueError as e:
@@ -263,25 +207,6 @@ def _shard_index(root: str, shard_count: int, group: object, shard: int | None) 
     if not 0 <= shard < shard_count:
         raise ValueError(f"shard={shard} out of range: {root} has {shard_count} shards")
     return shard
-
-
-def _fill(out: object, tensors: list[object], where: str) -> None:
-    """Copies loaded tensors into the matching tensors of `out` (same structure, dtype, shape)."""
-    flat = flatten(out)
-    if len(flat.leaves) != len(tensors):
-        raise ValueError(f"out= has {len(flat.leaves)} tensors but the checkpoint {where} has {len(tensors)}")
-    for rec, dest, loaded in zip(flat.tensors, flat.leaves, tensors, strict=True):
-        assert isinstance(loaded, (torch.Tensor, type(dest)))
-        if tuple(dest.shape) != tuple(loaded.shape) or dest.dtype != loaded.dtype:  # type: ignore[attr-defined]
-            raise ValueError(
-                f"out= tensor {rec.key_path} is {dest.dtype}{list(dest.shape)} but the checkpoint has "  # type: ignore[attr-defined]
-                f"{loaded.dtype}{list(loaded.shape)}"  # type: ignore[attr-defined]
-            )
-        if isinstance(dest, torch.Tensor):
-            with torch.no_grad():
-                dest.copy_(loaded)  # type: ignore[arg-type]
-        else:
-            cast(Any, dest)[...] = loaded
 
 
 def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -382,7 +307,7 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
                 data = os.pread(fd, length, offset)
                 found = _core.crc32c(data)
                 if found != expected:
-                    raise _checksum_error(m, root, file_path, offset, length, expected, found)
+                    raise checksum_error(m, root, file_path, offset, length, expected, found)
                 chunks += 1
         finally:
             os.close(fd)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .. import _core
-from ..api import aligned_uint8
+from ..reading import aligned_uint8
 
 Backend = Literal["io_uring", "threads"]
 GB = 1e9

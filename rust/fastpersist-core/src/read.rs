@@ -12,17 +12,40 @@ use crate::checksum::crc32c;
 use crate::error::{Error, Result};
 use crate::probe::{BackendKind, DirectMode};
 
-/// One file to read into the destination.
+/// One range of a file to read into the destination (usually the whole file).
 #[derive(Debug, Clone)]
 pub struct ReadPart {
     /// The file.
     pub path: PathBuf,
-    /// Its expected size.
+    /// The file's expected size (checked before reading).
+    pub file_len_bytes: u64,
+    /// Where the range starts in the file (a multiple of the chunk size).
+    pub file_offset_bytes: u64,
+    /// Bytes to read (up to the end of the file).
     pub len_bytes: u64,
-    /// Where its first byte goes in the destination.
+    /// Where the range's first byte goes in the destination.
     pub dest_offset_bytes: u64,
-    /// Expected crc32c per chunk, or empty to skip verification.
+    /// Expected crc32c of each chunk of the range, or empty to skip verification.
     pub chunk_crc32c: Vec<u32>,
+}
+
+impl ReadPart {
+    /// The whole of a file of `len_bytes`.
+    pub fn whole(
+        path: PathBuf,
+        len_bytes: u64,
+        dest_offset_bytes: u64,
+        chunk_crc32c: Vec<u32>,
+    ) -> Self {
+        ReadPart {
+            path,
+            file_len_bytes: len_bytes,
+            file_offset_bytes: 0,
+            len_bytes,
+            dest_offset_bytes,
+            chunk_crc32c,
+        }
+    }
 }
 
 /// Knobs of one read job.
@@ -71,6 +94,18 @@ pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) ->
                 part.dest_offset_bytes
             )));
         }
+        let range_end = part.file_offset_bytes.checked_add(part.len_bytes);
+        if !part.file_offset_bytes.is_multiple_of(chunk_bytes)
+            || range_end.is_none_or(|e| e > part.file_len_bytes)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "{}: range [{}, +{}) is not chunk-aligned or runs past the file's {} bytes",
+                part.path.display(),
+                part.file_offset_bytes,
+                part.len_bytes,
+                part.file_len_bytes
+            )));
+        }
         let chunk_count = part.len_bytes.div_ceil(chunk_bytes);
         if !part.chunk_crc32c.is_empty() && part.chunk_crc32c.len() as u64 != chunk_count {
             return Err(Error::InvalidArgument(format!(
@@ -98,10 +133,10 @@ pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) ->
             .metadata()
             .map_err(|e| Error::io("stat", &part.path, e))?
             .len();
-        if found != part.len_bytes {
+        if found != part.file_len_bytes {
             return Err(Error::SizeMismatch {
                 path: part.path.clone(),
-                expected_bytes: part.len_bytes,
+                expected_bytes: part.file_len_bytes,
                 found_bytes: found,
             });
         }
@@ -111,12 +146,12 @@ pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) ->
             direct: use_direct,
         });
         for i in 0..chunk_count {
-            let file_offset_bytes = i * chunk_bytes;
+            let range_offset_bytes = i * chunk_bytes;
             chunks.push(ReadChunk {
                 file: index,
-                file_offset_bytes,
-                dest_offset_bytes: (part.dest_offset_bytes + file_offset_bytes) as usize,
-                len_bytes: chunk_bytes.min(part.len_bytes - file_offset_bytes) as usize,
+                file_offset_bytes: part.file_offset_bytes + range_offset_bytes,
+                dest_offset_bytes: (part.dest_offset_bytes + range_offset_bytes) as usize,
+                len_bytes: chunk_bytes.min(part.len_bytes - range_offset_bytes) as usize,
                 expected_crc: part.chunk_crc32c.get(i as usize).copied(),
             });
         }

@@ -97,12 +97,12 @@ fn write_all(
             if direct == DirectMode::Off {
                 assert!(!part.direct);
             }
-            parts.push(ReadPart {
-                path: part.path.clone(),
-                len_bytes: part.len_bytes,
-                dest_offset_bytes: target.part.stream_offset_bytes,
-                chunk_crc32c: part.chunk_crc32c.clone(),
-            });
+            parts.push(ReadPart::whole(
+                part.path.clone(),
+                part.len_bytes,
+                target.part.stream_offset_bytes,
+                part.chunk_crc32c.clone(),
+            ));
         }
     }
     let stream = expected_stream(&plan, &data);

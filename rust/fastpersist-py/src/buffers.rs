@@ -1,8 +1,12 @@
 //! Borrowing bytes from Python objects through the buffer protocol.
 
+use std::os::raw::c_int;
+
+use fastpersist_core::align::{PageSpan, SharedPages};
 use fastpersist_core::job::SourceRegion;
 use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyMemoryError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
 
 /// A held buffer export: the exporter cannot free or resize the memory while this lives.
@@ -56,5 +60,68 @@ impl HeldBuffer {
         // SAFETY: the export keeps `buf_ptr..+len` valid and writable (checked in `get`); the
         // caller guarantees exclusivity.
         unsafe { std::slice::from_raw_parts_mut(self.buffer.buf_ptr() as *mut u8, len) }
+    }
+}
+
+/// Page-aligned memory for loads whose pages go back to the OS span by span: `span(offset,
+/// len)` gives a buffer that keeps only the pages under it mapped. Supports the buffer
+/// protocol (writable bytes).
+#[pyclass(frozen, module = "fastpersist._core")]
+pub(crate) struct PagedBuffer {
+    span: PageSpan,
+}
+
+#[pymethods]
+impl PagedBuffer {
+    #[new]
+    fn new(len_bytes: usize) -> PyResult<Self> {
+        let span = SharedPages::map(len_bytes).map_err(|e| {
+            PyMemoryError::new_err(format!("cannot map {len_bytes} bytes for a load: {e}"))
+        })?;
+        Ok(PagedBuffer { span })
+    }
+
+    /// A buffer over `len_bytes` at `offset_bytes` of this one, holding only those pages.
+    fn span(&self, offset_bytes: usize, len_bytes: usize) -> PyResult<Self> {
+        let span = self.span.sub(offset_bytes, len_bytes).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "span [{offset_bytes}, +{len_bytes}) runs past the buffer's {} bytes",
+                self.span.len_bytes()
+            ))
+        })?;
+        Ok(PagedBuffer { span })
+    }
+
+    fn __len__(&self) -> usize {
+        self.span.len_bytes()
+    }
+
+    /// # Safety
+    /// Called by Python's buffer protocol with a valid `view`.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let (ptr, len) = {
+            let this = slf.get();
+            (this.span.as_ptr(), this.span.len_bytes())
+        };
+        // SAFETY: `view` comes from Python's buffer machinery; the memory stays mapped while
+        // the exporting object (referenced by the view) lives, and it is writable.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                ptr.cast(),
+                len as ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
     }
 }

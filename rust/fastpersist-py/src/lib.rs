@@ -15,7 +15,7 @@ use fastpersist_core::{checksum, durable, plan, pool};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use buffers::HeldBuffer;
+use buffers::{HeldBuffer, PagedBuffer};
 use errors::IntoPyResult;
 use handle::{PyStagingObserver, Shared, WriteHandle};
 
@@ -242,6 +242,77 @@ fn read_into(
     direct_io: &str,
     queue_depth: usize,
 ) -> PyResult<u64> {
+    let parts = parts
+        .into_iter()
+        .map(|(path, len, dest_offset, crcs)| ReadPart::whole(path, len, dest_offset, crcs))
+        .collect();
+    read_parts_into(
+        py,
+        parts,
+        dest,
+        chunk_bytes,
+        backend,
+        direct_io,
+        queue_depth,
+    )
+}
+
+/// Reads ranges of part files into `dest`, verifying chunk checksums. `ranges` holds
+/// `(path, file_len_bytes, file_offset_bytes, len_bytes, dest_offset_bytes, chunk_crc32c)`: a
+/// range starts at a chunk boundary and `chunk_crc32c` lists its chunks' checksums (or is
+/// empty). Returns the bytes read.
+#[pyfunction]
+#[pyo3(signature = (ranges, dest, *, chunk_bytes, backend="auto", direct_io="auto", queue_depth=8))]
+#[allow(clippy::type_complexity)]
+fn read_ranges_into(
+    py: Python<'_>,
+    ranges: Vec<(PathBuf, u64, u64, u64, u64, Vec<u32>)>,
+    dest: &Bound<'_, PyAny>,
+    chunk_bytes: u64,
+    backend: &str,
+    direct_io: &str,
+    queue_depth: usize,
+) -> PyResult<u64> {
+    let parts = ranges
+        .into_iter()
+        .map(
+            |(
+                path,
+                file_len_bytes,
+                file_offset_bytes,
+                len_bytes,
+                dest_offset_bytes,
+                chunk_crc32c,
+            )| ReadPart {
+                path,
+                file_len_bytes,
+                file_offset_bytes,
+                len_bytes,
+                dest_offset_bytes,
+                chunk_crc32c,
+            },
+        )
+        .collect();
+    read_parts_into(
+        py,
+        parts,
+        dest,
+        chunk_bytes,
+        backend,
+        direct_io,
+        queue_depth,
+    )
+}
+
+fn read_parts_into(
+    py: Python<'_>,
+    parts: Vec<ReadPart>,
+    dest: &Bound<'_, PyAny>,
+    chunk_bytes: u64,
+    backend: &str,
+    direct_io: &str,
+    queue_depth: usize,
+) -> PyResult<u64> {
     let selection =
         probe::select(BackendChoice::parse(backend).into_py_result(py)?).into_py_result(py)?;
     let options = ReadOptions {
@@ -250,17 +321,6 @@ fn read_into(
         queue_depth,
         chunk_bytes,
     };
-    let parts: Vec<ReadPart> = parts
-        .into_iter()
-        .map(
-            |(path, len_bytes, dest_offset_bytes, chunk_crc32c)| ReadPart {
-                path,
-                len_bytes,
-                dest_offset_bytes,
-                chunk_crc32c,
-            },
-        )
-        .collect();
     let held = HeldBuffer::get(dest, true, "dest")?;
     // SAFETY: `held` was obtained writable, stays alive for this call, and nothing else in this
     // process touches it meanwhile (the caller handed it over for the read).
@@ -327,8 +387,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Plan>()?;
     m.add_class::<Pool>()?;
     m.add_class::<WriteHandle>()?;
+    m.add_class::<PagedBuffer>()?;
     m.add_function(wrap_pyfunction!(start_write, m)?)?;
     m.add_function(wrap_pyfunction!(read_into, m)?)?;
+    m.add_function(wrap_pyfunction!(read_ranges_into, m)?)?;
     m.add_function(wrap_pyfunction!(select_backend, m)?)?;
     m.add_function(wrap_pyfunction!(probe_uring, m)?)?;
     m.add_function(wrap_pyfunction!(direct_io_supported, m)?)?;
