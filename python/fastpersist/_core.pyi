@@ -18,6 +18,8 @@ from typing_extensions import Buffer
 __all__ = [
     "DIRECT_ALIGN_BYTES",
     "EXTENT_ALIGN_BYTES",
+    "MAX_CHUNK_BYTES",
+    "MAX_QUEUE_DEPTH",
     "Plan",
     "Pool",
     "WriteHandle",
@@ -40,6 +42,10 @@ __version__: str
 DIRECT_ALIGN_BYTES: int
 #: Alignment (bytes) of every extent (tensor) inside the logical stream.
 EXTENT_ALIGN_BYTES: int
+#: Largest chunk (one aligned write or read).
+MAX_CHUNK_BYTES: int
+#: Most transfers a job keeps in flight.
+MAX_QUEUE_DEPTH: int
 
 _StrPath = str | os.PathLike[str]
 # Any object with the buffer protocol. numpy's stubs declare ndarray.__buffer__ only for Python

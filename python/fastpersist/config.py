@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from . import _core
+
 __all__ = ["Config", "SaveResult"]
 
 _BACKENDS = ("auto", "io_uring", "threads")
@@ -60,10 +62,11 @@ class Config:
         def bad(name: str, value: object, expected: str) -> ValueError:
             return ValueError(f"Config.{name}={value!r}: expected {expected}")
 
-        if type(self.chunk_bytes) is not int or not 4096 <= self.chunk_bytes <= 1 << 30 or self.chunk_bytes % 4096:
-            raise bad("chunk_bytes", self.chunk_bytes, "a multiple of 4096 between 4096 and 1 GiB")
-        if type(self.queue_depth) is not int or not 1 <= self.queue_depth <= 1024:
-            raise bad("queue_depth", self.queue_depth, "an integer in 1..1024")
+        align, max_chunk, max_depth = _core.DIRECT_ALIGN_BYTES, _core.MAX_CHUNK_BYTES, _core.MAX_QUEUE_DEPTH
+        if type(self.chunk_bytes) is not int or not align <= self.chunk_bytes <= max_chunk or self.chunk_bytes % align:
+            raise bad("chunk_bytes", self.chunk_bytes, f"a multiple of {align} between {align} and {max_chunk}")
+        if type(self.queue_depth) is not int or not 1 <= self.queue_depth <= max_depth:
+            raise bad("queue_depth", self.queue_depth, f"an integer in 1..{max_depth}")
         if type(self.pool_bytes) is not int or self.pool_bytes < 0:
             raise bad("pool_bytes", self.pool_bytes, "a non-negative integer")
         if self.backend not in _BACKENDS:

@@ -79,7 +79,8 @@ fn write_1gib(c: &mut Criterion) {
                     let report = write_parts(
                         &plan,
                         &targets,
-                        vec![SourceRegion::from_slice(&source)],
+                        // SAFETY: `source` outlives the write_parts call, which returns after the job.
+                        vec![unsafe { SourceRegion::from_slice(&source) }],
                         &pool,
                         &options,
                         &progress,

@@ -46,9 +46,21 @@ pub enum Error {
     BackendUnavailable(String),
     /// The caller passed something inconsistent (a bug in the caller, or hostile input).
     InvalidArgument(String),
-    /// A source region was changed while it was being staged (see the mutation guard).
+    /// The job was cancelled (by its caller, or because a source changed before it was staged).
     Cancelled(String),
+    /// A system call not tied to one file failed (e.g. `io_uring_enter` mid-job).
+    Sys {
+        /// The call.
+        op: &'static str,
+        /// The OS error (errno is kept).
+        source: io::Error,
+    },
+    /// An invariant of the engine itself was broken: a bug, not bad input.
+    Internal(String),
 }
+
+/// What to do about ENOSPC, said once for the engine and the bindings.
+pub const DISK_FULL_HINT: &str = "the disk is full: free space or point the checkpoint elsewhere";
 
 impl Error {
     /// Wraps an `io::Error` with the operation and path.
@@ -67,10 +79,7 @@ impl fmt::Display for Error {
             Error::Io { op, path, source } => {
                 write!(f, "{op} {}: {source}", path.display())?;
                 if source.raw_os_error() == Some(libc::ENOSPC) {
-                    write!(
-                        f,
-                        " (the disk is full: free space or point the checkpoint elsewhere)"
-                    )?;
+                    write!(f, " ({DISK_FULL_HINT})")?;
                 }
                 Ok(())
             }
@@ -98,6 +107,11 @@ impl fmt::Display for Error {
             Error::BackendUnavailable(msg)
             | Error::InvalidArgument(msg)
             | Error::Cancelled(msg) => f.write_str(msg),
+            Error::Sys { op, source } => write!(f, "{op} failed: {source}"),
+            Error::Internal(msg) => write!(
+                f,
+                "fastpersist internal error (a bug; please report it): {msg}"
+            ),
         }
     }
 }
@@ -105,7 +119,7 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Error::Io { source, .. } => Some(source),
+            Error::Io { source, .. } | Error::Sys { source, .. } => Some(source),
             _ => None,
         }
     }

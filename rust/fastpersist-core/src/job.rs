@@ -42,8 +42,12 @@ impl SourceRegion {
         SourceRegion { ptr, len_bytes }
     }
 
-    /// A region over a slice (the caller upholds the lifetime contract of [`SourceRegion::new`]).
-    pub fn from_slice(bytes: &[u8]) -> Self {
+    /// A region over a slice. The region does not borrow the slice, so this is `unsafe`.
+    ///
+    /// # Safety
+    /// As for [`SourceRegion::new`]: `bytes` must stay alive (not freed, moved or resized)
+    /// until the job that receives the region releases its sources or returns.
+    pub unsafe fn from_slice(bytes: &[u8]) -> Self {
         SourceRegion {
             ptr: bytes.as_ptr(),
             len_bytes: bytes.len(),
@@ -450,8 +454,8 @@ impl<'p> Staging<'p> {
                 .zip(&plan.extent_bytes)
                 .any(|(s, &l)| s.len_bytes as u64 != l)
         {
-            return Err(Error::InvalidArgument(
-                "internal: source regions do not match the plan's extents".into(),
+            return Err(Error::Internal(
+                "source regions do not match the plan's extents".into(),
             ));
         }
         if plan.chunk_bytes as usize > pool.slot_bytes() {
@@ -499,8 +503,8 @@ impl<'p> Staging<'p> {
     fn start_guard(&mut self, guard: Guard, targets: &[WriteTarget]) -> Result<()> {
         let extent_count = self.plan.extent_bytes.len();
         if guard.watched.len() != extent_count {
-            return Err(Error::InvalidArgument(format!(
-                "internal: the guard watches {} extents, the plan has {extent_count}",
+            return Err(Error::Internal(format!(
+                "the guard watches {} extents, the plan has {extent_count}",
                 guard.watched.len()
             )));
         }

@@ -9,6 +9,8 @@
 //! * [`durable`] holds fsync / rename helpers; [`probe`] decides which backend and whether
 //!   O_DIRECT can be used.
 
+#![warn(missing_docs)]
+
 pub mod align;
 pub mod backend;
 pub mod checksum;

@@ -74,10 +74,11 @@ pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) ->
     let chunk_bytes = options.chunk_bytes;
     if chunk_bytes == 0
         || !chunk_bytes.is_multiple_of(DIRECT_ALIGN_BYTES as u64)
-        || chunk_bytes > 1 << 30
+        || chunk_bytes > crate::plan::MAX_CHUNK_BYTES
     {
         return Err(Error::InvalidArgument(format!(
-            "chunk_bytes ({chunk_bytes}) must be a positive multiple of {DIRECT_ALIGN_BYTES} up to 1 GiB"
+            "chunk_bytes ({chunk_bytes}) must be a positive multiple of {DIRECT_ALIGN_BYTES} up to {}",
+            crate::plan::MAX_CHUNK_BYTES
         )));
     }
     let dest_len = dest.len() as u64;
@@ -214,8 +215,8 @@ impl<'a, 'f> ReadSource<'a, 'f> {
                 .min(tail.len())
                 .min(next_start - chunk.dest_offset_bytes);
             if take < want {
-                return Err(Error::InvalidArgument(format!(
-                    "internal: no room for the aligned read of {} at {}",
+                return Err(Error::Internal(format!(
+                    "no room for the aligned read of {} at {}",
                     files[chunk.file].path.display(),
                     chunk.file_offset_bytes
                 )));

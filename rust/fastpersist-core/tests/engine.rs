@@ -80,7 +80,11 @@ fn write_all(
                 path: dirs[p.stripe].join(format!("w{}-s{}.bin", p.writer, p.stripe)),
             })
             .collect();
-        let sources = data.iter().map(|d| SourceRegion::from_slice(d)).collect();
+        let sources = data
+            .iter()
+            // SAFETY: `data` outlives the write_parts call below, which returns after the job.
+            .map(|d| unsafe { SourceRegion::from_slice(d) })
+            .collect();
         let progress = JobProgress::default();
         let report = write_parts(&plan, &targets, sources, &pool, &options, &progress).unwrap();
         assert!(progress.sources_released_after().is_some());
@@ -239,7 +243,8 @@ fn os_errors_keep_errno_and_path() {
         let err = write_parts(
             &plan,
             &targets,
-            vec![SourceRegion::from_slice(&data)],
+            // SAFETY: `data` outlives the write_parts call, which returns after the job.
+            vec![unsafe { SourceRegion::from_slice(&data) }],
             &pool,
             &options,
             &progress,
@@ -282,7 +287,8 @@ fn pool_is_bounded_and_reused_across_jobs() {
             write_parts(
                 &plan,
                 &targets,
-                vec![SourceRegion::from_slice(&data)],
+                // SAFETY: `data` outlives the write_parts call, which returns after the job.
+                vec![unsafe { SourceRegion::from_slice(&data) }],
                 &pool,
                 &options,
                 &JobProgress::default(),
@@ -317,7 +323,8 @@ fn cancelled_job_fails_and_releases_sources() {
     let err = write_parts(
         &plan,
         &targets,
-        vec![SourceRegion::from_slice(&data)],
+        // SAFETY: `data` outlives the write_parts call, which returns after the job.
+        vec![unsafe { SourceRegion::from_slice(&data) }],
         &pool,
         &options,
         &progress,

@@ -2,7 +2,8 @@
 //! there is one hierarchy for Rust and Python) and onto real `OSError`s that keep errno.
 
 use fastpersist_core::Error;
-use pyo3::exceptions::{PyOSError, PyValueError};
+use fastpersist_core::error::DISK_FULL_HINT;
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 fn python_error(py: Python<'_>, class: &str, message: String) -> PyErr {
@@ -45,7 +46,7 @@ pub(crate) fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
                     message.truncate(pos);
                 }
                 if errno == libc::ENOSPC {
-                    message.push_str(" (the disk is full: free space or choose another directory)");
+                    message.push_str(&format!(" ({DISK_FULL_HINT})"));
                 }
                 PyOSError::new_err((errno, message, path.to_string_lossy().into_owned()))
             }
@@ -97,6 +98,10 @@ pub(crate) fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
         }
         Error::Cancelled(_) => python_error(py, "SaveCancelledError", err.to_string()),
         Error::InvalidArgument(_) => PyValueError::new_err(err.to_string()),
+        Error::Sys { source, .. } => {
+            PyOSError::new_err((source.raw_os_error().unwrap_or(libc::EIO), err.to_string()))
+        }
+        Error::Internal(_) => PyRuntimeError::new_err(err.to_string()),
     }
 }
 

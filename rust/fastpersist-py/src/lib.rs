@@ -183,6 +183,28 @@ fn start_write(
         .map(|(i, obj)| HeldBuffer::get(obj, false, &format!("source {i}")))
         .collect::<PyResult<Vec<_>>>()?;
     let regions: Vec<_> = held.iter().map(HeldBuffer::region).collect();
+    let extents = &plan.inner.extent_bytes;
+    if regions.len() != extents.len()
+        || regions
+            .iter()
+            .zip(extents)
+            .any(|(r, &n)| r.len_bytes() as u64 != n)
+    {
+        return Err(PyValueError::new_err(format!(
+            "source regions do not match the plan's extents: {} sources for {} extents, or a length differs",
+            regions.len(),
+            extents.len()
+        )));
+    }
+    if guard
+        .as_ref()
+        .is_some_and(|g| g.watched.len() != extents.len())
+    {
+        return Err(PyValueError::new_err(format!(
+            "watched= has an entry per source, and the plan has {} extents",
+            extents.len()
+        )));
+    }
     let shared = Shared::new();
     let (job_plan, job_pool, job_shared) = (
         Arc::clone(&plan.inner),
@@ -384,6 +406,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("DIRECT_ALIGN_BYTES", fastpersist_core::DIRECT_ALIGN_BYTES)?;
     m.add("EXTENT_ALIGN_BYTES", plan::EXTENT_ALIGN_BYTES)?;
+    m.add("MAX_CHUNK_BYTES", plan::MAX_CHUNK_BYTES)?;
+    m.add(
+        "MAX_QUEUE_DEPTH",
+        fastpersist_core::backend::MAX_QUEUE_DEPTH,
+    )?;
     m.add_class::<Plan>()?;
     m.add_class::<Pool>()?;
     m.add_class::<WriteHandle>()?;

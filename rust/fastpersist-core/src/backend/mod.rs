@@ -17,6 +17,9 @@ use crate::error::{Error, Result};
 use crate::pool::Slot;
 pub use crate::probe::BackendKind;
 
+/// Most transfers a job keeps in flight (larger requests are clamped).
+pub const MAX_QUEUE_DEPTH: usize = 1024;
+
 /// An open data file and its path (for error messages).
 #[derive(Debug)]
 pub struct OpenFile {
@@ -172,8 +175,8 @@ fn check_op(op: &IoOp<'_>, file: &OpenFile) -> Result<()> {
                 || !op.len_bytes.is_multiple_of(align)
                 || !(op.buf.bytes().as_ptr() as usize).is_multiple_of(align)));
     if bad {
-        return Err(Error::InvalidArgument(format!(
-            "internal: misaligned or oversized transfer of {} bytes at offset {} of {} (direct={})",
+        return Err(Error::Internal(format!(
+            "misaligned or oversized transfer of {} bytes at offset {} of {} (direct={})",
             op.len_bytes,
             op.offset_bytes,
             file.path.display(),
@@ -201,7 +204,7 @@ pub fn drive<'a>(
     queue_depth: usize,
     source: &mut dyn OpSource<'a>,
 ) -> Result<()> {
-    let queue_depth = queue_depth.clamp(1, 4096);
+    let queue_depth = queue_depth.clamp(1, MAX_QUEUE_DEPTH);
     match backend {
         BackendKind::IoUring => {
             let mut ring = uring::UringSubmitter::new(direction, files, queue_depth)?;
@@ -229,9 +232,7 @@ fn run_loop<'a>(
                 Ok(Next::Op(op)) => {
                     let checked = files
                         .get(op.file)
-                        .ok_or_else(|| {
-                            Error::InvalidArgument(format!("internal: no file {}", op.file))
-                        })
+                        .ok_or_else(|| Error::Internal(format!("no file {}", op.file)))
                         .and_then(|file| check_op(&op, file));
                     match checked.and_then(|()| submitter.push(op)) {
                         Ok(()) => in_flight += 1,

@@ -88,14 +88,14 @@ impl<'a> Submitter<'a> for ThreadWorkers<'a> {
         let queue = self.ops.as_ref().expect("queue open while driving");
         queue
             .send(op)
-            .map_err(|_| Error::InvalidArgument("internal: I/O workers exited early".into()))
+            .map_err(|_| Error::Internal("I/O workers exited early".into()))
     }
 
     fn wait(&mut self, finished: &mut Vec<Finished<'a>>) -> Result<()> {
         let first = self
             .finished
             .recv()
-            .map_err(|_| Error::InvalidArgument("internal: I/O workers exited early".into()))?;
+            .map_err(|_| Error::Internal("I/O workers exited early".into()))?;
         finished.push(first);
         finished.extend(self.finished.try_iter());
         Ok(())

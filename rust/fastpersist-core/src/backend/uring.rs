@@ -185,9 +185,10 @@ impl<'f, 'a> UringSubmitter<'f, 'a> {
                     // completions makes room.
                     Some(libc::EBUSY) | Some(libc::EAGAIN) => return Ok(()),
                     _ => {
-                        return Err(Error::BackendUnavailable(format!(
-                            "io_uring_enter failed: {e}"
-                        )));
+                        return Err(Error::Sys {
+                            op: "io_uring_enter",
+                            source: e,
+                        });
                     }
                 },
             }
