@@ -162,7 +162,7 @@ def start_write(
     plan: Plan,
     writer: int,
     paths: Sequence[_StrPath],
-    sources: Sequence[_Buffer],
+    sources: Sequence[_Buffer | None],
     pool: Pool,
     *,
     backend: _BackendChoice = "auto",
@@ -175,6 +175,7 @@ def start_write(
     on_staged: Callable[[list[int]], bool] | None = None,
     copy_max_extent_bytes: int = 0,
     copy_budget_bytes: int = 0,
+    device_copy: Callable[[int, int, memoryview, int, int], None] | None = None,
 ) -> WriteHandle:
     """Writes ``writer``'s parts of ``plan`` to ``paths`` (one per part) from ``sources``.
 
@@ -188,6 +189,10 @@ def start_write(
     runs. Watched extents of at most ``copy_max_extent_bytes`` are copied (smallest first, up to
     ``copy_budget_bytes``) before this returns; ``on_staged(extents)`` is called from the job's
     thread once each other watched extent is staged whole, and a false result fails the job.
+
+    A source given as ``None`` lives in device memory: ``device_copy(extent, offset_bytes, slot,
+    start, end)`` copies that extent's bytes from ``offset_bytes`` into ``slot[start:end]`` (a
+    memoryview over a whole staging slot, valid only during the call) and returns when done.
     """
 
 def read_ranges_into(

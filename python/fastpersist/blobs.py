@@ -43,9 +43,9 @@ class Blob:
 
     `data` is a 1-D C-contiguous uint8 CPU array; it views the source memory when it can
     (contiguous CPU tensors and arrays), else it holds a copy. `source` keeps that memory alive
-    and `version` (torch's `_version` at flatten time; None for numpy arrays, inference tensors and
-    copies, which nothing can modify under a save)
-    lets a save detect that the source was modified before staging finished.
+    and `version` (torch's `_version` at flatten time; None for numpy arrays, inference tensors
+    and copies, which nothing can modify under a save) lets a save detect that the source was
+    modified before its bytes were staged. A GPU tensor's blob stays on its device (`device`).
 
     A zero-copy view of a tensor is only built when `data` is first read (about 1 us per
     tensor, a third of flatten's cost on many small tensors): planning needs `nbytes` alone.
@@ -57,16 +57,28 @@ class Blob:
         (12, dtype('uint8'))
     """
 
-    __slots__ = ("_data", "nbytes", "source", "version")
+    __slots__ = ("_data", "device", "nbytes", "source", "version")
 
-    def __init__(self, data: np.ndarray | None, source: object, version: int | None, nbytes: int = -1) -> None:
+    def __init__(
+        self,
+        data: np.ndarray | None,
+        source: object,
+        version: int | None,
+        nbytes: int = -1,
+        device: object = None,
+    ) -> None:
         self._data = data
         self.source = source
         self.version = version
         self.nbytes = data.nbytes if data is not None else nbytes
+        #: For a device-resident blob (`source` a contiguous device tensor): the factory of the
+        #: copier that stages it (see fastpersist.device); its bytes are never read on the host.
+        self.device = device
 
     @property
     def data(self) -> np.ndarray:
+        if self.device is not None:
+            raise RuntimeError("a device-resident blob has no host bytes; its copier stages it")
         if self._data is None:
             # Only left unset for a non-empty contiguous plain CPU tensor (_Walker._tensor).
             data = _byte_view(self.source)  # type: ignore[arg-type]

@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import device as _device
 from .blobs import _U8, Blob, _byte_view
+from .device import copier_for as _copier_for
 from .errors import UnsupportedValueError
 from .records import (
     _CANONICAL,
@@ -70,6 +72,11 @@ _SUPPORTED = (
 )
 
 _STRIDED = torch.strided
+
+
+def _device_seam_active() -> bool:
+    """Whether a copier was installed with fastpersist.device.use_copier (tests)."""
+    return _device._installed is not None
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -355,14 +362,19 @@ class _Walker:
                 self.records.append(None)  # type: ignore[arg-type]  # filled by finish()
                 return
         data = None
+        source = x
+        copier = _copier_for(x) if numel and (not cpu or _device_seam_active()) else None
         if not numel:
             data = np.empty(0, _U8)  # an empty tensor's strides need not allow a byte view
+        elif copier is not None:
+            if not (plain and x.is_contiguous()):  # rare: made contiguous on its device
+                source = x.detach().resolve_conj().resolve_neg().contiguous()
         elif not (plain and cpu and x.is_contiguous()):
             data = _byte_view(x.detach().resolve_conj().resolve_neg().contiguous().cpu())
         size = x.shape
         canonical = _CANONICAL.get(size) or _canonical(size)
         version = None
-        if data is None:  # a view of the source, not a copy: the mutation guard watches it
+        if data is None and source is x:  # the source itself, not a copy: the guard watches it
             try:
                 version = x._version
             except RuntimeError:  # inference tensors track no version
@@ -381,7 +393,7 @@ class _Walker:
                 type(x) is _Parameter,
             )
         )
-        self.blobs.append(Blob(data, x, version, numel * _ITEMSIZE[name]))
+        self.blobs.append(Blob(data, source, version, numel * _ITEMSIZE[name], copier))
 
     def _array(self, a: np.ndarray, path: str) -> None:
         dt = a.dtype
@@ -415,13 +427,17 @@ class _Walker:
         raw = torch.empty(0, dtype=torch.uint8, device=owner.device)
         raw.set_(owner.untyped_storage(), lo, (hi - lo,), (1,))
         blob = self.records[group[0][0]].blob
+        copier = _copier_for(owner) if not owner.is_cpu or _device_seam_active() else None
         version = None
-        if raw.is_cpu:  # a view of the source (a device tensor's bytes are copied here)
+        if raw.is_cpu or copier is not None:  # the source itself, not a host copy: watched
             try:
                 version = owner._version
             except RuntimeError:  # inference tensors track no version
                 pass
-        self.blobs[blob] = Blob(raw.cpu().numpy(), owner, version)
+        if copier is not None:
+            self.blobs[blob] = Blob(None, raw, version, hi - lo, copier)
+        else:
+            self.blobs[blob] = Blob(raw.cpu().numpy(), owner, version)
         for (i, t, path), start in zip(group, starts, strict=True):
             self.records[i] = TensorRecord(
                 path,

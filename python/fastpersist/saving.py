@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _core
+from .blobs import Blob
 from .config import Config, SaveResult
+from .device import DeviceCopier, device_bytes
 from .errors import SaveCancelledError
 from .flatten import FlatState, flatten, records_to_json
 from .manifest import MANIFEST_NAME, FileEntry, build, read_manifest
@@ -164,6 +166,7 @@ class SaveJob:
         for rec in flat.tensors:
             self.blob_owner.setdefault(rec.blob, rec.key_path)
         self.verdict = Verdict()
+        self._copiers = _prepare_device_blobs(flat.blobs)
         self.my_parts = [p for p in self.plan.parts if p[0] == layout.writer]
         try:
             if layout.owner:
@@ -194,7 +197,7 @@ class SaveJob:
                     self.plan,
                     layout.writer,
                     paths,
-                    [b.data for b in flat.blobs],
+                    [None if b.device is not None else b.data for b in flat.blobs],
                     pool if pool is not None else pool_for(config),
                     backend=config.backend,
                     direct_io=config.direct_io,
@@ -206,6 +209,7 @@ class SaveJob:
                     on_staged=self._check_staged,
                     copy_max_extent_bytes=COPY_AT_START_MAX_BYTES,
                     copy_budget_bytes=COPY_AT_START_BUDGET_BYTES,
+                    device_copy=self._copy_from_device if self._copiers else None,
                 )
                 _warn_fallback_once(self.handle.fallback_reason)
         except BaseException:
@@ -244,6 +248,20 @@ class SaveJob:
                 )
                 return False
         return True
+
+    def _copy_from_device(self, blob_index: int, offset_bytes: int, slot: memoryview, start: int, end: int) -> None:
+        """Stages bytes of a device-resident blob into a slot (called by the job's thread)."""
+        flat = self._flat
+        assert flat is not None
+        blob = flat.blobs[blob_index]
+        source: Any = blob.source
+        try:
+            copier = self._copiers[(blob.device, source.device)]
+            src = device_bytes(source)[offset_bytes : offset_bytes + end - start]
+            copier.copy_to_host(src, slot, start, end)
+        except BaseException as e:
+            self.verdict.fail(e)
+            raise
 
     def _release_sources(self) -> None:
         """Drops this job's references to the user's tensors once the engine no longer reads them."""
@@ -380,6 +398,28 @@ class SaveJob:
                 handle.wait()
             except Exception:
                 pass
+
+
+def _prepare_device_blobs(blobs: list[Blob]) -> dict[tuple[object, Any], DeviceCopier]:
+    """Copies small device-resident blobs on their device (stream-ordered, no host sync), so
+    that buffers the next forward pass updates cannot race them, and starts one copier per
+    device for the rest. Returns the copiers by (factory, device)."""
+    on_device = [b for b in blobs if b.device is not None]
+    budget = COPY_AT_START_BUDGET_BYTES
+    for blob in sorted(on_device, key=lambda b: b.nbytes):
+        if blob.version is None or blob.nbytes > COPY_AT_START_MAX_BYTES or blob.nbytes > budget:
+            continue
+        blob.source = blob.source.clone()  # type: ignore[attr-defined]
+        blob.version = None
+        budget -= blob.nbytes
+    copiers: dict[tuple[object, Any], DeviceCopier] = {}
+    for blob in on_device:
+        key = (blob.device, blob.source.device)  # type: ignore[attr-defined]
+        if key not in copiers:
+            factory: Any = blob.device
+            copiers[key] = factory(key[1])
+            copiers[key].begin()
+    return copiers
 
 
 def write_manifest(directory: str, manifest: bytes, *, durable: bool) -> None:

@@ -27,6 +27,8 @@ const CRC_PIECE_BYTES: usize = 256 << 10;
 pub struct SourceRegion {
     ptr: *const u8,
     len_bytes: usize,
+    /// The bytes live in device memory: a [`DeviceCopier`] puts them into the slot.
+    device: bool,
 }
 
 // SAFETY: a SourceRegion is only a promise (made in `new`) that the memory stays readable; the
@@ -39,7 +41,21 @@ impl SourceRegion {
     /// reports its sources released ([`JobProgress::wait_sources_released`]) or returns.
     /// Concurrent writes to it are a caller bug that gives torn (not unsafe-to-write) data.
     pub unsafe fn new(ptr: *const u8, len_bytes: usize) -> Self {
-        SourceRegion { ptr, len_bytes }
+        SourceRegion {
+            ptr,
+            len_bytes,
+            device: false,
+        }
+    }
+
+    /// An extent whose bytes are in device (e.g. GPU) memory: the job asks its
+    /// [`DeviceCopier`] to copy them into each slot, and never dereferences a pointer for it.
+    pub fn device(len_bytes: usize) -> Self {
+        SourceRegion {
+            ptr: std::ptr::null(),
+            len_bytes,
+            device: true,
+        }
     }
 
     /// A region over a slice. The region does not borrow the slice, so this is `unsafe`.
@@ -51,6 +67,7 @@ impl SourceRegion {
         SourceRegion {
             ptr: bytes.as_ptr(),
             len_bytes: bytes.len(),
+            device: false,
         }
     }
 
@@ -219,6 +236,38 @@ impl JobProgress {
     }
 }
 
+/// Copies bytes of device-resident extents into host slots (a GPU's device-to-host copy).
+pub trait DeviceCopier: Send {
+    /// Copies the bytes of extent `extent` starting at `offset_bytes` into `slot[range]`, and
+    /// returns only once they are all there (the slot is submitted for writing right after).
+    /// The whole slot is passed so that a copier can register (pin) it once.
+    fn copy_to_host(
+        &mut self,
+        extent: usize,
+        offset_bytes: u64,
+        slot: &mut [u8],
+        range: std::ops::Range<usize>,
+    ) -> Result<()>;
+}
+
+/// Optional participants in a write job.
+#[derive(Default)]
+pub struct JobHooks {
+    /// The mutation guard.
+    pub guard: Option<Guard>,
+    /// Stages [`SourceRegion::device`] extents; required when there are any.
+    pub device: Option<Box<dyn DeviceCopier>>,
+}
+
+impl std::fmt::Debug for JobHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobHooks")
+            .field("guard", &self.guard)
+            .field("device", &self.device.is_some())
+            .finish()
+    }
+}
+
 /// Told when extents have been staged whole: from then on their source may change freely.
 pub trait StagingObserver: Send {
     /// `extents` (plan indices) just had the last of this job's bytes of them staged. An error
@@ -262,22 +311,32 @@ pub fn write_parts(
     options: &WriteOptions,
     progress: &JobProgress,
 ) -> Result<WriteReport> {
-    write_parts_guarded(plan, targets, sources, pool, options, progress, None)
+    write_parts_with(
+        plan,
+        targets,
+        sources,
+        pool,
+        options,
+        progress,
+        JobHooks::default(),
+    )
 }
 
-/// [`write_parts`] with a mutation [`Guard`]: small watched extents are copied first, and the
-/// guard's observer hears when each other watched extent is staged whole, so it can check that
-/// its source had not changed before then (and fail the job if it had).
-pub fn write_parts_guarded(
+/// [`write_parts`] with [`JobHooks`]. A mutation [`Guard`]: small watched extents are copied
+/// first, and the guard's observer hears when each other watched extent is staged whole, so it
+/// can check that its source had not changed before then (and fail the job if it had). A
+/// [`DeviceCopier`]: stages the [`SourceRegion::device`] extents, chunk by chunk, while earlier
+/// chunks are being written.
+pub fn write_parts_with(
     plan: &Plan,
     targets: &[WriteTarget],
     sources: Vec<SourceRegion>,
     pool: &Pool,
     options: &WriteOptions,
     progress: &JobProgress,
-    guard: Option<Guard>,
+    hooks: JobHooks,
 ) -> Result<WriteReport> {
-    let staging = Staging::new(plan, targets, sources, pool, options, progress, guard);
+    let staging = Staging::new(plan, targets, sources, pool, options, progress, hooks);
     progress.mark_copied_early();
     let mut staging = staging?;
     let result = (|| {
@@ -393,6 +452,7 @@ struct Staging<'p> {
     /// Chunks staged while the queue was full, in order, waiting for a queue slot.
     ahead: VecDeque<StagedChunk>,
     guard: Option<GuardState>,
+    device: Option<Box<dyn DeviceCopier>>,
 }
 
 /// What the staging side keeps of a [`Guard`].
@@ -424,7 +484,7 @@ impl<'p> Staging<'p> {
         pool: &'p Pool,
         options: &WriteOptions,
         progress: &'p JobProgress,
-        guard: Option<Guard>,
+        hooks: JobHooks,
     ) -> Result<Self> {
         let staging = Staging {
             plan,
@@ -444,6 +504,7 @@ impl<'p> Staging<'p> {
             progress,
             ahead: VecDeque::new(),
             guard: None,
+            device: hooks.device,
         };
         // From here an early return drops `staging`, whose Drop releases the sources.
         let mut staging = staging;
@@ -478,7 +539,16 @@ impl<'p> Staging<'p> {
                 }
             }
         }
-        if let Some(guard) = guard {
+        let has_device = staging
+            .sources
+            .as_ref()
+            .is_some_and(|s| s.iter().any(|r| r.device));
+        if has_device && staging.device.is_none() {
+            return Err(Error::InvalidArgument(
+                "device-resident sources need a device copier".into(),
+            ));
+        }
+        if let Some(guard) = hooks.guard {
             staging.start_guard(guard, targets)?;
         }
         Ok(staging)
@@ -519,7 +589,9 @@ impl<'p> Staging<'p> {
             });
         }
         let mut small: Vec<usize> = (0..extent_count)
-            .filter(|&i| remaining_bytes[i] > 0)
+            .filter(|&i| {
+                remaining_bytes[i] > 0 && !self.sources.as_ref().is_some_and(|s| s[i].device)
+            })
             .filter(|&i| self.plan.extent_bytes[i] <= guard.copy_max_extent_bytes)
             .collect();
         small.sort_by_key(|&i| self.plan.extent_bytes[i]);
@@ -609,6 +681,11 @@ impl<'p> Staging<'p> {
             }
             dst[(cursor - start) as usize..(from - start) as usize].fill(0);
             let target = &mut dst[(from - start) as usize..(to - start) as usize];
+            if region.device {
+                // Put there by the device copier before the chunk's pieces are filled.
+                cursor = to;
+                continue;
+            }
             // SAFETY: `from - ext_start + len <= region.len_bytes` (the region's length equals the
             // extent's, checked in `new`), the region is readable until sources are released
             // (SourceRegion::new's contract; we still hold them), and `target` is our own slot
@@ -625,7 +702,31 @@ impl<'p> Staging<'p> {
         dst[(cursor - start) as usize..].fill(0);
     }
 
-    fn stage(&mut self, slot: &mut Slot, chunk: &Chunk) -> u32 {
+    /// Copies the device-resident extents overlapping `chunk` into `slot`, one call each.
+    fn copy_from_device(&mut self, slot: &mut Slot, chunk: &Chunk) -> Result<()> {
+        let Some(device) = self.device.as_mut() else {
+            return Ok(());
+        };
+        let sources = self.sources.as_ref().expect("sources held while staging");
+        let start = chunk.stream_offset_bytes;
+        let end = start + chunk.len_bytes;
+        let first = self.extent_ends.partition_point(|&e| e <= start);
+        for (index, source) in sources.iter().enumerate().skip(first) {
+            let ext_start = self.plan.extent_offsets[index];
+            if ext_start >= end {
+                break;
+            }
+            let (from, to) = (ext_start.max(start), self.extent_ends[index].min(end));
+            if from < to && source.device {
+                let range = (from - start) as usize..(to - start) as usize;
+                device.copy_to_host(index, from - ext_start, slot.buf_mut(), range)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn stage(&mut self, slot: &mut Slot, chunk: &Chunk) -> Result<u32> {
+        self.copy_from_device(slot, chunk)?;
         let len = chunk.len_bytes as usize;
         let mut crc = Crc32c::default();
         let mut done = 0;
@@ -641,7 +742,7 @@ impl<'p> Staging<'p> {
                 .staged_bytes
                 .fetch_add(piece as u64, Ordering::Relaxed);
         }
-        crc.finish()
+        Ok(crc.finish())
     }
 }
 
@@ -660,7 +761,7 @@ impl Staging<'_> {
     fn stage_next(&mut self, mut slot: Slot) -> Result<StagedChunk> {
         let (file, index, chunk) = self.chunks[self.next];
         self.next += 1;
-        let crc = self.stage(&mut slot, &chunk);
+        let crc = self.stage(&mut slot, &chunk)?;
         self.crcs[file][index] = crc;
         self.note_staged(chunk.stream_offset_bytes, chunk.len_bytes)?;
         if self.next == self.chunks.len() {

@@ -6,7 +6,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use fastpersist_core::Error;
-use fastpersist_core::job::{JobProgress, StagingObserver, WriteReport};
+use fastpersist_core::job::{DeviceCopier, JobProgress, StagingObserver, WriteReport};
 use pyo3::exceptions::PyTimeoutError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -107,6 +107,58 @@ impl StagingObserver for PyStagingObserver {
             Some(Err(e)) => Err(Error::Cancelled(format!("the staging check failed: {e}"))),
             None => Err(Error::Cancelled(
                 "the interpreter is shutting down; the save cannot be checked".into(),
+            )),
+        }
+    }
+}
+
+/// The device-to-host copy, in Python (e.g. a CUDA copy into a pinned slot): called from the
+/// job's thread with the GIL, with a memoryview over the slot that is released on return.
+pub(crate) struct PyDeviceCopier {
+    callback: Py<PyAny>,
+}
+
+impl PyDeviceCopier {
+    pub fn new(callback: Py<PyAny>) -> Self {
+        PyDeviceCopier { callback }
+    }
+}
+
+impl DeviceCopier for PyDeviceCopier {
+    fn copy_to_host(
+        &mut self,
+        extent: usize,
+        offset_bytes: u64,
+        slot: &mut [u8],
+        range: std::ops::Range<usize>,
+    ) -> fastpersist_core::Result<()> {
+        let outcome = Python::try_attach(|py| -> PyResult<()> {
+            // SAFETY: `slot` is memory this job owns for the whole call; the memoryview is
+            // released below before the slot can be submitted or reused.
+            let view = unsafe {
+                Bound::from_owned_ptr_or_err(
+                    py,
+                    pyo3::ffi::PyMemoryView_FromMemory(
+                        slot.as_mut_ptr().cast(),
+                        slot.len() as pyo3::ffi::Py_ssize_t,
+                        pyo3::ffi::PyBUF_WRITE,
+                    ),
+                )?
+            };
+            let called = self.callback.call1(
+                py,
+                (extent, offset_bytes, view.clone(), range.start, range.end),
+            );
+            view.call_method0("release").ok();
+            called.map(|_| ())
+        });
+        match outcome {
+            Some(Ok(())) => Ok(()),
+            Some(Err(e)) => Err(Error::Cancelled(format!(
+                "the device-to-host copy of extent {extent} failed: {e}"
+            ))),
+            None => Err(Error::Cancelled(
+                "the interpreter is shutting down; device memory cannot be staged".into(),
             )),
         }
     }

@@ -8,7 +8,9 @@ mod handle;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use fastpersist_core::job::{Guard, WriteOptions, WriteTarget, write_parts_guarded};
+use fastpersist_core::job::{
+    Guard, JobHooks, SourceRegion, WriteOptions, WriteTarget, write_parts_with,
+};
 use fastpersist_core::probe::{self, BackendChoice, DirectMode};
 use fastpersist_core::read::{ReadOptions, ReadPart, read_parts};
 use fastpersist_core::{checksum, durable, plan, pool};
@@ -17,7 +19,7 @@ use pyo3::prelude::*;
 
 use buffers::{HeldBuffer, PagedBuffer};
 use errors::IntoPyResult;
-use handle::{PyStagingObserver, Shared, WriteHandle};
+use handle::{PyDeviceCopier, PyStagingObserver, Shared, WriteHandle};
 
 /// The layout of a checkpoint: where each extent sits in the stream and which parts exist.
 #[pyclass(frozen, module = "fastpersist._core")]
@@ -122,15 +124,20 @@ impl Pool {
 /// `copy_budget_bytes`) before this returns; `on_staged(extents)` is called (from the job's
 /// thread, with the GIL) once each other watched extent is staged whole, and a false result
 /// (or an exception) fails the job.
+///
+/// A source given as None lives in device memory: `device_copy(extent, offset_bytes, slot,
+/// start, end)` is called (job's thread, GIL held) to copy that extent's bytes from
+/// `offset_bytes` into `slot[start:end]`; `slot` is a writable memoryview over a whole staging
+/// slot, valid only during the call.
 #[pyfunction]
-#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0))]
+#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0, device_copy=None))]
 #[allow(clippy::too_many_arguments)]
 fn start_write(
     py: Python<'_>,
     plan: &Plan,
     writer: usize,
     paths: Vec<PathBuf>,
-    sources: Vec<Bound<'_, PyAny>>,
+    sources: Vec<Option<Bound<'_, PyAny>>>,
     pool: &Pool,
     backend: &str,
     direct_io: &str,
@@ -142,6 +149,7 @@ fn start_write(
     on_staged: Option<Py<PyAny>>,
     copy_max_extent_bytes: u64,
     copy_budget_bytes: u64,
+    device_copy: Option<Py<PyAny>>,
 ) -> PyResult<WriteHandle> {
     let guard = match (watched, on_staged) {
         (Some(watched), Some(callback)) => Some(Guard {
@@ -177,13 +185,26 @@ fn start_write(
         .zip(paths)
         .map(|(part, path)| WriteTarget { part, path })
         .collect();
-    let held = sources
-        .iter()
-        .enumerate()
-        .map(|(i, obj)| HeldBuffer::get(obj, false, &format!("source {i}")))
-        .collect::<PyResult<Vec<_>>>()?;
-    let regions: Vec<_> = held.iter().map(HeldBuffer::region).collect();
     let extents = &plan.inner.extent_bytes;
+    if sources.len() != extents.len() {
+        return Err(PyValueError::new_err(format!(
+            "source regions do not match the plan's extents: {} sources for {} extents",
+            sources.len(),
+            extents.len()
+        )));
+    }
+    let mut held = Vec::with_capacity(sources.len());
+    let mut regions = Vec::with_capacity(sources.len());
+    for (i, (source, &len)) in sources.iter().zip(extents).enumerate() {
+        match source {
+            Some(obj) => {
+                let buffer = HeldBuffer::get(obj, false, &format!("source {i}"))?;
+                regions.push(buffer.region());
+                held.push(buffer);
+            }
+            None => regions.push(SourceRegion::device(len as usize)),
+        }
+    }
     if regions.len() != extents.len()
         || regions
             .iter()
@@ -191,8 +212,7 @@ fn start_write(
             .any(|(r, &n)| r.len_bytes() as u64 != n)
     {
         return Err(PyValueError::new_err(format!(
-            "source regions do not match the plan's extents: {} sources for {} extents, or a length differs",
-            regions.len(),
+            "source regions do not match the plan's extents: a source's length differs from its extent's ({} extents)",
             extents.len()
         )));
     }
@@ -211,15 +231,21 @@ fn start_write(
         pool.inner.clone(),
         Arc::clone(&shared),
     );
+    let hooks = JobHooks {
+        guard,
+        device: device_copy.map(|callback| {
+            Box::new(PyDeviceCopier::new(callback)) as Box<dyn fastpersist_core::job::DeviceCopier>
+        }),
+    };
     let job = move || {
-        let outcome = write_parts_guarded(
+        let outcome = write_parts_with(
             &job_plan,
             &targets,
             regions,
             &job_pool,
             &options,
             &job_shared.progress,
-            guard,
+            hooks,
         );
         job_shared.finish(outcome);
     };

@@ -1,12 +1,14 @@
-//! The mutation guard's engine side: early copies of small watched extents, one report per
-//! watched extent when its bytes are all staged, and a cancelled job that never succeeds.
+//! The job's hooks. The mutation guard's engine side: early copies of small watched extents,
+//! one report per watched extent when its bytes are all staged, and a cancelled job that never
+//! succeeds. The device copier: device-resident extents staged chunk by chunk, only the ranges
+//! this writer writes.
 
 use std::sync::{Arc, Mutex};
 
 use fastpersist_core::error::{Error, Result};
 use fastpersist_core::job::{
-    Guard, JobProgress, SourceRegion, StagingObserver, WriteOptions, WriteTarget,
-    write_parts_guarded,
+    DeviceCopier, Guard, JobHooks, JobProgress, SourceRegion, StagingObserver, WriteOptions,
+    WriteTarget, write_parts, write_parts_with,
 };
 use fastpersist_core::plan::Plan;
 use fastpersist_core::pool::Pool;
@@ -101,14 +103,17 @@ fn every_watched_extent_is_reported_once_and_small_ones_are_copied_first() {
     let pool = Pool::new(CHUNK as usize, 2 * CHUNK as usize);
     let progress = JobProgress::default();
     let sources = regions(&mut s.data);
-    write_parts_guarded(
+    write_parts_with(
         &s.plan,
         &s.targets,
         sources,
         &pool,
         &options(),
         &progress,
-        Some(guard),
+        JobHooks {
+            guard: Some(guard),
+            device: None,
+        },
     )
     .unwrap();
     assert_eq!(*seen.lock().unwrap(), vec![1, 3]);
@@ -130,14 +135,17 @@ fn early_copies_stop_at_the_budget_smallest_first() {
     };
     let pool = Pool::new(CHUNK as usize, 2 * CHUNK as usize);
     let sources = regions(&mut s.data);
-    let report = write_parts_guarded(
+    let report = write_parts_with(
         &s.plan,
         &s.targets,
         sources,
         &pool,
         &options(),
         &JobProgress::default(),
-        Some(guard),
+        JobHooks {
+            guard: Some(guard),
+            device: None,
+        },
     )
     .unwrap();
     assert_eq!(*seen.lock().unwrap(), vec![0]);
@@ -167,14 +175,17 @@ fn an_observer_error_fails_the_job() {
     let pool = Pool::new(CHUNK as usize, 8 * CHUNK as usize);
     let progress = JobProgress::default();
     let sources = regions(&mut s.data);
-    let err = write_parts_guarded(
+    let err = write_parts_with(
         &s.plan,
         &s.targets,
         sources,
         &pool,
         &options(),
         &progress,
-        Some(guard),
+        JobHooks {
+            guard: Some(guard),
+            device: None,
+        },
     )
     .unwrap_err();
     assert!(matches!(err, Error::Cancelled(_)), "{err:?}");
@@ -197,14 +208,17 @@ fn a_writer_hears_only_of_extents_it_writes() {
     };
     let pool = Pool::new(CHUNK as usize, 4 * CHUNK as usize);
     let sources = regions(&mut s.data);
-    write_parts_guarded(
+    write_parts_with(
         &s.plan,
         &s.targets,
         sources,
         &pool,
         &options(),
         &JobProgress::default(),
-        Some(guard),
+        JobHooks {
+            guard: Some(guard),
+            device: None,
+        },
     )
     .unwrap();
     assert_eq!(*seen.lock().unwrap(), vec![1]);
@@ -237,15 +251,129 @@ fn a_job_cancelled_after_the_last_chunk_was_staged_still_fails() {
     };
     let pool = Pool::new(CHUNK as usize, 8 * CHUNK as usize);
     let sources = regions(&mut s.data);
-    let err = write_parts_guarded(
+    let err = write_parts_with(
         &s.plan,
         &s.targets,
         sources,
         &pool,
         &options(),
         &progress,
-        Some(guard),
+        JobHooks {
+            guard: Some(guard),
+            device: None,
+        },
     )
     .unwrap_err();
     assert!(matches!(err, Error::Cancelled(_)), "{err:?}");
+}
+
+/// A fake device: extent bytes live in vectors; records every copy it is asked for.
+struct FakeDevice {
+    memory: Vec<Vec<u8>>,
+    copies: Arc<Mutex<Vec<(usize, u64, usize)>>>,
+}
+
+impl DeviceCopier for FakeDevice {
+    fn copy_to_host(
+        &mut self,
+        extent: usize,
+        offset_bytes: u64,
+        slot: &mut [u8],
+        range: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let dst = &mut slot[range];
+        let start = offset_bytes as usize;
+        dst.copy_from_slice(&self.memory[extent][start..start + dst.len()]);
+        self.copies
+            .lock()
+            .unwrap()
+            .push((extent, offset_bytes, dst.len()));
+        Ok(())
+    }
+}
+
+#[test]
+fn device_extents_are_copied_chunk_by_chunk_and_only_this_writers_share() {
+    // Host extent 0, device extents 1 and 2; two writers: writer 1 writes the back half.
+    let sizes = [100, 3 * CHUNK as usize + 5, 2 * CHUNK as usize];
+    for writer in 0..2 {
+        let mut s = setup(&sizes, 2, writer);
+        let device_memory: Vec<Vec<u8>> = s.data.clone();
+        let copies = Arc::new(Mutex::new(Vec::new()));
+        let mut sources = regions(&mut s.data);
+        sources[1] = SourceRegion::device(sizes[1]);
+        sources[2] = SourceRegion::device(sizes[2]);
+        let hooks = JobHooks {
+            guard: None,
+            device: Some(Box::new(FakeDevice {
+                memory: device_memory,
+                copies: Arc::clone(&copies),
+            })),
+        };
+        let pool = Pool::new(CHUNK as usize, 2 * CHUNK as usize);
+        let report = write_parts_with(
+            &s.plan,
+            &s.targets,
+            sources,
+            &pool,
+            &options(),
+            &JobProgress::default(),
+            hooks,
+        )
+        .unwrap();
+        let copies = copies.lock().unwrap();
+        assert!(
+            copies.iter().all(|&(_, _, n)| n as u64 <= CHUNK),
+            "{copies:?}"
+        );
+        let copied: usize = copies.iter().map(|c| c.2).sum();
+        let part = &s.targets[0].part;
+        let device_bytes_in_part: u64 = (1..3)
+            .map(|i| {
+                let (o, n) = (s.plan.extent_offsets[i], sizes[i] as u64);
+                let (a, b) = (
+                    o.max(part.stream_offset_bytes),
+                    (o + n).min(part.stream_offset_bytes + part.len_bytes),
+                );
+                b.saturating_sub(a)
+            })
+            .sum();
+        assert_eq!(
+            copied as u64, device_bytes_in_part,
+            "writer {writer} copies only its share"
+        );
+        let written = std::fs::read(&report.parts[0].path).unwrap();
+        for (i, bytes) in s.data.iter().enumerate() {
+            let (o, n) = (s.plan.extent_offsets[i], bytes.len() as u64);
+            let (a, b) = (
+                o.max(part.stream_offset_bytes),
+                (o + n).min(part.stream_offset_bytes + part.len_bytes),
+            );
+            if a < b {
+                let got = &written[(a - part.stream_offset_bytes) as usize
+                    ..(b - part.stream_offset_bytes) as usize];
+                assert_eq!(
+                    got,
+                    &bytes[(a - o) as usize..(b - o) as usize],
+                    "extent {i}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn device_extents_without_a_copier_are_refused() {
+    let s = setup(&[100], 1, 0);
+    let pool = Pool::new(CHUNK as usize, 2 * CHUNK as usize);
+    let err = write_parts(
+        &s.plan,
+        &s.targets,
+        vec![SourceRegion::device(100)],
+        &pool,
+        &options(),
+        &JobProgress::default(),
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
 }

@@ -1,0 +1,148 @@
+"""The device staging path, driven on CPU through the copier seam (fastpersist.device), and on a
+real GPU where there is one."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import ClassVar
+
+import pytest
+import torch
+
+import fastpersist as fp
+from fastpersist.device import DeviceCopier, use_copier
+
+CHUNK = 64 << 10
+
+
+class FakeCopier:
+    """Copies host tensors as a device copier would, recording each call; can be held back."""
+
+    calls: ClassVar[list[tuple[int, int]]] = []
+    begun = 0
+    gate: threading.Event | None = None
+    fail_after_bytes: int | None = None
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def begin(self) -> None:
+        FakeCopier.begun += 1
+
+    def copy_to_host(self, src: torch.Tensor, slot: memoryview, start: int, end: int) -> None:
+        if FakeCopier.gate is not None:
+            FakeCopier.gate.wait(30)
+        copied = sum(n for _, n in FakeCopier.calls)
+        if FakeCopier.fail_after_bytes is not None and copied >= FakeCopier.fail_after_bytes:
+            raise RuntimeError("the fake device fell off the bus")
+        assert src.dtype == torch.uint8 and src.dim() == 1 and src.numel() == end - start
+        torch.frombuffer(slot, dtype=torch.uint8)[start:end].copy_(src)
+        FakeCopier.calls.append((start, end - start))
+
+
+@pytest.fixture
+def fake_device() -> Iterator[set[int]]:
+    """Tensors whose storage is in `on_device` are staged by FakeCopier, as GPU tensors would be."""
+    FakeCopier.calls, FakeCopier.begun, FakeCopier.gate, FakeCopier.fail_after_bytes = [], 0, None, None
+    on_device: set[int] = set()
+
+    def selects(t: torch.Tensor) -> bool:
+        return t.numel() > 0 and t.untyped_storage().data_ptr() in on_device
+
+    def factory(device: torch.device) -> DeviceCopier:
+        return FakeCopier(device)
+
+    with use_copier(selects, factory):
+        yield on_device
+
+
+def _put_on_device(on_device: set[int], *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        on_device.add(t.untyped_storage().data_ptr())
+
+
+def _config(backend: str) -> fp.Config:
+    return fp.Config(backend=backend, chunk_bytes=CHUNK, pool_bytes=4 * CHUNK, queue_depth=2)
+
+
+def test_device_tensors_are_copied_chunk_by_chunk_into_slots(workdir: str, backend: str, fake_device: set[int]) -> None:
+    weight = torch.randn(300_000)
+    tied = {"emb": torch.randn(50_000, 4)}
+    tied["head"] = tied["emb"]
+    host = torch.arange(1000.0)
+    _put_on_device(fake_device, weight, tied["emb"])
+    path = os.path.join(workdir, "ckpt")
+    fp.save({"w": weight, "tied": tied, "host": host}, path, config=_config(backend))
+    assert FakeCopier.begun == 1
+    assert all(n <= CHUNK for _, n in FakeCopier.calls)
+    assert sum(n for _, n in FakeCopier.calls) == weight.nbytes + tied["emb"].nbytes
+    state = fp.load(path)
+    assert torch.equal(state["w"], weight) and torch.equal(state["host"], host)
+    assert torch.equal(state["tied"]["emb"], tied["emb"])
+    assert state["tied"]["head"].data_ptr() == state["tied"]["emb"].data_ptr()
+
+
+def test_save_async_returns_before_any_device_copy(workdir: str, backend: str, fake_device: set[int]) -> None:
+    weight = torch.randn(500_000)
+    _put_on_device(fake_device, weight)
+    FakeCopier.gate = threading.Event()
+    fut = fp.save_async({"w": weight}, os.path.join(workdir, "ckpt"), config=_config(backend))
+    assert FakeCopier.calls == [] and not fut.done()
+    FakeCopier.gate.set()
+    fut.wait()
+    assert torch.equal(fp.load(fut.path)["w"], weight)
+
+
+def test_guard_covers_device_tensors_and_small_ones_are_copied_on_device(
+    workdir: str, backend: str, fake_device: set[int]
+) -> None:
+    big = torch.zeros(500_000)
+    stats = torch.zeros(16)  # a BatchNorm statistic on the device
+    _put_on_device(fake_device, big, stats)
+    FakeCopier.gate = threading.Event()
+    path = os.path.join(workdir, "ckpt")
+    fut = fp.save_async({"big": big, "stats": stats}, path, config=_config(backend))
+    stats.add_(1)  # the next forward: allowed, it was copied on its device at the call
+    big[:1].add_(1)  # optimizer.step() before its bytes were staged: fails the save
+    FakeCopier.gate.set()
+    with pytest.raises(fp.SaveCancelledError, match=r"state\.big"):
+        fut.wait()
+    assert not os.path.exists(path)
+
+    big.zero_()
+    stats.zero_()
+    fut = fp.save_async({"big": big, "stats": stats}, path, config=_config(backend))
+    stats.add_(1)
+    fut.wait()
+    assert fp.load(path)["stats"].sum().item() == 0
+
+
+def test_a_failing_device_copy_fails_the_save_and_commits_nothing(
+    workdir: str, backend: str, fake_device: set[int]
+) -> None:
+    weight = torch.randn(500_000)
+    _put_on_device(fake_device, weight)
+    FakeCopier.fail_after_bytes = 3 * CHUNK
+    path = os.path.join(workdir, "ckpt")
+    fut = fp.save_async({"w": weight}, path, config=_config(backend))
+    with pytest.raises(RuntimeError, match="fell off the bus"):
+        fut.wait()
+    assert not os.path.exists(path)
+    assert not [n for n in os.listdir(workdir) if ".fptmp-" in n]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_state_round_trip(workdir: str) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)).cuda().to(torch.bfloat16)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "opt": opt.state_dict()}
+    path = os.path.join(workdir, "gpu")
+    fut = fp.save_async(state, path)
+    fut.wait()
+    loaded = fp.load(path)
+    for key, value in state["model"].items():
+        assert loaded["model"][key].device == value.device and torch.equal(loaded["model"][key], value), key
