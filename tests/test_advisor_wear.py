@@ -62,14 +62,15 @@ def test_advise_shows_the_interval_whose_wear_fits() -> None:
     endurance = Endurance.from_tbw(7000.0)
     today, until = datetime.date(2026, 12, 1), datetime.date(2031, 12, 1)
     kwargs = dict(mtbf_s=1e4, step_s=10.0, stall_s=1e-4, write_s=1.0, nbytes=10**11, drives=10)
-    a = fp.advise(endurance=endurance, until=until, today=today, probe_devices=False, **kwargs)  # type: ignore[arg-type]
+    a = fp.advise(endurance=endurance, until=until, today=today, every=1, probe_devices=False, **kwargs)  # type: ignore[arg-type]
     allowed = bytes_per_day_allowed(endurance, until, today)
     assert a.bytes_per_drive_day(a.best) > allowed
     assert a.wear_fit is not None
     assert a.bytes_per_drive_day(a.wear_fit) <= allowed
     shorter = outcome(a.wear_fit.every - 1, a.costs, a.mtbf_s)
     assert a.bytes_per_drive_day(shorter) > allowed  # the shortest interval that fits
-    assert any("endurance runs out" in w and f"every={a.wear_fit.every}" in w for w in a.warnings)
+    runs_out = [w for w in a.warnings if "endurance runs out" in w and f"every={a.wear_fit.every}" in w]
+    assert len(runs_out) == 2 and "recommended every=1" in runs_out[0] and "current every=1" in runs_out[1]
     assert "lasts to 2031-12-01" in str(a)
     # Without a date: no fit needed, the endurance is shown in days.
     b = fp.advise(endurance=endurance, probe_devices=False, **kwargs)  # type: ignore[arg-type]

@@ -32,7 +32,7 @@ class Advice:
         drives: drives one checkpoint is spread over (wear is per drive).
         endurance: one drive's rated endurance, if known.
         until: the date the drives must last to, if given.
-        wear_fit: when `best` would use up the endurance before `until`: the shortest interval that fits.
+        wear_fit: the shortest interval whose wear lets the drives last until `until` (with `endurance`).
         observed_bytes_per_day: the write rate in the source's wear log, all drives together.
         devices: what "durable" means on each target directory.
         warnings: what the caller should know, in words.
@@ -131,7 +131,7 @@ def _failure_model(
     if mtbf_s is not None and node_mtbf_s is not None:
         raise ValueError("advise: pass mtbf_s= (the job's) or node_mtbf_s= with nodes=, not both")
     if node_mtbf_s is not None:
-        where["mtbf_s"] = f"given: node MTBF {node_mtbf_s / 3600:g} h / {nodes} nodes (independent failures)"
+        where["mtbf_s"] = f"given: node MTBF {node_mtbf_s / 3600:g} h / {nodes} node(s), failing independently"
         return job_mtbf_s(node_mtbf_s, nodes)
     if mtbf_s is None and measured.mtbf_s is not None:
         where["mtbf_s"] = "the Checkpointer's mtbf_s"
@@ -173,12 +173,13 @@ def _warnings(advice: Advice) -> list[str]:
             f"at the current every={cur.every} the loop also waits {cur.stall_s - c.stall_s:.3f} s per save for the "
             f"previous save to commit (write {c.write_s:.3f} s > {cur.compute_s + c.stall_s:.3f} s between saves)"
         )
-    if advice.wear_fit is not None and advice.until is not None:
-        days = advice.endurance_days(advice.best)
-        out.append(
-            f"at every={advice.best.every} the drives' endurance runs out in {days:.0f} days, before "
-            f"{advice.until.isoformat()}; every={advice.wear_fit.every} ({advice.wear_fit.period_s:.0f} s) fits"
-        )
+    fit = advice.wear_fit
+    for name, o in (("recommended", advice.best), ("current", cur)):
+        if fit is not None and advice.until is not None and o is not None and o.every < fit.every:
+            out.append(
+                f"at the {name} every={o.every} the drives' endurance runs out in {advice.endurance_days(o):.0f} "
+                f"days, before {advice.until.isoformat()}; every={fit.every} ({fit.period_s:.0f} s) or more fits"
+            )
     for dev in advice.devices:
         if "NOT" in dev.durability or "memory" in dev.durability:
             out.append(f"{dev.path}: {dev.durability}")
@@ -242,8 +243,7 @@ def advise(
     wear_fit = None
     if endurance is not None and until is not None:
         allowed = bytes_per_day_allowed(endurance, until, today or datetime.date.today())
-        if best.bytes_per_day / drive_count > allowed:
-            wear_fit = _wear_fit(costs, job_mtbf, drive_count, allowed)
+        wear_fit = _wear_fit(costs, job_mtbf, drive_count, allowed)
     devices: list[DeviceInfo] = []
     if probe_devices:
         for d in measured.dirs:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -75,9 +76,12 @@ def _endurance(args: argparse.Namespace, dirs: list[str]) -> Endurance | None:
             break
     if capacity is None:
         raise SystemExit("fastpersist advise: --dwpd needs --capacity-tb (one drive's size; sysfs did not say)")
-    return Endurance.from_dwpd(
+    endurance = Endurance.from_dwpd(
         args.dwpd, capacity_bytes=float(capacity), warranty_years=args.warranty_years, used_fraction=used
     )
+    if args.capacity_tb is None:
+        endurance = dataclasses.replace(endurance, source=endurance.source.replace("(given)", "(capacity from sysfs)"))
+    return endurance
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -47,6 +47,10 @@ def _inputs(a: Advice) -> list[str]:
     return [f"  {name:<22}{value:>12}  {src}" for name, value, src in rows]
 
 
+def _pct(fraction: float) -> str:
+    return f"{fraction:.3%}" if fraction < 0.001 else f"{fraction:.2%}"
+
+
 def _row(a: Advice, label: str, o: Outcome) -> str:
     days = a.endurance_days(o)
     if days is None:
@@ -56,8 +60,8 @@ def _row(a: Advice, label: str, o: Outcome) -> str:
     else:
         wear = f"{days:,.0f} d"
     return (
-        f"  {label:<20}{o.every:>7}{_duration(o.period_s):>11}{o.stall_s:>9.3f}{o.stall_fraction:>9.2%}"
-        f"{o.failure_fraction:>9.2%}{o.lost_fraction:>9.2%}{_bytes(a.bytes_per_drive_day(o)):>12}{wear:>10}"
+        f"  {label:<20}{o.every:>7}{_duration(o.period_s):>11}{o.stall_s:>9.3f}{_pct(o.stall_fraction):>9}"
+        f"{_pct(o.failure_fraction):>9}{_pct(o.lost_fraction):>9}{_bytes(a.bytes_per_drive_day(o)):>12}{wear:>10}"
     )
 
 
@@ -79,11 +83,10 @@ def format_advice(a: Advice) -> str:
         lines.append(_row(a, "current setting", a.current))
     if a.wear_fit is not None and a.until is not None:
         lines.append(_row(a, f"lasts to {a.until.isoformat()}", a.wear_fit))
-    elif a.until is not None and a.endurance is not None:
-        lines.append(f"  at the recommended interval the drives last past {a.until.isoformat()}")
     lines += [
         "  (stall: share of wall time the loop waits for saves; failures: share lost to restarts and",
-        "   redone work; lost: both; per drive/d: bytes each drive takes per day)",
+        "   redone work; lost: both; per drive/d: bytes each drive takes per day; lasts to: the",
+        "   shortest interval whose writes leave the drives' endurance until that date)",
     ]
     if a.observed_bytes_per_day is not None:
         lines.append(f"  observed in the wear log: {_bytes(a.observed_bytes_per_day)} per day, all drives together")
