@@ -48,7 +48,9 @@ def _inputs(a: Advice) -> list[str]:
 
 
 def _pct(fraction: float) -> str:
-    return f"{fraction:.3%}" if fraction < 0.001 else f"{fraction:.2%}"
+    if fraction == 0:
+        return "0%"
+    return f"{fraction * 100:.2g}%" if fraction < 0.001 else f"{fraction:.2%}"
 
 
 def _row(a: Advice, label: str, o: Outcome) -> str:
@@ -60,8 +62,8 @@ def _row(a: Advice, label: str, o: Outcome) -> str:
     else:
         wear = f"{days:,.0f} d"
     return (
-        f"  {label:<20}{o.every:>7}{_duration(o.period_s):>11}{o.stall_s:>9.3f}{_pct(o.stall_fraction):>9}"
-        f"{_pct(o.failure_fraction):>9}{_pct(o.lost_fraction):>9}{_bytes(a.bytes_per_drive_day(o)):>12}{wear:>10}"
+        f"  {label:<20}{o.every:>7}{_duration(o.period_s):>11}{o.stall_s:>9.3f}{_pct(o.stall_fraction):>10}"
+        f"{_pct(o.failure_fraction):>10}{_pct(o.lost_fraction):>10}{_bytes(a.bytes_per_drive_day(o)):>12}{wear:>10}"
     )
 
 
@@ -74,7 +76,7 @@ def format_advice(a: Advice) -> str:
         f"optimal training time between saves: Young {_duration(a.young_s)}, Daly {_duration(a.daly_s)}"
         f" = {a.daly_s / a.costs.step_s:,.1f} steps",
         "",
-        f"  {'interval':<20}{'every':>7}{'period':>11}{'stall s':>9}{'stall':>9}{'failures':>9}{'lost':>9}"
+        f"  {'interval':<20}{'every':>7}{'period':>11}{'stall s':>9}{'stall':>10}{'failures':>10}{'lost':>10}"
         f"{'per drive/d':>12}{'endurance':>10}",
     ]
     lines.append(_row(a, "every step", a.every_step))
