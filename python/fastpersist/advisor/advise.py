@@ -125,6 +125,17 @@ def _pick(name: str, given: float | None, measured: Measured, where: dict[str, s
     return float(value)
 
 
+def _restart(restart_s: float | None, overhead_s: float | None, measured: Measured, where: dict[str, str]) -> float:
+    """The whole restart if given, else the measured load plus the relaunch overhead."""
+    if restart_s is not None:
+        where["restart_s"] = "given"
+        return float(restart_s)
+    overhead = overhead_s if overhead_s is not None else measured.restart_overhead_s or 0.0
+    load_where = measured.where.get("load_s", "load not measured: 0")
+    where["restart_s"] = f"{load_where} + {overhead:g} s relaunch overhead (given)"
+    return (measured.load_s or 0.0) + overhead
+
+
 def _failure_model(
     mtbf_s: float | None, node_mtbf_s: float | None, nodes: int, measured: Measured, where: dict[str, str]
 ) -> float:
@@ -227,15 +238,7 @@ def advise(
     stall = _pick("stall_s", stall_s, measured, where, hint["stall_s"])
     write = _pick("write_s", write_s, measured, where, "write_s= (--write-seconds)")
     size = int(_pick("nbytes", nbytes, measured, where, "nbytes= (--bytes)"))
-    if restart_s is not None:
-        restart, where["restart_s"] = float(restart_s), "given"
-    else:
-        overhead = restart_overhead_s if restart_overhead_s is not None else measured.restart_overhead_s or 0.0
-        load = measured.load_s
-        restart = (load or 0.0) + overhead
-        load_where = measured.where.get("load_s", "load not measured: 0")
-        where["restart_s"] = f"{load_where} + {overhead:g} s relaunch overhead (given)"
-    costs = Costs(stall, write, step, restart, size)
+    costs = Costs(stall, write, step, _restart(restart_s, restart_overhead_s, measured, where), size)
     current_every = every if every is not None else measured.every
     drive_count = drives if drives is not None else max(1, len(measured.dirs))
     where["drives"] = "given" if drives is not None else f"the source's directories ({drive_count})"

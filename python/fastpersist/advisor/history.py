@@ -92,7 +92,7 @@ class SaveHistory:
         self.max_every = max_every
         self.restart_overhead_s = float(restart_overhead_s)
         self.persist = persist
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # to_json() and costs() take it, also from inside committed()
         self.stall_s: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.commit_wait_s: collections.deque[float] = collections.deque(maxlen=WINDOW)
         self.step_s: collections.deque[float] = collections.deque(maxlen=WINDOW)
@@ -196,11 +196,12 @@ class SaveHistory:
 
     def costs(self) -> Costs | None:
         """The medians of the window as model :class:`Costs`, or None before a step and a save were measured."""
-        stall, step = _median(self.stall_s), _median(self.step_s)
-        write, nbytes = _median(self.write_s), _median(self.nbytes)
+        with self._lock:  # the commit thread appends while the loop or advise() reads
+            stall, step = _median(self.stall_s), _median(self.step_s)
+            write, nbytes = _median(self.write_s), _median(self.nbytes)
+            load = _median(self.load_s) or 0.0
         if stall is None or step is None or write is None or step <= 0:
             return None
-        load = _median(self.load_s) or 0.0
         return Costs(stall, write, step, load + self.restart_overhead_s, int(nbytes or 0))
 
     def _retune(self) -> None:
@@ -234,22 +235,23 @@ class SaveHistory:
         def stat(values: collections.deque[float]) -> dict[str, Any] | None:
             return {"median": statistics.median(values), "samples": list(values)} if values else None
 
-        return {
-            "version": HISTORY_VERSION,
-            "updated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "every": self.every,
-            "auto": self.auto,
-            "mtbf_s": self.mtbf_s,
-            "restart_overhead_s": self.restart_overhead_s,
-            "stall_s": stat(self.stall_s),
-            "commit_wait_s": stat(self.commit_wait_s),
-            "step_s": stat(self.step_s),
-            "write_s": stat(self.write_s),
-            "staged_s": stat(self.staged_s),
-            "nbytes": stat(self.nbytes),
-            "load_s": stat(self.load_s),
-            "wear": self.wear.to_json(),
-        }
+        with self._lock:
+            return {
+                "version": HISTORY_VERSION,
+                "updated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "every": self.every,
+                "auto": self.auto,
+                "mtbf_s": self.mtbf_s,
+                "restart_overhead_s": self.restart_overhead_s,
+                "stall_s": stat(self.stall_s),
+                "commit_wait_s": stat(self.commit_wait_s),
+                "step_s": stat(self.step_s),
+                "write_s": stat(self.write_s),
+                "staged_s": stat(self.staged_s),
+                "nbytes": stat(self.nbytes),
+                "load_s": stat(self.load_s),
+                "wear": self.wear.to_json(),
+            }
 
     def _merge_file(self) -> None:
         """Continues the wear log and the load times of an earlier run on the same root (lock held)."""
