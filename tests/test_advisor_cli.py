@@ -94,3 +94,6 @@ def test_advise_from_a_checkpointer_and_its_root(tmp_path: Path) -> None:
     doc = json.loads(out)
     assert doc["current"]["every"] == 2 and doc["costs"]["nbytes"] == 1 << 18
     assert doc["observed_bytes_per_day"] > 0 and doc["drives"] == 1
+    assert sum(doc["observed_daily"].values()) == 6 << 18  # six saves of 256 KiB
+    code, out, _ = run(["advise", "--from-root", str(tmp_path), "--job-mtbf-hours", "1"])
+    assert code == 0 and "written per UTC day: " in out and str(tmp_path.resolve()) in out

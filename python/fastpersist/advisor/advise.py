@@ -34,6 +34,7 @@ class Advice:
         until: the date the drives must last to, if given.
         wear_fit: the shortest interval whose wear lets the drives last until `until` (with `endurance`).
         observed_bytes_per_day: the write rate in the source's wear log, all drives together.
+        observed_daily: bytes written per UTC day (``YYYY-MM-DD``) in that log, all targets together.
         devices: what "durable" means on each target directory.
         warnings: what the caller should know, in words.
     """
@@ -51,6 +52,7 @@ class Advice:
     until: datetime.date | None
     wear_fit: Outcome | None
     observed_bytes_per_day: float | None
+    observed_daily: dict[str, int] = field(default_factory=dict)
     devices: list[DeviceInfo] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -89,6 +91,7 @@ class Advice:
             "endurance": None if self.endurance is None else dataclasses.asdict(self.endurance),
             "until": None if self.until is None else self.until.isoformat(),
             "observed_bytes_per_day": self.observed_bytes_per_day,
+            "observed_daily": self.observed_daily,
             "devices": [d.to_json() for d in self.devices],
             "warnings": self.warnings,
         }
@@ -267,6 +270,7 @@ def advise(
         until=until,
         wear_fit=wear_fit,
         observed_bytes_per_day=observed,
+        observed_daily=measured.wear.daily() if measured.wear else {},
         devices=devices,
     )
     advice.warnings.extend(_warnings(advice))

@@ -92,6 +92,8 @@ def format_advice(a: Advice) -> str:
     ]
     if a.observed_bytes_per_day is not None:
         lines.append(f"  observed in the wear log: {_bytes(a.observed_bytes_per_day)} per day, all drives together")
+        recent = list(a.observed_daily.items())[-7:]
+        lines.append("  written per UTC day: " + ", ".join(f"{day} {_bytes(n)}" for day, n in recent))
     if a.devices:
         lines += ["", "what 'durable' means here (from sysfs and the mount table)"]
         for d in a.devices:
