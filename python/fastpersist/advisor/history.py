@@ -272,7 +272,7 @@ class SaveHistory:
 
     def _write(self, doc: dict[str, Any]) -> None:
         path = os.path.join(self.root, HISTORY_NAME)
-        tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
+        tmp = os.path.join(self.root, f".{HISTORY_NAME}.tmp-{os.getpid()}-{threading.get_ident()}")
         try:
             with open(tmp, "w") as f:
                 json.dump(doc, f, indent=1)
