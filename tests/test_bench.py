@@ -139,3 +139,18 @@ def test_tiny_run_draws_the_chart(tiny_run: tuple[dict[str, Any], Path, str]) ->
     _, root, _ = tiny_run
     png = (root / "b.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_advise_reads_a_real_bench_report(tiny_run: tuple[dict[str, Any], Path, str]) -> None:
+    report, root, _ = tiny_run
+    out = io.StringIO()
+    argv = ["advise", "--from-bench", str(root / "b.json"), "--step-seconds", "1", "--mtbf-hours", "1000", "--json"]
+    with contextlib.redirect_stdout(out):
+        assert cli.main(argv) == 0
+    advice = json.loads(out.getvalue())
+    results = report["results"]
+    assert advice["costs"]["stall_s"] == results["fastpersist_save_async_staged"]["median_s"]
+    assert advice["costs"]["write_s"] == results["fastpersist_save_async_durable"]["median_s"]
+    assert advice["costs"]["restart_s"] == results["fastpersist_load"]["median_s"]
+    assert advice["costs"]["nbytes"] == report["state"]["bytes"]
+    assert advice["best"]["every"] >= 1 and advice["devices"][0]["path"] == str((root / "data").resolve())

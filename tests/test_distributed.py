@@ -67,7 +67,8 @@ def test_replicated_each_rank_writes_its_share(workdir: str, backend: str, world
     assert same(make_state(7), fp.load(path)), "a single process without a group loads it"
     manifest = json.load(open(os.path.join(path, "manifest.json")))
     assert {f["writer"] for f in manifest["files"]} == set(range(world))
-    assert sorted(os.listdir(os.path.join(workdir, "run"))) == ["latest.json", "step-00000001", "step-00000002"]
+    run = sorted(os.listdir(os.path.join(workdir, "run")))
+    assert run == ["history.json", "latest.json", "step-00000001", "step-00000002"]  # history: rank 0's costs, wear
 
 
 def test_one_writer_per_node(workdir: str) -> None:

@@ -6,6 +6,7 @@ drives and data-parallel ranks, overlapped with training. See ``fastpersist.save
 """
 
 from . import _core
+from .advisor import advise
 from .api import inspect, load, save, save_async, verify
 from .checkpointer import Checkpointer
 from .config import Config, SaveResult
@@ -33,6 +34,7 @@ __all__ = [
     "SaveResult",
     "UnsupportedValueError",
     "__version__",
+    "advise",
     "inspect",
     "load",
     "save",

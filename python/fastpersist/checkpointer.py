@@ -22,9 +22,10 @@ import os
 import re
 import shutil
 import threading
-from typing import Any
+from typing import Any, Literal
 
 from . import _core
+from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
 from .api import load, verify
 from .config import Config, SaveResult
 from .errors import CorruptCheckpointError
@@ -47,7 +48,8 @@ class Checkpointer:
 
     Args:
         root: directory holding the checkpoints (created if missing).
-        every: save when ``step % every == 0``.
+        every: save when ``step % every == 0``; or ``"auto"``: start at 1 and adapt from this
+            Checkpointer's own measured stall, write and step times (see docs/advisor.md).
         keep: committed checkpoints to keep (>= 1). Older ones are deleted only after a newer
             one has committed, so there is always at least one good checkpoint.
         config: a :class:`Config`; by default the staging pool is sized to hold the whole state
@@ -56,6 +58,8 @@ class Checkpointer:
             save is replicated across the group (or sharded with ``sharded=True``); rank 0
             commits, applies retention and maintains the index.
         sharded: each rank saves its own shard (FSDP/ZeRO-style); needs `group`.
+        mtbf_s: the job's mean time between failures in seconds; needed by ``every="auto"``.
+        max_every: the largest interval ``every="auto"`` may choose.
 
     Example:
         >>> ck = fp.Checkpointer("runs/exp1", every=1, keep=2)        # doctest: +SKIP
@@ -71,20 +75,22 @@ class Checkpointer:
         self,
         root: str | os.PathLike[str],
         *,
-        every: int = 1,
+        every: int | Literal["auto"] = 1,
         keep: int = 2,
         config: Config | None = None,
         group: object = None,
         sharded: bool = False,
+        mtbf_s: float | None = None,
+        max_every: int = DEFAULT_MAX_EVERY,
     ) -> None:
-        if type(every) is not int or every < 1:
-            raise ValueError(f"every={every!r}: expected an integer >= 1")
+        if every == "auto" and group is not None:
+            raise ValueError('every="auto" is not supported with group= yet: every rank must save the same steps')
         if type(keep) is not int or keep < 1:
             raise ValueError(f"keep={keep!r}: expected an integer >= 1 (the last good checkpoint is always kept)")
         if sharded and group is None:
             raise ValueError("sharded=True needs group=")
         self.root = os.path.abspath(os.fspath(root))
-        self.every = every
+        self.history = SaveHistory(self.root, every=every, mtbf_s=mtbf_s, max_every=max_every)
         self.keep = keep
         self.config = config
         self.group = group
@@ -101,6 +107,12 @@ class Checkpointer:
         os.makedirs(self.root, exist_ok=True)
         # In a group only rank 0 cleans up: the others may share the directory.
         self.removed_leftovers = self._remove_leftovers() if self.rank == 0 else []
+        self.history.persist = self.rank == 0
+
+    @property
+    def every(self) -> int:
+        """Steps between saves (with ``every="auto"``: the current choice)."""
+        return self.history.every
 
     # -- paths -------------------------------------------------------------------------------
 
@@ -167,10 +179,11 @@ class Checkpointer:
         """
         if type(step) is not int or step < 0:
             raise ValueError(f"step={step!r}: expected a non-negative integer")
-        if step % self.every:
+        if not self.history.due(step):
             return None
-        self._finish_previous()
-        with self._lock:
+        with self.history.waiting("commit"):
+            self._finish_previous()
+        with self.history.waiting("start"), self._lock:
             config = self._config_for(state)
             if self._pool is None:
                 self._pool = pool_for(config)  # held for this Checkpointer's life, reused by every save
@@ -209,6 +222,8 @@ class Checkpointer:
         for old in self.steps()[: -self.keep]:
             if old != step:
                 remove_checkpoint_tree(self.path(old))
+        stripes = self.config.stripes if self.config else None
+        self.history.committed(result, stripes=stripes, group=self.group is not None)  # costs and wear
 
     def _write_index(self, step: int) -> None:
         doc = {
@@ -229,7 +244,8 @@ class Checkpointer:
         """Blocks until the in-flight save (if any) no longer reads the state's tensors."""
         future = self._future
         if future is not None:
-            future.wait_staged(timeout)
+            with self.history.waiting("staged"):
+                future.wait_staged(timeout)
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Blocks until the in-flight save (if any) commits; returns its result or raises its error."""
@@ -287,7 +303,8 @@ class Checkpointer:
             step = self.latest()
             if step is None:
                 raise FileNotFoundError(2, "no committed, verified checkpoint", self.root)
-        return load(self.path(step), out=out, map_location=map_location, group=self.group)
+        with self.history.loading():
+            return load(self.path(step), out=out, map_location=map_location, group=self.group)
 
     def guard(self, optimizer: Any) -> Any:
         """Makes ``optimizer.step()`` call :meth:`wait_staged` first; returns the hook handle."""

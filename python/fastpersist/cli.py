@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="check every chunk's checksum")
     ver.add_argument("path")
     ver.set_defaults(func=cmd_verify)
+    from .advisor import cli as advise_cli
+
+    advise_cli.register(sub)
     return parser
 
 

@@ -1,0 +1,35 @@
+"""How often to checkpoint, and what it costs: the interval advisor, drive wear, write-cache facts.
+
+* :mod:`.model`: the pure interval model (Young/Daly, expected lost time per interval);
+* :mod:`.history`: what a ``Checkpointer`` measures about its own saves, and ``every="auto"``;
+* :mod:`.wear`: bytes written per target and drive endurance;
+* :mod:`.devinfo`: the filesystem, write cache and FUA under a directory;
+* :mod:`.sources`: reading measurements from a ``Checkpointer``, its root, or a bench JSON;
+* :mod:`.advise`: :func:`advise` puts them together; :mod:`.report` prints it; :mod:`.cli` is
+  ``fastpersist advise``.
+
+See docs/advisor.md.
+"""
+
+from .advise import Advice, advise
+from .devinfo import DeviceInfo, device_info
+from .history import SaveHistory
+from .model import Costs, Outcome, best_every, daly_interval_s, job_mtbf_s, outcome, young_interval_s
+from .wear import Endurance, WearLog
+
+__all__ = [
+    "Advice",
+    "Costs",
+    "DeviceInfo",
+    "Endurance",
+    "Outcome",
+    "SaveHistory",
+    "WearLog",
+    "advise",
+    "best_every",
+    "daly_interval_s",
+    "device_info",
+    "job_mtbf_s",
+    "outcome",
+    "young_interval_s",
+]
