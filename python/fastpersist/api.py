@@ -341,10 +341,11 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
-def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
+def verify(path: str | os.PathLike[str], *, progress: Callable[[int], object] | None = None) -> dict[str, Any]:
     """Checks a checkpoint end to end: manifest, file sizes and every chunk's crc32c.
 
     Uses bounded memory (one chunk at a time). Returns ``{"files", "bytes", "chunks"}``.
+    `progress`, when given, is called with the byte count of each chunk checked.
 
     Raises:
         CorruptCheckpointError / ChecksumMismatchError: naming the file, byte range and tensors.
@@ -357,7 +358,7 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
     m = read_manifest(root)
     chunks = 0
     if m.shards:
-        totals = [verify(os.path.join(root, name)) for name in m.shards]
+        totals = [verify(os.path.join(root, name), progress=progress) for name in m.shards]
         return {key: sum(t[key] for t in totals) for key in ("files", "bytes", "chunks")}
     for f in m.files:
         file_path = m.file_path(root, f)
@@ -379,6 +380,8 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
                 if found != expected:
                     raise _checksum_error(m, root, file_path, offset, length, expected, found)
                 chunks += 1
+                if progress is not None:
+                    progress(length)
         finally:
             os.close(fd)
     return {"files": len(m.files), "bytes": m.total_bytes, "chunks": chunks}
