@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -15,13 +15,13 @@ from .errors import ChecksumMismatchError, CorruptCheckpointError
 from .flatten import dtype_itemsize, flatten, materialize, unflatten
 from .futures import SaveFuture
 from .manifest import Manifest, read_manifest
+from .maplocation import MapLocation, MappedStorages, check_load_flags, map_tensor
 from .saving import SaveJob
 
 __all__ = ["inspect", "load", "save", "save_async", "verify"]
 
 _OWN_STORAGE_BELOW_BYTES = 1 << 20
 
-MapLocation = str | torch.device | Mapping[str, str] | Callable[[torch.Tensor, str], torch.Tensor] | None
 
 
 def _start(
@@ -100,25 +100,6 @@ def aligned_uint8(nbytes: int) -> torch.Tensor:
     return raw[skip : skip + padded]
 
 
-def _map_device(location: MapLocation, tensor: torch.Tensor, saved_device: str) -> torch.Tensor:
-    if location is None:
-        target: str | torch.device = saved_device
-    elif isinstance(location, (str, torch.device)):
-        target = location
-    elif isinstance(location, Mapping):
-        target = location.get(saved_device, saved_device)
-    elif callable(location):
-        return location(tensor, saved_device)
-    else:
-        raise TypeError(f"map_location must be None, a device, a dict or a callable, not {type(location).__name__}")
-    if torch.device(target) == tensor.device:
-        return tensor
-    moved = tensor.to(target)
-    if isinstance(tensor, torch.nn.Parameter):
-        moved = torch.nn.Parameter(moved, requires_grad=tensor.requires_grad)
-    return moved
-
-
 def _read_stream(path: str, m: Manifest, verify: bool, config: Config) -> torch.Tensor:
     stream = aligned_uint8(m.total_bytes)
     parts = [
@@ -172,8 +153,10 @@ def _checksum_error(
 
 def load(
     path: str | os.PathLike[str],
-    *,
     map_location: MapLocation = None,
+    *,
+    weights_only: bool | None = None,
+    mmap: bool | None = None,
     verify: bool = True,
     out: object = None,
     group: object = None,
@@ -188,8 +171,13 @@ def load(
     storage when saved share it again.
 
     Args:
-        map_location: as in ``torch.load``: ``None`` (the device each tensor was saved from), a
-            device, a ``{saved: target}`` dict, or ``fn(tensor, saved_device) -> tensor``.
+        map_location: as in ``torch.load`` (also positional): ``None`` (the device each tensor
+            was saved from), a device, a ``{saved: target}`` dict, or ``fn(storage, location)``
+            returning a storage (see :mod:`fastpersist.maplocation`).
+        weights_only: accepted for ``torch.load`` compatibility and has no effect: loading never
+            unpickles, so every load is weights-only.
+        mmap: accepted for ``torch.load`` compatibility; data is always read into memory with
+            O_DIRECT and checksummed.
         verify: check chunk checksums (cheap: crc32c runs at >10 GB/s).
         out: an existing state of the same structure whose tensors are filled in place (no new
             tensor allocation); it is returned.
@@ -207,6 +195,7 @@ def load(
         >>> sorted(state)
         ['model', 'step']
     """
+    check_load_flags(weights_only, mmap)
     root = os.path.abspath(os.fspath(path))
     config = config or Config()
     m = read_manifest(root)
@@ -231,8 +220,9 @@ def load(
         tensors = materialize(m.tensors, blob_buffers)
     except ValueError as e:
         raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
+    mapped: MappedStorages = {}
     tensors = [
-        _map_device(map_location, t, rec.device) if isinstance(t, torch.Tensor) else t
+        map_tensor(map_location, t, rec.device, mapped) if isinstance(t, torch.Tensor) else t
         for t, rec in zip(tensors, m.tensors, strict=True)
     ]
     if out is not None:
