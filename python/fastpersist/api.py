@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -14,6 +15,7 @@ from .config import Config, SaveResult
 from .errors import ChecksumMismatchError, CorruptCheckpointError
 from .flatten import dtype_itemsize, flatten, materialize, unflatten
 from .futures import SaveFuture
+from .logs import log_load
 from .manifest import Manifest, read_manifest
 from .maplocation import MapLocation, MappedStorages, check_load_flags, map_tensor
 from .saving import SaveJob
@@ -209,7 +211,9 @@ def load(
         )
     if shard is not None:
         raise ValueError(f"{root} is not sharded; load it without shard=")
+    read_started = time.perf_counter()
     stream = _read_stream(root, m, verify, config)
+    log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
     # Large blobs stay zero-copy views of the stream buffer. Small ones get storage of their
     # own: it costs nothing, and some torch APIs (torch.set_rng_state, for one) crash on a
     # tensor whose storage_offset is not 0.

@@ -29,6 +29,7 @@ from . import _core
 from .config import Config, SaveResult
 from .errors import SaveCancelledError
 from .flatten import FlatState, flatten, records_to_json
+from .logs import log_save
 from .manifest import MANIFEST_NAME, FileEntry, build, read_manifest
 
 __all__ = ["Layout", "SaveJob", "pool_for", "remove_checkpoint_tree", "single_layout"]
@@ -300,7 +301,7 @@ class SaveJob:
         seconds = time.perf_counter() - self.started
         nbytes = int(written.report["bytes_written"])
         staged = written.report.get("staged_seconds")
-        return SaveResult(
+        result = SaveResult(
             path=self.path,
             nbytes=nbytes,
             seconds=seconds,
@@ -309,6 +310,8 @@ class SaveJob:
             backend=self.backend,
             files=[p["path"] for p in written.report["parts"]],
         )
+        log_save(result)
+        return result
 
     def finish(self, timeout: float | None = None) -> SaveResult:
         """Single process: waits for the data, checks sources, writes the manifest, commits."""

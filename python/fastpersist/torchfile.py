@@ -260,7 +260,7 @@ def torch_save(
 def _result(path: str, nbytes: int, started: float, backend: str) -> SaveResult:
     seconds = time.perf_counter() - started
     log.info(
-        "torch_save %s: %d bytes in %.3f s (%.2f GB/s, %s)",
+        "torch_save %s: %d bytes in %.3f s (%.2f GB/s, backend %s)",
         path,
         nbytes,
         seconds,
