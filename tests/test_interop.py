@@ -107,6 +107,18 @@ def test_torch_load_reads_torch_save_output(workdir: str, kwargs: dict[str, bool
     assert not [p for p in os.listdir(workdir) if p != "state.pt"]  # no temporary left behind
 
 
+@pytest.mark.parametrize("obj", [{}, {"n": 1, "s": "x"}, torch.ones(3), [torch.zeros(0), torch.ones(1)]])
+def test_torch_save_edge_states_and_file_objects(workdir: str, obj: Any) -> None:
+    path = os.path.join(workdir, "edge.pt")
+    fp.torch_save(obj, path)
+    loaded = torch.load(path, weights_only=True)
+    assert_same(obj, loaded)
+    buf = io.BytesIO()
+    fp.torch_save(obj, buf)
+    buf.seek(0)
+    assert_same(obj, torch.load(buf, weights_only=True))
+
+
 def test_torch_save_falls_back_when_the_skeleton_is_unexpected(
     workdir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

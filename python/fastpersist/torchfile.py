@@ -196,7 +196,7 @@ def _fallback(obj: object, path: str, pickle_protocol: int, why: str) -> None:
 
 def torch_save(
     obj: object,
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | IO[bytes],
     *,
     pickle_protocol: int = 2,
     config: Config | None = None,
@@ -208,7 +208,8 @@ def torch_save(
     renamed into place (durable on return when ``config.durable``, the default). CRC-32 fields
     of the zip records are 0 (``torch.load`` does not check them; ``fastpersist convert`` to our
     format gives a checksummed copy). If torch's internals are not as expected, this falls back
-    to ``torch.save`` + fsync and logs a warning.
+    to ``torch.save`` + fsync and logs a warning. A file object instead of a path is handed to
+    ``torch.save`` as is.
 
     Example:
         >>> import fastpersist as fp, torch
@@ -216,9 +217,12 @@ def torch_save(
         >>> torch.load("/tmp/fp-doc.pt", weights_only=True)["w"]
         tensor([0., 1., 2., 3.])
     """
+    started = time.perf_counter()
+    if not isinstance(path, (str, os.PathLike)):  # a file object: nothing to align, torch writes it
+        torch.save(obj, path, pickle_protocol=pickle_protocol)
+        return _result(repr(path), path.tell() if path.seekable() else 0, started, "torch.save")
     config = config or Config()
     target = os.path.abspath(os.fspath(path))
-    started = time.perf_counter()
     skel = capture_skeleton(obj, pickle_protocol)
     try:
         extents = compose_extents(skel)
