@@ -96,6 +96,15 @@ def test_single_process_round_trip_and_a_flipped_byte_is_caught(tmp_path: Any) -
     assert "ChecksumMismatchError" in repr(failures) and "fpdcp bytes [0, " in repr(failures)
 
 
+def test_empty_tensors_and_values_only(tmp_path: Any) -> None:
+    path = str(tmp_path / "empty")
+    state = {"e": torch.zeros(0, 3), "step": 4}
+    dcp.save(state, storage_writer=FastPersistWriter(path))
+    target = {"e": torch.ones(0, 3), "step": 0}
+    dcp.load(target, storage_reader=FastPersistReader(path))
+    assert target["step"] == 4 and target["e"].shape == (0, 3)
+
+
 def test_metadata_reader_refuses_foreign_globals(tmp_path: Any) -> None:
     import pickle
 

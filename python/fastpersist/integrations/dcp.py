@@ -134,18 +134,20 @@ class FastPersistWriter(StorageWriter):
         engine_plan = _core.Plan([s.nbytes for s in sources], 1, 1, cfg.chunk_bytes)
         from ..saving import pool_for
 
-        report = _core.start_write(
-            engine_plan,
-            0,
-            [os.path.join(self.path, name)],
-            sources,
-            pool_for(cfg),
-            backend=cfg.backend,
-            direct_io=cfg.direct_io,
-            queue_depth=cfg.queue_depth,
-            checksum=cfg.checksum == "crc32c",
-            durable=cfg.durable,
-        ).wait()
+        report: Any = {"parts": [], "backend": "none"}
+        if engine_plan.total_bytes:  # a rank with nothing (or only empty tensors) to write writes no file
+            report = _core.start_write(
+                engine_plan,
+                0,
+                [os.path.join(self.path, name)],
+                sources,
+                pool_for(cfg),
+                backend=cfg.backend,
+                direct_io=cfg.direct_io,
+                queue_depth=cfg.queue_depth,
+                checksum=cfg.checksum == "crc32c",
+                durable=cfg.durable,
+            ).wait()
         part = report["parts"][0] if report["parts"] else None
         results = []
         for i, (item, source, (dtype, shape)) in enumerate(zip(plan.items, sources, shapes, strict=True)):
@@ -285,6 +287,8 @@ class FastPersistReader(StorageReader):
 
         first = next((i for i in self.storage.values() if i.relative_path == name and i.chunk_crc32c is not None), None)
         any_item = first or next(i for i in self.storage.values() if i.relative_path == name)
+        if not any_item.file_bytes:
+            return torch.empty(0, dtype=torch.uint8)
         buf = aligned_uint8(any_item.file_bytes)
         crcs = list(first.chunk_crc32c or ()) if first else []
         path = os.path.join(self.path, name)
