@@ -25,7 +25,6 @@ __all__ = ["inspect", "load", "save", "save_async", "verify"]
 _OWN_STORAGE_BELOW_BYTES = 1 << 20
 
 
-
 def _start(
     state: object, path: str | os.PathLike[str], config: Config | None, group: object, sharded: bool, background: bool
 ) -> Any:
