@@ -96,6 +96,7 @@ def test_tiny_run_reports_every_method_with_sane_numbers(tiny_run: tuple[dict[st
         "fastpersist_save_async_return",
         "fastpersist_save_async_staged",
         "fastpersist_save_async_durable",
+        "fastpersist_torch_save",
         "torch_save",
         "safetensors_save",
         "dcp_save_t1",

@@ -2,7 +2,7 @@
 
 Large page-aligned O_DIRECT writes through io_uring (thread-pool fallback), striped across
 drives and data-parallel ranks, overlapped with training. See ``fastpersist.save``,
-``fastpersist.save_async`` and ``fastpersist.load``.
+``fastpersist.save_async`` and ``fastpersist.load``; ``fastpersist.torch_save`` writes files ``torch.load`` reads.
 """
 
 from . import _core
@@ -19,6 +19,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .futures import SaveFuture
+from .torchfile import torch_save
 
 __version__: str = _core.__version__
 
@@ -39,5 +40,6 @@ __all__ = [
     "load",
     "save",
     "save_async",
+    "torch_save",
     "verify",
 ]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,13 +16,13 @@ from .errors import CorruptCheckpointError
 from .fill import fill_by_key
 from .flatten import dtype_itemsize, materialize, unflatten
 from .futures import SaveFuture, SaveJobLike
+from .logs import log_load
 from .manifest import read_manifest
+from .maplocation import MapLocation, MappedStorages, check_load_flags, map_tensor
 from .reading import blob_buffers, checksum_error, read_stream, windowable
 from .saving import SaveJob
 
 __all__ = ["inspect", "load", "save", "save_async", "verify"]
-
-MapLocation = str | torch.device | Mapping[str, str] | Callable[[torch.Tensor, str], torch.Tensor] | None
 
 
 def _start(
@@ -96,29 +97,14 @@ def save_async(
     return SaveFuture(_start(state, path, config, group, sharded))
 
 
-def _map_device(location: MapLocation, tensor: torch.Tensor, saved_device: str) -> torch.Tensor:
-    if location is None:
-        target: str | torch.device = saved_device
-    elif isinstance(location, (str, torch.device)):
-        target = location
-    elif isinstance(location, Mapping):
-        target = location.get(saved_device, saved_device)
-    elif callable(location):
-        return location(tensor, saved_device)
-    else:
-        raise TypeError(f"map_location must be None, a device, a dict or a callable, not {type(location).__name__}")
-    if torch.device(target) == tensor.device:
-        return tensor
-    moved = tensor.to(target)
-    if isinstance(tensor, torch.nn.Parameter):
-        moved = torch.nn.Parameter(moved, requires_grad=tensor.requires_grad)
-    return moved
 
 
 def load(
     path: str | os.PathLike[str],
-    *,
     map_location: MapLocation = None,
+    *,
+    weights_only: bool | None = None,
+    mmap: bool | None = None,
     verify: bool = True,
     out: object = None,
     group: object = None,
@@ -134,8 +120,13 @@ def load(
     copied. Tensors that shared storage when saved share it again.
 
     Args:
-        map_location: as in ``torch.load``: ``None`` (the device each tensor was saved from), a
-            device, a ``{saved: target}`` dict, or ``fn(tensor, saved_device) -> tensor``.
+        map_location: as in ``torch.load`` (also positional): ``None`` (the device each tensor
+            was saved from), a device, a ``{saved: target}`` dict, or ``fn(storage, location)``
+            returning a storage (see :mod:`fastpersist.maplocation`).
+        weights_only: accepted for ``torch.load`` compatibility and has no effect: loading never
+            unpickles, so every load is weights-only.
+        mmap: accepted for ``torch.load`` compatibility; data is always read into memory with
+            O_DIRECT and checksummed.
         verify: check chunk checksums (cheap: crc32c runs at >10 GB/s).
         out: an existing state whose tensors are filled in place, matched by key path (never
             by position); each must exist in the checkpoint with the same dtype and shape, else
@@ -157,6 +148,7 @@ def load(
         >>> sorted(state)
         ['model', 'step']
     """
+    check_load_flags(weights_only, mmap)
     root = os.path.abspath(os.fspath(path))
     config = config or Config()
     m = read_manifest(root)
@@ -170,16 +162,24 @@ def load(
         )
     if shard is not None:
         raise ValueError(f"{root} is not sharded; load it without shard=")
+    read_started = time.perf_counter()
     if out is not None and windowable(m):
-        return fill_by_key(out, root, m, verify, config, lambda t, rec: _map_device(map_location, t, rec.device))
+        mapped_out: MappedStorages = {}
+        state = fill_by_key(
+            out, root, m, verify, config, lambda t, rec: map_tensor(map_location, t, rec.device, mapped_out)
+        )
+        log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
+        return state
     buffers = blob_buffers(read_stream(root, m, verify, config), m)
+    log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
     try:
         tensors = materialize(m.tensors, buffers)
     except ValueError as e:
         raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
     del buffers
+    mapped: MappedStorages = {}
     tensors = [
-        _map_device(map_location, t, rec.device) if isinstance(t, torch.Tensor) else t
+        map_tensor(map_location, t, rec.device, mapped) if isinstance(t, torch.Tensor) else t
         for t, rec in zip(tensors, m.tensors, strict=True)
     ]
     if out is not None:
@@ -271,10 +271,11 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
-def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
+def verify(path: str | os.PathLike[str], *, progress: Callable[[int], object] | None = None) -> dict[str, Any]:
     """Checks a checkpoint end to end: manifest, file sizes and every chunk's crc32c.
 
     Uses bounded memory (one chunk at a time). Returns ``{"files", "bytes", "chunks"}``.
+    `progress`, when given, is called with the byte count of each chunk checked.
 
     Raises:
         CorruptCheckpointError / ChecksumMismatchError: naming the file, byte range and tensors.
@@ -287,7 +288,7 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
     m = read_manifest(root)
     chunks = 0
     if m.shards:
-        totals = [verify(os.path.join(root, name)) for name in m.shards]
+        totals = [verify(os.path.join(root, name), progress=progress) for name in m.shards]
         return {key: sum(t[key] for t in totals) for key in ("files", "bytes", "chunks")}
     for f in m.files:
         file_path = m.file_path(root, f)
@@ -309,6 +310,8 @@ def verify(path: str | os.PathLike[str]) -> dict[str, Any]:
                 if found != expected:
                     raise checksum_error(m, root, file_path, offset, length, expected, found)
                 chunks += 1
+                if progress is not None:
+                    progress(length)
         finally:
             os.close(fd)
     return {"files": len(m.files), "bytes": m.total_bytes, "chunks": chunks}

@@ -1,9 +1,8 @@
-"""The ``fastpersist`` command line: ``demo``, ``bench``, ``inspect PATH``, ``verify PATH``."""
+"""The ``fastpersist`` command line: ``demo``, ``bench``, ``inspect PATH``, ``verify PATH``, ``convert``."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -13,6 +12,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any, Literal
+
+from .clitools import Progress, add_convert_parser, add_inspect_parser
 
 __all__ = ["main", "parse_size"]
 
@@ -86,17 +87,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     times: dict[str, list[float]] = {}
     ckpt = os.path.join(root, "demo-ckpt")
     torch_file = os.path.join(root, "demo.pt")
+    bar = Progress(total=args.reps * (len(backends) + 1), desc="demo saves")
     for rep in range(args.reps):
         for backend in backends:
             t = time.perf_counter()
             fp.save(state, ckpt, config=fp.Config(backend=backend))
             times.setdefault(f"fastpersist.save ({backend})", []).append(time.perf_counter() - t)
+            bar.update()
         t = time.perf_counter()
         torch.save(state, torch_file)
         _core.fsync_path(torch_file)
         times.setdefault("torch.save + fsync", []).append(time.perf_counter() - t)
+        bar.update()
         os.remove(torch_file)
         print(f"  repetition {rep + 1}/{args.reps} done", flush=True)
+    bar.close()
     loaded = fp.load(ckpt)
     same = all(
         torch.equal(loaded["model"][k].view(torch.int16), state["model"][k].view(torch.int16)) for k in state["model"]
@@ -121,33 +126,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
-    import fastpersist as fp
-
-    info = fp.inspect(args.path)
-    if args.json:
-        print(json.dumps(info, indent=2))
-        return 0
-    print(f"{info['path']}: fastpersist format {info['format_version']}, created {info['created']}")
-    print(
-        f"  {info['tensors']} tensors, {info['bytes']:,} bytes of tensor data, checksum {info['checksum']}, "
-        f"chunk {info['chunk_bytes']:,} bytes"
-    )
-    for f in info["files"]:
-        print(f"  file {f['path']}: {f['bytes']:,} bytes, {f['chunks']} chunk(s)")
-    for t in info["tensor_list"][: args.limit]:
-        print(f"  {t['key']}: {t['dtype']}{t['shape']} on {t['device']}")
-    if len(info["tensor_list"]) > args.limit:
-        print(f"  ... and {len(info['tensor_list']) - args.limit} more (use --limit)")
-    return 0
-
-
 def cmd_verify(args: argparse.Namespace) -> int:
     import fastpersist as fp
 
     t = time.perf_counter()
     try:
-        summary = fp.verify(args.path)
+        with Progress(total=None, desc="verify", unit="B", unit_scale=True) as bar:
+            summary = fp.verify(args.path, progress=bar.update)
     except (fp.CorruptCheckpointError, FileNotFoundError) as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
@@ -168,7 +153,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastpersist", description="Fast, safe deep-learning checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="save and reload a synthetic training state, timed against torch.save")
+    demo = sub.add_parser(
+        "demo",
+        help="save and reload a synthetic training state, timed against torch.save",
+        description="Builds a synthetic mixed-precision Adam state, saves it with fastpersist (each backend) and "
+        "with torch.save + fsync, reloads and verifies it, and prints the medians.",
+    )
     demo.add_argument("--size", type=parse_size, default=parse_size("256MiB"), help="state size (default 256MiB)")
     demo.add_argument("--dir", help="where to write (default: a temporary directory under the current one)")
     demo.add_argument("--reps", type=int, default=3, help="repetitions per method (default 3)")
@@ -184,14 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(func=cmd_bench)
-    insp = sub.add_parser("inspect", help="describe a checkpoint from its manifest")
-    insp.add_argument("path")
-    insp.add_argument("--json", action="store_true")
-    insp.add_argument("--limit", type=int, default=20, help="tensors to list")
-    insp.set_defaults(func=cmd_inspect)
-    ver = sub.add_parser("verify", help="check every chunk's checksum")
-    ver.add_argument("path")
+    add_inspect_parser(sub)
+    ver = sub.add_parser(
+        "verify",
+        help="check every chunk's checksum",
+        description="Checks a checkpoint end to end: manifest, file sizes and every chunk's crc32c.",
+    )
+    ver.add_argument("path", help="checkpoint directory")
     ver.set_defaults(func=cmd_verify)
+    add_convert_parser(sub)
     from .advisor import cli as advise_cli
 
     advise_cli.register(sub)

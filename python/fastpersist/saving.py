@@ -31,6 +31,7 @@ from .config import Config, SaveResult
 from .device import DeviceCopier, device_bytes
 from .errors import SaveCancelledError
 from .flatten import FlatState, flatten, records_to_json
+from .logs import log_save
 from .manifest import MANIFEST_NAME, FileEntry, build, read_manifest
 from .verdict import Verdict
 
@@ -356,7 +357,7 @@ class SaveJob:
         seconds = time.perf_counter() - self.started
         nbytes = int(written.report["bytes_written"])
         staged = written.report.get("staged_seconds")
-        return SaveResult(
+        result = SaveResult(
             path=self.path,
             nbytes=nbytes,
             seconds=seconds,
@@ -365,6 +366,8 @@ class SaveJob:
             backend=self.backend,
             files=[p["path"] for p in written.report["parts"]],
         )
+        log_save(result)
+        return result
 
     def finish(self, timeout: float | None = None) -> SaveResult:
         """Single process: waits for the data, writes the manifest, commits (unless failed)."""

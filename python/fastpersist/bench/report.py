@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 TARGET_SAVE_VS_LIMIT = 0.90
 TARGET_SAVE_VS_SAFETENSORS = 1.5
 TARGET_SAVE_VS_TORCH = 3.0
+TARGET_TORCH_SAVE_VS_TORCH = 2.0
 TARGET_LOAD_VS_LIMIT = 0.90
 TARGET_FLATTEN_PLAN_S = 0.050
 
@@ -54,6 +55,10 @@ def _summarise(bench: Bench, extras: dict[str, Any]) -> dict[str, Any]:
         for k, r in results.items():
             if r["role"] == "peer" and r["kind"] == "save":
                 peers[f"{fp_save} vs {k}"] = r["median_s"] / results[fp_save]["median_s"]
+    if "fastpersist_torch_save" in results and "torch_save" in results:
+        peers["fastpersist_torch_save vs torch_save"] = (
+            results["torch_save"]["median_s"] / results["fastpersist_torch_save"]["median_s"]
+        )
     if "fastpersist_load" in results:
         for k, r in results.items():
             if r["role"] == "peer" and r["kind"] == "load":
@@ -84,6 +89,11 @@ def _summarise(bench: Bench, extras: dict[str, Any]) -> dict[str, Any]:
         TARGET_SAVE_VS_SAFETENSORS,
     )
     target(f"save >= {TARGET_SAVE_VS_TORCH}x torch.save", speedup(fp_save, "torch_save"), TARGET_SAVE_VS_TORCH)
+    target(
+        f"torch_save >= {TARGET_TORCH_SAVE_VS_TORCH}x torch.save",
+        speedup("fastpersist_torch_save", "torch_save"),
+        TARGET_TORCH_SAVE_VS_TORCH,
+    )
     target(
         f"cold load >= {TARGET_LOAD_VS_LIMIT}x O_DIRECT read limit",
         results.get("fastpersist_load", {}).get("ratio_to_limit"),

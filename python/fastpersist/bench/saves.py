@@ -137,6 +137,16 @@ def _add_fastpersist_methods(bench: Bench) -> None:
         return {k_ret: returned - start, k_staged: staged - start, k_done: durable - start}
 
     bench.save_methods.append(Method("fastpersist.save_async", save_async, [path]))
+    ts_path = bench.path("fp-torch-save.pt")
+    ts_key = bench.add_row("fastpersist_torch_save", "fastpersist.torch_save (.pt)", "save", "fastpersist")
+    ts_config = fp.Config(**bench.config_kwargs)
+
+    def torch_save_fp() -> dict[str, float]:
+        start = time.perf_counter()
+        fp.torch_save(bench.state, ts_path, config=ts_config)
+        return {ts_key: time.perf_counter() - start}
+
+    bench.save_methods.append(Method("fastpersist.torch_save", torch_save_fp, [ts_path]))
 
 
 def _add_peer_methods(bench: Bench) -> None:

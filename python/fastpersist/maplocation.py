@@ -1,0 +1,90 @@
+"""``load``'s torch.load-style arguments: ``map_location`` in every form torch accepts, and
+what ``weights_only`` / ``mmap`` mean for a format that never unpickles.
+
+``map_location`` (as in ``torch.load``):
+
+* ``None``: each tensor goes back to the device it was saved from;
+* a ``str`` or ``torch.device``: every tensor goes there;
+* a dict ``{saved location: target}`` (e.g. ``{"cuda:1": "cuda:0"}``); unlisted locations stay;
+* a callable ``fn(storage, location)``, called once per storage with the CPU
+  ``torch.UntypedStorage`` holding the bytes and the saved location string (``"cuda:0"``); it
+  returns a storage (typed or untyped) on the target device, or ``None`` to keep the default.
+  Returning a tensor is accepted too. Tensors that shared a storage share the mapped one.
+
+``weights_only``: fastpersist's format holds only data (tensors, containers and plain
+values); loading never unpickles, so every load is "weights only" whatever the value.
+``mmap``: accepted for compatibility; the data is always read into memory with O_DIRECT and
+verified against its checksums (a memory-mapped file could change under a verified tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["MapLocation", "MappedStorages", "check_load_flags", "map_tensor"]
+
+MapLocation = str | torch.device | Mapping[str, str | torch.device] | Callable[[torch.UntypedStorage, str], Any] | None
+#: Mapped storages by the data pointer of their source storage (so shared storages stay shared).
+MappedStorages = dict[int, Any]
+
+
+def check_load_flags(weights_only: bool | None, mmap: bool | None) -> None:
+    """Validates ``weights_only`` / ``mmap`` (both accepted; see the module docstring)."""
+    for name, value in (("weights_only", weights_only), ("mmap", mmap)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be None, True or False, not {type(value).__name__}")
+
+
+def map_tensor(location: MapLocation, tensor: torch.Tensor, saved_device: str, cache: MappedStorages) -> torch.Tensor:
+    """`tensor` (on the CPU, as read) moved where `location` says (see the module docstring)."""
+    if location is None:
+        target: str | torch.device = saved_device
+    elif isinstance(location, (str, torch.device)):
+        target = location
+    elif isinstance(location, Mapping):
+        target = location.get(saved_device, saved_device)
+    elif callable(location):
+        return _call(location, tensor, saved_device, cache)
+    else:
+        raise TypeError(
+            "map_location must be None, a device, a dict or a callable(storage, location), "
+            f"not {type(location).__name__}"
+        )
+    if torch.device(target) == tensor.device:
+        return tensor
+    return _like(tensor, tensor.to(target))
+
+
+def _like(source: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+    if isinstance(source, torch.nn.Parameter) and not isinstance(moved, torch.nn.Parameter):
+        return torch.nn.Parameter(moved, requires_grad=source.requires_grad)
+    if source.requires_grad and not moved.requires_grad and moved.is_leaf:
+        moved.requires_grad_(True)
+    return moved
+
+
+def _call(fn: Callable[..., Any], tensor: torch.Tensor, saved_device: str, cache: MappedStorages) -> torch.Tensor:
+    storage = tensor.untyped_storage()
+    key = storage.data_ptr()
+    if key not in cache:
+        cache[key] = fn(storage, saved_device)
+    result = cache[key]
+    if result is None:
+        return map_tensor(None, tensor, saved_device, cache)
+    if isinstance(result, torch.Tensor):  # a callable that returned a tensor for the storage
+        result = result.untyped_storage()
+    if isinstance(result, torch.TypedStorage):
+        result = result._untyped_storage
+    if not isinstance(result, torch.UntypedStorage):
+        raise TypeError(f"map_location returned {type(result).__name__}; expected a storage, a tensor or None")
+    if result.data_ptr() == key and result.device == storage.device:
+        return tensor
+    if result.nbytes() < storage.nbytes():
+        raise ValueError(f"map_location returned a storage of {result.nbytes()} bytes for one of {storage.nbytes()}")
+    with torch.no_grad():
+        moved = torch.empty(0, dtype=tensor.dtype, device=result.device)
+        moved.set_(result, tensor.storage_offset(), tensor.shape, tensor.stride())
+    return _like(tensor, moved)

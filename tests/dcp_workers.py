@@ -1,0 +1,76 @@
+"""Code each spawned rank of the DCP plug-in tests runs (gloo, a CPU device mesh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+
+def full_weight() -> torch.Tensor:
+    return torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6) / 7
+
+
+def full_state() -> dict[str, Any]:
+    """The state as one process sees it (what a 1-rank load gets back)."""
+    return {
+        "w": full_weight(),
+        "b": torch.linspace(0, 1, 5).to(torch.bfloat16),
+        "step": 5,
+        "nested": {"x": torch.tensor([1, 2, 3], dtype=torch.int16), "name": "run"},
+    }
+
+
+def _sharded(placement: Any) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    state = full_state()
+    state["w"] = distribute_tensor(full_weight(), mesh, [placement])
+    return state
+
+
+def save_then_reshard(rank: int, workdir: str) -> dict[str, Any]:
+    from torch.distributed.tensor import Shard
+
+    from fastpersist.integrations.dcp import FastPersistReader, FastPersistWriter
+
+    path, async_path = os.path.join(workdir, "dcp"), os.path.join(workdir, "dcp-async")
+    dcp.save(_sharded(Shard(0)), storage_writer=FastPersistWriter(path))
+    dcp.async_save(_sharded(Shard(0)), storage_writer=FastPersistWriter(async_path)).result()
+    dist.barrier()
+    results: dict[str, Any] = {}
+    for name, where in (("sync", path), ("async", async_path)):
+        target = _sharded(Shard(1))  # another layout: DCP's planner reshards
+        target["w"].to_local().zero_()
+        target["b"].zero_()
+        target["step"] = 0
+        dcp.load(target, storage_reader=FastPersistReader(where))
+        results[name] = {
+            "w": bool(torch.equal(target["w"].full_tensor(), full_weight())),
+            "local_cols": list(target["w"].to_local().shape),
+            "b": bool(torch.equal(target["b"], full_state()["b"])),
+            "step": target["step"],
+            "nested": bool(torch.equal(target["nested"]["x"], full_state()["nested"]["x"])),
+        }
+    return results
+
+
+def run(rank: int, world: int, init_file: str, workdir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        result = save_then_reshard(rank, workdir)
+        with open(os.path.join(workdir, f"result-{rank}.json"), "w") as f:
+            json.dump(result, f)
+    except BaseException:
+        with open(os.path.join(workdir, f"error-{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()

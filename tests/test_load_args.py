@@ -1,0 +1,74 @@
+"""load speaks torch.load: map_location in every form (also positional), weights_only, mmap."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+import fastpersist as fp
+
+
+def _saved(workdir: str) -> tuple[str, dict[str, Any]]:
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    big = torch.randn(1 << 19)  # 2 MiB: stays a view of the read buffer
+    state = {"w": w, "tied": w, "view": big[10:20], "big": big, "n": 3}
+    path = os.path.join(workdir, "ckpt")
+    fp.save(state, path)
+    return path, state
+
+
+@pytest.mark.parametrize("location", ["cpu", torch.device("cpu"), {"cpu": "cpu"}, {"cuda:0": "cpu"}])
+def test_map_location_forms_and_positional(workdir: str, location: Any) -> None:
+    path, state = _saved(workdir)
+    for loaded in (fp.load(path, location), fp.load(path, map_location=location)):
+        assert torch.equal(loaded["big"], state["big"]) and loaded["n"] == 3
+        assert isinstance(loaded["w"], torch.nn.Parameter) and loaded["w"] is loaded["tied"]
+
+
+def test_callable_gets_storage_and_location_once_per_storage(workdir: str) -> None:
+    path, state = _saved(workdir)
+    calls: list[tuple[type, str]] = []
+
+    def to_copy(storage: torch.UntypedStorage, location: str) -> torch.UntypedStorage:
+        calls.append((type(storage), location))
+        return storage.clone()  # a new storage, as storage.cuda() would give
+
+    loaded = fp.load(path, to_copy)
+    assert calls and all(c == (torch.UntypedStorage, "cpu") for c in calls)
+    assert torch.equal(loaded["view"], state["big"][10:20]) and torch.equal(loaded["w"], state["w"])
+    assert isinstance(loaded["w"], torch.nn.Parameter) and loaded["w"].requires_grad
+    # tensors that shared a storage share the mapped one
+    assert loaded["view"].untyped_storage().data_ptr() == loaded["big"].untyped_storage().data_ptr()
+    assert len(calls) == 2  # one call per storage: w's, and the one big and view share
+
+
+def test_callable_like_torch_idioms(workdir: str) -> None:
+    path, state = _saved(workdir)
+    same = fp.load(path, map_location=lambda storage, loc: storage)
+    assert torch.equal(same["big"], state["big"])
+    default = fp.load(path, map_location=lambda storage, loc: None)  # None: the default placement
+    assert torch.equal(default["w"], state["w"])
+    with pytest.warns(UserWarning, match="TypedStorage is deprecated"):
+        typed = fp.load(path, map_location=lambda s, loc: torch.TypedStorage(wrap_storage=s.clone(), dtype=torch.uint8))
+    assert torch.equal(typed["view"], state["big"][10:20])
+    with pytest.raises(TypeError, match="returned int"):
+        fp.load(path, map_location=lambda storage, loc: 1)
+    with pytest.raises(TypeError, match="map_location must be"):
+        fp.load(path, map_location=3.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("weights_only", [None, True, False])
+@pytest.mark.parametrize("mmap", [None, True, False])
+def test_weights_only_and_mmap_are_accepted(workdir: str, weights_only: bool | None, mmap: bool | None) -> None:
+    path, state = _saved(workdir)
+    loaded = fp.load(path, "cpu", weights_only=weights_only, mmap=mmap)
+    assert torch.equal(loaded["big"], state["big"])
+
+
+def test_flags_must_be_bools(workdir: str) -> None:
+    path, _ = _saved(workdir)
+    with pytest.raises(TypeError, match="weights_only"):
+        fp.load(path, weights_only="yes")  # type: ignore[arg-type]
