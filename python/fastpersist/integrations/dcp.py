@@ -283,7 +283,7 @@ class FastPersistReader(StorageReader):
         return fut
 
     def _read_file(self, name: str) -> torch.Tensor:
-        from ..api import aligned_uint8
+        from ..reading import aligned_uint8
 
         first = next((i for i in self.storage.values() if i.relative_path == name and i.chunk_crc32c is not None), None)
         any_item = first or next(i for i in self.storage.values() if i.relative_path == name)
