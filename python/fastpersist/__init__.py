@@ -11,6 +11,7 @@ from .checkpointer import Checkpointer
 from .config import Config, SaveResult
 from .errors import (
     BackendUnavailableError,
+    CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
     FastPersistError,
@@ -23,6 +24,7 @@ __version__: str = _core.__version__
 
 __all__ = [
     "BackendUnavailableError",
+    "CheckpointNotFoundError",
     "Checkpointer",
     "ChecksumMismatchError",
     "Config",

@@ -189,7 +189,7 @@ class Checkpointer:
         self._write_index(step)
         for old in self.steps()[: -self.keep]:
             if old != step:
-                remove_checkpoint_tree(self.path(old))
+                remove_checkpoint_tree(self.path(old), self.config.stripes if self.config else None)
 
     def _write_index(self, step: int) -> None:
         doc = {

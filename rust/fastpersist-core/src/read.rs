@@ -134,7 +134,9 @@ pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) ->
 }
 
 fn open_for_read(path: &std::path::Path, direct: bool) -> Result<std::fs::File> {
-    let flags = libc::O_CLOEXEC | if direct { libc::O_DIRECT } else { 0 };
+    // O_NOFOLLOW: a data file is never a symbolic link; a link planted in a checkpoint must not
+    // make a load read from outside it (ELOOP instead).
+    let flags = libc::O_CLOEXEC | libc::O_NOFOLLOW | if direct { libc::O_DIRECT } else { 0 };
     OpenOptions::new()
         .read(true)
         .custom_flags(flags)
