@@ -8,6 +8,7 @@ drives and data-parallel ranks, overlapped with training. See ``fastpersist.save
 from . import _core
 from .api import inspect, load, save, save_async, verify
 from .checkpointer import Checkpointer
+from .cleanup import clean
 from .config import Config, SaveResult
 from .errors import (
     BackendUnavailableError,
@@ -35,6 +36,7 @@ __all__ = [
     "SaveResult",
     "UnsupportedValueError",
     "__version__",
+    "clean",
     "inspect",
     "load",
     "save",
