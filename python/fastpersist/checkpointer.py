@@ -37,6 +37,7 @@ log = logging.getLogger("fastpersist")
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _LEFTOVER_TMP = re.compile(r"^\.step-\d{8,}\.fptmp-[0-9a-f]{12}$")
+_LEFTOVER_INDEX = re.compile(r"^\.latest\.json\.tmp-\d+-\d+$")
 _LEFTOVER_STRIPE = re.compile(r"^step-\d{8,}\.[0-9a-f]{12}(\.[rw]\d+)?" + re.escape(STRIPE_SUFFIX) + "$")
 INDEX_NAME = "latest.json"
 
@@ -122,6 +123,8 @@ class Checkpointer:
         for name in os.listdir(self.root):
             if _LEFTOVER_TMP.match(name):
                 removed.append(os.path.join(self.root, name))
+            elif _LEFTOVER_INDEX.match(name):  # an index replacement killed before its rename
+                os.unlink(os.path.join(self.root, name))
         referenced: set[str] = set()
         for step in self.steps():
             try:

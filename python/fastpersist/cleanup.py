@@ -96,6 +96,7 @@ def clean(
             if not dry_run:
                 os.unlink(path)
     committed = _committed(root)
+    used = set().union(*committed.values()) if committed else set()
     for stripe_root in stripes or []:
         base = os.path.abspath(os.fspath(stripe_root))
         try:
@@ -105,13 +106,12 @@ def clean(
         for name in names:
             path = os.path.join(base, name)
             match = _STRIPE_DIR.match(name)
-            if match is None or not stat.S_ISDIR(os.lstat(path).st_mode):
+            if match is None or not stat.S_ISDIR(os.lstat(path).st_mode) or os.path.realpath(path) in used:
                 continue
-            owner, ident = match.group(1), match.group(2)
-            users = committed.get(owner)
-            used = users is None or "*" in users or os.path.realpath(path) in users
-            orphan = ident in dead_ids or not used
-            if orphan:
+            # A save killed after its exchange leaves its id on the temporary directory (which then
+            # holds the old tree) while the committed checkpoint uses that id's stripes: kept above.
+            owner = committed.get(match.group(1))
+            if match.group(2) in dead_ids or (owner is not None and "*" not in owner):
                 removed.append(path)
                 if not dry_run:
                     shutil.rmtree(path, ignore_errors=True)
