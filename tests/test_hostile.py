@@ -108,7 +108,7 @@ def _set(doc: Any, path: tuple[Any, ...], value: object) -> Any:
     return doc
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_generated_hostile_manifests(base: tuple[str, dict[str, Any]], data: st.DataObject) -> None:
     path, doc = base

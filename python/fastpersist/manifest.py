@@ -207,7 +207,7 @@ def read_manifest(root: str) -> Manifest:
             raise CorruptCheckpointError(f"{path} is not a regular file")
         if st.st_size > MAX_MANIFEST_BYTES:
             raise CorruptCheckpointError(f"{path}: manifest of {st.st_size} bytes is implausibly large")
-        raw = f.read(MAX_MANIFEST_BYTES + 1)
+        raw = f.read(st.st_size + 1)  # bounded by the size checked above; +1 sees growth
     return parse(raw, where=path)
 
 
