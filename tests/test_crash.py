@@ -134,9 +134,7 @@ def _leftovers(root: str) -> list[str]:
     return sorted(n for n in os.listdir(root) if ".fptmp-" in n or ".tmp-" in n)
 
 
-def test_kill_9_at_random_moments_never_loses_the_newest_committed_step(
-    workdir: str, forkserver: ForkServer
-) -> None:
+def test_kill_9_at_random_moments_never_loses_the_newest_committed_step(workdir: str, forkserver: ForkServer) -> None:
     root, marker = os.path.join(workdir, "run"), os.path.join(workdir, "marker")
     open(marker, "wb").write(b"\0")
     rng = random.Random(SEED)
@@ -164,15 +162,15 @@ def test_kill_9_at_random_moments_never_loses_the_newest_committed_step(
         newest = step
         fp.verify(ck.path(step))
         assert_same(ck.load(step), crash_worker.expected_state(step))
-    print(f"\nkill -9 campaign (seed {SEED}): {KILLS} kills survived, died in {dict(died_in)}, "
-          f"{cleaned} leftovers cleaned, newest step {newest}")
+    print(
+        f"\nkill -9 campaign (seed {SEED}): {KILLS} kills survived, died in {dict(died_in)}, "
+        f"{cleaned} leftovers cleaned, newest step {newest}"
+    )
     assert newest > 0
     assert len([p for p, n in died_in.items() if n and p not in ("starting", "idle")]) >= 4, died_in
 
 
-def test_kill_9_during_plain_saves_then_clean_removes_every_leftover(
-    workdir: str, forkserver: ForkServer
-) -> None:
+def test_kill_9_during_plain_saves_then_clean_removes_every_leftover(workdir: str, forkserver: ForkServer) -> None:
     root, marker = os.path.join(workdir, "plain"), os.path.join(workdir, "marker")
     stripes = [os.path.join(workdir, f"ssd{i}") for i in range(2)]
     for d in (root, *stripes):
@@ -206,3 +204,24 @@ def assert_same(a: object, b: object) -> None:
             assert_same(a[k], b[k])
     else:
         assert a == b
+
+
+def test_clean_dry_run_lists_and_clean_removes_only_leftovers(workdir: str) -> None:
+    root, ssd = os.path.join(workdir, "root"), os.path.join(workdir, "ssd")
+    os.makedirs(ssd)
+    path = os.path.join(root, "ck")
+    os.makedirs(root)
+    fp.save({"w": torch.ones(3)}, path, config=fp.Config(stripes=[ssd]))
+    kept = set(os.listdir(ssd))
+    tmp = os.path.join(root, ".ck.fptmp-0123456789ab")
+    orphans = [os.path.join(ssd, "ck.0123456789ab.fpstripe"), os.path.join(ssd, "ck.ba9876543210.w1.fpstripe")]
+    for d in (tmp, *orphans):
+        os.makedirs(d)
+    unrelated = os.path.join(ssd, "other.ba9876543210.fpstripe")  # another checkpoint's: not ours to judge
+    os.makedirs(unrelated)
+    expected = sorted([tmp, *orphans])
+    assert sorted(fp.clean(root, stripes=[ssd], dry_run=True)) == expected
+    assert os.path.isdir(tmp) and all(os.path.isdir(d) for d in orphans)
+    assert sorted(fp.clean(root, stripes=[ssd])) == expected
+    assert set(os.listdir(ssd)) == kept | {"other.ba9876543210.fpstripe"} and os.listdir(root) == ["ck"]
+    assert fp.load(path)["w"].sum() == 3
