@@ -13,11 +13,12 @@ cd "$(dirname "$0")/.."
 repo=$(pwd)
 log_dir=${VALGRIND_LOG_DIR:-$(mktemp -d /tmp/fastpersist-valgrind.XXXXXX)}
 vg=(valgrind --tool=memcheck --error-exitcode=99 --undef-value-errors=no --leak-check=no
-    --show-mismatched-frees=yes --num-callers=30)
+    --show-mismatched-frees=yes --num-callers=30 --suppressions="$repo/scripts/valgrind.supp")
 
 echo "== Rust core tests under valgrind (logs: $log_dir)"
 export CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="${vg[*]} --log-file=$log_dir/rust-%p.log"
-cargo test -p fastpersist-core --locked -- --test-threads=2
+# Property tests run fewer cases here: each case is ~50x slower under memcheck.
+PROPTEST_CASES=${PROPTEST_CASES:-8} cargo test -p fastpersist-core --locked -- --test-threads=2
 unset CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER
 
 echo "== pytest subset under valgrind"
