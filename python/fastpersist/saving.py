@@ -28,7 +28,7 @@ from typing import Any
 
 from . import _core
 from .config import Config, SaveResult
-from .confine import STRIPE_SUFFIX
+from .confine import STRIPE_SUFFIX as STRIPE_SUFFIX  # re-exported: checkpointer imports it from here
 from .confine import remove_checkpoint_tree as _remove_confined
 from .errors import SaveCancelledError
 from .flatten import FlatState, flatten, records_to_json
