@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fastpersist as fp
+from fastpersist.manifest import seal
 
 from training import make_run, restore, seed_all, train_step, training_state
 
@@ -69,7 +70,7 @@ def test_round_trip_and_aliasing(workdir: str, config: fp.Config) -> None:
     res = fp.save(state, path, config=config)
     assert res.backend == config.backend
     assert res.nbytes > 1_200_000 and res.seconds > 0 and res.files
-    loaded = fp.load(path, config=config)
+    loaded = fp.load(path, config=config, namedtuple_types=[Point])
     assert_same(state, loaded)
     emb, head = loaded["model"]["emb.weight"], loaded["model"]["head.weight"]
     assert isinstance(emb, torch.nn.Parameter) and emb.requires_grad
@@ -210,7 +211,7 @@ def test_inspect_and_verify_catch_a_flipped_byte(workdir: str, config: fp.Config
     path = os.path.join(workdir, "iv")
     fp.save({"a": torch.arange(100_000, dtype=torch.int32), "b": torch.ones(10)}, path, config=config)
     info = fp.inspect(path)
-    assert info["tensors"] == 2 and info["bytes"] == 400_040 and info["format_version"] == "1.0"
+    assert info["tensors"] == 2 and info["bytes"] == 400_040 and info["format_version"] == "1.1"
     assert info["checksum"] == "crc32c" and info["files"]
     assert fp.verify(path)["chunks"] == sum(f["chunks"] for f in info["files"])
     data_file = info["files"][0]["path"]
@@ -263,8 +264,9 @@ def test_hostile_manifest_edits_are_rejected(workdir: str, edit, message: str) -
     manifest = os.path.join(path, "manifest.json")
     doc = json.load(open(manifest))
     edit(doc)
-    with open(manifest, "w") as f:
-        json.dump(doc, f)
+    doc.pop("manifest_sha256")
+    with open(manifest, "wb") as f:
+        f.write(seal(json.dumps(doc).encode()))  # re-sealed: the checks past the seal must hold too
     with pytest.raises(fp.CorruptCheckpointError, match=message):
         fp.load(path)
 

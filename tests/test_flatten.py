@@ -66,7 +66,8 @@ def roundtrip(state: object, **kw: int) -> tuple[object, FlatState]:
     spec = json.loads(json.dumps(flat.spec, allow_nan=False))
     records = records_from_json(json.loads(json.dumps(records_to_json(flat.tensors))))
     assert records == flat.tensors
-    return unflatten(spec, materialize(records, disk_buffers(flat, **kw))), flat
+    back = unflatten(spec, materialize(records, disk_buffers(flat, **kw)), namedtuple_types=[Point, Typed])
+    return back, flat
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -634,10 +635,16 @@ def test_namedtuple_never_imports_and_falls_back() -> None:
     back = unflatten(spec, [])
     assert back == ("x", None) and type(back).__name__ == "Pair" and back.b is None  # type: ignore[attr-defined]
     assert "fastpersist_not_a_module_xyz" not in sys.modules
-    # A class that exists but has other fields is not used.
+    # A class that exists but has other fields is not used, allow-listed or not.
     spec["root"].update(module=__name__, name="Point")  # type: ignore[union-attr]
-    back = unflatten(spec, [])
+    back = unflatten(spec, [], namedtuple_types=[Point])
     assert type(back) is not Point and back._fields == ("a", "b")  # type: ignore[attr-defined]
+    # A matching, imported class is used only when the caller allow-lists it.
+    spec["root"].update(fields=["x", "y"])  # type: ignore[union-attr]
+    assert type(unflatten(spec, [])) is not Point
+    assert type(unflatten(spec, [], namedtuple_types=[Point])) is Point
+    with pytest.raises(TypeError, match="namedtuple classes"):
+        unflatten(spec, [], namedtuple_types=[tuple])
     # Lazy torch submodules are not imported through module-level __getattr__.
     spec["root"].update(module="torch", name="onnx.Foo")  # type: ignore[union-attr]
     was_loaded = "torch.onnx" in sys.modules

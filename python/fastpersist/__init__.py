@@ -9,9 +9,11 @@ from . import _core
 from .advisor import advise
 from .api import inspect, load, save, save_async, verify
 from .checkpointer import Checkpointer
+from .cleanup import clean
 from .config import Config, SaveResult
 from .errors import (
     BackendUnavailableError,
+    CheckpointNotFoundError,
     ChecksumMismatchError,
     CorruptCheckpointError,
     FastPersistError,
@@ -25,6 +27,7 @@ __version__: str = _core.__version__
 
 __all__ = [
     "BackendUnavailableError",
+    "CheckpointNotFoundError",
     "Checkpointer",
     "ChecksumMismatchError",
     "Config",
@@ -36,6 +39,7 @@ __all__ = [
     "UnsupportedValueError",
     "__version__",
     "advise",
+    "clean",
     "inspect",
     "load",
     "save",

@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from . import _core
 from .config import Config, SaveResult
+from .confine import check_data_files, check_shard_dir
 from .errors import CorruptCheckpointError
 from .fill import fill_by_key
 from .flatten import dtype_itemsize, materialize, unflatten
@@ -110,6 +111,7 @@ def load(
     group: object = None,
     config: Config | None = None,
     shard: int | None = None,
+    namedtuple_types: Iterable[type] = (),
 ) -> Any:
     """Reads a checkpoint written by :func:`save` and returns the state.
 
@@ -137,9 +139,16 @@ def load(
         group: for a sharded checkpoint, each rank of `group` gets its own shard back. A
             replicated checkpoint is read whole on every rank (group or not).
         shard: read this shard of a sharded checkpoint (without a group).
+        config: backend knobs for the read; its ``stripes``, when set, also confine the read:
+            stripe directories outside those roots are refused.
+        namedtuple_types: namedtuple classes the checkpoint may rebuild (an allow-list). A
+            saved namedtuple whose module, qualified name and fields match one of them comes
+            back as that class (its ``_make`` is called); any other comes back as a plain
+            ``collections.namedtuple`` made by fastpersist with the saved name and fields. No
+            class is ever looked up or imported from what the file says.
 
     Raises:
-        FileNotFoundError: there is no committed checkpoint at `path`.
+        CheckpointNotFoundError: there is no committed checkpoint at `path` (a ``FileNotFoundError``).
         CorruptCheckpointError: the manifest or data is damaged (the message names the file,
             tensor and byte range).
 
@@ -154,19 +163,27 @@ def load(
     m = read_manifest(root)
     if m.shards:
         return load(
-            os.path.join(root, m.shards[_shard_index(root, len(m.shards), group, shard)]),
+            check_shard_dir(root, m.shards[_shard_index(root, len(m.shards), group, shard)]),
             map_location=map_location,
             verify=verify,
             out=out,
             config=config,
+            namedtuple_types=namedtuple_types,
         )
     if shard is not None:
         raise ValueError(f"{root} is not sharded; load it without shard=")
+    check_data_files(root, m, config.stripes)  # before allocating: sizes, links, confinement
     read_started = time.perf_counter()
     if out is not None and windowable(m):
         mapped_out: MappedStorages = {}
         state = fill_by_key(
-            out, root, m, verify, config, lambda t, rec: map_tensor(map_location, t, rec.device, mapped_out)
+            out,
+            root,
+            m,
+            verify,
+            config,
+            lambda t, rec: map_tensor(map_location, t, rec.device, mapped_out),
+            namedtuple_types=namedtuple_types,
         )
         log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
         return state
@@ -188,7 +205,7 @@ def load(
             "such a layout), so out= cannot be filled window by window"
         )
     try:
-        return unflatten(m.tree, tensors)
+        return unflatten(m.tree, tensors, namedtuple_types=namedtuple_types)
     except ValueError as e:
         raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
 
@@ -224,7 +241,7 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
     root = os.path.abspath(os.fspath(path))
     m = read_manifest(root)
     if m.shards:
-        shards = [inspect(os.path.join(root, name)) for name in m.shards]
+        shards = [inspect(check_shard_dir(root, name)) for name in m.shards]
         return {
             "path": root,
             "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
@@ -288,12 +305,13 @@ def verify(path: str | os.PathLike[str], *, progress: Callable[[int], object] | 
     m = read_manifest(root)
     chunks = 0
     if m.shards:
-        totals = [verify(os.path.join(root, name), progress=progress) for name in m.shards]
+        totals = [verify(check_shard_dir(root, name), progress=progress) for name in m.shards]
         return {key: sum(t[key] for t in totals) for key in ("files", "bytes", "chunks")}
+    check_data_files(root, m)
     for f in m.files:
         file_path = m.file_path(root, f)
         try:
-            fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"data file {file_path} named in the manifest is missing") from None
         try:

@@ -39,6 +39,7 @@ log = logging.getLogger("fastpersist")
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _LEFTOVER_TMP = re.compile(r"^\.step-\d{8,}\.fptmp-[0-9a-f]{12}$")
+_LEFTOVER_INDEX = re.compile(r"^\.latest\.json\.tmp-\d+-\d+$")
 _LEFTOVER_STRIPE = re.compile(r"^step-\d{8,}\.[0-9a-f]{12}(\.[rw]\d+)?" + re.escape(STRIPE_SUFFIX) + "$")
 INDEX_NAME = "latest.json"
 
@@ -135,6 +136,8 @@ class Checkpointer:
         for name in os.listdir(self.root):
             if _LEFTOVER_TMP.match(name):
                 removed.append(os.path.join(self.root, name))
+            elif _LEFTOVER_INDEX.match(name):  # an index replacement killed before its rename
+                os.unlink(os.path.join(self.root, name))
         referenced: set[str] = set()
         for step in self.steps():
             try:
@@ -221,7 +224,7 @@ class Checkpointer:
         self._write_index(step)
         for old in self.steps()[: -self.keep]:
             if old != step:
-                remove_checkpoint_tree(self.path(old))
+                remove_checkpoint_tree(self.path(old), self.config.stripes if self.config else None)
         stripes = self.config.stripes if self.config else None
         self.history.committed(result, stripes=stripes, group=self.group is not None)  # costs and wear
 

@@ -144,6 +144,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_clean(args: argparse.Namespace) -> int:
+    """``fastpersist clean ROOT [--stripes DIR ...] [--dry-run]``: remove leftovers of interrupted saves."""
+    import fastpersist as fp
+
+    removed = fp.clean(args.root, stripes=args.stripes, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for path in removed:
+        print(f"{verb} {path}")
+    print(f"{len(removed)} leftover(s) {verb}")
+    return 0
+
+
+def add_clean_parser(sub: Any) -> None:
+    """Registers ``clean`` on the CLI's sub-parsers."""
+    p = sub.add_parser("clean", help="remove what interrupted saves left behind (temporary and stripe directories)")
+    p.add_argument("root", help="the directory holding the checkpoints (a Checkpointer root, or a save's parent)")
+    p.add_argument("--stripes", nargs="+", metavar="DIR", help="the stripe roots the saves used (Config.stripes)")
+    p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    p.set_defaults(func=cmd_clean)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
@@ -186,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .advisor import cli as advise_cli
 
     advise_cli.register(sub)
+    add_clean_parser(sub)
     return parser
 
 

@@ -11,6 +11,7 @@ import concurrent.futures
 
 __all__ = [
     "BackendUnavailableError",
+    "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "CorruptCheckpointError",
     "FastPersistError",
@@ -27,6 +28,14 @@ class CorruptCheckpointError(FastPersistError):
     """A checkpoint is unreadable: bad manifest, truncated file, inconsistent layout.
 
     The message names the file, the tensor key path or the byte range involved.
+    """
+
+
+class CheckpointNotFoundError(FastPersistError, FileNotFoundError):
+    """There is no committed checkpoint at a path: the directory or its ``manifest.json`` is missing.
+
+    Also a ``FileNotFoundError`` (``errno == ENOENT``, ``filename`` set), so existing
+    ``except FileNotFoundError`` code keeps working.
     """
 
 

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, cast
 
 import numpy as np
@@ -70,6 +71,8 @@ def fill_by_key(
     verify: bool,
     config: Config,
     place: Any,
+    *,
+    namedtuple_types: Iterable[type] = (),
 ) -> object:
     """Fills `out` from the checkpoint at `root` (manifest `m`) and returns the loaded state.
 
@@ -107,5 +110,5 @@ def fill_by_key(
             else:
                 _copy_into(dest, loaded)
                 values[i] = dest
-    return unflatten(m.tree, values)
+    return unflatten(m.tree, values, namedtuple_types=namedtuple_types)
 

@@ -10,15 +10,19 @@ dtype x shape x stride against its blob. See docs/format.md.
 from __future__ import annotations
 
 import datetime
+import errno
+import hashlib
 import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import _core
-from .errors import CorruptCheckpointError
+from .confine import check_stripe_dirs
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .flatten import TensorRecord, dtype_itemsize, records_from_json
 
 __all__ = [
@@ -28,11 +32,13 @@ __all__ = [
     "FileEntry",
     "Manifest",
     "read_manifest",
+    "seal",
 ]
 
 FORMAT_NAME = "fastpersist"
 #: (major, minor). A reader accepts any minor of its major and rejects other majors.
-FORMAT_VERSION = (1, 0)
+#: 1.1 added the ``manifest_sha256`` seal (see :func:`seal`); 1.0 manifests carry none.
+FORMAT_VERSION = (1, 1)
 MANIFEST_NAME = "manifest.json"
 #: A manifest larger than this is refused before parsing (a hostile file could be huge).
 MAX_MANIFEST_BYTES = 1 << 30
@@ -123,54 +129,134 @@ def build(
     }
     if shards:
         doc["shards"] = shards
-    return json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+    return seal(json.dumps(doc, allow_nan=False, separators=(",", ":")).encode())
+
+
+#: The seal is the last member of the manifest's JSON object, byte for byte.
+SEAL_FIELD = "manifest_sha256"
+_SEAL_TAIL = re.compile(rb',"' + SEAL_FIELD.encode() + rb'":"([0-9a-f]{64})"\}\n?\Z')
+
+
+def seal(body: bytes) -> bytes:
+    """Appends ``"manifest_sha256": sha256(body)`` as the last member of the JSON object `body`.
+
+    The digest covers the exact bytes of the object as written without that member, so
+    checking it needs no re-serialisation: strip the member, restore the closing brace, hash.
+    The result is still plain JSON that any tool reads.
+
+    Example:
+        >>> seal(b'{"a":1}')[:25]
+        b'{"a":1,"manifest_sha256":'
+    """
+    if not (body.startswith(b"{") and body.endswith(b"}")) or body == b"{}":
+        raise ValueError("seal() needs a non-empty JSON object")
+    digest = hashlib.sha256(body).hexdigest().encode()
+    return body[:-1] + b',"' + SEAL_FIELD.encode() + b'":"' + digest + b'"}'
+
+
+def unseal(raw: bytes, where: str) -> tuple[bytes, bool]:
+    """Checks the seal of manifest bytes; returns ``(body, sealed)``.
+
+    A manifest without a seal is returned as is with ``sealed=False``; :func:`parse` then
+    accepts it only as format 1.0 (written before the seal existed).
+
+    Raises:
+        CorruptCheckpointError: the seal is present and does not match the content.
+    """
+    match = _SEAL_TAIL.search(raw)
+    if match is None:
+        return raw, False
+    body = raw[: match.start()] + b"}"
+    found = hashlib.sha256(body).hexdigest()
+    if found != match.group(1).decode():
+        raise CorruptCheckpointError(
+            f"{where}: the manifest's content does not match its {SEAL_FIELD} seal (expected "
+            f"{match.group(1).decode()[:16]}..., found {found[:16]}...): the file was damaged or edited after "
+            "the save; nothing in it is used"
+        )
+    return body, True
 
 
 def read_manifest(root: str) -> Manifest:
     """Reads and validates ``root/manifest.json``.
 
     Raises:
-        FileNotFoundError: `root` or its manifest does not exist (a partial or missing checkpoint).
-        CorruptCheckpointError: the manifest is malformed or inconsistent; the message says where.
+        CheckpointNotFoundError: `root` or its manifest does not exist (a partial or missing
+            checkpoint); it is also a ``FileNotFoundError``.
+        CorruptCheckpointError: the manifest is malformed, inconsistent, fails its seal, or is
+            not a regular file; the message says where.
     """
     path = os.path.join(root, MANIFEST_NAME)
     if not os.path.isdir(root):
         if os.path.exists(root):
             raise CorruptCheckpointError(f"{root} is not a fastpersist checkpoint (not a directory)")
-        raise FileNotFoundError(2, "no checkpoint here", root)
+        raise CheckpointNotFoundError(errno.ENOENT, "no checkpoint here", root)
     try:
-        size = os.path.getsize(path)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
-        raise FileNotFoundError(2, "no manifest.json: not a committed fastpersist checkpoint", path) from None
-    if size > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"{path}: manifest of {size} bytes is implausibly large")
-    with open(path, "rb") as f:
-        raw = f.read()
+        raise CheckpointNotFoundError(
+            errno.ENOENT, "no manifest.json: not a committed fastpersist checkpoint (deleted, or a save died)", path
+        ) from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptCheckpointError(f"{path} is a symbolic link; a manifest is a regular file") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{path} is not a regular file")
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"{path}: manifest of {st.st_size} bytes is implausibly large")
+        raw = f.read(st.st_size + 1)  # bounded by the size checked above; +1 sees growth
     return parse(raw, where=path)
+
+
+def _short(value: object) -> str:
+    """A bounded repr of an untrusted value for a message."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past sys.get_int_max_str_digits()
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+#: Offsets and lengths past this are refused (no file system holds an exabyte file).
+MAX_BYTES = 1 << 60
 
 
 def _int(doc: dict[str, Any], key: str, where: str, *, minimum: int = 0) -> int:
     value = doc.get(key)
-    if type(value) is not int or value < minimum:
-        raise CorruptCheckpointError(f"{where}: field {key!r} must be an integer >= {minimum}, found {value!r}")
+    if type(value) is not int or not minimum <= value <= MAX_BYTES:
+        raise CorruptCheckpointError(
+            f"{where}: field {key!r} must be an integer in [{minimum}, 2**60], found {_short(value)}"
+        )
     return value
 
 
 def parse(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
-    """Parses and validates manifest bytes. `where` names the file in error messages."""
+    """Parses and validates manifest bytes. `where` names the file in error messages.
+
+    The seal is checked first (:func:`unseal`): nothing in a manifest whose bytes changed is used.
+    """
+    body, sealed = unseal(raw, where)
     try:
-        doc = json.loads(raw)
+        doc = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({_short(e)})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: not a fastpersist manifest")
     version = doc.get("format_version")
     if not isinstance(version, list) or len(version) != 2 or not all(type(v) is int and v >= 0 for v in version):
-        raise CorruptCheckpointError(f"{where}: bad format_version {version!r}")
+        raise CorruptCheckpointError(f"{where}: bad format_version {_short(version)}")
     if version[0] != FORMAT_VERSION[0]:
         raise CorruptCheckpointError(
             f"{where}: format version {version[0]}.{version[1]} is not supported by this fastpersist "
             f"(reads {FORMAT_VERSION[0]}.x); upgrade fastpersist to load it"
+        )
+    if not sealed and version != [1, 0]:
+        raise CorruptCheckpointError(
+            f"{where}: format {version[0]}.{version[1]} manifests end with a {SEAL_FIELD} seal and this one has "
+            "none (damaged or truncated)"
         )
     chunk_bytes = _int(doc, "chunk_bytes", where, minimum=4096)
     if chunk_bytes % 4096 or chunk_bytes > 1 << 30:
@@ -178,10 +264,12 @@ def parse(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
     total_bytes = _int(doc, "total_bytes", where)
     checksum = doc.get("checksum")
     if checksum not in ("crc32c", "off"):
-        raise CorruptCheckpointError(f"{where}: unknown checksum {checksum!r}")
+        raise CorruptCheckpointError(f"{where}: unknown checksum {_short(checksum)}")
     stripes = doc.get("stripes", [])
     if not isinstance(stripes, list) or not all(isinstance(s, str) and os.path.isabs(s) for s in stripes):
         raise CorruptCheckpointError(f"{where}: stripes must be a list of absolute directory paths")
+    checkpoint_id = doc.get("checkpoint_id", "")
+    check_stripe_dirs(stripes, checkpoint_id if isinstance(checkpoint_id, str) else "", where)
     files = _parse_files(doc.get("files"), where, chunk_bytes, total_bytes, checksum, len(stripes))
     blobs = _parse_blobs(doc.get("blobs"), where, total_bytes)
     try:
@@ -234,10 +322,12 @@ def _parse_files(
             raise CorruptCheckpointError(f"{at} must be an object")
         name = item.get("name")
         if not isinstance(name, str) or not _FILE_NAME.match(name) or name == MANIFEST_NAME or ".." in name:
-            raise CorruptCheckpointError(f"{at}: file name {name!r} is not a plain file name inside the checkpoint")
+            raise CorruptCheckpointError(
+                f"{at}: file name {_short(name)} is not a plain file name inside the checkpoint"
+            )
         stripe = item.get("stripe")
         if stripe is not None and (type(stripe) is not int or not 0 <= stripe < stripe_count):
-            raise CorruptCheckpointError(f"{at}: stripe {stripe!r} out of range (0..{stripe_count - 1})")
+            raise CorruptCheckpointError(f"{at}: stripe {_short(stripe)} out of range (0..{stripe_count - 1})")
         if (stripe, name) in seen:
             raise CorruptCheckpointError(f"{at}: file {name!r} listed twice")
         seen.add((stripe, name))

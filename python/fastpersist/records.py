@@ -206,6 +206,21 @@ def _is_int(x: object) -> bool:
     return type(x) is int and 0 <= x < _MAX_EXTENT
 
 
+_KNOWN_DEVICES: set[str] = set()
+
+
+def _known_device(device: str) -> bool:
+    """Whether torch parses `device` (a device type it knows, e.g. not 'float128'); cached."""
+    if device not in _KNOWN_DEVICES:
+        try:
+            torch.device(device)
+        except (RuntimeError, ValueError):
+            return False
+        if len(_KNOWN_DEVICES) < 1024:
+            _KNOWN_DEVICES.add(device)
+    return True
+
+
 def records_from_json(items: object) -> list[TensorRecord]:
     """Validate JSON record dicts (from an untrusted file) and build TensorRecords.
 
@@ -253,7 +268,7 @@ def _record_from_json(i: int, item: object) -> TensorRecord:
         raise bad(f"stride {stride} and shape {shape} have different lengths")
     if not _is_int(blob) or not _is_int(offset_bytes):
         raise bad("blob and offset_bytes must be non-negative integers")
-    if not (isinstance(device, str) and _DEVICE_RE.fullmatch(device)):
+    if not (isinstance(device, str) and _DEVICE_RE.fullmatch(device) and _known_device(device)):
         raise bad(f"malformed device {device!r}")
     if type(requires_grad) is not bool or type(is_parameter) is not bool:
         raise bad("requires_grad and is_parameter must be booleans")

@@ -22,17 +22,20 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from . import _core
 from .blobs import Blob
 from .config import Config, SaveResult
+from .confine import STRIPE_SUFFIX as STRIPE_SUFFIX  # re-exported: checkpointer imports it from here
+from .confine import remove_checkpoint_tree as _remove_confined
 from .device import DeviceCopier, device_bytes
 from .errors import SaveCancelledError
 from .flatten import FlatState, flatten, records_to_json
 from .logs import log_save
-from .manifest import MANIFEST_NAME, FileEntry, build, read_manifest
+from .manifest import MANIFEST_NAME, FileEntry, build
 from .verdict import Verdict
 
 __all__ = ["Layout", "SaveJob", "pool_for", "remove_checkpoint_tree", "single_layout"]
@@ -40,7 +43,6 @@ __all__ = ["Layout", "SaveJob", "pool_for", "remove_checkpoint_tree", "single_la
 log = logging.getLogger("fastpersist")
 
 TMP_MARKER = ".fptmp-"
-STRIPE_SUFFIX = ".fpstripe"
 
 #: Watched tensors of at most this size are copied when the save starts, smallest first and up
 #: to COPY_AT_START_BUDGET_BYTES in all, so that nothing the next forward pass updates in place
@@ -351,7 +353,7 @@ class SaveJob:
         if self.config.durable:
             _core.fsync_dir(os.path.dirname(self.path))
         if exchanged:
-            remove_checkpoint_tree(self.layout.tmp_dir)
+            remove_checkpoint_tree(self.layout.tmp_dir, self.config.stripes)
 
     def result(self, written: Written) -> SaveResult:
         seconds = time.perf_counter() - self.started
@@ -387,7 +389,7 @@ class SaveJob:
         self.cancel_quietly()
         if self.verdict.committed:
             # The new checkpoint is in place; only the old tree (exchanged to tmp_dir) remains.
-            remove_checkpoint_tree(self.layout.tmp_dir)
+            remove_checkpoint_tree(self.layout.tmp_dir, self.config.stripes)
             return
         for d in reversed(self._created):
             shutil.rmtree(d, ignore_errors=True)
@@ -440,20 +442,7 @@ def write_manifest(directory: str, manifest: bytes, *, durable: bool) -> None:
         _core.fsync_dir(directory)
 
 
-def remove_checkpoint_tree(root: str) -> None:
-    """Deletes a checkpoint directory and the stripe directories its manifest (or its shards') names."""
-    try:
-        manifest = read_manifest(root)
-    except Exception:
-        manifest = None
-    if manifest is not None:
-        stripes = list(manifest.stripes)
-        for shard in manifest.shards:
-            try:
-                stripes.extend(read_manifest(os.path.join(root, shard)).stripes)
-            except Exception:
-                pass
-        for d in stripes:
-            if d.endswith(STRIPE_SUFFIX):
-                shutil.rmtree(d, ignore_errors=True)
-    shutil.rmtree(root, ignore_errors=True)
+def remove_checkpoint_tree(root: str, stripe_roots: Sequence[str | os.PathLike[str]] | None = None) -> None:
+    """Deletes a checkpoint directory and those of its stripe directories inside `stripe_roots`
+    (see :func:`fastpersist.confine.remove_checkpoint_tree`: a manifest cannot widen that)."""
+    _remove_confined(root, stripe_roots)

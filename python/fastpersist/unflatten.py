@@ -21,7 +21,7 @@ import collections
 import keyword
 import re
 import reprlib
-import sys
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -132,11 +132,37 @@ class _SpecError(ValueError):
         self.where: list[str] = []
 
 
-def unflatten(spec: dict[str, Any], tensors: list[object]) -> object:
+_NtKey = tuple[str, str, tuple[str, ...]]
+
+
+def allowed_namedtuples(types: Iterable[type]) -> dict[_NtKey, type]:
+    """Index an allow-list of namedtuple classes by (module, qualified name, fields).
+
+    Raises:
+        TypeError: an entry is not a namedtuple class.
+    """
+    allowed: dict[_NtKey, type] = {}
+    for cls in types:
+        fields = getattr(cls, "_fields", None)
+        if not (
+            isinstance(cls, type)
+            and issubclass(cls, tuple)
+            and isinstance(fields, tuple)
+            and all(type(f) is str for f in fields)
+        ):
+            raise TypeError(f"namedtuple_types must hold namedtuple classes, not {cls!r}")
+        allowed[(cls.__module__, cls.__qualname__, fields)] = cls
+    return allowed
+
+
+def unflatten(spec: dict[str, Any], tensors: list[object], *, namedtuple_types: Iterable[type] = ()) -> object:
     """Rebuild the state described by `spec`, taking tensor leaf i from `tensors[i]`.
 
     The spec is treated as untrusted: any malformed node raises ValueError naming its JSON
-    path; nothing is imported and no code from the spec runs.
+    path; nothing is imported, no class is looked up by a name from the spec, and no code from
+    the spec runs. A saved namedtuple comes back as the class in `namedtuple_types` (an
+    allow-list; its ``_make`` runs) with the same module, qualified name and fields, else as a
+    fresh ``collections.namedtuple`` with the saved name and fields.
 
     Example:
         >>> from fastpersist.flatten import flatten
@@ -151,7 +177,7 @@ def unflatten(spec: dict[str, Any], tensors: list[object]) -> object:
             f"spec_version {_show(spec['spec_version'])} is not supported (this reader knows "
             f"{SPEC_VERSION}); upgrade fastpersist"
         )
-    builder = _Builder(tensors)
+    builder = _Builder(tensors, allowed_namedtuples(namedtuple_types))
     try:
         return builder.node(spec["root"], 0)
     except _SpecError as e:
@@ -212,9 +238,9 @@ class _Builder:
 
     __slots__ = ("_ntuples", "_tensors")
 
-    def __init__(self, tensors: list[object]) -> None:
+    def __init__(self, tensors: list[object], allowed: dict[_NtKey, type]) -> None:
         self._tensors = tensors
-        self._ntuples: dict[tuple[str, str, tuple[str, ...]], type] = {}
+        self._ntuples: dict[_NtKey, type] = dict(allowed)
 
     def node(self, node: object, depth: int) -> object:
         if node is None or type(node) is str or type(node) is bool:
@@ -359,30 +385,15 @@ class _Builder:
         key = (module, name, tuple(fields))
         cls = self._ntuples.get(key)
         if cls is None:
-            cls = self._ntuples[key] = _find_namedtuple(module, name, key[2])
+            cls = self._ntuples[key] = _fresh_namedtuple(name, key[2])
         try:
             return cls._make(values)  # type: ignore[attr-defined]
         except (TypeError, ValueError) as e:
             raise _SpecError(f"namedtuple {name} rejected its values: {e}") from None
 
 
-def _find_namedtuple(module: str, qualname: str, fields: tuple[str, ...]) -> type:
-    """The already-imported class `module.qualname` if it has these fields, else a new one."""
-    obj: object = sys.modules.get(module)
-    for part in qualname.split("."):
-        # vars() rather than getattr(): a module-level __getattr__ could import or run code.
-        try:
-            obj = vars(obj).get(part)
-        except (TypeError, AttributeError):
-            obj = None
-            break
-    if (
-        isinstance(obj, type)
-        and issubclass(obj, tuple)
-        and getattr(obj, "_fields", None) == fields
-        and callable(getattr(obj, "_make", None))
-    ):
-        return obj
+def _fresh_namedtuple(qualname: str, fields: tuple[str, ...]) -> type:
+    """A new namedtuple class with the saved name and fields; nothing user-defined is touched."""
     short = qualname.rsplit(".", 1)[-1]
     if not short.isidentifier() or keyword.iskeyword(short):
         short = "NamedTuple"

@@ -123,13 +123,7 @@ pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) ->
         let can_direct = dest_aligned
             && part.dest_offset_bytes % DIRECT_ALIGN_BYTES as u64 == 0
             && padded_end as u64 <= dest_len;
-        let dir = part.path.parent().unwrap_or(std::path::Path::new("."));
-        let use_direct = match options.direct {
-            DirectMode::Off => false,
-            _ if !can_direct => false,
-            mode => mode.resolve(dir)?,
-        };
-        let file = open_for_read(&part.path, use_direct)?;
+        let (file, use_direct) = open_for_read_as(&part.path, options.direct, can_direct)?;
         let found = file
             .metadata()
             .map_err(|e| Error::io("stat", &part.path, e))?
@@ -169,8 +163,39 @@ pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) ->
     Ok(parts.iter().map(|p| p.len_bytes).sum())
 }
 
+/// Opens a part for reading, with O_DIRECT when `mode` and the destination allow it.
+///
+/// The file itself is the probe (O_DIRECT is refused with EINVAL at open where the file system
+/// lacks it): a load never creates anything, so it works on a read-only file system or in a
+/// directory the reader cannot write.
+fn open_for_read_as(
+    path: &std::path::Path,
+    mode: DirectMode,
+    can_direct: bool,
+) -> Result<(std::fs::File, bool)> {
+    if matches!(mode, DirectMode::Off) || !can_direct {
+        return Ok((open_for_read(path, false)?, false));
+    }
+    match open_for_read(path, true) {
+        Ok(file) => Ok((file, true)),
+        Err(Error::Io { source, .. }) if source.raw_os_error() == Some(libc::EINVAL) => {
+            if matches!(mode, DirectMode::Require) {
+                return Err(Error::BackendUnavailable(format!(
+                    "direct_io=\"require\" but the filesystem of {} refuses O_DIRECT (ramfs does, and tmpfs before \
+                     Linux 6.6); use direct_io=\"auto\" or another directory",
+                    path.display()
+                )));
+            }
+            Ok((open_for_read(path, false)?, false))
+        }
+        Err(e) => Err(e),
+    }
+}
+
 fn open_for_read(path: &std::path::Path, direct: bool) -> Result<std::fs::File> {
-    let flags = libc::O_CLOEXEC | if direct { libc::O_DIRECT } else { 0 };
+    // O_NOFOLLOW: a data file is never a symbolic link; a link planted in a checkpoint must not
+    // make a load read from outside it (ELOOP instead).
+    let flags = libc::O_CLOEXEC | libc::O_NOFOLLOW | if direct { libc::O_DIRECT } else { 0 };
     OpenOptions::new()
         .read(true)
         .custom_flags(flags)
