@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastpersist as fp
-from fastpersist import api
+from fastpersist import _core
 from fastpersist.manifest import seal
 
 TRIED = {"generated": 0, "hand_written": 0}
@@ -43,21 +43,23 @@ def load_with(path: str, raw: bytes, spy: list[int]) -> object:
     """Writes `raw` as the manifest, loads, and records the size of every stream buffer allocated."""
     with open(os.path.join(path, "manifest.json"), "wb") as f:
         f.write(raw)
-    real = api.aligned_uint8
+    real = _core.PagedBuffer
 
-    def counting(nbytes: int) -> torch.Tensor:
+    def counting(nbytes: int) -> _core.PagedBuffer:
         spy.append(nbytes)
         return real(nbytes)
 
-    api.aligned_uint8 = counting  # type: ignore[assignment]
+    _core.PagedBuffer = counting  # type: ignore[assignment,misc]
     try:
         return fp.load(path)
     finally:
-        api.aligned_uint8 = real  # type: ignore[assignment]
+        _core.PagedBuffer = real  # type: ignore[misc]
 
 
 def on_disk_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    """Bytes on disk, rounded up to whole pages (a read buffer is whole pages for O_DIRECT)."""
+    total = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    return -(-total // 4096) * 4096 + 4096
 
 
 def check_bounded(path: str, raw: bytes) -> None:
