@@ -152,7 +152,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for path in removed:
         print(f"{verb} {path}")
-    print(f"{len(removed)} leftover(s) {verb}")
+    print(f"{len(removed)} leftover(s) {'found (dry run: nothing removed)' if args.dry_run else 'removed'}")
     return 0
 
 
