@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from . import _core
@@ -296,8 +297,16 @@ class Checkpointer:
                 return step
         return None
 
-    def load(self, step: int | None = None, *, out: object = None, map_location: Any = None) -> Any:
-        """Loads `step` (default: :meth:`latest`).
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        out: object = None,
+        map_location: Any = None,
+        namedtuple_types: Iterable[type] = (),
+    ) -> Any:
+        """Loads `step` (default: :meth:`latest`); `out`, `map_location` and `namedtuple_types`
+        as in :func:`fastpersist.load`.
 
         Raises:
             FileNotFoundError: there is no good checkpoint under `root`.
@@ -307,7 +316,13 @@ class Checkpointer:
             if step is None:
                 raise FileNotFoundError(2, "no committed, verified checkpoint", self.root)
         with self.history.loading():
-            return load(self.path(step), out=out, map_location=map_location, group=self.group)
+            return load(
+                self.path(step),
+                out=out,
+                map_location=map_location,
+                group=self.group,
+                namedtuple_types=namedtuple_types,
+            )
 
     def guard(self, optimizer: Any) -> Any:
         """Makes ``optimizer.step()`` call :meth:`wait_staged` first; returns the hook handle."""
