@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import Any
 
-from fastpersist.cli import parse_size
+from fastpersist.tools.units import parse_size
 
 
 def _state(size_bytes: int) -> dict[str, Any]:

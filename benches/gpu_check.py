@@ -144,9 +144,7 @@ def check_overlap(root: str, iters: int = 12) -> None:
 
     loop(None)
     base = statistics.median(loop(None) for _ in range(3))
-    with_ck = statistics.median(
-        loop(fp.Checkpointer(os.path.join(root, f"ck{i}"), every=1, keep=1)) for i in range(3)
-    )
+    with_ck = statistics.median(loop(fp.Checkpointer(os.path.join(root, f"ck{i}"), every=1, keep=1)) for i in range(3))
     print(f"overlap recipe, {iters} iterations: {(with_ck / base - 1) * 100:.1f}% per-iteration overhead")
 
 

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 import fastpersist as fp
-from fastpersist.cli import parse_size
-from fastpersist.flatten import flatten
+from fastpersist.format.flatten import flatten
+from fastpersist.tools.units import parse_size
 
 
 def build(size_bytes: int) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:

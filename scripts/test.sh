@@ -16,9 +16,10 @@ cargo test --workspace --locked
 (cd /tmp && python3 -m mypy.stubtest fastpersist._core --allowlist "$repo/.mypy-stubtest-allowlist")
 (cd /tmp && python3 -m mypy --config-file "$repo/pyproject.toml" -p fastpersist)
 python3 -m ruff check python tests benches
+python3 -m ruff format --check python tests benches
 
 python3 -m pytest tests -q -p no:cacheprovider
 # The format, API and hostile-input suites again under CPython's debug allocator (buffer
 # over/underruns, use after free, API misuse by the extension are fatal there). ~50 s.
-(cd /tmp && PYTHONMALLOC=debug python3 -m pytest -q -p no:cacheprovider "$repo/tests/test_flatten.py" \
-    "$repo/tests/test_api.py" "$repo/tests/test_integrity.py" "$repo/tests/test_hostile.py" "$repo/tests/test_io_errors.py")
+(cd /tmp && PYTHONMALLOC=debug python3 -m pytest -q -p no:cacheprovider "$repo/tests/format/test_flatten.py" \
+    "$repo/tests/test_api.py" "$repo/tests/format/test_integrity.py" "$repo/tests/format/test_hostile.py" "$repo/tests/save/test_io_errors.py")

@@ -23,13 +23,13 @@ unset CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER
 
 echo "== pytest subset under valgrind"
 subset=(
-    "$repo/tests/test_core.py::test_write_read_round_trip"
-    "$repo/tests/test_core.py::test_flipped_byte_raises_checksum_mismatch"
-    "$repo/tests/test_core.py::test_truncated_file_is_corrupt"
-    "$repo/tests/test_core.py::test_crc32c_matches_reference"
-    "$repo/tests/test_core.py::test_full_disk_is_enospc"
-    "$repo/tests/test_integrity.py::test_seal_covers_a_dict_key_and_a_value"
-    "$repo/tests/test_integrity.py::test_a_payload_class_never_runs_unless_allow_listed"
+    "$repo/tests/engine/test_core.py::test_write_read_round_trip"
+    "$repo/tests/engine/test_core.py::test_flipped_byte_raises_checksum_mismatch"
+    "$repo/tests/engine/test_core.py::test_truncated_file_is_corrupt"
+    "$repo/tests/engine/test_core.py::test_crc32c_matches_reference"
+    "$repo/tests/engine/test_core.py::test_full_disk_is_enospc"
+    "$repo/tests/format/test_integrity.py::test_seal_covers_a_dict_key_and_a_value"
+    "$repo/tests/format/test_integrity.py::test_a_payload_class_never_runs_unless_allow_listed"
 )
 (cd /tmp && PYTHONMALLOC=malloc "${vg[@]}" --log-file="$log_dir/python-%p.log" \
     python3 -m pytest "${subset[@]}" -q -p no:cacheprovider -x)

@@ -8,18 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 import fastpersist as fp
-from fastpersist import _core
 
-
-def available_backends() -> list[str]:
-    backends = ["threads"]
-    try:
-        _core.select_backend("io_uring")
-    except fp.BackendUnavailableError:
-        pass
-    else:
-        backends.insert(0, "io_uring")
-    return backends
+from backends import available_backends
 
 
 @pytest.fixture(params=available_backends())

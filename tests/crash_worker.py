@@ -1,4 +1,4 @@
-"""The child side of the kill -9 campaign (tests/test_crash.py), started through a forkserver.
+"""The child side of the kill -9 campaign (tests/save/test_crash.py), started through a forkserver.
 
 The child saves a state that changes every step, forever, until the test kills it. It marks
 the phase it is in (one byte in a shared file) at the Python-visible boundaries of a save, so
@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 import fastpersist as fp
-from fastpersist import _core, checkpointer, saving
+from fastpersist import _core, checkpointer
+from fastpersist.save import job as saving
 
 #: Phase codes written into the marker byte.
 PHASES = ["starting", "idle", "staging", "writing+fsync", "manifest", "rename", "index+retention"]

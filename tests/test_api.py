@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist.manifest import seal
+from fastpersist.format.manifest import seal
 
 from training import make_run, restore, seed_all, train_step, training_state
 
@@ -140,7 +140,8 @@ def test_out_missing_key_or_mismatch_names_the_key_and_leaves_out_untouched(work
 
 
 def test_out_reads_through_a_bounded_window(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fastpersist import _core, fill
+    from fastpersist import _core
+    from fastpersist.load import fill
 
     path = os.path.join(workdir, "window")
     saved = {f"t{i}": torch.full(((1 << 20) // 4,), float(i)) for i in range(12)}  # 12 MiB
@@ -155,7 +156,7 @@ def test_out_reads_through_a_bounded_window(workdir: str, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(fill._core, "PagedBuffer", recording)
     monkeypatch.setattr(fill, "stream_windows", lambda m: fill_windows(m, 3 << 20))
-    from fastpersist.reading import stream_windows as fill_windows
+    from fastpersist.load.reading import stream_windows as fill_windows
 
     out = {k: torch.zeros_like(v) for k, v in saved.items() if k != "tied"}
     state = fp.load(path, out=out)
@@ -346,3 +347,17 @@ def test_shared_storage_stays_shared_after_load(workdir: str) -> None:
     state = fp.load(path)
     state["w"][10] = -1.0
     assert state["view"][0].item() == -1.0
+
+
+def test_a_checksum_error_names_a_strided_tensor_by_its_whole_span(workdir: str) -> None:
+    base = torch.zeros(4096)
+    state = {"strided": base.as_strided((4,), (1024,)), "head": base[:1]}  # share one 16 KiB blob
+    path = os.path.join(workdir, "strided")
+    fp.save(state, path, config=fp.Config(chunk_bytes=4096))
+    data = next(n for n in os.listdir(path) if n.endswith(".bin"))
+    with open(os.path.join(path, data), "r+b") as f:
+        f.seek(9000)  # the third chunk: inside state.strided's span, past its first 16 bytes
+        f.write(b"\xff")
+    with pytest.raises(fp.ChecksumMismatchError) as caught:
+        fp.load(path)
+    assert caught.value.tensors == ["state.strided"]

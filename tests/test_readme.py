@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from fastpersist import cli
+from fastpersist.tools import cli
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 SLOW_COMMANDS = {"demo", "bench"}  # run at small sizes by test_cli.py and test_bench.py

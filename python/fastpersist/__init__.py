@@ -21,7 +21,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .futures import SaveFuture
-from .torchfile import torch_save
+from .interop.torchfile import torch_save
 
 __version__: str = _core.__version__
 

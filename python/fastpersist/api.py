@@ -12,16 +12,16 @@ import torch
 
 from . import _core
 from .config import Config, SaveResult
-from .confine import check_data_files, check_shard_dir
 from .errors import CorruptCheckpointError
-from .fill import fill_by_key
-from .flatten import dtype_itemsize, materialize, unflatten
+from .format.confine import check_data_files, check_shard_dir
+from .format.flatten import dtype_itemsize, materialize, unflatten
+from .format.manifest import Manifest, read_manifest
 from .futures import SaveFuture, SaveJobLike
+from .load.fill import fill_by_key
+from .load.maplocation import MapLocation, MappedStorages, check_load_flags, map_tensor
+from .load.reading import blob_buffers, checksum_error, read_stream, windowable
 from .logs import log_load
-from .manifest import read_manifest
-from .maplocation import MapLocation, MappedStorages, check_load_flags, map_tensor
-from .reading import blob_buffers, checksum_error, read_stream, windowable
-from .saving import SaveJob
+from .save.job import SaveJob
 
 __all__ = ["inspect", "load", "save", "save_async", "verify"]
 
@@ -36,10 +36,10 @@ def _start(
     config = config or Config()
     # The engine always runs on its own thread, so that waiting for it can be interrupted.
     if group is None and not sharded:
-        return SaveJob(state, path, config, background=True)
-    from .distributed import GroupSaveJob
+        return SaveJob(path, config).start(state)
+    from .save.group import GroupSaveJob
 
-    return GroupSaveJob(state, path, config, group, sharded=sharded, background=True)
+    return GroupSaveJob(path, config, group, sharded=sharded).start(state)
 
 
 def save(
@@ -98,8 +98,6 @@ def save_async(
     return SaveFuture(_start(state, path, config, group, sharded))
 
 
-
-
 def load(
     path: str | os.PathLike[str],
     map_location: MapLocation = None,
@@ -124,7 +122,7 @@ def load(
     Args:
         map_location: as in ``torch.load`` (also positional): ``None`` (the device each tensor
             was saved from), a device, a ``{saved: target}`` dict, or ``fn(storage, location)``
-            returning a storage (see :mod:`fastpersist.maplocation`).
+            returning a storage (see :mod:`fastpersist.load.maplocation`).
         weights_only: accepted for ``torch.load`` compatibility and has no effect: loading never
             unpickles, so every load is weights-only.
         mmap: accepted for ``torch.load`` compatibility; data is always read into memory with
@@ -172,38 +170,59 @@ def load(
         )
     if shard is not None:
         raise ValueError(f"{root} is not sharded; load it without shard=")
+    return _load_one(root, m, map_location, verify, out, config, namedtuple_types)
+
+
+def _load_one(
+    root: str,
+    m: Manifest,
+    map_location: MapLocation,
+    verify: bool,
+    out: object,
+    config: Config,
+    namedtuple_types: Iterable[type],
+) -> Any:
+    """Loads one (unsharded) checkpoint whose manifest `m` is already validated."""
     check_data_files(root, m, config.stripes)  # before allocating: sizes, links, confinement
-    read_started = time.perf_counter()
-    if out is not None and windowable(m):
-        mapped_out: MappedStorages = {}
-        state = fill_by_key(
-            out,
-            root,
-            m,
-            verify,
-            config,
-            lambda t, rec: map_tensor(map_location, t, rec.device, mapped_out),
-            namedtuple_types=namedtuple_types,
+    if out is not None and not windowable(m):
+        raise CorruptCheckpointError(
+            f"{root}/manifest.json: its files do not start on chunk boundaries (fastpersist never writes "
+            "such a layout), so out= cannot be filled window by window"
         )
-        log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
-        return state
-    buffers = blob_buffers(read_stream(root, m, verify, config), m)
+    read_started = time.perf_counter()
+    mapped: MappedStorages = {}
+
+    def place(t: torch.Tensor, device: str) -> torch.Tensor:
+        return map_tensor(map_location, t, device, mapped)
+
+    if out is not None:
+        state = fill_by_key(
+            out, root, m, verify, config, lambda t, rec: place(t, rec.device), namedtuple_types=namedtuple_types
+        )
+    else:
+        state = _load_new(root, m, verify, config, place, namedtuple_types)
     log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
+    return state
+
+
+def _load_new(
+    root: str,
+    m: Manifest,
+    verify: bool,
+    config: Config,
+    place: Callable[[torch.Tensor, str], torch.Tensor],
+    namedtuple_types: Iterable[type],
+) -> Any:
+    """Reads the stream and builds a new state (each large tensor owning its pages)."""
+    buffers = blob_buffers(read_stream(root, m, verify, config), m)
     try:
         tensors = materialize(m.tensors, buffers)
     except ValueError as e:
         raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
     del buffers
-    mapped: MappedStorages = {}
     tensors = [
-        map_tensor(map_location, t, rec.device, mapped) if isinstance(t, torch.Tensor) else t
-        for t, rec in zip(tensors, m.tensors, strict=True)
+        place(t, rec.device) if isinstance(t, torch.Tensor) else t for t, rec in zip(tensors, m.tensors, strict=True)
     ]
-    if out is not None:
-        raise CorruptCheckpointError(
-            f"{root}/manifest.json: its files do not start on chunk boundaries (fastpersist never writes "
-            "such a layout), so out= cannot be filled window by window"
-        )
     try:
         return unflatten(m.tree, tensors, namedtuple_types=namedtuple_types)
     except ValueError as e:
@@ -216,7 +235,7 @@ def _shard_index(root: str, shard_count: int, group: object, shard: int | None) 
             raise ValueError(
                 f"{root} is sharded over {shard_count} ranks: load it with group= (a group of that size) or shard=k"
             )
-        from .distributed import group_rank_and_size
+        from .save.group import group_rank_and_size
 
         shard, size = group_rank_and_size(group)
         if size != shard_count:

@@ -15,6 +15,7 @@ backward.
 from __future__ import annotations
 
 import datetime
+import errno
 import functools
 import json
 import logging
@@ -28,11 +29,13 @@ from typing import Any, Literal
 from . import _core
 from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
 from .api import load, verify
+from .cleanup import INDEX_TMP
 from .config import Config, SaveResult
 from .errors import CorruptCheckpointError
+from .format.manifest import MANIFEST_NAME, read_manifest
+from .format.stripes import STRIPE_SUFFIX
 from .futures import SaveFuture, SaveJobLike
-from .manifest import MANIFEST_NAME, read_manifest
-from .saving import STRIPE_SUFFIX, SaveJob, pool_for, remove_checkpoint_tree
+from .save.job import SaveJob, pool_for, remove_checkpoint_tree
 
 __all__ = ["Checkpointer"]
 
@@ -40,7 +43,6 @@ log = logging.getLogger("fastpersist")
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _LEFTOVER_TMP = re.compile(r"^\.step-\d{8,}\.fptmp-[0-9a-f]{12}$")
-_LEFTOVER_INDEX = re.compile(r"^\.latest\.json\.tmp-\d+-\d+$")
 _LEFTOVER_STRIPE = re.compile(r"^step-\d{8,}\.[0-9a-f]{12}(\.[rw]\d+)?" + re.escape(STRIPE_SUFFIX) + "$")
 INDEX_NAME = "latest.json"
 
@@ -99,7 +101,7 @@ class Checkpointer:
         self.sharded = sharded
         self.rank = 0
         if group is not None:
-            from .distributed import group_rank_and_size
+            from .save.group import group_rank_and_size
 
             self.rank = group_rank_and_size(group)[0]
         self._future: SaveFuture | None = None
@@ -137,7 +139,7 @@ class Checkpointer:
         for name in os.listdir(self.root):
             if _LEFTOVER_TMP.match(name):
                 removed.append(os.path.join(self.root, name))
-            elif _LEFTOVER_INDEX.match(name):  # an index replacement killed before its rename
+            elif INDEX_TMP.match(name):  # an index replacement killed before its rename
                 os.unlink(os.path.join(self.root, name))
         referenced: set[str] = set()
         for step in self.steps():
@@ -164,7 +166,7 @@ class Checkpointer:
     def _config_for(self, state: object) -> Config:
         if self.config is not None:
             return self.config
-        from .flatten import flatten
+        from .format.flatten import flatten
 
         nbytes = sum(b.nbytes for b in flatten(state).blobs)
         chunk = Config().chunk_bytes
@@ -193,13 +195,12 @@ class Checkpointer:
                 self._pool = pool_for(config)  # held for this Checkpointer's life, reused by every save
             job: SaveJobLike
             if self.group is None:
-                job = SaveJob(state, self.path(step), config, background=True, pool=self._pool)
+                job = SaveJob(self.path(step), config, pool=self._pool).start(state)
             else:
-                from .distributed import GroupSaveJob
+                from .save.group import GroupSaveJob
 
-                job = GroupSaveJob(
-                    state, self.path(step), config, self.group, sharded=self.sharded, background=True, pool=self._pool
-                )
+                job = GroupSaveJob(self.path(step), config, self.group, sharded=self.sharded, pool=self._pool)
+                job.start(state)
             on_commit = functools.partial(self._after_commit, step) if self.rank == 0 else None
             self._future = SaveFuture(job, on_commit=on_commit)
             return self._future
@@ -314,7 +315,7 @@ class Checkpointer:
         if step is None:
             step = self.latest()
             if step is None:
-                raise FileNotFoundError(2, "no committed, verified checkpoint", self.root)
+                raise FileNotFoundError(errno.ENOENT, "no committed, verified checkpoint", self.root)
         with self.history.loading():
             return load(
                 self.path(step),

@@ -6,7 +6,8 @@ A save that dies (``kill -9``, power loss) before it commits leaves, beside its 
   when it died just after an atomic exchange, the replaced old checkpoint;
 * ``{name}.{id}[.rN|.wN].fpstripe`` directories under each stripe root that no committed
   checkpoint names;
-* ``.latest.json.tmp-*``: a :class:`Checkpointer` index being replaced.
+* ``.latest.json.tmp-*`` / ``.history.json.tmp-*``: a :class:`Checkpointer` index or cost
+  history being replaced.
 
 The committed checkpoints are never touched: a leftover has no manifest at a checkpoint path.
 ``Checkpointer`` cleans its own root when it starts; after plain :func:`fastpersist.save` calls,
@@ -22,16 +23,18 @@ import shutil
 import stat
 from collections.abc import Sequence
 
-from .confine import STRIPE_SUFFIX, remove_checkpoint_tree
 from .errors import FastPersistError
-from .manifest import MANIFEST_NAME, read_manifest
+from .format.confine import remove_checkpoint_tree
+from .format.manifest import MANIFEST_NAME, read_manifest
+from .format.stripes import STRIPE_SUFFIX
 
-__all__ = ["clean"]
+__all__ = ["INDEX_TMP", "clean"]
 
 log = logging.getLogger("fastpersist")
 
 _TMP_DIR = re.compile(r"^\.(.+)\.fptmp-([0-9a-f]{12})$")
-_INDEX_TMP = re.compile(r"^\.latest\.json\.tmp-\d+-\d+$")
+#: A Checkpointer's index (latest.json) or cost history (history.json) being replaced.
+INDEX_TMP = re.compile(r"^\.(?:latest|history)\.json\.tmp-\d+-\d+$")
 _STRIPE_DIR = re.compile(r"^(.+)\.([0-9a-f]{12})(?:\.[rw]\d{1,6})?" + re.escape(STRIPE_SUFFIX) + "$")
 
 
@@ -91,7 +94,7 @@ def clean(
             removed.append(path)
             if not dry_run:
                 remove_checkpoint_tree(path, stripes)
-        elif _INDEX_TMP.match(name) and stat.S_ISREG(st.st_mode):
+        elif INDEX_TMP.match(name) and stat.S_ISREG(st.st_mode):
             removed.append(path)
             if not dry_run:
                 os.unlink(path)

@@ -11,10 +11,11 @@
 See docs/advisor.md.
 """
 
-from .advise import Advice, advise
+from .advise import advise
 from .devinfo import DeviceInfo, device_info
 from .history import SaveHistory
 from .model import Costs, Outcome, best_every, daly_interval_s, job_mtbf_s, outcome, young_interval_s
+from .report import Advice
 from .wear import Endurance, WearLog
 
 __all__ = [

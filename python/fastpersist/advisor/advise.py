@@ -2,104 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Any
 
 from .devinfo import DeviceInfo, device_info
 from .model import Costs, Outcome, best_every, daly_interval_s, job_mtbf_s, outcome, young_interval_s
+from .report import Advice
 from .sources import Measured, from_bench, from_history, from_root
-from .wear import Endurance, bytes_per_day_allowed, days_of_endurance
+from .wear import Endurance, bytes_per_day_allowed
 
-__all__ = ["Advice", "advise"]
-
-
-@dataclass(frozen=True)
-class Advice:
-    """What :func:`advise` concludes, with every input it used.
-
-    Attributes:
-        costs: the per-save costs used (see :class:`~fastpersist.advisor.model.Costs`).
-        mtbf_s: the job's mean time between failures used.
-        where: for each input, what was measured or that it was given or assumed.
-        young_s, daly_s: the optimal compute time between saves (Young; Daly's higher order).
-        every_step: the outcome of checkpointing every step.
-        best: the outcome at the recommended interval.
-        current: the outcome at the caller's current ``every``, if known.
-        drives: drives one checkpoint is spread over (wear is per drive).
-        endurance: one drive's rated endurance, if known.
-        until: the date the drives must last to, if given.
-        wear_fit: the shortest interval whose wear lets the drives last until `until` (with `endurance`).
-        observed_bytes_per_day: the write rate in the source's wear log, all drives together.
-        observed_daily: bytes written per UTC day (``YYYY-MM-DD``) in that log, all targets together.
-        devices: what "durable" means on each target directory.
-        warnings: what the caller should know, in words.
-    """
-
-    costs: Costs
-    mtbf_s: float
-    where: dict[str, str]
-    young_s: float
-    daly_s: float
-    every_step: Outcome
-    best: Outcome
-    current: Outcome | None
-    drives: int
-    endurance: Endurance | None
-    until: datetime.date | None
-    wear_fit: Outcome | None
-    observed_bytes_per_day: float | None
-    observed_daily: dict[str, int] = field(default_factory=dict)
-    devices: list[DeviceInfo] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-    def bytes_per_drive_day(self, o: Outcome) -> float:
-        """Bytes each drive takes per day at `o`'s interval."""
-        return o.bytes_per_day / self.drives
-
-    def endurance_days(self, o: Outcome) -> float | None:
-        """Days until a drive's remaining endurance is used up at `o`'s interval (None: unknown)."""
-        return None if self.endurance is None else days_of_endurance(self.endurance, self.bytes_per_drive_day(o))
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (``fastpersist advise --json``)."""
-
-        def row(o: Outcome | None) -> dict[str, Any] | None:
-            if o is None:
-                return None
-            days = self.endurance_days(o)
-            return {
-                **dataclasses.asdict(o),
-                "bytes_per_drive_day": self.bytes_per_drive_day(o),
-                "endurance_days": None if days is None or math.isinf(days) else days,
-            }
-
-        return {
-            "costs": dataclasses.asdict(self.costs),
-            "mtbf_s": self.mtbf_s,
-            "where": self.where,
-            "young_s": self.young_s,
-            "daly_s": self.daly_s,
-            "every_step": row(self.every_step),
-            "best": row(self.best),
-            "current": row(self.current),
-            "wear_fit": row(self.wear_fit),
-            "drives": self.drives,
-            "endurance": None if self.endurance is None else dataclasses.asdict(self.endurance),
-            "until": None if self.until is None else self.until.isoformat(),
-            "observed_bytes_per_day": self.observed_bytes_per_day,
-            "observed_daily": self.observed_daily,
-            "devices": [d.to_json() for d in self.devices],
-            "warnings": self.warnings,
-        }
-
-    def __str__(self) -> str:
-        from .report import format_advice
-
-        return format_advice(self)
+__all__ = ["advise"]
 
 
 def _measured(source: object) -> Measured:

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from ..config import SaveResult
 from ..errors import CorruptCheckpointError
-from ..manifest import read_manifest
+from ..format.manifest import read_manifest
 from .model import Costs, best_every
 from .wear import WearLog
 

@@ -7,6 +7,7 @@ that number, and whose ``where`` says, for each field it filled, what exactly wa
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import dataclass, field
@@ -88,7 +89,9 @@ def from_root(root: str | os.PathLike[str]) -> Measured:
     root = os.fspath(root)
     doc = read_history(root)
     if doc is None:
-        raise FileNotFoundError(2, f"no readable {HISTORY_NAME}: has a Checkpointer committed a save here?", root)
+        raise FileNotFoundError(
+            errno.ENOENT, f"no readable {HISTORY_NAME}: has a Checkpointer committed a save here?", root
+        )
     return _from_doc(doc, os.path.join(root, HISTORY_NAME))
 
 

@@ -33,7 +33,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from ..api import load, save
 from ..config import Config
-from ..manifest import MANIFEST_NAME
+from ..format.manifest import MANIFEST_NAME
 
 __all__ = ["FastPersistCheckpointIO"]
 

@@ -1,0 +1,139 @@
+"""Confinement: fastpersist reads, writes and deletes only inside a checkpoint and its stripes.
+
+A manifest is hostile input. The paths it can make fastpersist touch are:
+
+* data files named ``[A-Za-z0-9][A-Za-z0-9._-]*`` directly inside the checkpoint directory, or
+  inside one of its stripe directories (``manifest.py`` checks the names);
+* stripe directories: absolute, normalised paths (no ``..``, no ``//``, no NUL) whose last
+  component is ``{name}.{id}[.rN|.wN].fpstripe`` where ``id`` is the first 12 hex digits of the
+  manifest's own ``checkpoint_id`` (:func:`fastpersist.format.stripes.check_stripe_dirs`).
+
+On top of those name rules, at use time (:func:`check_data_files`): every data file must be a
+regular file, not a symbolic link, of exactly its recorded length; every stripe directory and
+shard directory a real directory, not a link; and when the caller configured stripe roots
+(``Config(stripes=...)``), every stripe directory must sit directly in one of them. Deletion
+(:func:`remove_checkpoint_tree`) is stricter still: a stripe directory named by a manifest is
+deleted only when it sits directly in a stripe root the caller configured, so a damaged or
+hostile manifest can never make fastpersist delete anything else.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+from collections.abc import Sequence
+
+from ..errors import CorruptCheckpointError
+from .manifest import Manifest, read_manifest
+from .stripes import stripe_dir_id
+
+__all__ = [
+    "check_data_files",
+    "check_shard_dir",
+    "remove_checkpoint_tree",
+]
+
+log = logging.getLogger("fastpersist")
+
+
+def _real_roots(stripe_roots: Sequence[str | os.PathLike[str]] | None) -> set[str] | None:
+    if not stripe_roots:
+        return None
+    return {os.path.realpath(os.fspath(r)) for r in stripe_roots}
+
+
+def _under_roots(directory: str, roots: set[str]) -> bool:
+    return os.path.realpath(os.path.dirname(directory)) in roots
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def check_shard_dir(root: str, name: str) -> str:
+    """``root/name`` if it is a real directory (a shard), not a link out of the checkpoint."""
+    path = os.path.join(root, name)
+    st = _lstat(path)
+    if st is None:
+        raise CorruptCheckpointError(f"shard directory {path} named in {root}/manifest.json is missing")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CorruptCheckpointError(f"{path} is not a directory (a link?); a shard is a plain directory")
+    return path
+
+
+def check_data_files(root: str, m: Manifest, stripe_roots: Sequence[str | os.PathLike[str]] | None = None) -> int:
+    """Checks every data file before anything is read or allocated; returns their total bytes.
+
+    Each file must be a regular file (not a link) of exactly its recorded length, so appended
+    garbage and truncation are caught here, and no buffer larger than the files on disk is
+    ever allocated. Stripe directories must be real directories, and inside the configured
+    stripe roots when `stripe_roots` is given.
+
+    Raises:
+        CorruptCheckpointError: naming the file and what is wrong with it.
+    """
+    roots = _real_roots(stripe_roots)
+    for d in m.stripes:
+        st = _lstat(d)
+        if st is None:
+            continue  # its files are reported missing below
+        if not stat.S_ISDIR(st.st_mode):
+            raise CorruptCheckpointError(f"stripe directory {d} of {root} is not a plain directory (a link?)")
+        if roots is not None and not _under_roots(d, roots):
+            raise CorruptCheckpointError(
+                f"stripe directory {d} of {root} is outside the configured stripe roots {sorted(roots)}"
+            )
+    total = 0
+    for f in m.files:
+        path = m.file_path(root, f)
+        st = _lstat(path)
+        if st is None:
+            raise CorruptCheckpointError(f"data file {path} named in {root}/manifest.json is missing")
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"data file {path} is not a regular file (a link?)")
+        if st.st_size != f.len_bytes:
+            how = "truncated" if st.st_size < f.len_bytes else "bytes appended"
+            raise CorruptCheckpointError(
+                f"{path} has the wrong size ({how}?): expected {f.len_bytes} bytes, found {st.st_size}"
+            )
+        total += st.st_size
+    return total
+
+
+def remove_checkpoint_tree(root: str, stripe_roots: Sequence[str | os.PathLike[str]] | None) -> None:
+    """Deletes the checkpoint directory `root` and its stripe directories inside `stripe_roots`.
+
+    Stripe directories named by the manifest (or its shards' manifests) are deleted only if
+    they are real directories directly inside a configured stripe root and carry the stripe
+    naming; any other one is left alone and logged. ``shutil.rmtree`` never follows links.
+    """
+
+    roots = _real_roots(stripe_roots) or set()
+    stripes: list[str] = []
+    try:
+        manifest = read_manifest(root)
+    except Exception:
+        manifest = None
+    if manifest is not None:
+        stripes.extend(manifest.stripes)
+        for shard in manifest.shards:
+            try:
+                stripes.extend(read_manifest(os.path.join(root, shard)).stripes)
+            except Exception:
+                pass
+    for d in stripes:
+        st = _lstat(d)
+        if st is None:
+            continue
+        if stat.S_ISDIR(st.st_mode) and stripe_dir_id(os.path.basename(d)) and _under_roots(d, roots):
+            shutil.rmtree(d, ignore_errors=True)
+        else:
+            log.warning("not deleting %s (named by %s): outside the configured stripe roots", d, root)
+    st = _lstat(root)
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,468 @@
+"""The save side: walk a nested training state into a JSON tree spec, tensor records and blobs.
+
+`flatten` is the entry point. The bytes to write are `Blob`s (`fastpersist.format.blobs`), the read
+side (`unflatten`, `materialize`) lives in `fastpersist.format.unflatten` and the record format
+(`TensorRecord`, dtype tables, JSON form) in `fastpersist.format.records`; their public names are
+re-exported here, so `fastpersist.format.flatten` offers the whole round trip.
+
+Example:
+    >>> import torch
+    >>> flat = flatten({"w": torch.ones(2), "step": 3})
+    >>> [r.key_path for r in flat.tensors], len(flat.blobs)
+    (['state.w'], 1)
+    >>> bufs = [torch.tensor(b.data.copy()) for b in flat.blobs]   # as if read from disk
+    >>> unflatten(flat.spec, materialize(flat.tensors, bufs))
+    {'w': tensor([1., 1.]), 'step': 3}
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import gc
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import device as _device
+from ..device import copier_for as _copier_for
+from ..errors import UnsupportedValueError
+from .blobs import U8, Blob, byte_view
+from .records import (
+    CANONICAL_CACHE,
+    ITEMSIZE,
+    MAX_DEPTH,
+    NUMPY_KINDS,
+    SPEC_VERSION,
+    TORCH_DTYPE_NAME,
+    TORCH_DTYPES,
+    TensorRecord,
+    canonical_layout,
+    dtype_itemsize,
+    records_from_json,
+    records_to_json,
+    span_elems,
+)
+from .unflatten import materialize, unflatten
+
+__all__ = [
+    "MAX_DEPTH",
+    "SPEC_VERSION",
+    "TORCH_DTYPES",
+    "Blob",
+    "FlatState",
+    "TensorRecord",
+    "dtype_itemsize",
+    "flatten",
+    "materialize",
+    "records_from_json",
+    "records_to_json",
+    "unflatten",
+]
+
+_SUPPORTED = (
+    "Supported: torch tensors (strided, non-quantized, any plain dtype), numpy arrays of "
+    "numeric/bool/datetime/string dtypes, dict, OrderedDict, list, tuple, namedtuple, None, "
+    "bool, int, float, complex, str, bytes, torch.dtype, torch.Size, torch.device and numpy "
+    "scalars"
+)
+
+_STRIDED = torch.strided
+
+
+def _device_seam_active() -> bool:
+    """Whether a copier was installed with fastpersist.save.device.use_copier (tests)."""
+    return _device._installed is not None
+
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_OrderedDict = collections.OrderedDict
+
+
+@dataclass(slots=True)
+class FlatState:
+    """The result of `flatten`: a JSON-ready spec, one record per tensor leaf, the blobs.
+
+    Example:
+        >>> flat = flatten([torch.zeros(1), 2.5])
+        >>> len(flat.tensors), flat.spec["root"]["t"]
+        (1, 'list')
+    """
+
+    spec: dict[str, Any]
+    tensors: list[TensorRecord]
+    blobs: list[Blob]
+    #: The tensor / array object behind each record (same order), e.g. for filling in place.
+    leaves: list[object] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- flatten
+
+
+def flatten(state: object, *, root_name: str = "state") -> FlatState:
+    """Split `state` into a JSON-serialisable spec, tensor records and byte blobs.
+
+    Tensors sharing a storage (tied weights, views) go into one blob and come back sharing
+    it; the same tensor object reached twice is recorded once. Raises UnsupportedValueError,
+    naming the key path, for any leaf or key the format cannot hold and for cycles.
+
+    Example:
+        >>> flat = flatten({"opt": {"state": {0: {"step": torch.tensor(2.0)}}}})
+        >>> flat.tensors[0].key_path
+        'state.opt.state[0].step'
+    """
+    walker = _Walker()
+    # The walk allocates a few objects per leaf and no cycles; collections triggered by
+    # them would cost more than the walk itself on a state of many small tensors.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        root = walker.node(state, root_name, 0)
+        walker.finish()
+    except RecursionError:
+        raise UnsupportedValueError(f"at key path {root_name}: the state is nested too deeply to save") from None
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    return FlatState({"spec_version": SPEC_VERSION, "root": root}, walker.records, walker.blobs, walker.leaves)
+
+
+def _type_name(cls: type) -> str:
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _unsupported(path: str, x: object, why: str = "") -> UnsupportedValueError:
+    why = f" ({why})" if why else ""
+    return UnsupportedValueError(
+        f"at key path {path}: cannot save value of type {_type_name(type(x))}{why}. {_SUPPORTED}."
+    )
+
+
+def _safe_repr(k: object) -> str:
+    try:
+        return repr(k)
+    except ValueError:  # an int past sys.get_int_max_str_digits()
+        return hex(k) if isinstance(k, int) else f"<{type(k).__name__}>"
+
+
+def _int_text(x: int) -> str:
+    try:
+        return str(x)
+    except ValueError:  # too many digits for decimal conversion; hex has no limit
+        return hex(x)
+
+
+def _float_text(x: float) -> str:
+    if math.isnan(x) and math.copysign(1.0, x) < 0:
+        return "-nan"  # float.hex drops the sign of a NaN
+    return x.hex()
+
+
+def _enc_int(x: int) -> dict[str, Any]:
+    return {"t": "int", "v": _int_text(x)}
+
+
+def _enc_float(x: float) -> dict[str, Any]:
+    return {"t": "float", "v": _float_text(x)}
+
+
+def _enc_complex(x: complex) -> dict[str, Any]:
+    return {"t": "complex", "re": _float_text(x.real), "im": _float_text(x.imag)}
+
+
+def _enc_bytes(x: bytes) -> dict[str, Any]:
+    return {"t": "bytes", "v": base64.b64encode(x).decode("ascii")}
+
+
+def _enc_dtype(x: torch.dtype) -> dict[str, Any]:
+    return {"t": "dtype", "v": str(x).removeprefix("torch.")}
+
+
+def _enc_size(x: torch.Size) -> dict[str, Any]:
+    return {"t": "size", "v": list(x)}
+
+
+def _enc_device(x: torch.device) -> dict[str, Any]:
+    return {"t": "device", "v": str(x)}
+
+
+_VALUE_ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
+    int: _enc_int,
+    float: _enc_float,
+    complex: _enc_complex,
+    bytes: _enc_bytes,
+    torch.dtype: _enc_dtype,
+    torch.Size: _enc_size,
+    torch.device: _enc_device,
+}
+_KEY_ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
+    int: _enc_int,
+    float: _enc_float,
+    bytes: _enc_bytes,
+    torch.dtype: _enc_dtype,
+}
+
+
+class _Walker:
+    """Depth-first walk building the spec, with tensor records and blobs made on the way.
+
+    A storage's first tensor gets a blob of its own at once (zero-copy when contiguous on
+    CPU); when a second tensor of the same storage shows up, `finish` replaces that blob by
+    one covering the storage range of all of them.
+    """
+
+    __slots__ = ("_groups", "_index", "_on_path", "_storages", "blobs", "leaves", "records")
+
+    def __init__(self) -> None:
+        self.records: list[TensorRecord] = []
+        self.leaves: list[object] = []
+        self.blobs: list[Blob] = []
+        self._index: dict[int, int] = {}
+        self._on_path: set[int] = set()
+        self._storages: dict[object, int] = {}  # storage -> record of its first tensor
+        self._groups: dict[object, list[tuple[int, torch.Tensor, str]]] = {}
+
+    def node(self, x: object, path: str, depth: int) -> Any:
+        cls = type(x)
+        if cls is _Tensor or cls is _Parameter:
+            i = self._index.get(id(x))
+            if i is None:
+                i = self._index[id(x)] = len(self.records)
+                self.leaves.append(x)
+                self._tensor(x, path, i)  # type: ignore[arg-type]
+            return {"t": "tensor", "i": i}
+        if cls is str or cls is bool or x is None:
+            return x
+        if cls is dict or cls is _OrderedDict:
+            return self._mapping(x, path, depth, "dict" if cls is dict else "odict")  # type: ignore[arg-type]
+        if cls is list or cls is tuple:
+            return {"t": cls.__name__, "v": self._items(x, path, depth)}  # type: ignore[arg-type]
+        encoder = _VALUE_ENCODERS.get(cls)
+        if encoder is not None:
+            return encoder(x)
+        if cls is np.ndarray or cls is np.memmap:
+            i = self._index.get(id(x))
+            if i is None:
+                i = self._index[id(x)] = len(self.records)
+                self.leaves.append(x)
+                self._array(x, path)  # type: ignore[arg-type]
+            return {"t": "tensor", "i": i}
+        return self._other(x, path, depth)
+
+    def _enter(self, x: object, path: str, depth: int) -> None:
+        if depth >= MAX_DEPTH:
+            raise UnsupportedValueError(f"at key path {path}: containers nested deeper than {MAX_DEPTH} levels")
+        if id(x) in self._on_path:
+            raise UnsupportedValueError(f"at key path {path}: cyclic reference (a container that contains itself)")
+        self._on_path.add(id(x))
+
+    def _mapping(self, x: dict[Any, Any], path: str, depth: int, tag: str) -> dict[str, Any]:
+        self._enter(x, path, depth)
+        keys: list[Any] = []
+        values: list[Any] = []
+        for k, v in x.items():
+            if type(k) is str:
+                keys.append(k)
+                child = f"{path}.{k}" if k.isidentifier() else f"{path}[{k!r}]"
+            else:
+                keys.append(self._key(k, path, depth))
+                child = f"{path}[{_safe_repr(k)}]"
+            values.append(self.node(v, child, depth + 1))
+        node = {"t": tag, "k": keys, "v": values}
+        # Module.state_dict() keeps per-module versions in `_metadata`; load_state_dict uses
+        # them to upgrade old layouts, and torch.save keeps them, so we do too.
+        meta = vars(x).get("_metadata") if tag == "odict" else None
+        if meta is not None:
+            node["meta"] = self.node(meta, f"{path}._metadata", depth + 1)
+        self._on_path.discard(id(x))
+        return node
+
+    def _items(self, x: list[Any] | tuple[Any, ...], path: str, depth: int) -> list[Any]:
+        self._enter(x, path, depth)
+        out = [self.node(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(x)]
+        self._on_path.discard(id(x))
+        return out
+
+    def _key(self, k: object, path: str, depth: int) -> Any:
+        cls = type(k)
+        if cls is str or cls is bool or k is None:
+            return k
+        encoder = _KEY_ENCODERS.get(cls)
+        if encoder is not None:
+            return encoder(k)
+        if cls is tuple:
+            if depth >= MAX_DEPTH:
+                raise UnsupportedValueError(f"at key path {path}: dict key nested too deeply")
+            return {"t": "tuple", "v": [self._key(e, path, depth + 1) for e in k]}  # type: ignore[attr-defined]
+        raise UnsupportedValueError(
+            f"at key path {path}: cannot save a dict key of type {_type_name(cls)} "
+            f"({_safe_repr(k)[:80]}). Dict keys may be str, int, float, bool, None, bytes, "
+            "torch.dtype or tuples of those"
+        )
+
+    def _other(self, x: object, path: str, depth: int) -> Any:
+        cls = type(x)
+        if isinstance(x, tuple):
+            fields = getattr(cls, "_fields", None)
+            if isinstance(fields, tuple) and all(type(f) is str for f in fields):
+                return {
+                    "t": "ntuple",
+                    "module": cls.__module__,
+                    "name": cls.__qualname__,
+                    "fields": list(fields),
+                    "v": self._items(x, path, depth),
+                }
+        if cls is np.str_:  # its dtype and bytes lose trailing NULs; the str does not
+            return {"t": "np_str", "v": str.__str__(x)}
+        if cls is np.bytes_:
+            return {"t": "np_bytes", "v": base64.b64encode(bytes(x)).decode("ascii")}  # type: ignore[call-overload]
+        if isinstance(x, np.generic):
+            a = np.asarray(x)
+            dt = a.dtype
+            if dt.kind not in NUMPY_KINDS or dt.hasobject or dt.names is not None:
+                raise _unsupported(path, x, f"numpy dtype {dt}")
+            return {"t": "np", "dtype": dt.str, "v": base64.b64encode(a.tobytes()).decode("ascii")}
+        if isinstance(x, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
+            raise _unsupported(path, x, "an uninitialized lazy parameter or buffer has no data")
+        if isinstance(x, torch.Tensor):
+            raise _unsupported(path, x, "tensor subclass; convert it with .as_subclass(torch.Tensor)")
+        if isinstance(x, np.ndarray):
+            raise _unsupported(path, x, "ndarray subclass; convert it with np.asarray")
+        if isinstance(x, (dict, list, tuple, int, float, str, bytes, complex)):
+            raise _unsupported(path, x, "a subclass of a supported type; convert it to the base type")
+        raise _unsupported(path, x)
+
+    # This runs once per tensor of the state: every attribute read here costs ~0.1 us.
+    def _tensor(self, x: torch.Tensor, path: str, i: int) -> None:
+        name = TORCH_DTYPE_NAME.get(x.dtype)
+        cpu = x.is_cpu
+        if name is None or x.layout is not _STRIDED or x.is_nested or (not cpu and x.is_meta):
+            raise _tensor_error(x, path)
+        plain = not (x.is_conj() or x.is_neg())
+        # Empty tensors may all report data_ptr 0, and conj/neg views are not their raw
+        # storage bytes: both always get a blob of their own.
+        numel = x.numel()
+        if plain and numel:
+            ptr = x.untyped_storage().data_ptr()
+            key = ptr if cpu else (ptr, str(x.device))
+            first = self._storages.get(key)
+            if first is None:
+                self._storages[key] = i
+            else:
+                group = self._groups.get(key)
+                if group is None:
+                    rec = self.records[first]
+                    owner: torch.Tensor = self.blobs[rec.blob].source  # type: ignore[assignment]
+                    group = self._groups[key] = [(first, owner, rec.key_path)]
+                group.append((i, x, path))
+                self.records.append(None)  # type: ignore[arg-type]  # filled by finish()
+                return
+        data = None
+        source = x
+        copier = _copier_for(x) if numel and (not cpu or _device_seam_active()) else None
+        if not numel:
+            data = np.empty(0, U8)  # an empty tensor's strides need not allow a byte view
+        elif copier is not None:
+            if not (plain and x.is_contiguous()):  # rare: made contiguous on its device
+                source = x.detach().resolve_conj().resolve_neg().contiguous()
+        elif not (plain and cpu and x.is_contiguous()):
+            data = byte_view(x.detach().resolve_conj().resolve_neg().contiguous().cpu())
+        size = x.shape
+        canonical = CANONICAL_CACHE.get(size) or canonical_layout(size)
+        version = None
+        if data is None and source is x:  # the source itself, not a copy: the guard watches it
+            try:
+                version = x._version
+            except RuntimeError:  # inference tensors track no version
+                pass
+        self.records.append(
+            TensorRecord(
+                path,
+                "torch",
+                name,
+                list(canonical[0]),
+                list(canonical[1]),
+                len(self.blobs),
+                0,
+                "cpu" if cpu else str(x.device),
+                x.requires_grad,
+                type(x) is _Parameter,
+            )
+        )
+        self.blobs.append(Blob(data, source, version, numel * ITEMSIZE[name], copier))
+
+    def _array(self, a: np.ndarray, path: str) -> None:
+        dt = a.dtype
+        if dt.kind not in NUMPY_KINDS or dt.hasobject or dt.names is not None or dt.itemsize == 0:
+            raise _unsupported(path, a, f"numpy dtype {dt}; use a numeric, bool, datetime or string dtype")
+        shape, stride = canonical_layout(a.shape)
+        self.records.append(
+            TensorRecord(path, "numpy", dt.str, list(shape), list(stride), len(self.blobs), 0, "cpu", False, False)
+        )
+        self.blobs.append(Blob(np.ascontiguousarray(a).reshape(-1).view(U8), a, None))
+
+    def finish(self) -> None:
+        """Give every storage reached by two or more tensors one blob shared by all of them."""
+        for group in self._groups.values():
+            self._share(group)
+
+    def _share(self, group: list[tuple[int, torch.Tensor, str]]) -> None:
+        starts: list[int] = []
+        lo = hi = -1
+        for _, t, _ in group:
+            item = t.element_size()
+            start = int(t.storage_offset()) * item
+            starts.append(start)
+            lo = start if lo < 0 else min(lo, start)
+            hi = max(hi, start + span_elems(t.shape, t.stride()) * item)
+        # Each tensor starts a multiple of its own itemsize (at most 16) past the storage
+        # base, so a blob starting at a multiple of 16 keeps every offset_bytes aligned.
+        lo -= lo % 16
+        # Tensors made from the same memory may carry distinct storages; take the largest.
+        owner = max((t for _, t, _ in group), key=lambda t: t.untyped_storage().nbytes())
+        raw = torch.empty(0, dtype=torch.uint8, device=owner.device)
+        raw.set_(owner.untyped_storage(), lo, (hi - lo,), (1,))
+        blob = self.records[group[0][0]].blob
+        copier = _copier_for(owner) if not owner.is_cpu or _device_seam_active() else None
+        version = None
+        if raw.is_cpu or copier is not None:  # the source itself, not a host copy: watched
+            try:
+                version = owner._version
+            except RuntimeError:  # inference tensors track no version
+                pass
+        if copier is not None:
+            self.blobs[blob] = Blob(None, raw, version, hi - lo, copier)
+        else:
+            self.blobs[blob] = Blob(raw.cpu().numpy(), owner, version)
+        for (i, t, path), start in zip(group, starts, strict=True):
+            self.records[i] = TensorRecord(
+                path,
+                "torch",
+                TORCH_DTYPE_NAME[t.dtype],
+                list(t.shape),
+                list(t.stride()),
+                blob,
+                start - lo,
+                "cpu" if t.is_cpu else str(t.device),
+                t.requires_grad,
+                type(t) is _Parameter,
+            )
+
+
+def _tensor_error(t: torch.Tensor, path: str) -> UnsupportedValueError:
+    if t.layout is not _STRIDED:
+        why = f"layout {t.layout}; convert it with .to_dense()"
+    elif t.is_quantized:
+        why = "quantized tensor; save .int_repr() and the quantization parameters"
+    elif t.is_nested:
+        why = "nested tensor; save its components from .unbind()"
+    elif t.is_meta:
+        why = "a meta tensor has no data"
+    else:
+        why = f"dtype {t.dtype} is not supported"
+    return _unsupported(path, t, why)

@@ -1,0 +1,390 @@
+"""The native checkpoint manifest: building it at save time and validating it strictly at load.
+
+A checkpoint is a directory holding ``manifest.json`` and the data files it names. Everything a
+loader touches is checked here first, before any data byte is read: version, file names (plain
+names, confined to the checkpoint or its recorded stripe directories), byte ranges (in bounds,
+covering the stream exactly once), chunk checksum counts, blob bounds, and every tensor's
+dtype x shape x stride against its blob. See docs/format.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _core
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from .records import TensorRecord, dtype_itemsize, records_from_json, shown
+from .stripes import check_stripe_dirs
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "FileEntry",
+    "Manifest",
+    "read_manifest",
+    "seal",
+]
+
+FORMAT_NAME = "fastpersist"
+#: (major, minor). A reader accepts any minor of its major and rejects other majors.
+#: 1.1 added the ``manifest_sha256`` seal (see :func:`seal`); 1.0 manifests carry none.
+FORMAT_VERSION = (1, 1)
+MANIFEST_NAME = "manifest.json"
+#: A manifest larger than this is refused before parsing (a hostile file could be huge).
+MAX_MANIFEST_BYTES = 1 << 30
+
+_SHARD_NAME = re.compile(r"^shard-\d{5}$")
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One data file: a contiguous range of the logical byte stream."""
+
+    name: str
+    stripe: int | None
+    writer: int
+    stream_offset_bytes: int
+    len_bytes: int
+    chunk_crc32c: list[int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "stripe": self.stripe,
+            "writer": self.writer,
+            "stream_offset_bytes": self.stream_offset_bytes,
+            "len_bytes": self.len_bytes,
+            "chunk_crc32c": self.chunk_crc32c,
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated manifest."""
+
+    format_version: tuple[int, int]
+    checkpoint_id: str
+    created: str
+    library_version: str
+    chunk_bytes: int
+    checksum: str
+    total_bytes: int
+    blobs: list[tuple[int, int]]
+    files: list[FileEntry]
+    stripes: list[str]
+    tensors: list[TensorRecord]
+    tree: dict[str, Any]
+    extra: dict[str, Any]
+    #: Sub-directories holding one shard each (a sharded save); empty otherwise.
+    shards: list[str] = field(default_factory=list)
+
+    def file_path(self, root: str, entry: FileEntry) -> str:
+        """Where `entry` lives, for a checkpoint directory `root`."""
+        base = root if entry.stripe is None else self.stripes[entry.stripe]
+        return os.path.join(base, entry.name)
+
+
+def build(
+    *,
+    checkpoint_id: str,
+    chunk_bytes: int,
+    checksum: str,
+    total_bytes: int,
+    blobs: list[tuple[int, int]],
+    files: list[FileEntry],
+    stripes: list[str],
+    tensors: list[dict[str, Any]],
+    tree: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+    shards: list[str] | None = None,
+) -> bytes:
+    """Serialises a manifest (the inverse of :func:`parse`)."""
+    doc = {
+        "format": FORMAT_NAME,
+        "format_version": list(FORMAT_VERSION),
+        "checkpoint_id": checkpoint_id,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "library_version": _core.__version__,
+        "chunk_bytes": chunk_bytes,
+        "checksum": checksum,
+        "extent_align_bytes": 64,
+        "total_bytes": total_bytes,
+        "blobs": [{"offset_bytes": o, "len_bytes": n} for o, n in blobs],
+        "files": [f.to_json() for f in files],
+        "stripes": stripes,
+        "tensors": tensors,
+        "tree": tree,
+        "extra": extra or {},
+    }
+    if shards:
+        doc["shards"] = shards
+    return seal(json.dumps(doc, allow_nan=False, separators=(",", ":")).encode())
+
+
+#: The seal is the last member of the manifest's JSON object, byte for byte.
+SEAL_FIELD = "manifest_sha256"
+_SEAL_TAIL = re.compile(rb',"' + SEAL_FIELD.encode() + rb'":"([0-9a-f]{64})"\}\n?\Z')
+
+
+def seal(body: bytes) -> bytes:
+    """Appends ``"manifest_sha256": sha256(body)`` as the last member of the JSON object `body`.
+
+    The digest covers the exact bytes of the object as written without that member, so
+    checking it needs no re-serialisation: strip the member, restore the closing brace, hash.
+    The result is still plain JSON that any tool reads.
+
+    Example:
+        >>> seal(b'{"a":1}')[:25]
+        b'{"a":1,"manifest_sha256":'
+    """
+    if not (body.startswith(b"{") and body.endswith(b"}")) or body == b"{}":
+        raise ValueError("seal() needs a non-empty JSON object")
+    digest = hashlib.sha256(body).hexdigest().encode()
+    return body[:-1] + b',"' + SEAL_FIELD.encode() + b'":"' + digest + b'"}'
+
+
+def unseal(raw: bytes, where: str) -> tuple[bytes, bool]:
+    """Checks the seal of manifest bytes; returns ``(body, sealed)``.
+
+    A manifest without a seal is returned as is with ``sealed=False``; :func:`parse` then
+    accepts it only as format 1.0 (written before the seal existed).
+
+    Raises:
+        CorruptCheckpointError: the seal is present and does not match the content.
+    """
+    match = _SEAL_TAIL.search(raw)
+    if match is None:
+        return raw, False
+    body = raw[: match.start()] + b"}"
+    found = hashlib.sha256(body).hexdigest()
+    if found != match.group(1).decode():
+        raise CorruptCheckpointError(
+            f"{where}: the manifest's content does not match its {SEAL_FIELD} seal (expected "
+            f"{match.group(1).decode()[:16]}..., found {found[:16]}...): the file was damaged or edited after "
+            "the save; nothing in it is used"
+        )
+    return body, True
+
+
+def read_manifest(root: str) -> Manifest:
+    """Reads and validates ``root/manifest.json``.
+
+    Raises:
+        CheckpointNotFoundError: `root` or its manifest does not exist (a partial or missing
+            checkpoint); it is also a ``FileNotFoundError``.
+        CorruptCheckpointError: the manifest is malformed, inconsistent, fails its seal, or is
+            not a regular file; the message says where.
+    """
+    path = os.path.join(root, MANIFEST_NAME)
+    if not os.path.isdir(root):
+        if os.path.exists(root):
+            raise CorruptCheckpointError(f"{root} is not a fastpersist checkpoint (not a directory)")
+        raise CheckpointNotFoundError(errno.ENOENT, "no checkpoint here", root)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            errno.ENOENT, "no manifest.json: not a committed fastpersist checkpoint (deleted, or a save died)", path
+        ) from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptCheckpointError(f"{path} is a symbolic link; a manifest is a regular file") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{path} is not a regular file")
+        if st.st_size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(f"{path}: manifest of {st.st_size} bytes is implausibly large")
+        raw = f.read(st.st_size + 1)  # bounded by the size checked above; +1 sees growth
+    return parse(raw, where=path)
+
+
+#: Offsets and lengths past this are refused (no file system holds an exabyte file).
+MAX_BYTES = 1 << 60
+
+
+def _int(doc: dict[str, Any], key: str, where: str, *, minimum: int = 0) -> int:
+    value = doc.get(key)
+    if type(value) is not int or not minimum <= value <= MAX_BYTES:
+        raise CorruptCheckpointError(
+            f"{where}: field {key!r} must be an integer in [{minimum}, 2**60], found {shown(value)}"
+        )
+    return value
+
+
+def parse(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
+    """Parses and validates manifest bytes. `where` names the file in error messages.
+
+    The seal is checked first (:func:`unseal`): nothing in a manifest whose bytes changed is used.
+    """
+    body, sealed = unseal(raw, where)
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({shown(e)})") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: not a fastpersist manifest")
+    version = doc.get("format_version")
+    if not isinstance(version, list) or len(version) != 2 or not all(type(v) is int and v >= 0 for v in version):
+        raise CorruptCheckpointError(f"{where}: bad format_version {shown(version)}")
+    if version[0] != FORMAT_VERSION[0]:
+        raise CorruptCheckpointError(
+            f"{where}: format version {version[0]}.{version[1]} is not supported by this fastpersist "
+            f"(reads {FORMAT_VERSION[0]}.x); upgrade fastpersist to load it"
+        )
+    if not sealed and version != [1, 0]:
+        raise CorruptCheckpointError(
+            f"{where}: format {version[0]}.{version[1]} manifests end with a {SEAL_FIELD} seal and this one has "
+            "none (damaged or truncated)"
+        )
+    chunk_bytes = _int(doc, "chunk_bytes", where, minimum=4096)
+    if chunk_bytes % 4096 or chunk_bytes > 1 << 30:
+        raise CorruptCheckpointError(f"{where}: chunk_bytes {chunk_bytes} is not a multiple of 4096 up to 1 GiB")
+    total_bytes = _int(doc, "total_bytes", where)
+    checksum = doc.get("checksum")
+    if checksum not in ("crc32c", "off"):
+        raise CorruptCheckpointError(f"{where}: unknown checksum {shown(checksum)}")
+    stripes = doc.get("stripes", [])
+    if not isinstance(stripes, list) or not all(isinstance(s, str) and os.path.isabs(s) for s in stripes):
+        raise CorruptCheckpointError(f"{where}: stripes must be a list of absolute directory paths")
+    checkpoint_id = doc.get("checkpoint_id", "")
+    check_stripe_dirs(stripes, checkpoint_id if isinstance(checkpoint_id, str) else "", where)
+    files = _parse_files(doc.get("files"), where, chunk_bytes, total_bytes, checksum, len(stripes))
+    blobs = _parse_blobs(doc.get("blobs"), where, total_bytes)
+    try:
+        tensors = records_from_json(doc.get("tensors"))
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{where}: bad tensor record: {e}") from None
+    _check_tensors_fit(tensors, blobs, where)
+    tree = doc.get("tree")
+    if not isinstance(tree, dict):
+        raise CorruptCheckpointError(f"{where}: missing tree")
+    extra = doc.get("extra", {})
+    if not isinstance(extra, dict):
+        raise CorruptCheckpointError(f"{where}: extra must be an object")
+    shards = doc.get("shards", [])
+    if not isinstance(shards, list) or not all(isinstance(n, str) and _SHARD_NAME.match(n) for n in shards):
+        raise CorruptCheckpointError(f"{where}: shards must be a list of names like 'shard-00000'")
+    if len(set(shards)) != len(shards):
+        raise CorruptCheckpointError(f"{where}: a shard is listed twice")
+    strings = {k: doc.get(k, "") for k in ("checkpoint_id", "created", "library_version")}
+    if not all(isinstance(v, str) for v in strings.values()):
+        raise CorruptCheckpointError(f"{where}: checkpoint_id, created and library_version must be strings")
+    return Manifest(
+        format_version=(version[0], version[1]),
+        checkpoint_id=strings["checkpoint_id"],
+        created=strings["created"],
+        library_version=strings["library_version"],
+        chunk_bytes=chunk_bytes,
+        checksum=checksum,
+        total_bytes=total_bytes,
+        blobs=blobs,
+        files=files,
+        stripes=stripes,
+        tensors=tensors,
+        tree=tree,
+        extra=extra,
+        shards=shards,
+    )
+
+
+def _parse_files(
+    items: object, where: str, chunk_bytes: int, total_bytes: int, checksum: str, stripe_count: int
+) -> list[FileEntry]:
+    if not isinstance(items, list):
+        raise CorruptCheckpointError(f"{where}: files must be a list")
+    files = []
+    seen: set[tuple[int | None, str]] = set()
+    for i, item in enumerate(items):
+        at = f"{where}: files[{i}]"
+        if not isinstance(item, dict):
+            raise CorruptCheckpointError(f"{at} must be an object")
+        name = item.get("name")
+        if not isinstance(name, str) or not _FILE_NAME.match(name) or name == MANIFEST_NAME or ".." in name:
+            raise CorruptCheckpointError(
+                f"{at}: file name {shown(name)} is not a plain file name inside the checkpoint"
+            )
+        stripe = item.get("stripe")
+        if stripe is not None and (type(stripe) is not int or not 0 <= stripe < stripe_count):
+            raise CorruptCheckpointError(f"{at}: stripe {shown(stripe)} out of range (0..{stripe_count - 1})")
+        if (stripe, name) in seen:
+            raise CorruptCheckpointError(f"{at}: file {shown(name)} listed twice")
+        seen.add((stripe, name))
+        offset = _int(item, "stream_offset_bytes", at)
+        length = _int(item, "len_bytes", at, minimum=1)
+        writer = _int(item, "writer", at)
+        crcs = item.get("chunk_crc32c")
+        if not isinstance(crcs, list) or not all(type(c) is int and 0 <= c < 1 << 32 for c in crcs):
+            raise CorruptCheckpointError(f"{at}: chunk_crc32c must be a list of 32-bit integers")
+        expected = math.ceil(length / chunk_bytes) if checksum == "crc32c" else 0
+        if len(crcs) != expected:
+            raise CorruptCheckpointError(
+                f"{at} ({name}): {len(crcs)} chunk checksums for {math.ceil(length / chunk_bytes)} chunks"
+            )
+        if offset % chunk_bytes:
+            raise CorruptCheckpointError(f"{at} ({name}): stream offset {offset} is not chunk-aligned")
+        files.append(FileEntry(name, stripe, writer, offset, length, crcs))
+    cursor = 0
+    for entry in sorted(files, key=lambda f: f.stream_offset_bytes):
+        if entry.stream_offset_bytes != cursor:
+            kind = "overlaps" if entry.stream_offset_bytes < cursor else "leaves a gap before"
+            raise CorruptCheckpointError(
+                f"{where}: file {entry.name} {kind} byte {cursor} of the data stream "
+                f"(it starts at {entry.stream_offset_bytes})"
+            )
+        cursor += entry.len_bytes
+    if cursor != total_bytes:
+        raise CorruptCheckpointError(f"{where}: files hold {cursor} bytes but total_bytes is {total_bytes}")
+    return files
+
+
+def _parse_blobs(items: object, where: str, total_bytes: int) -> list[tuple[int, int]]:
+    if not isinstance(items, list):
+        raise CorruptCheckpointError(f"{where}: blobs must be a list")
+    blobs = []
+    end = 0
+    for i, item in enumerate(items):
+        at = f"{where}: blobs[{i}]"
+        if not isinstance(item, dict):
+            raise CorruptCheckpointError(f"{at} must be an object")
+        offset, length = _int(item, "offset_bytes", at), _int(item, "len_bytes", at)
+        if offset < end or offset + length > total_bytes:
+            raise CorruptCheckpointError(
+                f"{at}: bytes [{offset}, {offset + length}) overlap the previous blob or leave the "
+                f"{total_bytes}-byte stream"
+            )
+        end = offset + length
+        blobs.append((offset, length))
+    return blobs
+
+
+def _check_tensors_fit(tensors: list[TensorRecord], blobs: list[tuple[int, int]], where: str) -> None:
+    for i, t in enumerate(tensors):
+        at = f"{where}: tensor {i} ({t.key_path})"
+        if not 0 <= t.blob < len(blobs):
+            raise CorruptCheckpointError(f"{at}: blob index {t.blob} out of range")
+        if len(t.stride) != len(t.shape) or any(s < 0 for s in t.stride):
+            raise CorruptCheckpointError(f"{at}: stride {t.stride} does not fit shape {t.shape}")
+        itemsize = dtype_itemsize(t.kind, t.dtype)
+        if 0 in t.shape:
+            span = 0
+        else:
+            span = (sum((n - 1) * s for n, s in zip(t.shape, t.stride, strict=True)) + 1) * itemsize
+        blob_len = blobs[t.blob][1]
+        if t.offset_bytes < 0 or t.offset_bytes + span > blob_len or t.offset_bytes % itemsize:
+            raise CorruptCheckpointError(
+                f"{at}: {t.dtype}{list(t.shape)} at byte {t.offset_bytes} needs {span} bytes but blob "
+                f"{t.blob} has {blob_len}"
+            )

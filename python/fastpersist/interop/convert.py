@@ -1,0 +1,277 @@
+"""Interop: a fastpersist checkpoint to and from ``torch.save`` files and safetensors.
+
+Every direction is bit-identical: the tensors that come back have the same dtype, shape,
+strides and bytes, and the non-tensor structure (nesting, key types, plain values) is kept.
+
+* torch: a ``.pt`` file is read with ``torch.load(weights_only=True, mmap=True)`` (never
+  unpickling code) and written with :func:`fastpersist.torch_save`. Tensors that share storage
+  stay shared both ways.
+* safetensors: every tensor is stored under a dotted name built from its key path
+  (``model.layers.0.weight``; list items by index), so ``safetensors.torch.load_file`` gives
+  the weights directly. The rest of the state (the tree of containers and plain values, each
+  tensor's strides and the storage it shared) goes into ``__metadata__["fastpersist"]`` as JSON,
+  so that importing the file rebuilds the original state, sharing included. safetensors cannot
+  express sharing, so shared tensors are stored as separate copies. A safetensors file without
+  that metadata imports as a flat ``{name: tensor}`` dict.
+
+Example:
+    >>> from fastpersist.interop.convert import convert
+    >>> convert("ckpt/step-100", "torch", "model.pt")          # doctest: +SKIP
+    >>> convert("model.safetensors", "fastpersist", "ckpt/imported")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from ..errors import FastPersistError
+from ..format.flatten import flatten, materialize, records_from_json, records_to_json, unflatten
+from ..format.manifest import MANIFEST_NAME, read_manifest
+from ..format.records import TORCH_DTYPES, TensorRecord, dtype_itemsize, span_elems
+
+__all__ = ["Format", "convert", "detect_format", "read_any", "read_checkpoint", "write_safetensors"]
+
+Format = Literal["torch", "safetensors", "fastpersist"]
+FORMATS: tuple[Format, ...] = ("torch", "safetensors", "fastpersist")
+META_KEY = "fastpersist"
+META_VERSION = 1
+Progress = Callable[[str], None]
+#: dtypes the safetensors format names; other dtypes are stored as raw bytes (uint8).
+_SAFETENSORS_DTYPES = frozenset(
+    getattr(torch, n)
+    for n in (
+        "float64 float32 float16 bfloat16 int64 int32 int16 int8 uint8 bool float8_e4m3fn float8_e4m3fnuz "
+        "float8_e5m2 float8_e5m2fnuz complex64 uint64 uint32 uint16"
+    ).split()
+    if hasattr(torch, n)
+)
+
+
+def detect_format(path: str | os.PathLike[str]) -> Format:
+    """``"fastpersist"`` for a checkpoint directory, ``"torch"`` for a zip archive, else ``"safetensors"``."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        if os.path.exists(os.path.join(p, MANIFEST_NAME)):
+            return "fastpersist"
+        raise FastPersistError(f"{p} is a directory without {MANIFEST_NAME}: not a fastpersist checkpoint")
+    with open(p, "rb") as f:
+        head = f.read(9)
+    if head[:4] == b"PK\x03\x04":
+        return "torch"
+    if len(head) == 9 and head[8:9] == b"{":
+        return "safetensors"
+    raise FastPersistError(f"{p}: neither a torch.save zip archive nor a safetensors file")
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> Any:
+    """Loads a fastpersist checkpoint on the CPU with every storage of its own (no shared stream buffer).
+
+    ``fastpersist.load`` may return large tensors as views into one read buffer; exported
+    files should instead hold exactly the storages the saved state had.
+    """
+    from ..api import load
+
+    root = os.path.abspath(os.fspath(path))
+    m = read_manifest(root)
+    if m.shards:
+        raise FastPersistError(f"{root} is sharded over {len(m.shards)} ranks; convert one shard at a time")
+    state = load(root, map_location="cpu")
+    leaves = flatten(state).leaves
+    if len(leaves) != len(m.tensors):
+        return state
+    buffers: dict[int, torch.Tensor] = {}
+    for rec, leaf in zip(m.tensors, leaves, strict=True):
+        if rec.blob in buffers:
+            continue
+        length = m.blobs[rec.blob][1]
+        if isinstance(leaf, torch.Tensor):
+            raw = torch.empty(0, dtype=torch.uint8).set_(leaf.untyped_storage())
+            start = leaf.storage_offset() * leaf.element_size() - rec.offset_bytes
+            buffers[rec.blob] = raw[start : start + length].clone()
+        else:
+            buffers[rec.blob] = torch.from_numpy(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8).copy())
+    if len(buffers) != len(m.blobs):
+        return state
+    return unflatten(m.tree, materialize(m.tensors, [buffers[b] for b in range(len(m.blobs))]))
+
+
+def read_any(path: str | os.PathLike[str]) -> Any:
+    """Reads a checkpoint, ``torch.save`` file or safetensors file into a state (on the CPU)."""
+    kind = detect_format(path)
+    if kind == "fastpersist":
+        return read_checkpoint(path)
+    if kind == "torch":
+        try:
+            return torch.load(os.fspath(path), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:
+            raise FastPersistError(
+                f"{path}: torch.load(weights_only=True) refused it ({e}); fastpersist never unpickles arbitrary "
+                "objects. Load it yourself if you trust it, keep tensors and plain values, and fp.save that"
+            ) from None
+    return read_safetensors(path)
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def _names(state: object, leaves: list[object]) -> list[str]:
+    """A unique dotted name per tensor leaf, in record order."""
+    index = {id(x): i for i, x in enumerate(leaves)}
+    names: list[str | None] = [None] * len(leaves)
+    used: set[str] = set()
+    for name, leaf in _walk(state, ""):
+        i = index.get(id(leaf))
+        if i is None or names[i] is not None:
+            continue
+        unique, n = name or "tensor", 1
+        while unique in used:
+            n += 1
+            unique = f"{name}#{n}"
+        used.add(unique)
+        names[i] = unique
+    return [n if n is not None else f"tensor#{i}" for i, n in enumerate(names)]
+
+
+def _walk(x: object, prefix: str) -> Iterator[tuple[str, object]]:
+    join: Callable[[object], str] = lambda k: f"{prefix}.{k}" if prefix else str(k)  # noqa: E731
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _walk(v, join(k))
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _walk(v, join(i))
+    elif isinstance(x, (torch.Tensor, np.ndarray)):
+        yield prefix, x
+
+
+def _storable(leaf: object) -> torch.Tensor:
+    """What safetensors stores for a leaf: a contiguous tensor of its own (raw bytes if the dtype is foreign)."""
+    if isinstance(leaf, np.ndarray):
+        try:
+            t = torch.from_numpy(np.ascontiguousarray(leaf)).clone()
+        except TypeError:
+            return torch.from_numpy(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8).copy())
+    else:
+        assert isinstance(leaf, torch.Tensor)
+        t = leaf.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+    if t.dtype not in _SAFETENSORS_DTYPES:
+        return t.reshape(-1).view(torch.uint8).clone() if t.numel() else torch.zeros(0, dtype=torch.uint8)
+    return t
+
+
+def write_safetensors(state: object, path: str | os.PathLike[str]) -> int:
+    """Writes `state` as a safetensors file (see the module docstring); returns the tensor count."""
+    import safetensors.torch
+
+    flat = flatten(state)
+    names = _names(state, flat.leaves)
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, leaf in zip(names, flat.leaves, strict=True):
+        t = _storable(leaf)
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in seen:  # safetensors refuses shared memory: store a copy
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        tensors[name] = t
+    meta = {"version": META_VERSION, "spec": flat.spec, "records": records_to_json(flat.tensors), "names": names}
+    target = os.fspath(path)
+    tmp = f"{target}.fptmp"
+    safetensors.torch.save_file(tensors, tmp, metadata={"format": "pt", META_KEY: json.dumps(meta)})
+    from .. import _core
+
+    _core.fsync_path(tmp)
+    os.replace(tmp, target)
+    _core.fsync_dir(os.path.dirname(os.path.abspath(target)))
+    return len(tensors)
+
+
+def read_safetensors(path: str | os.PathLike[str]) -> Any:
+    """Reads a safetensors file; one written by fastpersist comes back as the original state."""
+    from safetensors import safe_open
+
+    with safe_open(os.fspath(path), framework="pt") as f:
+        meta = (f.metadata() or {}).get(META_KEY)
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if meta is None:
+        return tensors
+    try:
+        info = json.loads(meta)
+        if info.get("version") != META_VERSION:
+            raise ValueError(f"metadata version {info.get('version')} (this reader knows {META_VERSION})")
+        records = records_from_json(info["records"])
+        values = [tensors[n] for n in info["names"]]
+        buffers = _blob_buffers(records, values)
+        return unflatten(info["spec"], materialize(records, buffers))
+    except (ValueError, KeyError, TypeError) as e:
+        raise FastPersistError(f"{path}: bad fastpersist metadata in the safetensors header: {e}") from None
+
+
+def _blob_buffers(records: list[TensorRecord], values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Rebuilds each blob's bytes by placing every record's values at its offset and strides."""
+    if len(records) != len(values):
+        raise ValueError(f"{len(records)} records but {len(values)} named tensors")
+    sizes: dict[int, int] = {}
+    for r in records:
+        end = r.offset_bytes + span_elems(r.shape, r.stride) * dtype_itemsize(r.kind, r.dtype)
+        sizes[r.blob] = max(sizes.get(r.blob, 0), end)
+    buffers = [torch.zeros(sizes.get(b, 0), dtype=torch.uint8) for b in range(max(sizes, default=-1) + 1)]
+    for r, v in zip(records, values, strict=True):
+        buf = buffers[r.blob]
+        span = span_elems(r.shape, r.stride) * dtype_itemsize(r.kind, r.dtype)
+        raw = buf[r.offset_bytes : r.offset_bytes + span]
+        if r.kind == "numpy" or (v.dtype == torch.uint8 and r.dtype != "uint8"):
+            raw.copy_(v.reshape(-1).view(torch.uint8) if v.numel() else raw)
+            continue
+        dest = raw.view(TORCH_DTYPES[r.dtype]).as_strided(r.shape, r.stride)
+        with torch.no_grad():
+            dest.copy_(v)
+    return buffers
+
+
+# ----------------------------------------------------------------------------- convert
+
+
+def convert(
+    src: str | os.PathLike[str],
+    to: Format,
+    out: str | os.PathLike[str],
+    *,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Converts `src` (any of the three formats, detected from its content) to format `to` at `out`.
+
+    Returns ``{"src_format", "to", "out", "tensors"}``. `progress`, when given, is called with
+    a short description of each step.
+
+    Example:
+        >>> import fastpersist as fp, torch
+        >>> _ = fp.save({"w": torch.ones(2)}, "/tmp/fp-doc-conv")
+        >>> convert("/tmp/fp-doc-conv", "safetensors", "/tmp/fp-doc.safetensors")["tensors"]
+        1
+    """
+    if to not in FORMATS:
+        raise ValueError(f"to={to!r}: expected one of {', '.join(FORMATS)}")
+    step = progress or (lambda _text: None)
+    kind = detect_format(src)
+    step(f"reading {kind} {src}")
+    state = read_any(src)
+    step(f"writing {to} {out}")
+    count = len(flatten(state).leaves)
+    if to == "fastpersist":
+        from ..api import save
+
+        save(state, out)
+    elif to == "torch":
+        from .torchfile import torch_save
+
+        torch_save(state, out)
+    else:
+        write_safetensors(state, out)
+    return {"src_format": kind, "to": to, "out": os.fspath(out), "tensors": count}

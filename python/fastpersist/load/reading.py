@@ -1,0 +1,196 @@
+"""Reading a checkpoint's byte stream: whole, for a new state whose large tensors own their
+memory; or window by window, to fill an existing state without a buffer of the state's size.
+
+Example:
+    >>> import fastpersist as fp, torch
+    >>> from fastpersist.format.manifest import read_manifest
+    >>> _ = fp.save({"w": torch.ones(4)}, "/tmp/fp-doc-reading")
+    >>> m = read_manifest("/tmp/fp-doc-reading")
+    >>> [len(b) for b in blob_buffers(read_stream("/tmp/fp-doc-reading", m, True, Config()), m)]
+    [16]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import torch
+
+from .. import _core
+from ..config import Config
+from ..errors import ChecksumMismatchError, CorruptCheckpointError
+from ..format.manifest import Manifest
+from ..format.records import dtype_itemsize, span_elems
+
+__all__ = [
+    "OWN_STORAGE_BELOW_BYTES",
+    "WINDOW_BYTES",
+    "aligned_uint8",
+    "blob_buffers",
+    "checksum_error",
+    "direct_padded",
+    "read_stream",
+    "read_window",
+    "stream_windows",
+    "windowable",
+]
+
+#: Blobs up to this size are copied into storage of their own (it costs nothing, and some torch
+#: APIs, torch.set_rng_state for one, crash on a tensor whose storage_offset is not 0); larger
+#: ones keep the pages they were read into, which go back to the OS when the tensor does.
+OWN_STORAGE_BELOW_BYTES = 1 << 20
+
+#: Bytes of stream read at a time when filling an existing state (``load(out=...)``); a blob
+#: larger than this is read in one window of its own size.
+WINDOW_BYTES = 64 << 20
+
+T = TypeVar("T")
+
+
+def aligned_uint8(nbytes: int) -> torch.Tensor:
+    """An uninitialised CPU uint8 tensor of `nbytes` (+ O_DIRECT slack) starting on a page boundary."""
+    align = _core.DIRECT_ALIGN_BYTES
+    padded = -(-nbytes // align) * align + align
+    raw = torch.empty(padded + align, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % align
+    return raw[skip : skip + padded]
+
+
+def direct_padded(nbytes: int) -> int:
+    """`nbytes` rounded up to whole pages (at least one): room for O_DIRECT's padded tail."""
+    align = _core.DIRECT_ALIGN_BYTES
+    return max(align, -(-nbytes // align) * align)
+
+
+def _mapping_errors(root: str, m: Manifest, read: Callable[[], T]) -> T:
+    try:
+        return read()
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"data file {e.filename} named in {root}/manifest.json is missing") from None
+    except ChecksumMismatchError as e:
+        assert e.filename is not None and e.offset_bytes is not None and e.len_bytes is not None
+        raise checksum_error(m, root, e.filename, e.offset_bytes, e.len_bytes, e.expected or 0, e.found or 0) from None
+
+
+def read_stream(root: str, m: Manifest, verify: bool, config: Config) -> _core.PagedBuffer:
+    """Reads the whole logical stream (O_DIRECT, checksums checked) into page-aligned memory."""
+    stream = _core.PagedBuffer(direct_padded(m.total_bytes))
+    parts = [
+        (m.file_path(root, f), f.len_bytes, f.stream_offset_bytes, f.chunk_crc32c if verify else []) for f in m.files
+    ]
+    _mapping_errors(
+        root,
+        m,
+        lambda: _core.read_into(
+            parts,
+            stream,
+            chunk_bytes=m.chunk_bytes,
+            backend=config.backend,
+            direct_io=config.direct_io,
+            queue_depth=config.queue_depth,
+        ),
+    )
+    return stream
+
+
+def blob_buffers(stream: _core.PagedBuffer, m: Manifest) -> list[torch.Tensor]:
+    """One 1-D uint8 tensor per blob: large ones over their own pages of `stream` (so dropping a
+    tensor frees its memory even while others are kept), small ones copied."""
+    whole = torch.frombuffer(stream, dtype=torch.uint8)
+    buffers = []
+    for offset, nbytes in m.blobs:
+        if nbytes > OWN_STORAGE_BELOW_BYTES:
+            buffers.append(torch.frombuffer(stream.span(offset, nbytes), dtype=torch.uint8))
+        else:
+            buffers.append(whole[offset : offset + nbytes].clone())
+    return buffers
+
+
+def windowable(m: Manifest) -> bool:
+    """Whether every file starts on a chunk boundary of the stream (as the writer lays them out),
+    so that a chunk-aligned window of the stream maps to whole chunks of each file."""
+    return all(f.stream_offset_bytes % m.chunk_bytes == 0 for f in m.files)
+
+
+def stream_windows(m: Manifest, window_bytes: int = WINDOW_BYTES) -> Iterator[tuple[int, int, list[int]]]:
+    """Cuts the stream into chunk-aligned windows of whole blobs: ``(lo, hi, blob indices)``.
+
+    A window holds at most `window_bytes` of blobs (or one blob larger than that), plus the
+    partial chunks at its ends.
+    """
+    chunk = m.chunk_bytes
+    group: list[int] = []
+    start = 0
+
+    def window() -> tuple[int, int, list[int]]:
+        end = m.blobs[group[-1]][0] + m.blobs[group[-1]][1]
+        lo = start // chunk * chunk
+        return lo, min(-(-end // chunk) * chunk, m.total_bytes), group
+
+    for index, (offset, nbytes) in enumerate(m.blobs):
+        if group and offset + nbytes - start > window_bytes:
+            yield window()
+            group = []
+        if not group:
+            start = offset
+        group.append(index)
+    if group:
+        yield window()
+
+
+def read_window(
+    root: str, m: Manifest, lo: int, hi: int, dest: _core.PagedBuffer, verify: bool, config: Config
+) -> None:
+    """Reads stream bytes ``[lo, hi)`` (chunk-aligned `lo`; see :func:`windowable`) into `dest`."""
+    chunk = m.chunk_bytes
+    ranges = []
+    for f in m.files:
+        start, end = f.stream_offset_bytes, f.stream_offset_bytes + f.len_bytes
+        a, b = max(lo, start), min(hi, end)
+        if a >= b:
+            continue
+        first, stop = (a - start) // chunk, -(-(b - start) // chunk)
+        crcs = f.chunk_crc32c[first:stop] if verify else []
+        ranges.append((m.file_path(root, f), f.len_bytes, a - start, b - a, a - lo, crcs))
+    _mapping_errors(
+        root,
+        m,
+        lambda: _core.read_ranges_into(
+            ranges,
+            dest,
+            chunk_bytes=chunk,
+            backend=config.backend,
+            direct_io=config.direct_io,
+            queue_depth=config.queue_depth,
+        ),
+    )
+
+
+def checksum_error(
+    m: Manifest, root: str, file_path: str, offset: int, length: int, expected: int, found: int
+) -> ChecksumMismatchError:
+    """A ChecksumMismatchError naming the file, the byte range and the tensors stored there."""
+    lo = hi = -1
+    for f in m.files:
+        if m.file_path(root, f) == file_path:
+            lo, hi = offset + f.stream_offset_bytes, offset + length + f.stream_offset_bytes
+            break
+    hit = []
+    for t in m.tensors:
+        start = m.blobs[t.blob][0] + t.offset_bytes
+        end = start + span_elems(t.shape, t.stride) * dtype_itemsize(t.kind, t.dtype)
+        if start < hi and lo < end:
+            hit.append(t.key_path)
+    if hit:
+        shown = ", ".join(hit[:5]) + (f" and {len(hit) - 5} more" if len(hit) > 5 else "")
+        which = f"tensors affected: {shown}"
+    else:
+        which = "no tensor data in that range (alignment padding)"
+    error = ChecksumMismatchError(
+        f"checksum mismatch in {file_path} bytes [{offset}, {offset + length}): expected crc32c {expected:#010x}, "
+        f"found {found:#010x}; {which}"
+    )
+    error.filename, error.offset_bytes, error.len_bytes = file_path, offset, length
+    error.expected, error.found, error.tensors = expected, found, hit
+    return error

@@ -1,0 +1,390 @@
+"""Saves across a ``torch.distributed`` process group (DESIGN.md §5).
+
+**Replicated** state (DDP, or the data-parallel copies of a model-parallel shard): the logical
+byte stream is split at chunk granularity into near-equal ranges, one per writer rank; each
+writer stages and writes only its range, into its own stripe directories. **Sharded** state
+(FSDP/ZeRO: each rank's state differs): each rank writes its whole state as shard
+``shard-{rank:05d}`` of the checkpoint.
+
+The commit protocol runs over a private gloo group whose operations time out after
+``Config.timeout_s``:
+
+A. rank 0 checks the target, creates the temporary directory and broadcasts the save's id (or
+   its error, so every rank fails at once);
+B. every rank writes its share (and, sharded, its shard manifest); a failure is caught, not
+   raised yet;
+C. all ranks exchange a status: files and checksums, or the error. If any rank failed, or one
+   does not answer within the timeout (killed, hung), every rank cleans up and raises;
+D. rank 0 writes the manifest and commits atomically; it broadcasts the outcome, so every rank
+   returns only once the checkpoint is committed (or raises if it was not).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, TypeVar, cast
+
+import torch.distributed as dist
+
+from ..config import Config, SaveResult
+from ..errors import FastPersistError
+from ..format.manifest import FileEntry, build
+from .job import Layout, SaveJob, Written, check_target, tmp_dir_for, write_manifest
+
+__all__ = ["GroupSaveError", "GroupSaveJob", "group_rank_and_size", "writer_map"]
+
+T = TypeVar("T")
+
+
+class GroupSaveError(FastPersistError):
+    """A save in a process group failed on some rank, or a rank stopped answering; nothing was committed."""
+
+
+class _Control:
+    """A private gloo group with the save's timeout, for the protocol's small messages."""
+
+    def __init__(self, group: Any, timeout_s: float) -> None:
+        ranks = dist.get_process_group_ranks(group)
+        self.pg: Any = cast(
+            Any,
+            dist.new_group(
+                ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
+            ),
+        )
+        self.rank = dist.get_rank(self.pg)
+        self.size = dist.get_world_size(self.pg)
+        self.timeout_s = timeout_s
+        self.hosts: list[str] = self.all_gather(socket.gethostname())
+
+    def all_gather(self, obj: T) -> list[T]:
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def broadcast(self, obj: T) -> T:
+        box = [obj]
+        dist.broadcast_object_list(box, group=self.pg, group_src=0)
+        return box[0]
+
+
+_controls: dict[tuple[int, float], _Control] = {}
+_controls_lock = threading.Lock()
+
+
+def _control_for(group: Any, timeout_s: float) -> _Control:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("group= needs an initialised torch.distributed process group (dist.init_process_group)")
+    group = dist.group.WORLD if group is None else group
+    key = (id(group), float(timeout_s))
+    with _controls_lock:
+        control = _controls.get(key)
+    if control is None:
+        control = _Control(group, timeout_s)
+        with _controls_lock:
+            _controls[key] = control
+    return control
+
+
+def _forget(control: _Control) -> None:
+    """Drops a control group after a failed collective (its state is no longer trustworthy)."""
+    with _controls_lock:
+        for key, value in list(_controls.items()):
+            if value is control:
+                del _controls[key]
+
+
+def group_rank_and_size(group: Any) -> tuple[int, int]:
+    """This process's rank in `group` (None = the default group) and the group's size."""
+    pg: Any = dist.group.WORLD if group is None else group
+    return dist.get_rank(pg), dist.get_world_size(pg)
+
+
+def writer_map(hosts: list[str], writers: str | int) -> dict[int, int]:
+    """Maps group rank -> writer index for ``Config.writers``, given each rank's host name.
+
+    ``"rank"``: every rank writes; ``"node"``: the lowest rank of each host; ``k``: the ``k``
+    lowest ranks of each host. Writer indices follow rank order.
+
+    Example:
+        >>> writer_map(["a", "a", "b", "b"], "node")
+        {0: 0, 2: 1}
+    """
+    if writers == "rank":
+        chosen = list(range(len(hosts)))
+    else:
+        per_host = 1 if writers == "node" else int(writers)
+        seen: dict[str, int] = {}
+        chosen = []
+        for rank, host in enumerate(hosts):
+            if seen.get(host, 0) < per_host:
+                seen[host] = seen.get(host, 0) + 1
+                chosen.append(rank)
+    return {rank: index for index, rank in enumerate(chosen)}
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+@dataclass(frozen=True)
+class StartMessage:
+    """Rank 0's word to the group at the start of a save: the temporary directory, or an error."""
+
+    checkpoint_id: str = ""
+    tmp_dir: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class RankStatus:
+    """What one rank reports after writing its share: its files, or why it failed."""
+
+    rank: int
+    error: str = ""
+    writer: int | None = None
+    files: list[dict[str, Any]] = field(default_factory=list)
+    stripe_dirs: list[str] = field(default_factory=list)
+    total_bytes: int = 0
+    tensor_count: int = 0
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    """Rank 0's word to the group after the commit: empty `error` means committed."""
+
+    error: str = ""
+
+
+class GroupSaveJob:
+    """One rank's side of a group save; the same interface as :class:`SaveJob` for SaveFuture.
+
+    Construction records the target; :meth:`start` runs the first collective (rank 0 makes the
+    temporary directory and tells the others) and starts this rank's share.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: Config,
+        group: Any,
+        *,
+        sharded: bool,
+        pool: Any = None,
+    ) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.config = config
+        self.sharded = sharded
+        self.group = group
+        self.pool = pool
+        self.job: SaveJob | None = None
+        self.start_error: BaseException | None = None
+        self.writer: int | None = None
+
+    def start(self, state: object, *, background: bool = True) -> GroupSaveJob:
+        """Agrees on the save with the group, then starts this rank's share of it."""
+        self.control = _control_for(self.group, self.config.timeout_s)
+        self.rank = self.control.rank
+        own_error: BaseException | None = None
+        message: StartMessage | None = None
+        if self.rank == 0:
+            try:
+                check_target(self.path)
+                checkpoint_id = uuid.uuid4().hex
+                tmp = tmp_dir_for(self.path, checkpoint_id)
+                os.mkdir(tmp)
+                message = StartMessage(checkpoint_id=checkpoint_id, tmp_dir=tmp)
+            except Exception as e:
+                own_error = e
+                message = StartMessage(error=_describe(e))
+        message = self._collective("start the save", lambda: self.control.broadcast(message))
+        assert message is not None
+        if message.error:
+            if own_error is not None:
+                raise own_error
+            raise GroupSaveError(f"rank 0 could not start the save of {self.path}: {message.error}")
+        self.layout = self._layout(message)
+        try:
+            self.job = SaveJob(self.path, self.config, layout=self.layout, pool=self.pool).start(
+                state, background=background
+            )
+        except BaseException as e:  # reported to the group in finish(); wait_staged re-raises it
+            self.start_error = e
+        return self
+
+    def _layout(self, message: StartMessage) -> Layout:
+        owner, tmp = self.rank == 0, message.tmp_dir
+        if self.sharded:
+            self.writer = 0
+            return Layout(
+                checkpoint_id=message.checkpoint_id,
+                tmp_dir=tmp,
+                data_dir=os.path.join(tmp, self.shard_name(self.rank)),
+                writer=0,
+                writer_count=1,
+                owner=owner,
+                tag=f".r{self.rank}",
+            )
+        writers = writer_map(self.control.hosts, self.config.writers)
+        self.writer = writers.get(self.rank)
+        return Layout(
+            checkpoint_id=message.checkpoint_id,
+            tmp_dir=tmp,
+            data_dir=tmp,
+            writer=self.writer,
+            writer_count=len(writers),
+            owner=owner,
+            tag=f".w{self.writer}" if self.writer is not None else "",
+        )
+
+    @staticmethod
+    def shard_name(rank: int) -> str:
+        return f"shard-{rank:05d}"
+
+    def _collective(self, what: str, op: Callable[[], T]) -> T:
+        try:
+            return op()
+        except Exception as e:
+            _forget(self.control)
+            raise GroupSaveError(
+                f"rank {self.rank}: the process group stopped answering while trying to {what} for {self.path} "
+                f"(a rank failed, was killed, or took longer than timeout_s={self.config.timeout_s}): {e}. "
+                "Nothing was committed by this rank."
+            ) from e
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        if self.start_error is not None:
+            raise self.start_error
+        assert self.job is not None
+        self.job.wait_staged(timeout)
+
+    def cancel(self) -> bool:
+        """Stops this rank's share unless it was already reported good to the group; the group
+        then fails the save on every rank."""
+        return self.job.cancel() if self.job is not None else False
+
+    def _fail(self, error: BaseException) -> BaseException:
+        """Makes `error` this rank's verdict unless one stands already; returns the standing one."""
+        if self.job is None:
+            return error
+        return self.job.verdict.fail(error) or error
+
+    def _discard_local(self) -> None:
+        if self.job is not None:
+            self.job.discard()
+
+    def _write_share(self, timeout: float | None) -> tuple[RankStatus, Written | None, BaseException | None]:
+        """Waits for this rank's files (and shard manifest); its status for the group."""
+        local_error = self.start_error
+        written = None
+        if self.job is not None and local_error is None:
+            try:
+                written = self.job.wait_written(timeout)
+                if self.sharded:
+                    doc = self.job.manifest(written.entries, written.stripe_dirs)
+                    write_manifest(self.layout.data_dir, doc, durable=self.config.durable)
+                # From here this rank's share is reported good: a late cancel() cannot undo that.
+                self.job.verdict.seal()
+            except BaseException as e:
+                local_error = self.job.verdict.fail(e) or e
+        if local_error is not None or written is None or self.job is None:
+            error = _describe(local_error or RuntimeError("no job"))
+            return RankStatus(rank=self.rank, error=error), None, local_error
+        status = RankStatus(
+            rank=self.rank,
+            writer=self.writer,
+            files=[e.to_json() for e in written.entries],
+            stripe_dirs=written.stripe_dirs,
+            total_bytes=self.job.plan.total_bytes,
+            tensor_count=len(self.job.tensor_json),
+        )
+        return status, written, None
+
+    def _failures(self, statuses: list[RankStatus]) -> list[str]:
+        failures = [f"rank {s.rank}: {s.error}" for s in statuses if s.error]
+        if not failures and not self.sharded and len({(s.total_bytes, s.tensor_count) for s in statuses}) > 1:
+            failures = [
+                "the state differs between ranks (sizes or tensor counts); pass sharded=True "
+                "if each rank holds its own shard"
+            ]
+        return failures
+
+    def finish(self, timeout: float | None = None) -> SaveResult:
+        status, written, local_error = self._write_share(timeout)
+        try:
+            statuses = self._collective("exchange write results", lambda: self.control.all_gather(status))
+        except GroupSaveError as e:
+            self._fail(e)
+            self._discard_local()
+            raise
+        failures = self._failures(statuses)
+        if failures:
+            detail = "; ".join(failures)
+            error = self._fail(
+                local_error or GroupSaveError(f"the save of {self.path} failed ({detail}); nothing was committed")
+            )
+            self._discard_local()
+            raise error
+        assert self.job is not None and written is not None
+        outcome: CommitOutcome | None = None
+        if self.rank == 0:
+            try:
+                self._commit(statuses)
+                outcome = CommitOutcome()
+            except BaseException as e:
+                outcome = CommitOutcome(error=_describe(e))
+                self.job.discard()
+        try:
+            outcome = self._collective("learn whether rank 0 committed", lambda: self.control.broadcast(outcome))
+        except GroupSaveError as e:
+            if self.rank != 0:
+                self._fail(e)
+                self._discard_local()
+            raise
+        assert outcome is not None
+        if outcome.error:
+            error = self._fail(GroupSaveError(f"rank 0 could not commit {self.path}: {outcome.error}"))
+            self._discard_local()
+            raise error
+        self.job.verdict.mark_committed()
+        return self.job.result(written)
+
+    def _commit(self, statuses: list[RankStatus]) -> None:
+        assert self.job is not None
+        if self.sharded:
+            doc = build(
+                checkpoint_id=self.layout.checkpoint_id,
+                chunk_bytes=self.config.chunk_bytes,
+                checksum=self.config.checksum,
+                total_bytes=0,
+                blobs=[],
+                files=[],
+                stripes=[],
+                tensors=[],
+                tree={"spec_version": 1, "root": None},
+                shards=[self.shard_name(s.rank) for s in statuses],
+            )
+            self.job.publish(doc)
+            return
+        stripes: list[str] = []
+        entries: list[FileEntry] = []
+        for s in sorted((s for s in statuses if s.writer is not None), key=lambda s: s.writer or 0):
+            base = len(stripes)
+            stripes.extend(s.stripe_dirs)
+            for item in s.files:
+                entries.append(
+                    FileEntry(
+                        name=item["name"],
+                        stripe=None if item["stripe"] is None else base + item["stripe"],
+                        writer=item["writer"],
+                        stream_offset_bytes=item["stream_offset_bytes"],
+                        len_bytes=item["len_bytes"],
+                        chunk_crc32c=item["chunk_crc32c"],
+                    )
+                )
+        self.job.publish(self.job.manifest(entries, stripes))

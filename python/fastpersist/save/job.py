@@ -1,0 +1,488 @@
+"""One process's part of a save: flatten, plan, stage and write (in Rust), check, commit.
+
+The commit protocol (docs/format.md): data files go into a fresh temporary directory beside the
+target (and into fresh per-checkpoint directories under each stripe); the Rust job fsyncs them;
+the manifest is written and fsynced last; the temporary directory is atomically exchanged with
+the target (``renameat2``), and the parent directory fsynced. A reader therefore sees the old
+checkpoint or the new one, never a mix; a crash at any point leaves the old one intact plus a
+``.NAME.fptmp-*`` leftover that carries no manifest at the target path.
+
+A single-process save is one :class:`SaveJob` that owns the temporary directory and commits.
+In a process group (``save/group.py``) every rank runs a :class:`SaveJob` for its share, and
+the rank that owns the temporary directory writes the manifest and commits for all.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from .. import _core
+from ..config import Config, SaveResult
+from ..device import DeviceCopier, device_bytes
+from ..errors import SaveCancelledError
+from ..format.blobs import Blob
+from ..format.confine import remove_checkpoint_tree as _remove_confined
+from ..format.flatten import FlatState, flatten, records_to_json
+from ..format.manifest import MANIFEST_NAME, FileEntry, build
+from ..format.stripes import STRIPE_SUFFIX
+from ..logs import log_save
+from .verdict import Verdict
+
+__all__ = ["Layout", "SaveJob", "pool_for", "remove_checkpoint_tree", "single_layout"]
+
+log = logging.getLogger("fastpersist")
+
+TMP_MARKER = ".fptmp-"
+
+#: Watched tensors of at most this size are copied when the save starts, smallest first and up
+#: to COPY_AT_START_BUDGET_BYTES in all, so that nothing the next forward pass updates in place
+#: (BatchNorm statistics, step counters, other small buffers) can race their staging.
+COPY_AT_START_MAX_BYTES = 1 << 20
+COPY_AT_START_BUDGET_BYTES = 64 << 20
+
+#: Pools kept alive between saves, most recently used last. Bounded, so a process that saves
+#: states of many sizes does not keep a pool per size (a Checkpointer holds its own).
+_POOLS_KEPT = 2
+_pools: collections.OrderedDict[tuple[int, int], _core.Pool] = collections.OrderedDict()
+_pools_lock = threading.Lock()
+_warned_fallback = False
+
+
+def pool_for(config: Config) -> _core.Pool:
+    """The process-wide staging pool for this chunk size and budget (reused across saves)."""
+    key = (config.chunk_bytes, config.pool_bytes)
+    with _pools_lock:
+        pool = _pools.pop(key, None) or _core.Pool(config.chunk_bytes, config.pool_bytes)
+        _pools[key] = pool
+        while len(_pools) > _POOLS_KEPT:
+            _pools.popitem(last=False)
+        return pool
+
+
+def _warn_fallback_once(reason: str | None) -> None:
+    global _warned_fallback
+    if reason and not _warned_fallback:
+        _warned_fallback = True
+        log.warning("%s", reason)
+        warnings.warn(reason, RuntimeWarning, stacklevel=4)
+
+
+def check_target(path: str) -> None:
+    """Refuses to replace anything but a fastpersist checkpoint (or an empty directory)."""
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        if os.path.exists(os.path.join(path, MANIFEST_NAME)) or not os.listdir(path):
+            return
+    raise FileExistsError(errno.EEXIST, "exists and is not a fastpersist checkpoint; refusing to replace it", path)
+
+
+def tmp_dir_for(path: str, checkpoint_id: str) -> str:
+    parent, name = os.path.split(path)
+    return os.path.join(parent, f".{name}{TMP_MARKER}{checkpoint_id[:12]}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Where this process's share of a save goes.
+
+    Attributes:
+        checkpoint_id: the save's random id (the same on every rank of a group).
+        tmp_dir: the temporary checkpoint directory, renamed to the target at commit.
+        data_dir: where this process's data files go when there are no stripes.
+        writer: this process's writer index, or None when it writes no data.
+        writer_count: writers in the plan.
+        owner: this process creates `tmp_dir` and commits it.
+        tag: distinguishes this process's stripe directories from other ranks' ("" alone).
+    """
+
+    checkpoint_id: str
+    tmp_dir: str
+    data_dir: str
+    writer: int | None
+    writer_count: int
+    owner: bool
+    tag: str = ""
+
+
+def single_layout(path: str) -> Layout:
+    checkpoint_id = uuid.uuid4().hex
+    tmp = tmp_dir_for(path, checkpoint_id)
+    return Layout(checkpoint_id=checkpoint_id, tmp_dir=tmp, data_dir=tmp, writer=0, writer_count=1, owner=True)
+
+
+@dataclass
+class Written:
+    """What this process wrote: its files (stripe = local index) and its stripe directories."""
+
+    entries: list[FileEntry]
+    stripe_dirs: list[str]
+    report: dict[str, Any]
+
+
+class PlanPart(NamedTuple):
+    """One part of the plan: a file's range of the stream (``_core.Plan.parts`` entries)."""
+
+    writer: int
+    stripe: int
+    stream_offset_bytes: int
+    len_bytes: int
+
+
+class SaveJob:
+    """This process's share of a save. Not public: :class:`SaveFuture`, :func:`save` and the
+    group protocol drive it.
+
+    Construction only records where the save goes; :meth:`start` does the work, in steps:
+    flatten and plan (no I/O), create this process's directories, start the engine.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: Config,
+        *,
+        layout: Layout | None = None,
+        pool: _core.Pool | None = None,
+    ) -> None:
+        self.started = time.perf_counter()
+        self.path = os.path.abspath(os.fspath(path))
+        self.config = config
+        self.layout = layout or single_layout(self.path)
+        self.pool = pool
+        self.handle: Any = None
+        self.verdict = Verdict()
+        self._created: list[str] = []
+        self._flat: FlatState | None = None
+        self._copiers: dict[tuple[object, Any], DeviceCopier] = {}
+        self.stripe_dirs: list[str] = []
+        self.stripe_dirs_used: list[str] = []
+        self.my_parts: list[PlanPart] = []
+        self.part_names: list[tuple[int | None, str]] = []
+
+    def start(self, state: object, *, background: bool = True) -> SaveJob:
+        """Flattens `state`, lays out the stream, creates the directories and starts the engine."""
+        if self.layout.owner:
+            check_target(self.path)
+        self._lay_out(state)
+        try:
+            paths = self._make_directories()
+            if self.my_parts:
+                self._start_engine(paths, background)
+        except BaseException:
+            self.discard()
+            raise
+        return self
+
+    def _lay_out(self, state: object) -> None:
+        """Flattens the state and plans the stream: what this process writes, and where."""
+        layout, config = self.layout, self.config
+        flat = self._flat = flatten(state)
+        name = os.path.basename(self.path)
+        stripe_roots = list(config.stripes or [])
+        self.stripe_dirs = [
+            os.path.join(r, f"{name}.{layout.checkpoint_id[:12]}{layout.tag}{STRIPE_SUFFIX}") for r in stripe_roots
+        ]
+        self.plan = _core.Plan(
+            [b.nbytes for b in flat.blobs], layout.writer_count, max(1, len(stripe_roots)), config.chunk_bytes
+        )
+        self.tensor_json = records_to_json(flat.tensors)
+        self.tree = flat.spec
+        self.blob_lengths = [b.nbytes for b in flat.blobs]
+        self.blob_owner: dict[int, str] = {}
+        for rec in flat.tensors:
+            self.blob_owner.setdefault(rec.blob, rec.key_path)
+        self._copiers = _prepare_device_blobs(flat.blobs)
+        self.my_parts = [part for part in map(PlanPart._make, self.plan.parts) if part.writer == layout.writer]
+        used = {self.stripe_dirs[part.stripe] for part in self.my_parts} if stripe_roots else set()
+        self.stripe_dirs_used = sorted(used)
+        for part in self.my_parts:
+            fname = f"data-w{part.writer}-s{part.stripe}.bin"
+            self.part_names.append((part.stripe if stripe_roots else None, fname))
+
+    def _make_directories(self) -> list[str]:
+        """Creates the temporary checkpoint and stripe directories; returns the data file paths."""
+        layout = self.layout
+        if layout.owner:
+            # In a group the owner made it already, before the others could write into it.
+            if not os.path.isdir(layout.tmp_dir):
+                os.mkdir(layout.tmp_dir)
+            self._created.append(layout.tmp_dir)
+        if layout.data_dir != layout.tmp_dir:
+            os.mkdir(layout.data_dir)
+            self._created.append(layout.data_dir)
+        for d in self.stripe_dirs_used:
+            os.mkdir(d)
+            self._created.append(d)
+        return [
+            os.path.join(self.stripe_dirs[stripe] if stripe is not None else layout.data_dir, fname)
+            for stripe, fname in self.part_names
+        ]
+
+    def _start_engine(self, paths: list[str], background: bool) -> None:
+        """Hands this process's parts to the engine (stage, checksum, write, fsync)."""
+        flat, config = self._flat, self.config
+        assert flat is not None and self.layout.writer is not None
+        self.handle = _core.start_write(
+            self.plan,
+            self.layout.writer,
+            paths,
+            [None if b.device is not None else b.data for b in flat.blobs],
+            self.pool if self.pool is not None else pool_for(config),
+            backend=config.backend,
+            direct_io=config.direct_io,
+            queue_depth=config.queue_depth,
+            checksum=config.checksum == "crc32c",
+            durable=config.durable,
+            background=background,
+            watched=[b.version is not None for b in flat.blobs],
+            on_staged=self._check_staged,
+            copy_max_extent_bytes=COPY_AT_START_MAX_BYTES,
+            copy_budget_bytes=COPY_AT_START_BUDGET_BYTES,
+            device_copy=self._copy_from_device if self._copiers else None,
+        )
+        _warn_fallback_once(self.handle.fallback_reason)
+
+    @property
+    def backend(self) -> str:
+        if self.handle is not None:
+            return str(self.handle.backend)
+        return _core.select_backend(self.config.backend)[0]
+
+    # -- staging and the mutation guard ------------------------------------------------------
+
+    def _check_staged(self, blobs: list[int]) -> bool:
+        """The mutation guard, called by the job's thread as soon as `blobs` are staged whole.
+
+        Each torch source's version counter (bumped by every in-place operation, shared by
+        views) must still be what it was at flatten time: otherwise the staged bytes may mix
+        two iterations, and the save fails for everyone. A change after this point is fine.
+        """
+        flat = self._flat
+        if flat is None:
+            return True
+        for index in blobs:
+            blob = flat.blobs[index]
+            now = blob.source._version  # type: ignore[attr-defined]
+            if now != blob.version:
+                self.verdict.fail(
+                    SaveCancelledError(
+                        f"tensor {self.blob_owner.get(index, f'blob {index}')!r} was modified in place before "
+                        f"the save of {self.path} had copied it (version {blob.version} -> {now}); call "
+                        "wait_staged() before optimizer.step(). The checkpoint was not committed; the "
+                        "previous one is untouched."
+                    )
+                )
+                return False
+        return True
+
+    def _copy_from_device(self, blob_index: int, offset_bytes: int, slot: memoryview, start: int, end: int) -> None:
+        """Stages bytes of a device-resident blob into a slot (called by the job's thread)."""
+        flat = self._flat
+        assert flat is not None
+        blob = flat.blobs[blob_index]
+        source: Any = blob.source
+        try:
+            copier = self._copiers[(blob.device, source.device)]
+            src = device_bytes(source)[offset_bytes : offset_bytes + end - start]
+            copier.copy_to_host(src, slot, start, end)
+        except BaseException as e:
+            self.verdict.fail(e)
+            raise
+
+    def _release_sources(self) -> None:
+        """Drops this job's references to the user's tensors once the engine no longer reads them."""
+        if self.handle is None or self.handle.staged():
+            self._flat = None
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Returns when the sources may be modified; raises if the save was cancelled (a source
+        changed before it was staged, or someone cancelled it)."""
+        if self.handle is not None:
+            self.handle.wait_staged(timeout)
+        self._release_sources()
+        if isinstance(self.verdict.error, SaveCancelledError):
+            raise self.verdict.error
+
+    def cancel(self) -> bool:
+        """Stops the save unless it already committed or failed; returns whether it did."""
+        if not self.verdict.cancel(SaveCancelledError(f"the save of {self.path} was cancelled; nothing was committed")):
+            return False
+        if self.handle is not None:
+            self.handle.cancel()
+        return True
+
+    # -- the pieces of a commit --------------------------------------------------------------
+
+    def wait_written(self, timeout: float | None = None) -> Written:
+        """Waits until this process's files are written (and durable); raises the save's verdict."""
+        report: dict[str, Any] = {"parts": [], "bytes_written": 0, "staged_seconds": 0.0}
+        try:
+            if self.handle is not None:
+                report = self.handle.wait(timeout)
+        except TimeoutError:
+            raise
+        except BaseException as e:
+            raise self.verdict.fail(e) or e from None
+        finally:
+            self._release_sources()
+        if self.verdict.error is not None:
+            raise self.verdict.error
+        entries = [
+            FileEntry(
+                name=fname,
+                stripe=stripe,
+                writer=part.writer,
+                stream_offset_bytes=part.stream_offset_bytes,
+                len_bytes=part.len_bytes,
+                chunk_crc32c=list(written["chunk_crc32c"]),
+            )
+            for (stripe, fname), part, written in zip(self.part_names, self.my_parts, report["parts"], strict=True)
+        ]
+        if self.config.durable:
+            for d in self.stripe_dirs_used:
+                _core.fsync_dir(d)
+                _core.fsync_dir(os.path.dirname(d))
+            if self.layout.data_dir != self.layout.tmp_dir and os.path.isdir(self.layout.data_dir):
+                _core.fsync_dir(self.layout.data_dir)
+        return Written(entries, self.stripe_dirs, report)
+
+    def manifest(self, entries: list[FileEntry], stripes: list[str], extra: dict[str, Any] | None = None) -> bytes:
+        """This job's manifest, listing `entries` (from every writer, stripes indexing `stripes`)."""
+        return build(
+            checkpoint_id=self.layout.checkpoint_id,
+            chunk_bytes=self.config.chunk_bytes,
+            checksum=self.config.checksum,
+            total_bytes=self.plan.total_bytes,
+            blobs=list(zip(self.plan.extent_offsets, self.blob_lengths, strict=True)),
+            files=entries,
+            stripes=stripes,
+            tensors=self.tensor_json,
+            tree=self.tree,
+            extra=extra,
+        )
+
+    def publish(self, manifest: bytes) -> None:
+        """Owner only: writes the manifest into the temporary directory and commits it atomically."""
+        write_manifest(self.layout.tmp_dir, manifest, durable=self.config.durable)
+        self.commit_tmp()
+
+    def commit_tmp(self) -> None:
+        """Owner only: atomically puts the finished temporary directory at the target path,
+        unless the save's verdict is already a failure."""
+        assert self.layout.owner
+        check_target(self.path)
+        exchanged = False
+
+        def put_in_place() -> None:
+            nonlocal exchanged
+            exchanged = _core.replace_atomically(self.layout.tmp_dir, self.path)
+
+        self.verdict.commit(put_in_place)
+        if self.config.durable:
+            _core.fsync_dir(os.path.dirname(self.path))
+        if exchanged:
+            remove_checkpoint_tree(self.layout.tmp_dir, self.config.stripes)
+
+    def result(self, written: Written) -> SaveResult:
+        seconds = time.perf_counter() - self.started
+        nbytes = int(written.report["bytes_written"])
+        staged = written.report.get("staged_seconds")
+        result = SaveResult(
+            path=self.path,
+            nbytes=nbytes,
+            seconds=seconds,
+            staged_seconds=float(staged) if staged is not None else seconds,
+            gb_per_s=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+            backend=self.backend,
+            files=[p["path"] for p in written.report["parts"]],
+        )
+        log_save(result)
+        return result
+
+    def finish(self, timeout: float | None = None) -> SaveResult:
+        """Single process: waits for the data, writes the manifest, commits (unless failed)."""
+        try:
+            written = self.wait_written(timeout)
+            self.publish(self.manifest(written.entries, written.stripe_dirs))
+        except BaseException as e:
+            error = self.verdict.fail(e) or e
+            self.discard()
+            if error is e:
+                raise
+            raise error from None
+        return self.result(written)
+
+    def discard(self) -> None:
+        """Removes what this process created for a save that did not commit."""
+        self.cancel_quietly()
+        if self.verdict.committed:
+            # The new checkpoint is in place; only the old tree (exchanged to tmp_dir) remains.
+            remove_checkpoint_tree(self.layout.tmp_dir, self.config.stripes)
+            return
+        for d in reversed(self._created):
+            shutil.rmtree(d, ignore_errors=True)
+
+    def cancel_quietly(self) -> None:
+        """Stops the engine's job and waits for it (its error, if any, is already the verdict)."""
+        handle = self.handle
+        if handle is not None and not handle.done():
+            handle.cancel()
+            try:
+                handle.wait()
+            except Exception:
+                pass
+
+
+def _prepare_device_blobs(blobs: list[Blob]) -> dict[tuple[object, Any], DeviceCopier]:
+    """Copies small device-resident blobs on their device (stream-ordered, no host sync), so
+    that buffers the next forward pass updates cannot race them, and starts one copier per
+    device for the rest. Returns the copiers by (factory, device)."""
+    on_device = [b for b in blobs if b.device is not None]
+    budget = COPY_AT_START_BUDGET_BYTES
+    for blob in sorted(on_device, key=lambda b: b.nbytes):
+        if blob.version is None or blob.nbytes > COPY_AT_START_MAX_BYTES or blob.nbytes > budget:
+            continue
+        blob.source = blob.source.clone()  # type: ignore[attr-defined]
+        blob.version = None
+        budget -= blob.nbytes
+    copiers: dict[tuple[object, Any], DeviceCopier] = {}
+    for blob in on_device:
+        key = (blob.device, blob.source.device)  # type: ignore[attr-defined]
+        if key not in copiers:
+            factory: Any = blob.device
+            copiers[key] = factory(key[1])
+            copiers[key].begin()
+    return copiers
+
+
+def write_manifest(directory: str, manifest: bytes, *, durable: bool) -> None:
+    """Writes `manifest` as ``directory/manifest.json`` (new file), fsyncing it and the directory."""
+    fd = os.open(os.path.join(directory, MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(manifest)
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    if durable:
+        _core.fsync_dir(directory)
+
+
+def remove_checkpoint_tree(root: str, stripe_roots: Sequence[str | os.PathLike[str]] | None = None) -> None:
+    """Deletes a checkpoint directory and those of its stripe directories inside `stripe_roots`
+    (see :func:`fastpersist.format.confine.remove_checkpoint_tree`: a manifest cannot widen that)."""
+    _remove_confined(root, stripe_roots)

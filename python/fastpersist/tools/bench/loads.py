@@ -1,0 +1,167 @@
+"""The timed cold loads of ``fastpersist bench``: the drive's O_DIRECT read limit (into the same
+buffer, and into fresh memory), ``fastpersist.load``, ``torch.load`` and ``safetensors``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import TYPE_CHECKING
+
+from ... import _core
+from ...load.reading import aligned_uint8
+from .measure import Method
+from .system import drop_caches
+
+if TYPE_CHECKING:
+    import torch
+
+    from .harness import Bench
+
+
+def add_load_methods(bench: Bench) -> None:
+    """Adds the load rows and methods to `bench`; they read what the saves kept of their last repetition."""
+    _add_engine_reads(bench)
+    _add_fastpersist_load(bench)
+    _add_torch_load(bench)
+    _add_safetensors_loads(bench)
+
+
+def _add_engine_reads(bench: Bench) -> None:
+    """The drive's read limits: the engine reading into warm memory, and into fresh memory."""
+    args = bench.args
+    backend = bench.backends[0] if bench.backends else "threads"
+    raw_key = bench.add_row("read_limit_engine", f"O_DIRECT read limit (engine, {backend})", "load", "limit")
+    parts: list[tuple[str, int, int, list[int]]] = [
+        (p, n, off, []) for p, (_w, _s, off, n) in zip(bench.raw_paths, bench.raw_plan.parts, strict=True)
+    ]
+
+    def raw_read() -> dict[str, float]:
+        start = time.perf_counter()
+        got = _core.read_into(
+            parts,
+            bench.raw_buffer,
+            chunk_bytes=args.chunk_bytes,
+            backend=backend,
+            direct_io=bench.direct,  # type: ignore[arg-type]
+            queue_depth=args.queue_depth,
+        )
+        seconds = time.perf_counter() - start
+        assert got == bench.nbytes
+        return {raw_key: seconds}
+
+    bench.load_methods.append(Method("O_DIRECT read limit (engine)", raw_read, []))
+    fresh_key = bench.add_row(
+        "read_fresh_engine", f"O_DIRECT read into fresh memory (engine, {backend})", "load", "limit"
+    )
+
+    def raw_read_fresh() -> dict[str, float]:
+        # What every load pays on top of the drive: the kernel faults in (zeroes) new pages.
+        # Allocated by torch like fastpersist.load's buffer (numpy would madvise huge pages).
+        start = time.perf_counter()
+        dest = aligned_uint8(bench.nbytes)
+        _core.read_into(
+            parts,
+            dest.numpy(),
+            chunk_bytes=args.chunk_bytes,
+            backend=backend,
+            direct_io=bench.direct,  # type: ignore[arg-type]
+            queue_depth=args.queue_depth,
+        )
+        seconds = time.perf_counter() - start
+        del dest
+        return {fresh_key: seconds}
+
+    bench.load_methods.append(Method("O_DIRECT read into fresh memory (engine)", raw_read_fresh, []))
+
+
+def _add_fastpersist_load(bench: Bench) -> None:
+    import fastpersist as fp
+
+    backend = bench.backends[0] if bench.backends else "threads"
+    if bench.backends:
+        fp_path = bench.path(f"fp-{bench.backends[0]}")
+        fp_key = bench.add_row("fastpersist_load", "fastpersist.load", "load", "fastpersist")
+        load_config = fp.Config(backend=backend, queue_depth=bench.args.queue_depth)
+
+        def fp_load() -> dict[str, float]:
+            start = time.perf_counter()
+            loaded = fp.load(fp_path, config=load_config)
+            seconds = time.perf_counter() - start
+            bench.loaded(fp_key, loaded)
+            return {fp_key: seconds}
+
+        bench.load_methods.append(Method("fastpersist.load", fp_load, []))
+
+
+def _add_torch_load(bench: Bench) -> None:
+    torch = bench.torch
+    pt_path = bench.path("torch-save.pt")
+    pt_key = bench.add_row("torch_load", "torch.load (weights_only)", "load", "peer")
+    bench.weights_only = True
+
+    def torch_load() -> dict[str, float]:
+        start = time.perf_counter()
+        try:
+            loaded = torch.load(pt_path, weights_only=bench.weights_only, mmap=False)
+        except Exception as e:
+            if not bench.weights_only:
+                raise
+            bench.weights_only = False
+            bench.rows[pt_key].label = "torch.load (weights_only=False)"
+            bench.notes.append(f"torch.load(weights_only=True) refused the state ({e}); timed weights_only=False")
+            bench.cold = drop_caches()
+            start = time.perf_counter()
+            loaded = torch.load(pt_path, weights_only=False, mmap=False)
+        seconds = time.perf_counter() - start
+        bench.loaded(pt_key, loaded)
+        return {pt_key: seconds}
+
+    bench.load_methods.append(Method("torch.load", torch_load, []))
+
+
+def _add_safetensors_loads(bench: Bench) -> None:
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        return
+    st_path = bench.path("state.safetensors")
+    mmap_key = bench.add_row("safetensors_load_mmap", "safetensors.load_file (mmap, pages touched)", "load", "peer")
+
+    def st_load_mmap() -> dict[str, float]:
+        # The default backend maps the file lazily: touching every page makes it a real load.
+        start = time.perf_counter()
+        loaded = load_file(st_path)
+        _touch_pages(loaded)
+        seconds = time.perf_counter() - start
+        bench.loaded(mmap_key, loaded)
+        return {mmap_key: seconds}
+
+    bench.load_methods.append(Method("safetensors.load_file (mmap)", st_load_mmap, []))
+    try:
+        has_pread = "backend" in inspect.signature(load_file).parameters
+    except (TypeError, ValueError):
+        has_pread = False
+    if has_pread:
+        pread_key = bench.add_row("safetensors_load_pread", "safetensors.load_file (pread)", "load", "peer")
+
+        def st_load_pread() -> dict[str, float]:
+            start = time.perf_counter()
+            loaded = load_file(st_path, backend="pread")
+            seconds = time.perf_counter() - start
+            bench.loaded(pread_key, loaded)
+            return {pread_key: seconds}
+
+        bench.load_methods.append(Method("safetensors.load_file (pread)", st_load_pread, []))
+
+
+def _touch_pages(tensors: dict[str, torch.Tensor]) -> int:
+    """Reads one byte of every page of every tensor (materialises an mmap-backed load)."""
+    import torch
+
+    total = 0
+    for t in tensors.values():
+        if t.numel():
+            u8 = t.reshape(-1).view(torch.uint8)
+            total += int(u8[::4096].sum()) + int(u8[-1])
+    return total

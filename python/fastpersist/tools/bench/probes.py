@@ -1,0 +1,142 @@
+"""The two measurements outside the timed methods: flatten+plan of a 10,000-tensor state, and the
+peak RSS a bounded-pool save adds (measured in a fresh ``python -m fastpersist.tools.bench --rss-probe``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ... import _core
+from .state import build_small_state, build_state, state_summary
+from .system import MiB, remove_path, reset_peak_rss, status_bytes
+
+RSS_SLACK_BYTES = 64 * MiB  # the RSS budget of a bounded save is pool_bytes + this
+
+
+def flatten_plan_seconds(tensor_count: int = 10_000, runs: int = 7, chunk_bytes: int = 8 << 20) -> dict[str, Any]:
+    """Times ``flatten`` + ``_core.Plan`` of a `tensor_count`-tensor state (median of `runs`, after a warm-up).
+
+    Example:
+        >>> flatten_plan_seconds(1000, runs=3)["tensors"]
+        1000
+    """
+    from ...format.flatten import flatten
+
+    state = build_small_state(tensor_count)
+    samples: list[float] = []
+    cpu: list[float] = []
+    tensors = 0
+    for i in range(runs + 1):
+        cpu_start = time.process_time()
+        start = time.perf_counter()
+        flat = flatten(state)
+        plan = _core.Plan([b.nbytes for b in flat.blobs], 1, 1, chunk_bytes)
+        seconds = time.perf_counter() - start
+        cpu_seconds = time.process_time() - cpu_start
+        tensors = len(flat.tensors)
+        assert plan.total_bytes > 0
+        del flat, plan
+        if i:
+            samples.append(seconds)
+            cpu.append(cpu_seconds)
+    return {
+        "tensors": tensors,
+        "runs": runs,
+        "seconds": samples,
+        "median_s": statistics.median(samples),
+        "min_s": min(samples),
+        "max_s": max(samples),
+        "cpu_median_s": statistics.median(cpu),
+    }
+
+
+def rss_probe(
+    total_bytes: int, dirs: Sequence[str], chunk_bytes: int, pool_bytes: int, queue_depth: int
+) -> dict[str, Any]:
+    """Builds the state, then reports how much a bounded-pool ``fastpersist.save`` raises the peak RSS.
+
+    Runs in a fresh process (``python -m fastpersist.tools.bench --rss-probe ...``) so that nothing
+    else has touched the pool or the heap. The peak (VmHWM) is reset just before the save where
+    the kernel allows it (``/proc/self/clear_refs``), else the delta is against the earlier peak.
+    """
+    import fastpersist as fp
+
+    state = build_state(total_bytes)
+    nbytes = state_summary(state)["bytes"]
+    gc.collect()
+    # Bounded mode needs a pool smaller than the state: shrink it for tiny states.
+    while chunk_bytes > 64 << 10 and 4 * chunk_bytes > nbytes:
+        chunk_bytes //= 2
+    if pool_bytes >= nbytes:
+        pool_bytes = max(2 * chunk_bytes, nbytes // 4 // chunk_bytes * chunk_bytes)
+    config = fp.Config(
+        chunk_bytes=chunk_bytes,
+        pool_bytes=pool_bytes,
+        queue_depth=queue_depth,
+        stripes=list(dirs) if len(dirs) > 1 else None,
+    )
+    path = os.path.join(dirs[0], "rss-probe-ckpt")
+    rss_before = status_bytes("VmRSS")
+    hwm_before = status_bytes("VmHWM")
+    maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    reset = reset_peak_rss()
+    start = time.perf_counter()
+    result = fp.save(state, path, config=config)
+    seconds = time.perf_counter() - start
+    hwm_after = status_bytes("VmHWM")
+    maxrss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    remove_path(path)
+    base = rss_before if reset else hwm_before
+    delta = max(0, hwm_after - base)
+    budget = pool_bytes + RSS_SLACK_BYTES
+    return {
+        "state_bytes": nbytes,
+        "pool_bytes": pool_bytes,
+        "chunk_bytes": chunk_bytes,
+        "mode": "bounded" if pool_bytes < nbytes else "snapshot",
+        "seconds": seconds,
+        "backend": result.backend,
+        "rss_before_bytes": rss_before,
+        "hwm_before_bytes": hwm_before,
+        "hwm_after_bytes": hwm_after,
+        "ru_maxrss_before_bytes": maxrss_before,
+        "ru_maxrss_after_bytes": maxrss_after,
+        "hwm_reset": reset,
+        "delta_bytes": delta,
+        "budget_bytes": budget,
+        "within_budget": delta <= budget,
+    }
+
+
+def run_rss_probe_subprocess(args: argparse.Namespace, dirs: Sequence[str]) -> dict[str, Any]:
+    command = [
+        sys.executable,
+        "-m",
+        "fastpersist.tools.bench",
+        "--rss-probe",
+        "--size",
+        str(args.size),
+        "--chunk-bytes",
+        str(args.chunk_bytes),
+        "--pool-bytes",
+        str(args.pool_bytes),
+        "--queue-depth",
+        str(args.queue_depth),
+    ]
+    for d in dirs:
+        command += ["--dir", d]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip() or done.stdout.strip())[-2000:]}
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result

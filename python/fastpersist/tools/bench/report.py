@@ -1,0 +1,234 @@
+"""The report of a ``fastpersist bench`` run: per-method statistics, speedups over the peers, the
+targets it checks, the text table and the PNG chart.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .measure import Row
+from .system import GB, MiB
+
+if TYPE_CHECKING:
+    from .harness import Bench
+
+# Targets the table checks (see docs/: the issue that asked for this benchmark).
+TARGET_SAVE_VS_LIMIT = 0.90
+TARGET_SAVE_VS_SAFETENSORS = 1.5
+TARGET_SAVE_VS_TORCH = 3.0
+TARGET_TORCH_SAVE_VS_TORCH = 2.0
+TARGET_LOAD_VS_LIMIT = 0.90
+TARGET_FLATTEN_PLAN_S = 0.050
+
+
+def _stats(row: Row, nbytes: int) -> dict[str, Any]:
+    med, lo, hi = row.median(), min(row.seconds), max(row.seconds)
+    out: dict[str, Any] = {
+        "label": row.label,
+        "kind": row.kind,
+        "role": row.role,
+        "seconds": row.seconds,
+        "median_s": med,
+        "min_s": lo,
+        "max_s": hi,
+        "peak_rss_bytes": row.peak_rss_bytes,
+    }
+    if row.rate:
+        out.update(gb_per_s=nbytes / med / GB, gb_per_s_min=nbytes / hi / GB, gb_per_s_max=nbytes / lo / GB)
+    if row.note:
+        out["note"] = row.note
+    return out
+
+
+def _speedups(results: dict[str, dict[str, Any]], fp_save: str | None) -> dict[str, float]:
+    """fastpersist's save and load time against each peer's (how many times faster)."""
+    peers: dict[str, float] = {}
+    if fp_save:
+        for k, r in results.items():
+            if r["role"] == "peer" and r["kind"] == "save":
+                peers[f"{fp_save} vs {k}"] = r["median_s"] / results[fp_save]["median_s"]
+    if "fastpersist_torch_save" in results and "torch_save" in results:
+        peers["fastpersist_torch_save vs torch_save"] = (
+            results["torch_save"]["median_s"] / results["fastpersist_torch_save"]["median_s"]
+        )
+    if "fastpersist_load" in results:
+        for k, r in results.items():
+            if r["role"] == "peer" and r["kind"] == "load":
+                peers[f"fastpersist_load vs {k}"] = r["median_s"] / results["fastpersist_load"]["median_s"]
+    return peers
+
+
+def summarise(bench: Bench, extras: dict[str, Any]) -> dict[str, Any]:
+    rows = {k: r for k, r in bench.rows.items() if r.seconds}
+    results = {k: _stats(r, bench.nbytes) for k, r in rows.items()}
+    write_ref = "write_limit_fio" if "write_limit_fio" in results else "write_limit_engine"
+    read_ref = "read_limit_engine"
+    for r in results.values():
+        ref = write_ref if r["kind"] == "save" else read_ref
+        if "gb_per_s" in r and ref in results:
+            r["ratio_to_limit"] = r["gb_per_s"] / results[ref]["gb_per_s"]
+    fp_save = next((k for k in ("fastpersist_save_io_uring", "fastpersist_save_threads") if k in results), None)
+    peers = _speedups(results, fp_save)
+    targets: list[dict[str, Any]] = []
+
+    def target(name: str, value: float | None, threshold: float, higher: bool = True) -> None:
+        if value is None:
+            targets.append({"name": name, "value": None, "threshold": threshold, "ok": None})
+            return
+        ok = value >= threshold if higher else value < threshold
+        targets.append({"name": name, "value": value, "threshold": threshold, "ok": ok})
+
+    def speedup(a: str | None, b: str) -> float | None:
+        return results[b]["median_s"] / results[a]["median_s"] if a and a in results and b in results else None
+
+    target(
+        f"save >= {TARGET_SAVE_VS_LIMIT}x write limit ({results.get(write_ref, {}).get('label', write_ref)})",
+        results[fp_save].get("ratio_to_limit") if fp_save else None,
+        TARGET_SAVE_VS_LIMIT,
+    )
+    if fp_save and "write_limit_engine" in results and write_ref != "write_limit_engine":
+        engine_ratio = results[fp_save]["gb_per_s"] / results["write_limit_engine"]["gb_per_s"]
+        target(f"save >= {TARGET_SAVE_VS_LIMIT}x write limit (engine raw)", engine_ratio, TARGET_SAVE_VS_LIMIT)
+    target(
+        f"save >= {TARGET_SAVE_VS_SAFETENSORS}x safetensors",
+        speedup(fp_save, "safetensors_save"),
+        TARGET_SAVE_VS_SAFETENSORS,
+    )
+    target(f"save >= {TARGET_SAVE_VS_TORCH}x torch.save", speedup(fp_save, "torch_save"), TARGET_SAVE_VS_TORCH)
+    target(
+        f"torch_save >= {TARGET_TORCH_SAVE_VS_TORCH}x torch.save",
+        speedup("fastpersist_torch_save", "torch_save"),
+        TARGET_TORCH_SAVE_VS_TORCH,
+    )
+    target(
+        f"cold load >= {TARGET_LOAD_VS_LIMIT}x O_DIRECT read limit",
+        results.get("fastpersist_load", {}).get("ratio_to_limit"),
+        TARGET_LOAD_VS_LIMIT,
+    )
+    target("load faster than torch.load", speedup("fastpersist_load", "torch_load"), 1.0)
+    st_loads = [k for k in ("safetensors_load_mmap", "safetensors_load_pread") if k in results]
+    st_best = min(st_loads, key=lambda k: results[k]["median_s"]) if st_loads else "safetensors_load_mmap"
+    target(f"load faster than safetensors (fastest: {st_best})", speedup("fastpersist_load", st_best), 1.0)
+    fplan = extras.get("flatten_plan", {})
+    median_ms = fplan["median_s"] * 1000 if "median_s" in fplan else None
+    target(
+        f"flatten+plan of {fplan.get('tensors', 10_000)} tensors < {TARGET_FLATTEN_PLAN_S * 1000:.0f} ms (ms)",
+        median_ms,
+        TARGET_FLATTEN_PLAN_S * 1000,
+        higher=False,
+    )
+    rss = extras.get("rss", {})
+    if "delta_bytes" in rss:
+        target(
+            "bounded save peak RSS delta <= pool_bytes + 64 MiB (MiB)",
+            rss["delta_bytes"] / MiB,
+            rss["budget_bytes"] / MiB + 1e-9,
+            higher=False,
+        )
+    return {
+        "results": results,
+        "write_limit": write_ref,
+        "read_limit": read_ref,
+        "speedups": peers,
+        "targets": targets,
+        "fastpersist_save": fp_save,
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    results = report["results"]
+    lines: list[str] = []
+    state = report["state"]
+    lines.append(
+        f"fastpersist bench: {state['bytes'] / 2**30:.2f} GiB state ({state['params'] / 1e6:.1f} M params, "
+        f"{state['tensors']} tensors), {report['config']['reps']} reps, dirs {', '.join(report['config']['dirs'])} "
+        f"[{'; '.join(report['machine']['filesystems'])}]"
+    )
+    head = f"{'method':<50}{'median s':>9}{'min s':>8}{'max s':>8}{'GB/s':>8}{'x limit':>9}"
+    for kind, title in (
+        ("save", "SAVE (durable: fsync included)"),
+        ("load", "LOAD (cold)" if report["cold_reads"] else "LOAD (page cache NOT dropped)"),
+    ):
+        lines += ["", title, head, "-" * len(head)]
+        for r in results.values():
+            if r["kind"] != kind:
+                continue
+            gbs = f"{r['gb_per_s']:8.2f}" if "gb_per_s" in r else f"{'-':>8}"
+            ratio = f"{r['ratio_to_limit']:8.2f}x" if "ratio_to_limit" in r else f"{'-':>9}"
+            lines.append(f"{r['label']:<50}{r['median_s']:9.3f}{r['min_s']:8.3f}{r['max_s']:8.3f}{gbs}{ratio}")
+    lines += [
+        "",
+        f"x limit: GB/s over {results.get(report['write_limit'], {}).get('label', '-')} (saves) and "
+        f"{results.get(report['read_limit'], {}).get('label', '-')} (loads), medians",
+    ]
+    if report["speedups"]:
+        lines += ["", "SPEEDUPS (peer median s / fastpersist median s)"]
+        for name, value in report["speedups"].items():
+            a, b = name.split(" vs ")
+            lines.append(f"  {results[a]['label']:<28} vs {results[b]['label']:<46} {value:6.2f}x")
+    fplan, rss = report.get("flatten_plan", {}), report.get("rss", {})
+    lines.append("")
+    if fplan:
+        lines.append(
+            f"flatten+plan of {fplan['tensors']} tensors: median {fplan['median_s'] * 1000:.1f} ms "
+            f"(min {fplan['min_s'] * 1000:.1f}, max {fplan['max_s'] * 1000:.1f}, {fplan['runs']} runs; "
+            f"CPU median {fplan['cpu_median_s'] * 1000:.1f} ms)"
+        )
+    if "delta_bytes" in rss:
+        lines.append(
+            f"peak RSS added by a {rss['mode']} fastpersist.save (pool {rss['pool_bytes'] / MiB:.0f} MiB, "
+            "fresh process): "
+            f"{rss['delta_bytes'] / MiB:.1f} MiB (budget {rss['budget_bytes'] / MiB:.0f} MiB = pool + 64 MiB"
+            f"{'' if rss['hwm_reset'] else '; VmHWM could not be reset'})"
+        )
+    elif rss:
+        lines.append(f"peak RSS probe failed: {rss.get('error', '?')}")
+    lines.append(
+        f"peak RSS of this benchmark process: {report['peak_rss_bytes'] / 2**30:.2f} GiB (the state, the "
+        "engine-limit buffer of the same size, and what one method holds at a time)"
+    )
+    lines += ["", "TARGETS"]
+    for t in report["targets"]:
+        verdict = "n/a " if t["ok"] is None else ("ok  " if t["ok"] else "MISS")
+        value = "-" if t["value"] is None else f"{t['value']:.3f}"
+        lines.append(f"  [{verdict}] {t['name']}: {value} (threshold {t['threshold']:g})")
+    for note in report["notes"]:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    colors = {"limit": "#8c8c8c", "fastpersist": "#1f77b4", "peer": "#ff7f0e"}
+    groups = [(k, [r for r in results.values() if r["kind"] == k and "gb_per_s" in r]) for k in ("save", "load")]
+    heights = [max(len(rows), 1) for _k, rows in groups]
+    fig, axes = plt.subplots(1, 2, figsize=(15, 0.45 * max(heights) + 2.2), squeeze=False)
+    xmax = max((r["gb_per_s_max"] for _k, rows in groups for r in rows), default=1.0) * 1.18
+    for ax, (kind, rows) in zip(axes[0], groups, strict=True):
+        rows = rows[::-1]
+        y = list(range(len(rows)))
+        med = [r["gb_per_s"] for r in rows]
+        err = [[r["gb_per_s"] - r["gb_per_s_min"] for r in rows], [r["gb_per_s_max"] - r["gb_per_s"] for r in rows]]
+        ax.barh(y, med, xerr=err, color=[colors[r["role"]] for r in rows], capsize=3, height=0.7)
+        for yi, r in zip(y, rows, strict=True):
+            ax.text(r["gb_per_s_max"] + xmax * 0.01, yi, f"{r['gb_per_s']:.2f}", va="center", fontsize=8)
+        ax.set_yticks(y, [r["label"] for r in rows], fontsize=8)
+        ax.set_xlim(0, xmax)
+        ax.set_xlabel("GB/s (median; bars: min-max)")
+        title = "save (durable)" if kind == "save" else ("load (cold)" if report["cold_reads"] else "load (warm)")
+        ax.set_title(title)
+        ax.grid(axis="x", alpha=0.3)
+    state = report["state"]
+    fig.suptitle(
+        f"fastpersist bench: {state['bytes'] / 2**30:.2f} GiB training state, {state['tensors']} tensors, "
+        f"{report['config']['reps']} reps; grey = drive limit, blue = fastpersist, orange = peers",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

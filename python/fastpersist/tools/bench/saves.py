@@ -1,0 +1,240 @@
+"""The timed saves of ``fastpersist bench``: the drive's write limit (the engine's raw O_DIRECT
+stream, and ``fio`` when installed), ``fastpersist.save``/``save_async``, and the peers
+(``torch.save``, ``safetensors``, ``torch.distributed.checkpoint``). Each one is durable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ... import _core
+from .measure import Method
+from .system import aligned_buffer
+
+if TYPE_CHECKING:
+    from .harness import Bench
+
+
+def add_save_methods(bench: Bench) -> None:
+    """Adds the save rows and methods to `bench`, in the table's order: limits, fastpersist, peers."""
+    _add_limit_methods(bench)
+    _add_fastpersist_methods(bench)
+    _add_peer_methods(bench)
+
+
+def _add_limit_methods(bench: Bench) -> None:
+    args = bench.args
+    backend = bench.backends[0]
+    bench.raw_buffer = aligned_buffer(bench.nbytes)
+    source = bench.raw_buffer[: bench.nbytes]
+    bench.raw_plan = _core.Plan([bench.nbytes], 1, len(bench.dirs), args.chunk_bytes)
+    bench.raw_paths = [bench.path(f"raw-limit-s{stripe}.bin", stripe) for _w, stripe, _o, _n in bench.raw_plan.parts]
+    raw_pool = _core.Pool(args.chunk_bytes, args.pool_bytes)
+    key = bench.add_row("write_limit_engine", f"O_DIRECT write limit (engine, {backend})", "save", "limit")
+
+    def raw_write() -> dict[str, float]:
+        start = time.perf_counter()
+        report = _core.start_write(
+            bench.raw_plan,
+            0,
+            bench.raw_paths,
+            [source],
+            raw_pool,
+            backend=backend,
+            direct_io=bench.direct,  # type: ignore[arg-type]
+            queue_depth=args.queue_depth,
+            checksum=False,
+            durable=True,
+        ).wait()
+        seconds = time.perf_counter() - start
+        assert report["bytes_written"] == bench.nbytes
+        return {key: seconds}
+
+    bench.save_methods.append(Method("O_DIRECT write limit (engine)", raw_write, list(bench.raw_paths), True))
+    if args.no_fio or shutil.which("fio") is None:
+        why = "--no-fio" if args.no_fio else "the fio binary is not installed"
+        bench.notes.append(f"fio: skipped ({why}); the write limit is the engine's raw O_DIRECT write")
+        return
+    engine = _fio_engine()
+    fio_key = bench.add_row("write_limit_fio", f"fio write ({engine}, O_DIRECT)", "save", "limit")
+    fio_paths = [bench.path(f"fio-s{i}.bin", i) for i in range(len(bench.dirs))]
+    bench.fio_raw = []
+
+    def fio_write() -> dict[str, float]:
+        bs = 8 << 20
+        share = -(-bench.nbytes // len(fio_paths) // bs) * bs  # fio rounds a size down to bs
+        # fio's default fallocate preallocates the file, as the engine does: on ext4, O_DIRECT
+        # writes past the end of a file are serialised, inside it they run in parallel.
+        command = [
+            "fio",
+            "--rw=write",
+            f"--bs={bs}",
+            "--iodepth=8",
+            "--direct=1",
+            "--end_fsync=1",
+            f"--ioengine={engine}",
+            "--output-format=json",
+        ]
+        for i, p in enumerate(fio_paths):
+            command += [f"--name=w{i}", f"--filename={p}", f"--size={max(share, bs)}"]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"fio failed: {(done.stderr or done.stdout).strip()[-1000:]}")
+        jobs = json.loads(done.stdout[done.stdout.index("{") :])["jobs"]
+        io_bytes = sum(int(j["write"]["io_bytes"]) for j in jobs)
+        runtime_s = max(float(j["write"]["runtime"]) for j in jobs) / 1000  # covers the end_fsync
+        runtime_s = max(runtime_s, 0.001)
+        bench.fio_raw.append({"io_bytes": io_bytes, "runtime_s": runtime_s})
+        # fio's own clock (no process start-up), scaled to the state's byte count
+        return {fio_key: runtime_s * bench.nbytes / io_bytes}
+
+    bench.save_methods.append(Method("fio write", fio_write, fio_paths))
+
+
+def _add_fastpersist_methods(bench: Bench) -> None:
+    import fastpersist as fp
+
+    for backend in bench.backends:
+        config = fp.Config(backend=backend, **bench.config_kwargs)
+        path = bench.path(f"fp-{backend}")
+        key = bench.add_row(f"fastpersist_save_{backend}", f"fastpersist.save ({backend})", "save", "fastpersist")
+
+        def save(config: fp.Config = config, path: str = path, key: str = key) -> dict[str, float]:
+            start = time.perf_counter()
+            fp.save(bench.state, path, config=config)
+            return {key: time.perf_counter() - start}
+
+        bench.save_methods.append(Method(f"fastpersist.save ({backend})", save, [path], keep_last=True))
+    if not bench.backends:
+        return
+    async_config = fp.Config(**bench.config_kwargs)
+    path = bench.path("fp-async")
+    mode = "snapshot" if bench.args.pool_bytes >= bench.nbytes else "bounded"
+    k_ret = bench.add_row(
+        "fastpersist_save_async_return", "fastpersist.save_async: return", "save", "fastpersist", rate=False
+    )
+    k_staged = bench.add_row(
+        "fastpersist_save_async_staged", f"fastpersist.save_async: staged ({mode})", "save", "fastpersist"
+    )
+    k_done = bench.add_row("fastpersist_save_async_durable", "fastpersist.save_async: durable", "save", "fastpersist")
+
+    def save_async() -> dict[str, float]:
+        start = time.perf_counter()
+        fut = fp.save_async(bench.state, path, config=async_config)
+        returned = time.perf_counter()
+        fut.wait_staged()
+        staged = time.perf_counter()
+        fut.wait()
+        durable = time.perf_counter()
+        return {k_ret: returned - start, k_staged: staged - start, k_done: durable - start}
+
+    bench.save_methods.append(Method("fastpersist.save_async", save_async, [path]))
+    ts_path = bench.path("fp-torch-save.pt")
+    ts_key = bench.add_row("fastpersist_torch_save", "fastpersist.torch_save (.pt)", "save", "fastpersist")
+    ts_config = fp.Config(**bench.config_kwargs)
+
+    def torch_save_fp() -> dict[str, float]:
+        start = time.perf_counter()
+        fp.torch_save(bench.state, ts_path, config=ts_config)
+        return {ts_key: time.perf_counter() - start}
+
+    bench.save_methods.append(Method("fastpersist.torch_save", torch_save_fp, [ts_path]))
+
+
+def _add_peer_methods(bench: Bench) -> None:
+    torch = bench.torch
+    path = bench.path("torch-save.pt")
+    key = bench.add_row("torch_save", "torch.save + fsync", "save", "peer")
+
+    def torch_save() -> dict[str, float]:
+        start = time.perf_counter()
+        torch.save(bench.state, path)
+        _core.fsync_path(path)
+        return {key: time.perf_counter() - start}
+
+    bench.save_methods.append(Method("torch.save + fsync", torch_save, [path], keep_last=True))
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        bench.notes.append("safetensors is not installed: its rows are skipped")
+    else:
+        st_path = bench.path("state.safetensors")
+        st_key = bench.add_row("safetensors_save", "safetensors.save_file + fsync", "save", "peer")
+
+        def st_save() -> dict[str, float]:
+            start = time.perf_counter()
+            save_file(bench.safetensors_dict, st_path, metadata=bench.safetensors_meta)
+            _core.fsync_path(st_path)
+            return {st_key: time.perf_counter() - start}
+
+        bench.save_methods.append(Method("safetensors.save_file + fsync", st_save, [st_path], keep_last=True))
+    _add_dcp_methods(bench)
+
+
+def _add_dcp_methods(bench: Bench) -> None:
+    try:
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save_state
+    except ImportError as e:
+        bench.notes.append(f"torch.distributed.checkpoint unavailable ({e}): its rows are skipped")
+        return
+    if not _dcp_works(bench, dcp_save_state, FileSystemWriter):
+        return
+    for threads in (1, 4):
+        path = bench.path(f"dcp-t{threads}")
+        key = bench.add_row(
+            f"dcp_save_t{threads}", f"DCP FileSystemWriter ({threads} thread{'s' * (threads > 1)})", "save", "peer"
+        )
+
+        def dcp_save(path: str = path, key: str = key, threads: int = threads) -> dict[str, float]:
+            start = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                writer = FileSystemWriter(path, thread_count=threads, sync_files=True)
+                dcp_save_state(bench.state, storage_writer=writer)
+            return {key: time.perf_counter() - start}
+
+        bench.save_methods.append(Method(f"DCP ({threads} thread{'s' * (threads > 1)})", dcp_save, [path]))
+
+
+def _dcp_works(bench: Bench, dcp_save_state: Callable[..., Any], writer_cls: Any) -> bool:
+    """Tries a tiny DCP save; initialises a 1-process gloo group if DCP insists on one."""
+    import torch.distributed as dist
+
+    probe_dir = bench.path("dcp-probe")
+    tiny = {"w": bench.torch.zeros(4), "step": 1}
+    for attempt in range(2):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp_save_state(tiny, storage_writer=writer_cls(probe_dir, thread_count=1, sync_files=True))
+            return True
+        except Exception as e:
+            if attempt or dist.is_initialized():
+                bench.notes.append(f"torch.distributed.checkpoint failed here ({e}); its rows are skipped")
+                return False
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            dist.init_process_group("gloo", rank=0, world_size=1)
+            bench.notes.append("DCP needed a process group: initialised gloo, world size 1")
+        finally:
+            shutil.rmtree(probe_dir, ignore_errors=True)
+    return False
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _fio_engine() -> str:
+    return "io_uring" if _core.probe_uring() is None else "libaio"

@@ -1,0 +1,204 @@
+"""Interop: torch_save files torch.load reads, and bit-identical conversions in every direction."""
+
+from __future__ import annotations
+
+import collections
+import fractions
+import io
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import fastpersist as fp
+from fastpersist.interop import torchfile
+from fastpersist.interop.convert import convert, detect_format, read_any
+
+
+def _state() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(10, 7, generator=gen)
+    return {
+        "model": collections.OrderedDict(
+            [
+                ("layers.0.weight", w),
+                ("big", torch.randn(600, 600, generator=gen)),
+                ("bf", torch.randn(33, generator=gen).to(torch.bfloat16)),
+                ("fp8", torch.randn(5, generator=gen).to(torch.float8_e4m3fn)),
+            ]
+        ),
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4, generator=gen)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}],
+        },
+        "view": w[2:5],
+        "t": w.t(),
+        "col": w[:, 3],
+        "empty": torch.zeros(0, 5),
+        "i8": torch.arange(4097, dtype=torch.int8),
+        "c64": torch.randn(3, dtype=torch.complex64, generator=gen),
+        "c128": torch.randn(3, dtype=torch.complex128, generator=gen),
+        "flags": torch.tensor([True, False, True]),
+        "step": 7,
+        "lr": float("inf"),
+        "name": "run-1",
+        "dtype": torch.float16,
+    }
+
+
+def assert_same(a: object, b: object, path: str = "state") -> None:
+    """Same structure, types, values; tensors with the same dtype, shape, strides and bytes."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor)
+        assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()), path
+        assert a.contiguous().view(-1).view(torch.uint8).tolist() == b.contiguous().view(-1).view(torch.uint8).tolist()
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and a.tobytes() == b.tobytes(), path
+    else:
+        assert a == b, path
+
+
+def shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threads"])
+def test_torch_save_is_byte_identical_to_torch_save_without_crc(workdir: str, backend: str) -> None:
+    from conftest import available_backends
+
+    if backend not in available_backends():
+        pytest.skip(f"{backend} unavailable here")
+    state = _state()
+    path = os.path.join(workdir, "state.pt")
+    res = fp.torch_save(state, path, config=fp.Config(backend=backend, chunk_bytes=64 << 10, pool_bytes=1 << 20))  # type: ignore[arg-type]
+    assert res.backend == backend and res.nbytes == os.path.getsize(path)
+    from torch.utils.serialization import config
+
+    before = config.save.compute_crc32
+    buf = io.BytesIO()
+    config.save.compute_crc32 = False
+    try:
+        torch.save(state, buf)
+    finally:
+        config.save.compute_crc32 = before
+    assert open(path, "rb").read() == buf.getvalue()
+    assert config.save.compute_crc32 == before and config.save.storage_alignment == 64  # restored
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"weights_only": True}, {"weights_only": True, "mmap": True}])
+def test_torch_load_reads_torch_save_output(workdir: str, kwargs: dict[str, bool]) -> None:
+    state = _state()
+    path = os.path.join(workdir, "state.pt")
+    fp.torch_save(state, path)
+    loaded = torch.load(path, **kwargs)
+    assert_same(state, loaded)
+    assert shares(loaded["view"], loaded["model"]["layers.0.weight"]) and shares(loaded["t"], loaded["col"])
+    assert not [p for p in os.listdir(workdir) if p != "state.pt"]  # no temporary left behind
+
+
+@pytest.mark.parametrize("obj", [{}, {"n": 1, "s": "x"}, torch.ones(3), [torch.zeros(0), torch.ones(1)]])
+def test_torch_save_edge_states_and_file_objects(workdir: str, obj: Any) -> None:
+    path = os.path.join(workdir, "edge.pt")
+    fp.torch_save(obj, path)
+    loaded = torch.load(path, weights_only=True)
+    assert_same(obj, loaded)
+    buf = io.BytesIO()
+    fp.torch_save(obj, buf)
+    buf.seek(0)
+    assert_same(obj, torch.load(buf, weights_only=True))
+
+
+def test_torch_save_falls_back_when_the_skeleton_is_unexpected(
+    workdir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(skel: torchfile.Skeleton) -> list[np.ndarray]:
+        raise ValueError("simulated surprise")
+
+    monkeypatch.setattr(torchfile, "compose_extents", broken)
+    path = os.path.join(workdir, "x.pt")
+    with caplog.at_level("WARNING", logger="fastpersist"):
+        res = fp.torch_save({"w": torch.ones(3)}, path)
+    assert res.backend == "torch.save" and "simulated surprise" in caplog.text
+    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))
+
+
+def test_checkpoint_to_torch_and_back_is_bit_identical(workdir: str) -> None:
+    state = _state()
+    ckpt, pt, back = (os.path.join(workdir, n) for n in ("ckpt", "state.pt", "back"))
+    fp.save(state, ckpt)
+    assert convert(ckpt, "torch", pt)["src_format"] == "fastpersist"
+    assert detect_format(pt) == "torch"
+    loaded = torch.load(pt, weights_only=True, mmap=True)
+    assert_same(state, loaded)
+    # each storage of its own, as saved: not one shared read buffer
+    assert loaded["model"]["big"].untyped_storage().nbytes() == 600 * 600 * 4
+    convert(pt, "fastpersist", back)
+    again = fp.load(back)
+    assert_same(state, again)
+    assert shares(again["view"], again["model"]["layers.0.weight"]) and shares(again["t"], again["col"])
+
+
+def test_checkpoint_to_safetensors_and_back_is_bit_identical(workdir: str) -> None:
+    import safetensors.torch
+
+    state: dict[str, Any] = _state()
+    state["arr"] = np.arange(6, dtype=np.int32).reshape(2, 3)
+    state["tied"] = state["model"]["layers.0.weight"]
+    ckpt, st, back = (os.path.join(workdir, n) for n in ("ckpt", "state.safetensors", "back"))
+    fp.save(state, ckpt)
+    convert(ckpt, "safetensors", st)
+    assert detect_format(st) == "safetensors"
+    flat = safetensors.torch.load_file(st)
+    assert torch.equal(flat["model.layers.0.weight"], state["model"]["layers.0.weight"])
+    assert torch.equal(flat["optimizer.state.0.exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+    assert torch.equal(flat["t"], state["t"]) and torch.equal(flat["model.bf"].float(), state["model"]["bf"].float())
+    assert flat["c128"].dtype == torch.uint8  # a dtype safetensors cannot name is kept as raw bytes
+    convert(st, "fastpersist", back)
+    again = fp.load(back)
+    assert_same(state, again)
+    assert again["tied"] is again["model"]["layers.0.weight"]
+    assert shares(again["view"], again["model"]["layers.0.weight"]) and shares(again["t"], again["col"])
+
+
+def test_torch_file_to_safetensors_to_torch(workdir: str) -> None:
+    state = _state()
+    pt, st, pt2 = (os.path.join(workdir, n) for n in ("a.pt", "b.safetensors", "c.pt"))
+    torch.save(state, pt)
+    convert(pt, "safetensors", st)
+    convert(st, "torch", pt2)
+    assert_same(state, torch.load(pt2, weights_only=True))
+
+
+def test_plain_safetensors_file_imports_as_a_flat_dict(workdir: str) -> None:
+    import safetensors.torch
+
+    st, ckpt = os.path.join(workdir, "m.safetensors"), os.path.join(workdir, "ckpt")
+    tensors = {"a.weight": torch.randn(3, 2), "b": torch.arange(5)}
+    safetensors.torch.save_file(tensors, st)
+    convert(st, "fastpersist", ckpt)
+    assert_same(tensors, fp.load(ckpt))
+
+
+def test_convert_refuses_what_it_cannot_read_safely(workdir: str) -> None:
+    pt = os.path.join(workdir, "evil.pt")
+    torch.save({"obj": fractions.Fraction(1, 3)}, pt)
+    with pytest.raises(fp.FastPersistError, match="weights_only"):
+        read_any(pt)
+    junk = os.path.join(workdir, "junk.bin")
+    with open(junk, "wb") as f:
+        f.write(b"hello world")
+    with pytest.raises(fp.FastPersistError, match="neither"):
+        detect_format(junk)
+    with pytest.raises(ValueError, match="to="):
+        convert(pt, "onnx", junk)  # type: ignore[arg-type]

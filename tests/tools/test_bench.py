@@ -1,0 +1,151 @@
+"""`fastpersist bench`: the synthetic state, the flatten+plan timer, and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fastpersist.format.flatten import flatten
+from fastpersist.tools import bench, cli
+from fastpersist.tools.bench import state as bench_state
+
+from backends import uring_available
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("size", [8 * MiB, 32 * MiB])
+def test_state_is_about_14_bytes_per_parameter_and_the_requested_size(size: int) -> None:
+    state = bench.build_state(size)
+    summary = bench.state_summary(state)
+    shape = bench.gpt_shape(size)
+    assert abs(summary["bytes"] / size - 1) < 0.03
+    assert 13.9 < summary["bytes"] / shape.params < 14.1
+    assert summary["tensors"] >= 200  # hundreds of tensors, of varied sizes
+    sizes = {t.numel() for t in state["model"].values()}
+    assert len(sizes) >= 5 and min(sizes) <= shape.hidden and max(sizes) >= shape.vocab * shape.hidden
+    # the parts of a mixed-precision Adam state
+    assert state["model"]["h.0.attn.c_attn.weight"].dtype == torch.bfloat16
+    assert state["optimizer"]["fp32_master"][0].dtype == torch.float32
+    assert set(state["optimizer"]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    assert state["model"]["lm_head.weight"] is state["model"]["wte.weight"]  # tied
+    assert isinstance(state["step"], int) and isinstance(state["lr"], float)
+    assert state["optimizer"]["param_groups"][0]["params"] == list(state["optimizer"]["state"])
+
+
+def test_safetensors_view_is_flat_and_unshared() -> None:
+    state = bench.build_state(8 * MiB)
+    tensors, metadata = bench_state.safetensors_view(state)
+    assert "model.lm_head.weight" in tensors and "optimizer.state.0.exp_avg" in tensors
+    ptrs = [t.untyped_storage().data_ptr() for t in tensors.values()]
+    assert len(set(ptrs)) == len(ptrs)
+    assert json.loads(metadata["values"])["step"] == state["step"]
+    assert len(tensors) == len(flatten(state).tensors) + 1  # the tied head, cloned
+
+
+def test_flatten_plan_of_10k_tensors_is_measured() -> None:
+    result = bench.flatten_plan_seconds(10_000, runs=3)
+    assert result["tensors"] == 10_000
+    assert len(result["seconds"]) == 3
+    assert 0 < result["min_s"] <= result["median_s"] <= result["max_s"] < 5
+
+
+def test_reps_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--size", "8MiB", "--reps", "0", "--dir", str(tmp_path), "--json", str(tmp_path / "b.json")])
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str]:
+    """One `fastpersist bench --size 8MiB --reps 1` through the CLI, shared by the tests below."""
+    root = tmp_path_factory.mktemp("bench")
+    argv = ["bench", "--size", "8MiB", "--reps", "1", "--dir", str(root / "data"), "--json", str(root / "b.json")]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        argv += ["--plot", str(root / "b.png")]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli.main(argv) == 0
+    return json.loads((root / "b.json").read_text()), root, out.getvalue()
+
+
+def test_tiny_run_reports_every_method_with_sane_numbers(tiny_run: tuple[dict[str, Any], Path, str]) -> None:
+    report, root, stdout = tiny_run
+    results = report["results"]
+    expected = {
+        "write_limit_engine",
+        "fastpersist_save_threads",
+        "fastpersist_save_async_return",
+        "fastpersist_save_async_staged",
+        "fastpersist_save_async_durable",
+        "fastpersist_torch_save",
+        "torch_save",
+        "safetensors_save",
+        "dcp_save_t1",
+        "dcp_save_t4",
+        "read_limit_engine",
+        "read_fresh_engine",
+        "fastpersist_load",
+        "torch_load",
+        "safetensors_load_mmap",
+        "safetensors_load_pread",
+    }
+    if shutil.which("fio"):
+        expected.add("write_limit_fio")
+    if uring_available():
+        expected.add("fastpersist_save_io_uring")
+    assert expected <= set(results), expected - set(results)
+    nbytes = report["state"]["bytes"]
+    assert abs(nbytes / (8 * MiB) - 1) < 0.03
+    for key, r in results.items():
+        assert len(r["seconds"]) == 1, key
+        assert 0 < r["min_s"] <= r["median_s"] <= r["max_s"] < 60, key
+        if key != "fastpersist_save_async_return":
+            assert 0 < r["gb_per_s"] < 1000 and math.isfinite(r["gb_per_s"]), key
+            assert r["ratio_to_limit"] > 0, key
+    durable = results["fastpersist_save_async_durable"]["median_s"]
+    assert results["fastpersist_save_async_return"]["median_s"] <= durable
+    assert results["fastpersist_save_async_staged"]["median_s"] <= durable
+    assert report["flatten_plan"]["tensors"] == 10_000
+    rss = report["rss"]
+    assert rss["mode"] == "bounded" and rss["pool_bytes"] < nbytes and rss["delta_bytes"] >= 0, rss
+    assert report["speedups"] and report["targets"]
+    assert all(count >= report["state"]["tensors"] for count in report["loaded_tensors"].values())
+    # the table, and nothing left behind
+    for word in ("SAVE", "LOAD", "SPEEDUPS", "TARGETS", "torch.save + fsync", "fastpersist.load"):
+        assert word in stdout
+    assert not [p for p in os.listdir(root / "data") if p.startswith(".fastpersist-bench-")]
+
+
+def test_tiny_run_draws_the_chart(tiny_run: tuple[dict[str, Any], Path, str]) -> None:
+    pytest.importorskip("matplotlib")
+    _, root, _ = tiny_run
+    png = (root / "b.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_advise_reads_a_real_bench_report(tiny_run: tuple[dict[str, Any], Path, str]) -> None:
+    report, root, _ = tiny_run
+    out = io.StringIO()
+    argv = ["advise", "--from-bench", str(root / "b.json"), "--step-seconds", "1", "--mtbf-hours", "1000", "--json"]
+    with contextlib.redirect_stdout(out):
+        assert cli.main(argv) == 0
+    advice = json.loads(out.getvalue())
+    results = report["results"]
+    assert advice["costs"]["stall_s"] == results["fastpersist_save_async_staged"]["median_s"]
+    assert advice["costs"]["write_s"] == results["fastpersist_save_async_durable"]["median_s"]
+    assert advice["costs"]["restart_s"] == results["fastpersist_load"]["median_s"]
+    assert advice["costs"]["nbytes"] == report["state"]["bytes"]
+    assert advice["best"]["every"] >= 1 and advice["devices"][0]["path"] == str((root / "data").resolve())
