@@ -11,6 +11,7 @@ python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ig
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
+cargo bench --workspace --no-run --locked
 
 # Run outside the source tree so the installed package (with its compiled _core) is checked.
 (cd /tmp && python3 -m mypy.stubtest fastpersist._core --allowlist "$repo/.mypy-stubtest-allowlist")
