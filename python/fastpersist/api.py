@@ -110,6 +110,7 @@ def load(
     group: object = None,
     config: Config | None = None,
     shard: int | None = None,
+    shared_read: bool = True,
 ) -> Any:
     """Reads a checkpoint written by :func:`save` and returns the state.
 
@@ -134,9 +135,15 @@ def load(
             checkpoint's structure and non-tensor values, holding `out`'s tensors; tensors
             `out` lacks come back new. Reads through a bounded window (64 MiB, or the largest
             tensor), never a buffer of the state's size.
-        group: for a sharded checkpoint, each rank of `group` gets its own shard back. A
-            replicated checkpoint is read whole on every rank (group or not).
+        group: for a sharded checkpoint, each rank of `group` gets its own shard back. For a
+            replicated one, every rank gets the whole state; with `shared_read` each rank reads
+            only ~1/N of it from disk and the ranks exchange the rest over gloo (every rank of
+            `group` must call ``load`` with the same arguments; see
+            :mod:`fastpersist.group_load`).
         shard: read this shard of a sharded checkpoint (without a group).
+        shared_read: with a `group` and a replicated checkpoint, split the reading across the
+            ranks (``True``, the default) or read everything on every rank (``False``). Loads
+            with `out` always read everything on every rank.
 
     Raises:
         FileNotFoundError: there is no committed checkpoint at `path`.
@@ -170,7 +177,13 @@ def load(
         )
         log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
         return state
-    buffers = blob_buffers(read_stream(root, m, verify, config), m)
+    if group is not None and shared_read and windowable(m):
+        from .group_load import read_stream_shared
+
+        stream = read_stream_shared(root, m, verify, config, group)
+    else:
+        stream = read_stream(root, m, verify, config)
+    buffers = blob_buffers(stream, m)
     log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
     try:
         tensors = materialize(m.tensors, buffers)

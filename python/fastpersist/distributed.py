@@ -36,7 +36,15 @@ from .errors import FastPersistError
 from .manifest import FileEntry, build
 from .saving import Layout, SaveJob, check_target, tmp_dir_for, write_manifest
 
-__all__ = ["GroupSaveError", "GroupSaveJob", "group_rank_and_size", "writer_map"]
+__all__ = [
+    "ControlGroup",
+    "GroupSaveError",
+    "GroupSaveJob",
+    "control_for",
+    "forget_control",
+    "group_rank_and_size",
+    "writer_map",
+]
 
 T = TypeVar("T")
 
@@ -45,7 +53,7 @@ class GroupSaveError(FastPersistError):
     """A save in a process group failed on some rank, or a rank stopped answering; nothing was committed."""
 
 
-class _Control:
+class ControlGroup:
     """A private gloo group with the save's timeout, for the protocol's small messages."""
 
     def __init__(self, group: Any, timeout_s: float) -> None:
@@ -72,11 +80,13 @@ class _Control:
         return box[0]
 
 
-_controls: dict[tuple[int, float], _Control] = {}
+_controls: dict[tuple[int, float], ControlGroup] = {}
 _controls_lock = threading.Lock()
 
 
-def _control_for(group: Any, timeout_s: float) -> _Control:
+def control_for(group: Any, timeout_s: float) -> ControlGroup:
+    """The private gloo group (operations time out after `timeout_s`) over `group`'s ranks,
+    created on first use and kept for later saves and loads through the same group."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group= needs an initialised torch.distributed process group (dist.init_process_group)")
     group = dist.group.WORLD if group is None else group
@@ -84,13 +94,13 @@ def _control_for(group: Any, timeout_s: float) -> _Control:
     with _controls_lock:
         control = _controls.get(key)
     if control is None:
-        control = _Control(group, timeout_s)
+        control = ControlGroup(group, timeout_s)
         with _controls_lock:
             _controls[key] = control
     return control
 
 
-def _forget(control: _Control) -> None:
+def forget_control(control: ControlGroup) -> None:
     """Drops a control group after a failed collective (its state is no longer trustworthy)."""
     with _controls_lock:
         for key, value in list(_controls.items()):
@@ -148,7 +158,7 @@ class GroupSaveJob:
         self.path = os.path.abspath(os.fspath(path))
         self.config = config
         self.sharded = sharded
-        self.control = _control_for(group, config.timeout_s)
+        self.control = control_for(group, config.timeout_s)
         self.rank = self.control.rank
         self.job: SaveJob | None = None
         self.start_error: BaseException | None = None
@@ -208,7 +218,7 @@ class GroupSaveJob:
         try:
             return op()
         except Exception as e:
-            _forget(self.control)
+            forget_control(self.control)
             raise GroupSaveError(
                 f"rank {self.rank}: the process group stopped answering while trying to {what} for {self.path} "
                 f"(a rank failed, was killed, or took longer than timeout_s={self.config.timeout_s}): {e}. "
