@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from group_load_workers import CHUNK_BYTES, run
 
-from fastpersist.group_load import read_shares
+from fastpersist.group_load import read_pieces, read_shares
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -77,3 +77,12 @@ def test_read_shares_are_whole_chunks_covering_the_stream() -> None:
             assert all(lo % (1 << 20) == 0 for lo, _ in shares)
             sizes = [hi - lo for lo, hi in shares]
             assert max(sizes) - min(sizes) <= 1 << 20
+
+
+def test_read_pieces_are_whole_chunks_of_a_run() -> None:
+    chunk = 1 << 20
+    assert read_pieces(0, 0, chunk) == []
+    assert read_pieces(4 * chunk, 4 * chunk + 5, chunk, piece_bytes=3 * chunk) == [(4 * chunk, 4 * chunk + 5)]
+    pieces = read_pieces(2 * chunk, 9 * chunk + 7, chunk, piece_bytes=3 * chunk + 1)
+    assert pieces == [(2 * chunk, 5 * chunk), (5 * chunk, 8 * chunk), (8 * chunk, 9 * chunk + 7)]
+    assert read_pieces(0, 3 * chunk, chunk, piece_bytes=1) == [(0, chunk), (chunk, 2 * chunk), (2 * chunk, 3 * chunk)]
