@@ -101,7 +101,28 @@ def corrupt_share(rank: int, world: int, workdir: str, backend: str) -> dict[str
     return {"error": error, "checksum": checksum, "elapsed": time.monotonic() - started}
 
 
+def hung_reader(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    """Rank 1 stalls inside its read for longer than timeout_s; every rank must still raise."""
+    path, _state = save_replicated(workdir, backend)
+    if rank == 1:
+        read_window = fastpersist.group_load.read_window
+
+        def stalled(*args: Any) -> None:
+            time.sleep(8)
+            read_window(*args)
+
+        fastpersist.group_load.read_window = stalled  # type: ignore[assignment]
+    started = time.monotonic()
+    try:
+        fp.load(path, group=dist.group.WORLD, config=fp.Config(backend=backend, timeout_s=3.0))
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = ""
+    return {"error": error, "elapsed": time.monotonic() - started}
+
+
 def run(rank: int, world: int, init_file: str, scenario: str, workdir: str, backend: str) -> None:
     """Entry point of each spawned rank (see dist_workers.run)."""
-    SCENARIOS.update({"shared_read": shared_read, "corrupt_share": corrupt_share})
+    SCENARIOS.update({"shared_read": shared_read, "corrupt_share": corrupt_share, "hung_reader": hung_reader})
     run_scenario(rank, world, init_file, scenario, workdir, backend)

@@ -68,6 +68,14 @@ def test_a_corrupt_chunk_makes_every_rank_raise(workdir: str, backend: str) -> N
     assert "checksum mismatch" in results[world - 1]["error"]
 
 
+def test_a_hung_rank_makes_the_others_raise_after_the_timeout(workdir: str) -> None:
+    results = run_group(2, "hung_reader", workdir, "threads", timeout_s=90)
+    assert all("traceback" not in res for res in results), results
+    assert "GroupLoadError" in results[0]["error"] and "timeout_s=3.0" in results[0]["error"], results[0]
+    assert results[0]["elapsed"] < 3.0 + 8, results[0]
+    assert "GroupLoadError" in results[1]["error"], results[1]  # the stalled rank raises too, once it wakes
+
+
 def test_read_shares_are_whole_chunks_covering_the_stream() -> None:
     for total in [1, 4096, 10 << 20, (10 << 20) + 5, 3 << 20]:
         for ranks in [1, 2, 3, 4, 7]:
