@@ -41,6 +41,12 @@ def run_group(world: int, scenario: str, workdir: str, backend: str, timeout_s: 
     return results
 
 
+def test_a_group_of_one_reads_the_whole_stream_as_before(workdir: str) -> None:
+    (res,) = run_group(1, "shared_read", workdir, "threads")
+    assert "traceback" not in res and res["same"] and res["same_old"], res
+    assert res["share"] == res["old"] == {"shared": 0, "whole": res["total_bytes"]}
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_rank_reads_its_share_and_ends_with_the_whole_state(workdir: str, backend: str, world: int) -> None:
     results = run_group(world, "shared_read", workdir, backend)

@@ -143,7 +143,7 @@ def load(
         shard: read this shard of a sharded checkpoint (without a group).
         shared_read: with a `group` and a replicated checkpoint, split the reading across the
             ranks (``True``, the default) or read everything on every rank (``False``). Loads
-            with `out` always read everything on every rank.
+            with `out`, and groups of one rank, read everything on every rank.
 
     Raises:
         FileNotFoundError: there is no committed checkpoint at `path`.
@@ -177,7 +177,7 @@ def load(
         )
         log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
         return state
-    if group is not None and shared_read and windowable(m):
+    if group is not None and shared_read and windowable(m) and _group_size(group) > 1:
         from .group_load import read_stream_shared
 
         stream = read_stream_shared(root, m, verify, config, group)
@@ -204,6 +204,12 @@ def load(
         return unflatten(m.tree, tensors)
     except ValueError as e:
         raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
+
+
+def _group_size(group: object) -> int:
+    from .distributed import group_rank_and_size
+
+    return group_rank_and_size(group)[1]
 
 
 def _shard_index(root: str, shard_count: int, group: object, shard: int | None) -> int:
