@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore ".[test]"
 python3 -c 'import torch; assert torch.cuda.is_available(), "torch sees no CUDA device"; print("torch", torch.__version__, torch.version.cuda)'
-python3 -m pytest tests/save/test_device.py tests/format/test_flatten.py -q -p no:cacheprovider -k "cuda or device"
+python3 -m pytest tests/saving/test_device.py tests/format/test_flatten.py -q -p no:cacheprovider -k "cuda or device"
 python3 benches/gpu_check.py --size "${FASTPERSIST_GPU_CHECK_SIZE:-1GiB}" --dir "${TMPDIR:-/tmp}/fp-gpu-check"

@@ -11,6 +11,7 @@ python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ig
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked
+cargo bench --workspace --no-run --locked
 
 # Run outside the source tree so the installed package (with its compiled _core) is checked.
 (cd /tmp && python3 -m mypy.stubtest fastpersist._core --allowlist "$repo/.mypy-stubtest-allowlist")
@@ -22,4 +23,4 @@ python3 -m pytest tests -q -p no:cacheprovider
 # The format, API and hostile-input suites again under CPython's debug allocator (buffer
 # over/underruns, use after free, API misuse by the extension are fatal there). ~50 s.
 (cd /tmp && PYTHONMALLOC=debug python3 -m pytest -q -p no:cacheprovider "$repo/tests/format/test_flatten.py" \
-    "$repo/tests/test_api.py" "$repo/tests/format/test_integrity.py" "$repo/tests/format/test_hostile.py" "$repo/tests/save/test_io_errors.py")
+    "$repo/tests/test_api.py" "$repo/tests/format/test_integrity.py" "$repo/tests/format/test_hostile.py" "$repo/tests/saving/test_io_errors.py")

@@ -1,4 +1,4 @@
-"""The child side of the kill -9 campaign (tests/save/test_crash.py), started through a forkserver.
+"""The child side of the kill -9 campaign (tests/saving/test_crash.py), started through a forkserver.
 
 The child saves a state that changes every step, forever, until the test kills it. It marks
 the phase it is in (one byte in a shared file) at the Python-visible boundaries of a save, so

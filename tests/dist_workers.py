@@ -138,7 +138,7 @@ def killed_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, 
 
 def hung_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
     if rank == 1:  # rank 1 stalls inside its share of the save, longer than the timeout
-        from fastpersist.save.job import SaveJob
+        from fastpersist.saving.job import SaveJob
 
         original = SaveJob.wait_written
 

@@ -156,7 +156,7 @@ def test_out_reads_through_a_bounded_window(workdir: str, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(fill._core, "PagedBuffer", recording)
     monkeypatch.setattr(fill, "stream_windows", lambda m: fill_windows(m, 3 << 20))
-    from fastpersist.load.reading import stream_windows as fill_windows
+    from fastpersist.loading.reading import stream_windows as fill_windows
 
     out = {k: torch.zeros_like(v) for k, v in saved.items() if k != "tied"}
     state = fp.load(path, out=out)

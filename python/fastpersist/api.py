@@ -17,11 +17,11 @@ from .format.confine import check_data_files, check_shard_dir
 from .format.flatten import dtype_itemsize, materialize, unflatten
 from .format.manifest import Manifest, read_manifest
 from .futures import SaveFuture, SaveJobLike
-from .load.fill import fill_by_key
-from .load.maplocation import MapLocation, MappedStorages, check_load_flags, map_tensor
-from .load.reading import blob_buffers, checksum_error, read_stream, windowable
+from .loading.fill import fill_by_key
+from .loading.maplocation import MapLocation, MappedStorages, check_load_flags, map_tensor
+from .loading.reading import blob_buffers, checksum_error, read_stream, windowable
 from .logs import log_load
-from .save.job import SaveJob
+from .saving.job import SaveJob
 
 __all__ = ["inspect", "load", "save", "save_async", "verify"]
 
@@ -37,7 +37,7 @@ def _start(
     # The engine always runs on its own thread, so that waiting for it can be interrupted.
     if group is None and not sharded:
         return SaveJob(path, config).start(state)
-    from .save.group import GroupSaveJob
+    from .saving.group import GroupSaveJob
 
     return GroupSaveJob(path, config, group, sharded=sharded).start(state)
 
@@ -110,6 +110,7 @@ def load(
     config: Config | None = None,
     shard: int | None = None,
     namedtuple_types: Iterable[type] = (),
+    shared_read: bool = True,
 ) -> Any:
     """Reads a checkpoint written by :func:`save` and returns the state.
 
@@ -122,7 +123,7 @@ def load(
     Args:
         map_location: as in ``torch.load`` (also positional): ``None`` (the device each tensor
             was saved from), a device, a ``{saved: target}`` dict, or ``fn(storage, location)``
-            returning a storage (see :mod:`fastpersist.load.maplocation`).
+            returning a storage (see :mod:`fastpersist.loading.maplocation`).
         weights_only: accepted for ``torch.load`` compatibility and has no effect: loading never
             unpickles, so every load is weights-only.
         mmap: accepted for ``torch.load`` compatibility; data is always read into memory with
@@ -134,8 +135,11 @@ def load(
             checkpoint's structure and non-tensor values, holding `out`'s tensors; tensors
             `out` lacks come back new. Reads through a bounded window (64 MiB, or the largest
             tensor), never a buffer of the state's size.
-        group: for a sharded checkpoint, each rank of `group` gets its own shard back. A
-            replicated checkpoint is read whole on every rank (group or not).
+        group: for a sharded checkpoint, each rank of `group` gets its own shard back. For a
+            replicated one, every rank gets the whole state; with `shared_read` each rank reads
+            only ~1/N of it from disk and the ranks exchange the rest over gloo (every rank of
+            `group` must call ``load`` with the same arguments; see
+            :mod:`fastpersist.group_load`).
         shard: read this shard of a sharded checkpoint (without a group).
         config: backend knobs for the read; its ``stripes``, when set, also confine the read:
             stripe directories outside those roots are refused.
@@ -144,6 +148,8 @@ def load(
             back as that class (its ``_make`` is called); any other comes back as a plain
             ``collections.namedtuple`` made by fastpersist with the saved name and fields. No
             class is ever looked up or imported from what the file says.
+        shared_read: with a `group` and a replicated checkpoint, each rank reads a share
+            (``True``) or everything (``False``; also with `out`, and in groups of one).
 
     Raises:
         CheckpointNotFoundError: there is no committed checkpoint at `path` (a ``FileNotFoundError``).
@@ -170,7 +176,8 @@ def load(
         )
     if shard is not None:
         raise ValueError(f"{root} is not sharded; load it without shard=")
-    return _load_one(root, m, map_location, verify, out, config, namedtuple_types)
+    shared = group is not None and shared_read and out is None and _group_size(group) > 1
+    return _load_one(root, m, map_location, verify, out, config, namedtuple_types, group if shared else None)
 
 
 def _load_one(
@@ -181,8 +188,10 @@ def _load_one(
     out: object,
     config: Config,
     namedtuple_types: Iterable[type],
+    shared_group: object,
 ) -> Any:
-    """Loads one (unsharded) checkpoint whose manifest `m` is already validated."""
+    """Loads one (unsharded) checkpoint whose manifest `m` is already validated; with
+    `shared_group`, the ranks of that group each read a share of the stream."""
     check_data_files(root, m, config.stripes)  # before allocating: sizes, links, confinement
     if out is not None and not windowable(m):
         raise CorruptCheckpointError(
@@ -200,7 +209,7 @@ def _load_one(
             out, root, m, verify, config, lambda t, rec: place(t, rec.device), namedtuple_types=namedtuple_types
         )
     else:
-        state = _load_new(root, m, verify, config, place, namedtuple_types)
+        state = _load_new(root, m, verify, config, place, namedtuple_types, shared_group)
     log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
     return state
 
@@ -212,9 +221,16 @@ def _load_new(
     config: Config,
     place: Callable[[torch.Tensor, str], torch.Tensor],
     namedtuple_types: Iterable[type],
+    shared_group: object = None,
 ) -> Any:
     """Reads the stream and builds a new state (each large tensor owning its pages)."""
-    buffers = blob_buffers(read_stream(root, m, verify, config), m)
+    if shared_group is not None and windowable(m):
+        from .loading.group import read_stream_shared
+
+        stream = read_stream_shared(root, m, verify, config, shared_group)
+    else:
+        stream = read_stream(root, m, verify, config)
+    buffers = blob_buffers(stream, m)
     try:
         tensors = materialize(m.tensors, buffers)
     except ValueError as e:
@@ -229,13 +245,19 @@ def _load_new(
         raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
 
 
+def _group_size(group: object) -> int:
+    from .saving.group import group_rank_and_size
+
+    return group_rank_and_size(group)[1]
+
+
 def _shard_index(root: str, shard_count: int, group: object, shard: int | None) -> int:
     if shard is None:
         if group is None:
             raise ValueError(
                 f"{root} is sharded over {shard_count} ranks: load it with group= (a group of that size) or shard=k"
             )
-        from .save.group import group_rank_and_size
+        from .saving.group import group_rank_and_size
 
         shard, size = group_rank_and_size(group)
         if size != shard_count:

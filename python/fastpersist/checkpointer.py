@@ -35,7 +35,7 @@ from .errors import CorruptCheckpointError
 from .format.manifest import MANIFEST_NAME, read_manifest
 from .format.stripes import STRIPE_SUFFIX
 from .futures import SaveFuture, SaveJobLike
-from .save.job import SaveJob, pool_for, remove_checkpoint_tree
+from .saving.job import SaveJob, pool_for, remove_checkpoint_tree
 
 __all__ = ["Checkpointer"]
 
@@ -101,7 +101,7 @@ class Checkpointer:
         self.sharded = sharded
         self.rank = 0
         if group is not None:
-            from .save.group import group_rank_and_size
+            from .saving.group import group_rank_and_size
 
             self.rank = group_rank_and_size(group)[0]
         self._future: SaveFuture | None = None
@@ -197,7 +197,7 @@ class Checkpointer:
             if self.group is None:
                 job = SaveJob(self.path(step), config, pool=self._pool).start(state)
             else:
-                from .save.group import GroupSaveJob
+                from .saving.group import GroupSaveJob
 
                 job = GroupSaveJob(self.path(step), config, self.group, sharded=self.sharded, pool=self._pool)
                 job.start(state)

@@ -75,7 +75,7 @@ _STRIDED = torch.strided
 
 
 def _device_seam_active() -> bool:
-    """Whether a copier was installed with fastpersist.save.device.use_copier (tests)."""
+    """Whether a copier was installed with fastpersist.saving.device.use_copier (tests)."""
     return _device._installed is not None
 
 

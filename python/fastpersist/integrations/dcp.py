@@ -132,7 +132,7 @@ class FastPersistWriter(StorageWriter):
                 shapes.append((str(t.dtype).removeprefix("torch."), tuple(t.shape)))
         cfg = self.config
         engine_plan = _core.Plan([s.nbytes for s in sources], 1, 1, cfg.chunk_bytes)
-        from ..save.job import pool_for
+        from ..saving.job import pool_for
 
         report: Any = {"parts": [], "backend": "none"}
         if engine_plan.total_bytes:  # a rank with nothing (or only empty tensors) to write writes no file
@@ -283,7 +283,7 @@ class FastPersistReader(StorageReader):
         return fut
 
     def _read_file(self, name: str) -> torch.Tensor:
-        from ..load.reading import aligned_uint8
+        from ..loading.reading import aligned_uint8
 
         first = next((i for i in self.storage.values() if i.relative_path == name and i.chunk_crc32c is not None), None)
         any_item = first or next(i for i in self.storage.values() if i.relative_path == name)

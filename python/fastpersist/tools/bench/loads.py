@@ -9,7 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ... import _core
-from ...load.reading import aligned_uint8
+from ...loading.reading import aligned_uint8
 from .measure import Method
 from .system import drop_caches
 

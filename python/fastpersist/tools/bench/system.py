@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ... import _core
-from ...load.reading import aligned_uint8
+from ...loading.reading import aligned_uint8
 
 Backend = Literal["io_uring", "threads"]
 GB = 1e9
@@ -32,7 +32,7 @@ def progress(message: str) -> None:
 
 
 def remove_path(path: str) -> None:
-    from ...save.job import remove_checkpoint_tree
+    from ...saving.job import remove_checkpoint_tree
 
     if os.path.isdir(path):
         remove_checkpoint_tree(path)  # also removes the stripe directories its manifest names

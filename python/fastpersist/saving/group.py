@@ -37,7 +37,18 @@ from ..errors import FastPersistError
 from ..format.manifest import FileEntry, build
 from .job import Layout, SaveJob, Written, check_target, tmp_dir_for, write_manifest
 
-__all__ = ["GroupSaveError", "GroupSaveJob", "group_rank_and_size", "writer_map"]
+__all__ = [
+    "CommitOutcome",
+    "ControlGroup",
+    "GroupSaveError",
+    "GroupSaveJob",
+    "RankStatus",
+    "StartMessage",
+    "control_for",
+    "forget_control",
+    "group_rank_and_size",
+    "writer_map",
+]
 
 T = TypeVar("T")
 
@@ -46,7 +57,7 @@ class GroupSaveError(FastPersistError):
     """A save in a process group failed on some rank, or a rank stopped answering; nothing was committed."""
 
 
-class _Control:
+class ControlGroup:
     """A private gloo group with the save's timeout, for the protocol's small messages."""
 
     def __init__(self, group: Any, timeout_s: float) -> None:
@@ -73,11 +84,13 @@ class _Control:
         return box[0]
 
 
-_controls: dict[tuple[int, float], _Control] = {}
+_controls: dict[tuple[int, float], ControlGroup] = {}
 _controls_lock = threading.Lock()
 
 
-def _control_for(group: Any, timeout_s: float) -> _Control:
+def control_for(group: Any, timeout_s: float) -> ControlGroup:
+    """The private gloo group (operations time out after `timeout_s`) over `group`'s ranks,
+    created on first use and kept for later saves and loads through the same group."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group= needs an initialised torch.distributed process group (dist.init_process_group)")
     group = dist.group.WORLD if group is None else group
@@ -85,13 +98,13 @@ def _control_for(group: Any, timeout_s: float) -> _Control:
     with _controls_lock:
         control = _controls.get(key)
     if control is None:
-        control = _Control(group, timeout_s)
+        control = ControlGroup(group, timeout_s)
         with _controls_lock:
             _controls[key] = control
     return control
 
 
-def _forget(control: _Control) -> None:
+def forget_control(control: ControlGroup) -> None:
     """Drops a control group after a failed collective (its state is no longer trustworthy)."""
     with _controls_lock:
         for key, value in list(_controls.items()):
@@ -188,7 +201,7 @@ class GroupSaveJob:
 
     def start(self, state: object, *, background: bool = True) -> GroupSaveJob:
         """Agrees on the save with the group, then starts this rank's share of it."""
-        self.control = _control_for(self.group, self.config.timeout_s)
+        self.control = control_for(self.group, self.config.timeout_s)
         self.rank = self.control.rank
         own_error: BaseException | None = None
         message: StartMessage | None = None
@@ -250,7 +263,7 @@ class GroupSaveJob:
         try:
             return op()
         except Exception as e:
-            _forget(self.control)
+            forget_control(self.control)
             raise GroupSaveError(
                 f"rank {self.rank}: the process group stopped answering while trying to {what} for {self.path} "
                 f"(a rank failed, was killed, or took longer than timeout_s={self.config.timeout_s}): {e}. "

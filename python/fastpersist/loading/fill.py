@@ -2,7 +2,7 @@
 
 Every tensor of `out` must be in the checkpoint with the same kind, dtype and shape (checked
 before any byte is read, so a mismatch leaves `out` untouched). The stream is read one
-chunk-aligned window at a time (:data:`~fastpersist.load.reading.WINDOW_BYTES`, or one blob if it is
+chunk-aligned window at a time (:data:`~fastpersist.loading.reading.WINDOW_BYTES`, or one blob if it is
 larger) and each window's bytes are copied into the destination tensors: no buffer of the
 state's size is allocated. Tensors of the checkpoint that `out` lacks (for example optimizer
 state created by the first ``step()``) come back as new tensors, and non-tensor values (step,

@@ -142,7 +142,7 @@ def test_enospc_on_one_rank(workdir: str) -> None:
 
 
 def test_writer_map() -> None:
-    from fastpersist.save.group import writer_map
+    from fastpersist.saving.group import writer_map
 
     assert writer_map(["a", "a", "b", "b"], "rank") == {0: 0, 1: 1, 2: 2, 3: 3}
     assert writer_map(["a", "a", "b", "b"], "node") == {0: 0, 2: 1}
