@@ -25,12 +25,9 @@ from fastpersist.tools.units import parse_size
 
 
 def _state(size_bytes: int) -> dict[str, Any]:
-    import torch
+    from fastpersist.tools.bench.state import build_state
 
-    gen = torch.Generator().manual_seed(0)
-    rows = 1024
-    count = max(1, size_bytes // (rows * 4096 * 4))
-    return {"model": {f"w{i}": torch.randn(rows, 4096, generator=gen) for i in range(count)}, "step": 1}
+    return build_state(size_bytes)  # seeded: the same state on every rank
 
 
 def _rank(rank: int, world: int, root: str, size_bytes: int, reps: int, out: str) -> None:

@@ -40,6 +40,7 @@ from typing import Any, Literal
 import numpy as np
 
 from fastpersist import _core
+from fastpersist.tools.bench.fio import fio_engine, run_fio_write
 
 GB = 1e9
 UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -89,35 +90,11 @@ class Engine:
         return seconds
 
 
-def fio_engine() -> str:
-    """io_uring where it works here (as for our engine), else libaio."""
-    return "io_uring" if _core.probe_uring() is None else "libaio"
-
-
 def run_fio(path: Path, args: argparse.Namespace) -> float:
-    command = [
-        "fio",
-        "--name=w",
-        f"--filename={path}",
-        "--rw=write",
-        f"--bs={args.chunk_bytes}",
-        f"--iodepth={args.queue_depth}",
-        f"--ioengine={fio_engine()}",
-        "--direct=1",
-        "--end_fsync=1",
-        # fio preallocates the file before it starts timing (fallocate=native), as the engine
-        # does inside its timed write: on ext4 extending direct writes would run one at a time.
-        f"--size={args.size}",
-        "--output-format=json",
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"fio failed: {done.stderr.strip() or done.stdout.strip()}")
-    job = json.loads(done.stdout[done.stdout.index("{") :])["jobs"][0]
-    if job["write"]["io_bytes"] != args.size:
-        raise RuntimeError(f"fio wrote {job['write']['io_bytes']} bytes, not {args.size}")
-    # The job's runtime (ms) covers the writes and the end_fsync, not fio's start-up.
-    return float(job["write"]["runtime"]) / 1000
+    run = run_fio_write([str(path)], args.size, block_bytes=args.chunk_bytes, iodepth=args.queue_depth)
+    if run.io_bytes != args.size:
+        raise RuntimeError(f"fio wrote {run.io_bytes} bytes, not {args.size}")
+    return run.runtime_s
 
 
 def run_dd(path: Path, args: argparse.Namespace) -> float:

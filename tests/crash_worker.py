@@ -18,7 +18,7 @@ import torch
 
 import fastpersist as fp
 from fastpersist import _core, checkpointer
-from fastpersist.save import job as saving
+from fastpersist.saving import job as saving
 
 #: Phase codes written into the marker byte.
 PHASES = ["starting", "idle", "staging", "writing+fsync", "manifest", "rename", "index+retention"]
@@ -70,7 +70,7 @@ def _wrap(owner: Any, name: str, before: Callable[[], None], after: Callable[[],
 def run_checkpointer(root: str, marker: str) -> None:
     """Resume from the newest good step and save every step until killed."""
     mark = _marker(marker)
-    _wrap(saving.SaveJob, "__init__", lambda: mark(STAGING))
+    _wrap(saving.SaveJob, "start", lambda: mark(STAGING))
     _wrap(saving, "write_manifest", lambda: mark(MANIFEST))
     _wrap(_core, "replace_atomically", lambda: mark(RENAME))
     _wrap(checkpointer.Checkpointer, "_after_commit", lambda: mark(RETENTION), lambda: mark(IDLE))

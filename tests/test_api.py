@@ -141,7 +141,7 @@ def test_out_missing_key_or_mismatch_names_the_key_and_leaves_out_untouched(work
 
 def test_out_reads_through_a_bounded_window(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from fastpersist import _core
-    from fastpersist.load import fill
+    from fastpersist.loading import fill
 
     path = os.path.join(workdir, "window")
     saved = {f"t{i}": torch.full(((1 << 20) // 4,), float(i)) for i in range(12)}  # 12 MiB

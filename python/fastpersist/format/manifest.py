@@ -249,9 +249,12 @@ def parse(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
             f"{where}: format {version[0]}.{version[1]} manifests end with a {SEAL_FIELD} seal and this one has "
             "none (damaged or truncated)"
         )
-    chunk_bytes = _int(doc, "chunk_bytes", where, minimum=4096)
-    if chunk_bytes % 4096 or chunk_bytes > 1 << 30:
-        raise CorruptCheckpointError(f"{where}: chunk_bytes {chunk_bytes} is not a multiple of 4096 up to 1 GiB")
+    align, max_chunk = _core.DIRECT_ALIGN_BYTES, _core.MAX_CHUNK_BYTES
+    chunk_bytes = _int(doc, "chunk_bytes", where, minimum=align)
+    if chunk_bytes % align or chunk_bytes > max_chunk:
+        raise CorruptCheckpointError(
+            f"{where}: chunk_bytes {chunk_bytes} is not a multiple of {align} up to {max_chunk}"
+        )
     total_bytes = _int(doc, "total_bytes", where)
     checksum = doc.get("checksum")
     if checksum not in ("crc32c", "off"):

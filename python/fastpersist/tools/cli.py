@@ -12,32 +12,11 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from .bench.state import build_state
 from .clitools import Progress, add_convert_parser, add_inspect_parser
 from .units import parse_size
 
 __all__ = ["main", "parse_size"]
-
-
-def _synthetic_state(total_bytes: int) -> dict[str, Any]:
-    """A mixed-precision Adam state (~14 bytes/parameter): bf16 weights, fp32 master + moments."""
-    import torch
-
-    params = max(1, total_bytes // 14)
-    width = 1024
-    rows = max(1, params // (width * 8))
-    shapes = [(rows, width)] * 8
-    gen = torch.Generator().manual_seed(0)
-    model, master, state = {}, {}, {}
-    for i, shape in enumerate(shapes):
-        w = torch.randn(shape, generator=gen)
-        model[f"layers.{i}.weight"] = w.to(torch.bfloat16)
-        master[i] = w
-        state[i] = {"step": torch.tensor(10.0), "exp_avg": w * 0.1, "exp_avg_sq": w * w * 0.01}
-    return {
-        "model": model,
-        "optimizer": {"state": state, "master": master, "param_groups": [{"lr": 1e-4, "params": list(state)}]},
-        "step": 10,
-    }
 
 
 def _state_bytes(state: Any) -> int:
@@ -66,7 +45,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     root = args.dir or tempfile.mkdtemp(prefix="fastpersist-demo-", dir=os.getcwd())
     os.makedirs(root, exist_ok=True)
     print(f"building a {args.size / 2**20:.0f} MiB mixed-precision Adam state ...", flush=True)
-    state = _synthetic_state(args.size)
+    state = build_state(args.size)
     nbytes = _state_bytes(state)
     backends: list[Literal["io_uring", "threads"]] = ["threads"]
     try:

@@ -5,17 +5,16 @@ stream, and ``fio`` when installed), ``fastpersist.save``/``save_async``, and th
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
-import subprocess
 import time
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ... import _core
+from .fio import fio_engine, run_fio_write
 from .measure import Method
 from .system import aligned_buffer
 
@@ -63,38 +62,17 @@ def _add_limit_methods(bench: Bench) -> None:
         why = "--no-fio" if args.no_fio else "the fio binary is not installed"
         bench.notes.append(f"fio: skipped ({why}); the write limit is the engine's raw O_DIRECT write")
         return
-    engine = _fio_engine()
+    engine = fio_engine()
     fio_key = bench.add_row("write_limit_fio", f"fio write ({engine}, O_DIRECT)", "save", "limit")
     fio_paths = [bench.path(f"fio-s{i}.bin", i) for i in range(len(bench.dirs))]
     bench.fio_raw = []
 
     def fio_write() -> dict[str, float]:
         bs = 8 << 20
-        share = -(-bench.nbytes // len(fio_paths) // bs) * bs  # fio rounds a size down to bs
-        # fio's default fallocate preallocates the file, as the engine does: on ext4, O_DIRECT
-        # writes past the end of a file are serialised, inside it they run in parallel.
-        command = [
-            "fio",
-            "--rw=write",
-            f"--bs={bs}",
-            "--iodepth=8",
-            "--direct=1",
-            "--end_fsync=1",
-            f"--ioengine={engine}",
-            "--output-format=json",
-        ]
-        for i, p in enumerate(fio_paths):
-            command += [f"--name=w{i}", f"--filename={p}", f"--size={max(share, bs)}"]
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(f"fio failed: {(done.stderr or done.stdout).strip()[-1000:]}")
-        jobs = json.loads(done.stdout[done.stdout.index("{") :])["jobs"]
-        io_bytes = sum(int(j["write"]["io_bytes"]) for j in jobs)
-        runtime_s = max(float(j["write"]["runtime"]) for j in jobs) / 1000  # covers the end_fsync
-        runtime_s = max(runtime_s, 0.001)
-        bench.fio_raw.append({"io_bytes": io_bytes, "runtime_s": runtime_s})
+        run = run_fio_write(fio_paths, -(-bench.nbytes // len(fio_paths)), block_bytes=bs, iodepth=8)
+        bench.fio_raw.append({"io_bytes": run.io_bytes, "runtime_s": run.runtime_s})
         # fio's own clock (no process start-up), scaled to the state's byte count
-        return {fio_key: runtime_s * bench.nbytes / io_bytes}
+        return {fio_key: run.runtime_s * bench.nbytes / run.io_bytes}
 
     bench.save_methods.append(Method("fio write", fio_write, fio_paths))
 
@@ -234,7 +212,3 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _fio_engine() -> str:
-    return "io_uring" if _core.probe_uring() is None else "libaio"
