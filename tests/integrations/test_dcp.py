@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
-import sys
 from typing import Any
 
 import pytest
@@ -16,8 +13,8 @@ import fastpersist as fp
 from fastpersist.integrations.dcp import FastPersistReader, FastPersistWriter
 
 from dcp_workers import full_state, full_weight, run
+from gloo import run_ranks
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where the workers live
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
@@ -25,23 +22,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def saved_by_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
     """Two gloo ranks save a Shard(0) state (sync and async), then load it resharded to Shard(1)."""
     workdir = str(tmp_path_factory.mktemp("dcp"))
-    ctx = multiprocessing.get_context("spawn")
-    sys.path.insert(0, HERE)
-    init_file = os.path.join(workdir, "init-store")
-    procs = [ctx.Process(target=run, args=(r, 2, init_file, workdir)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            pytest.fail("a DCP rank hung for 180 s")
-    results = []
-    for r in range(2):
-        error = os.path.join(workdir, f"error-{r}.txt")
-        assert not os.path.exists(error), open(error).read()
-        results.append(json.load(open(os.path.join(workdir, f"result-{r}.json"))))
+    results = run_ranks(run, 2, (workdir,), workdir, timeout_s=180)
+    for res in results:
+        assert "traceback" not in res, res
     return workdir, results
 
 

@@ -3,42 +3,19 @@
 from __future__ import annotations
 
 import itertools
-import json
-import multiprocessing
-import os
-import sys
 from typing import Any
 
 import pytest
-from group_load_workers import CHUNK_BYTES, run
 
 from fastpersist.loading.group import read_pieces, read_shares
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where the workers live
+from gloo import run_ranks
+from group_load_workers import CHUNK_BYTES, run
 
 
 def run_group(world: int, scenario: str, workdir: str, backend: str, timeout_s: float = 120) -> list[dict[str, Any]]:
     """Runs `scenario` on `world` spawned ranks; returns each rank's result (or its traceback)."""
-    ctx = multiprocessing.get_context("spawn")
-    init_file = os.path.join(workdir, "init-store")
-    sys.path.insert(0, HERE)
-    procs = [ctx.Process(target=run, args=(r, world, init_file, scenario, workdir, backend)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout_s)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            pytest.fail(f"rank {procs.index(p)} of {scenario} hung for {timeout_s} s")
-    results = []
-    for r in range(world):
-        result, error = os.path.join(workdir, f"result-{r}.json"), os.path.join(workdir, f"error-{r}.txt")
-        if os.path.exists(result):
-            results.append(json.load(open(result)))
-        else:
-            results.append({"traceback": open(error).read() if os.path.exists(error) else procs[r].exitcode})
-    return results
+    return run_ranks(run, world, (scenario, workdir, backend), workdir, timeout_s)
 
 
 def test_a_group_of_one_reads_the_whole_stream_as_before(workdir: str) -> None:

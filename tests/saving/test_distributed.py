@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -15,35 +13,12 @@ import torch
 import fastpersist as fp
 
 from dist_workers import make_state, run, same
-
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where the workers live
+from gloo import run_ranks
 
 
 def run_group(world: int, scenario: str, workdir: str, backend: str, timeout_s: float = 120) -> list[dict[str, Any]]:
-    """Runs `scenario` on `world` spawned ranks; returns each surviving rank's result."""
-    ctx = multiprocessing.get_context("spawn")
-    init_file = os.path.join(workdir, "init-store")
-    sys.path.insert(0, HERE)
-    procs = [ctx.Process(target=run, args=(r, world, init_file, scenario, workdir, backend)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout_s)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            pytest.fail(f"rank {procs.index(p)} of {scenario} hung for {timeout_s} s")
-    results = []
-    for r in range(world):
-        result = os.path.join(workdir, f"result-{r}.json")
-        if os.path.exists(result):
-            results.append(json.load(open(result)))
-        else:
-            error = os.path.join(workdir, f"error-{r}.txt")
-            results.append(
-                {"exitcode": procs[r].exitcode, "traceback": open(error).read() if os.path.exists(error) else ""}
-            )
-    return results
+    """Runs `scenario` on `world` spawned ranks; returns each rank's result (or its traceback)."""
+    return run_ranks(run, world, (scenario, workdir, backend), workdir, timeout_s)
 
 
 def stream_bytes(path: str) -> int:

@@ -1,0 +1,49 @@
+"""Runs a worker function on real gloo process groups: `world` spawned local processes."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+#: tests/, where the worker modules live; spawned children must be able to import them.
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_ranks(
+    target: Callable[..., None], world: int, args: tuple[Any, ...], workdir: str, timeout_s: float = 120
+) -> list[dict[str, Any]]:
+    """Runs ``target(rank, world, init_file, *args)`` on `world` spawned ranks.
+
+    Each rank writes ``result-{rank}.json`` (or ``error-{rank}.txt``) into `workdir`. Returns
+    each rank's result, or ``{"exitcode", "traceback"}`` for a rank that wrote none. Fails the
+    test if a rank is still running after `timeout_s`.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    if TESTS_DIR not in sys.path:
+        sys.path.insert(0, TESTS_DIR)
+    init_file = os.path.join(workdir, "init-store")
+    procs = [ctx.Process(target=target, args=(r, world, init_file, *args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s)
+    for rank, p in enumerate(procs):
+        if p.is_alive():
+            p.kill()
+            pytest.fail(f"rank {rank} hung for {timeout_s} s")
+    results = []
+    for rank in range(world):
+        result, error = os.path.join(workdir, f"result-{rank}.json"), os.path.join(workdir, f"error-{rank}.txt")
+        if os.path.exists(result):
+            with open(result) as f:
+                results.append(json.load(f))
+        else:
+            traceback = open(error).read() if os.path.exists(error) else ""
+            results.append({"exitcode": procs[rank].exitcode, "traceback": traceback})
+    return results
