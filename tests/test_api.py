@@ -361,3 +361,11 @@ def test_a_checksum_error_names_a_strided_tensor_by_its_whole_span(workdir: str)
     with pytest.raises(fp.ChecksumMismatchError) as caught:
         fp.load(path)
     assert caught.value.tensors == ["state.strided"]
+
+
+def test_a_save_reports_where_its_time_went(workdir: str, config: fp.Config) -> None:
+    res = fp.save({"w": torch.randn(1 << 18), "step": 3}, os.path.join(workdir, "phases"), config=config)
+    assert set(res.phases) == {"flatten_plan", "staging", "write_fsync", "commit"}
+    assert all(v >= 0 for v in res.phases.values()), res.phases
+    assert res.phases["staging"] <= res.phases["write_fsync"] + 1e-3  # staging ends before the last write
+    assert res.phases["flatten_plan"] + res.phases["write_fsync"] + res.phases["commit"] <= res.seconds + 0.05

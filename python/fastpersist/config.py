@@ -99,6 +99,11 @@ class SaveResult:
         gb_per_s: ``nbytes / seconds / 1e9``.
         backend: ``"io_uring"`` or ``"threads"``.
         files: the data files written by this process.
+        phases: where the time went, in seconds: ``flatten_plan`` (walk the state, lay out
+            the stream), ``staging`` (from the engine's start until the sources were released:
+            copy and crc32c, paced by the pool), ``write_fsync`` (from the engine's start until
+            every data file was written and fsynced; overlaps ``staging``), ``commit``
+            (manifest, fsync, atomic rename, directory fsync; in a group also the exchange).
     """
 
     path: str
@@ -108,3 +113,4 @@ class SaveResult:
     gb_per_s: float
     backend: str
     files: list[str] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)

@@ -156,7 +156,7 @@ class SaveJob:
         layout: Layout | None = None,
         pool: _core.Pool | None = None,
     ) -> None:
-        self.started = time.perf_counter()
+        self.started = self._laid_out = self._written = time.perf_counter()
         self.path = os.path.abspath(os.fspath(path))
         self.config = config
         self.layout = layout or single_layout(self.path)
@@ -176,6 +176,7 @@ class SaveJob:
         if self.layout.owner:
             check_target(self.path)
         self._lay_out(state)
+        self._laid_out = time.perf_counter()
         try:
             paths = self._make_directories()
             if self.my_parts:
@@ -356,6 +357,7 @@ class SaveJob:
                 _core.fsync_dir(os.path.dirname(d))
             if self.layout.data_dir != self.layout.tmp_dir and os.path.isdir(self.layout.data_dir):
                 _core.fsync_dir(self.layout.data_dir)
+        self._written = time.perf_counter()
         return Written(entries, self.stripe_dirs, report)
 
     def manifest(self, entries: list[FileEntry], stripes: list[str], extra: dict[str, Any] | None = None) -> bytes:
@@ -399,6 +401,12 @@ class SaveJob:
         seconds = time.perf_counter() - self.started
         nbytes = int(written.report["bytes_written"])
         staged = written.report.get("staged_seconds")
+        phases = {
+            "flatten_plan": self._laid_out - self.started,
+            "staging": float(staged or 0.0),
+            "write_fsync": float(written.report.get("seconds") or 0.0),
+            "commit": time.perf_counter() - self._written,
+        }
         result = SaveResult(
             path=self.path,
             nbytes=nbytes,
@@ -407,6 +415,7 @@ class SaveJob:
             gb_per_s=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
             backend=self.backend,
             files=[p["path"] for p in written.report["parts"]],
+            phases=phases,
         )
         log_save(result)
         return result
