@@ -122,9 +122,13 @@ def test_tiny_run_reports_every_method_with_sane_numbers(tiny_run: tuple[dict[st
     rss = report["rss"]
     assert rss["mode"] == "bounded" and rss["pool_bytes"] < nbytes and rss["delta_bytes"] >= 0, rss
     assert report["speedups"] and report["targets"]
+    for key, phases in report["save_phases"].items():
+        assert key.startswith("fastpersist_save_") and key in results, key
+        assert set(phases) == {"flatten_plan", "staging", "write_fsync", "commit"}, phases
+        assert phases["write_fsync"] <= results[key]["max_s"], (key, phases)
     assert all(count >= report["state"]["tensors"] for count in report["loaded_tensors"].values())
     # the table, and nothing left behind
-    for word in ("SAVE", "LOAD", "SPEEDUPS", "TARGETS", "torch.save + fsync", "fastpersist.load"):
+    for word in ("SAVE", "LOAD", "WHERE A SAVE'S TIME GOES", "SPEEDUPS", "TARGETS", "torch.save + fsync"):
         assert word in stdout
     assert not [p for p in os.listdir(root / "data") if p.startswith(".fastpersist-bench-")]
 

@@ -30,6 +30,7 @@ import gc
 import json
 import os
 import shutil
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -135,6 +136,11 @@ def _report(
             "layers": shape.layers,
             "vocab": shape.vocab,
             "context": shape.context,
+        },
+        "save_phases": {
+            key: {phase: statistics.median(run[phase] for run in runs) for phase in runs[0]}
+            for key, runs in bench.save_phases.items()
+            if runs
         },
         "cold_reads": bench.cold,
         "loaded_tensors": bench.loaded_tensors,

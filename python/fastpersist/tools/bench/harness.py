@@ -42,6 +42,8 @@ class Bench:
         self.save_methods: list[Method] = []
         self.load_methods: list[Method] = []
         self.loaded_tensors: dict[str, int] = {}
+        #: SaveResult.phases of each repetition of each fastpersist.save row
+        self.save_phases: dict[str, list[dict[str, float]]] = {}
         progress(f"building a {args.size / 2**30:.2f} GiB training state ...")
         self.state = build_state(args.size)
         summary = state_summary(self.state)

@@ -161,6 +161,12 @@ def table(report: dict[str, Any]) -> str:
         f"x limit: GB/s over {results.get(report['write_limit'], {}).get('label', '-')} (saves) and "
         f"{results.get(report['read_limit'], {}).get('label', '-')} (loads), medians",
     ]
+    phases = report.get("save_phases", {})
+    if phases:
+        lines += ["", "WHERE A SAVE'S TIME GOES (SaveResult.phases, median s; staging overlaps write_fsync)"]
+        for key, medians in phases.items():
+            shown = ", ".join(f"{name} {value:.3f}" for name, value in medians.items())
+            lines.append(f"  {results.get(key, {}).get('label', key):<36} {shown}")
     if report["speedups"]:
         lines += ["", "SPEEDUPS (peer median s / fastpersist median s)"]
         for name, value in report["speedups"].items():

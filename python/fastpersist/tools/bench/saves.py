@@ -87,8 +87,10 @@ def _add_fastpersist_methods(bench: Bench) -> None:
 
         def save(config: fp.Config = config, path: str = path, key: str = key) -> dict[str, float]:
             start = time.perf_counter()
-            fp.save(bench.state, path, config=config)
-            return {key: time.perf_counter() - start}
+            result = fp.save(bench.state, path, config=config)
+            seconds = time.perf_counter() - start
+            bench.save_phases.setdefault(key, []).append(result.phases)
+            return {key: seconds}
 
         bench.save_methods.append(Method(f"fastpersist.save ({backend})", save, [path], keep_last=True))
     if not bench.backends:
