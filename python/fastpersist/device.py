@@ -88,15 +88,16 @@ class CudaCopier:
         self.stream.synchronize()
 
 
-#: A copier installed by :func:`use_copier`, with the predicate choosing its tensors.
-_installed: tuple[Callable[[torch.Tensor], bool], Callable[[torch.device], DeviceCopier]] | None = None
+#: The copier installed by :func:`use_copier` (the predicate choosing its tensors, its factory),
+#: or None. flatten reads it per tensor, so it is a plain module attribute.
+installed_copier: tuple[Callable[[torch.Tensor], bool], Callable[[torch.device], DeviceCopier]] | None = None
 
 
 def copier_for(tensor: torch.Tensor) -> Callable[[torch.device], DeviceCopier] | None:
     """The factory of the copier that stages `tensor`, or None if the save reads it in place
     (CPU) or copies it to the host at once (devices without a copier)."""
-    if _installed is not None and _installed[0](tensor):
-        return _installed[1]
+    if installed_copier is not None and installed_copier[0](tensor):
+        return installed_copier[1]
     if tensor.is_cuda:
         return CudaCopier
     return None
@@ -108,9 +109,9 @@ def use_copier(
 ) -> Iterator[None]:
     """Within the block, tensors for which ``selects(t)`` is true are staged by
     ``factory(t.device)`` (the seam the CPU tests drive the device path through)."""
-    global _installed
-    previous, _installed = _installed, (selects, factory)
+    global installed_copier
+    previous, installed_copier = installed_copier, (selects, factory)
     try:
         yield
     finally:
-        _installed = previous
+        installed_copier = previous

@@ -74,11 +74,6 @@ _SUPPORTED = (
 _STRIDED = torch.strided
 
 
-def _device_seam_active() -> bool:
-    """Whether a copier was installed with fastpersist.saving.device.use_copier (tests)."""
-    return _device._installed is not None
-
-
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _OrderedDict = collections.OrderedDict
@@ -364,7 +359,7 @@ class _Walker:
                 return
         data = None
         source = x
-        copier = _copier_for(x) if numel and (not cpu or _device_seam_active()) else None
+        copier = _copier_for(x) if numel and (not cpu or _device.installed_copier is not None) else None
         if not numel:
             data = np.empty(0, U8)  # an empty tensor's strides need not allow a byte view
         elif copier is not None:
@@ -428,7 +423,7 @@ class _Walker:
         raw = torch.empty(0, dtype=torch.uint8, device=owner.device)
         raw.set_(owner.untyped_storage(), lo, (hi - lo,), (1,))
         blob = self.records[group[0][0]].blob
-        copier = _copier_for(owner) if not owner.is_cpu or _device_seam_active() else None
+        copier = _copier_for(owner) if not owner.is_cpu or _device.installed_copier is not None else None
         version = None
         if raw.is_cpu or copier is not None:  # the source itself, not a host copy: watched
             try:
