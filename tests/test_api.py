@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -369,3 +370,29 @@ def test_a_save_reports_where_its_time_went(workdir: str, config: fp.Config) -> 
     assert all(v >= 0 for v in res.phases.values()), res.phases
     assert res.phases["staging"] <= res.phases["write_fsync"] + 1e-3  # staging ends before the last write
     assert res.phases["flatten_plan"] + res.phases["write_fsync"] + res.phases["commit"] <= res.seconds + 0.05
+
+
+def test_a_load_reports_where_its_time_went(workdir: str, config: fp.Config) -> None:
+    path = os.path.join(workdir, "load-phases")
+    state = {"w": torch.randn(3 << 20), "small": torch.ones(3), "step": 3}  # 12 MiB: over one 8 MiB chunk
+    fp.save(state, path, config=config)
+    phases: dict[str, float] = {}
+    started = time.perf_counter()
+    got = fp.load(path, config=config, phases=phases)
+    wall = time.perf_counter() - started
+    assert torch.equal(got["w"], state["w"]) and got["step"] == 3
+    timed = ("manifest", "read", "build", "place", "unflatten")
+    assert set(phases) == {*timed, "crc32c", "read_minor_faults", "read_sys_cpu_s"}, phases
+    assert all(v >= 0 for v in phases.values()), phases
+    assert sum(phases[k] for k in timed) <= wall + 1e-3, (phases, wall)
+    assert 0 < phases["crc32c"] <= phases["read"], phases  # checked on the driver thread, inside the read
+    # The destination is fresh memory: its pages are first touched by the read itself.
+    assert phases["read_minor_faults"] >= (12 << 20) // (1 << 16), phases
+
+    unverified: dict[str, float] = {}
+    fp.load(path, config=config, verify=False, phases=unverified)
+    assert unverified["crc32c"] == 0, unverified
+
+    filled: dict[str, float] = {}
+    fp.load(path, config=config, out={"w": torch.empty(3 << 20)}, phases=filled)
+    assert set(filled) == {"manifest", "fill"}, filled

@@ -203,12 +203,14 @@ def read_ranges_into(
     backend: _BackendChoice = "auto",
     direct_io: _DirectIO = "auto",
     queue_depth: int = 8,
+    stats: dict[str, float] | None = None,
 ) -> int:
     """Reads ranges of part files into ``dest``, verifying each chunk's crc32c.
 
     ``ranges`` holds ``(path, file_len_bytes, file_offset_bytes, len_bytes, dest_offset_bytes,
     chunk_crc32c)``: a range starts at a chunk boundary of its file and ``chunk_crc32c`` lists
-    its chunks' checksums (empty: unchecked). Returns the bytes read.
+    its chunks' checksums (empty: unchecked). Returns the bytes read; a ``stats`` dict gets
+    ``bytes`` and ``crc32c_s`` (time spent verifying checksums).
     """
 
 @final
@@ -232,11 +234,13 @@ def read_into(
     backend: _BackendChoice = "auto",
     direct_io: _DirectIO = "auto",
     queue_depth: int = 8,
+    stats: dict[str, float] | None = None,
 ) -> int:
     """Reads part files into the writable buffer ``dest``, verifying chunk checksums; returns bytes read.
 
     ``parts`` holds ``(path, len_bytes, dest_offset_bytes, chunk_crc32c)``; an empty checksum
-    list skips verification.
+    list skips verification. A ``stats`` dict gets ``bytes`` and ``crc32c_s`` (time spent
+    verifying checksums).
     """
 
 def select_backend(choice: _BackendChoice = "auto") -> tuple[_BackendName, str | None]:

@@ -6,7 +6,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,6 +19,7 @@ from .format.manifest import Manifest, read_manifest
 from .futures import SaveFuture, SaveJobLike
 from .loading.fill import fill_by_key
 from .loading.maplocation import MapLocation, MappedStorages, check_load_flags, map_tensor
+from .loading.phases import PhaseClock
 from .loading.reading import blob_buffers, checksum_error, read_stream, windowable
 from .logs import log_load
 from .saving.job import SaveJob
@@ -111,23 +112,21 @@ def load(
     shard: int | None = None,
     namedtuple_types: Iterable[type] = (),
     shared_read: bool = True,
+    phases: dict[str, float] | None = None,
 ) -> Any:
     """Reads a checkpoint written by :func:`save` and returns the state.
 
     The manifest is validated strictly before any data is read, and with ``verify=True`` every
-    chunk's crc32c is checked as it arrives. Loading never executes code from the file.
-    The stream is read with O_DIRECT into page-aligned memory; each tensor over 1 MiB keeps
-    only its own pages (dropping it frees them, whatever else is kept), smaller ones are
-    copied. Tensors that shared storage when saved share it again.
+    chunk's crc32c is checked as it arrives. Loading never executes code from the file. Each
+    tensor over 1 MiB keeps only its own pages of the O_DIRECT read (dropping it frees them),
+    smaller ones are copied. Tensors that shared storage when saved share it again.
 
     Args:
         map_location: as in ``torch.load`` (also positional): ``None`` (the device each tensor
             was saved from), a device, a ``{saved: target}`` dict, or ``fn(storage, location)``
             returning a storage (see :mod:`fastpersist.loading.maplocation`).
-        weights_only: accepted for ``torch.load`` compatibility and has no effect: loading never
-            unpickles, so every load is weights-only.
-        mmap: accepted for ``torch.load`` compatibility; data is always read into memory with
-            O_DIRECT and checksummed.
+        weights_only, mmap: accepted for ``torch.load`` compatibility, no effect: loading
+            never unpickles, and data is always read with O_DIRECT and checksummed.
         verify: check chunk checksums (cheap: crc32c runs at >10 GB/s).
         out: an existing state whose tensors are filled in place, matched by key path (never
             by position); each must exist in the checkpoint with the same dtype and shape, else
@@ -150,6 +149,7 @@ def load(
             class is ever looked up or imported from what the file says.
         shared_read: with a `group` and a replicated checkpoint, each rank reads a share
             (``True``) or everything (``False``; also with `out`, and in groups of one).
+        phases: a dict filled with seconds per phase (:mod:`fastpersist.loading.phases`).
 
     Raises:
         CheckpointNotFoundError: there is no committed checkpoint at `path` (a ``FileNotFoundError``).
@@ -162,54 +162,61 @@ def load(
         ['model', 'step']
     """
     check_load_flags(weights_only, mmap)
+    options = _LoadOptions(map_location, verify, config or Config(), namedtuple_types, PhaseClock(phases))
     root = os.path.abspath(os.fspath(path))
-    config = config or Config()
     m = read_manifest(root)
     if m.shards:
-        return load(
-            check_shard_dir(root, m.shards[_shard_index(root, len(m.shards), group, shard)]),
-            map_location=map_location,
-            verify=verify,
-            out=out,
-            config=config,
-            namedtuple_types=namedtuple_types,
-        )
+        root = check_shard_dir(root, m.shards[_shard_index(root, len(m.shards), group, shard)])
+        m = read_manifest(root)
+        if m.shards:  # fastpersist writes each shard as one rank's plain checkpoint
+            raise CorruptCheckpointError(f"{root}/manifest.json: a shard may not itself be sharded")
+        return _load_one(root, m, out, options, None)
     if shard is not None:
         raise ValueError(f"{root} is not sharded; load it without shard=")
     shared = group is not None and shared_read and out is None and _group_size(group) > 1
-    return _load_one(root, m, map_location, verify, out, config, namedtuple_types, group if shared else None)
+    return _load_one(root, m, out, options, group if shared else None)
 
 
-def _load_one(
-    root: str,
-    m: Manifest,
-    map_location: MapLocation,
-    verify: bool,
-    out: object,
-    config: Config,
-    namedtuple_types: Iterable[type],
-    shared_group: object,
-) -> Any:
+class _LoadOptions(NamedTuple):
+    """What one load was asked for, handed down its steps."""
+
+    map_location: MapLocation
+    verify: bool
+    config: Config
+    namedtuple_types: Iterable[type]
+    clock: PhaseClock
+
+
+def _load_one(root: str, m: Manifest, out: object, options: _LoadOptions, shared_group: object) -> Any:
     """Loads one (unsharded) checkpoint whose manifest `m` is already validated; with
     `shared_group`, the ranks of that group each read a share of the stream."""
+    config = options.config
     check_data_files(root, m, config.stripes)  # before allocating: sizes, links, confinement
     if out is not None and not windowable(m):
         raise CorruptCheckpointError(
             f"{root}/manifest.json: its files do not start on chunk boundaries (fastpersist never writes "
             "such a layout), so out= cannot be filled window by window"
         )
+    options.clock.mark("manifest")
     read_started = time.perf_counter()
     mapped: MappedStorages = {}
 
     def place(t: torch.Tensor, device: str) -> torch.Tensor:
-        return map_tensor(map_location, t, device, mapped)
+        return map_tensor(options.map_location, t, device, mapped)
 
     if out is not None:
         state = fill_by_key(
-            out, root, m, verify, config, lambda t, rec: place(t, rec.device), namedtuple_types=namedtuple_types
+            out,
+            root,
+            m,
+            options.verify,
+            config,
+            lambda t, rec: place(t, rec.device),
+            namedtuple_types=options.namedtuple_types,
         )
+        options.clock.mark("fill")
     else:
-        state = _load_new(root, m, verify, config, place, namedtuple_types, shared_group)
+        state = _load_new(root, m, options, place, shared_group)
     log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
     return state
 
@@ -217,32 +224,36 @@ def _load_one(
 def _load_new(
     root: str,
     m: Manifest,
-    verify: bool,
-    config: Config,
+    options: _LoadOptions,
     place: Callable[[torch.Tensor, str], torch.Tensor],
-    namedtuple_types: Iterable[type],
     shared_group: object = None,
 ) -> Any:
     """Reads the stream and builds a new state (each large tensor owning its pages)."""
-    if shared_group is not None and windowable(m):
-        from .loading.group import read_stream_shared
+    clock = options.clock
+    with clock.reading() as stats:
+        if shared_group is not None and windowable(m):
+            from .loading.group import read_stream_shared
 
-        stream = read_stream_shared(root, m, verify, config, shared_group)
-    else:
-        stream = read_stream(root, m, verify, config)
+            stream = read_stream_shared(root, m, options.verify, options.config, shared_group)
+        else:
+            stream = read_stream(root, m, options.verify, options.config, stats)
     buffers = blob_buffers(stream, m)
     try:
         tensors = materialize(m.tensors, buffers)
     except ValueError as e:
         raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
     del buffers
+    clock.mark("build")
     tensors = [
         place(t, rec.device) if isinstance(t, torch.Tensor) else t for t, rec in zip(tensors, m.tensors, strict=True)
     ]
+    clock.mark("place")
     try:
-        return unflatten(m.tree, tensors, namedtuple_types=namedtuple_types)
+        state = unflatten(m.tree, tensors, namedtuple_types=options.namedtuple_types)
     except ValueError as e:
         raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
+    clock.mark("unflatten")
+    return state
 
 
 def _group_size(group: object) -> int:

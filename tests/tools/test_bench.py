@@ -126,9 +126,13 @@ def test_tiny_run_reports_every_method_with_sane_numbers(tiny_run: tuple[dict[st
         assert key.startswith("fastpersist_save_") and key in results, key
         assert set(phases) == {"flatten_plan", "staging", "write_fsync", "commit"}, phases
         assert phases["write_fsync"] <= results[key]["max_s"], (key, phases)
+    load_phases = report["load_phases"]["fastpersist_load"]
+    assert {"manifest", "read", "crc32c", "build", "place", "unflatten"} <= set(load_phases), load_phases
+    assert load_phases["read"] <= results["fastpersist_load"]["max_s"], load_phases
     assert all(count >= report["state"]["tensors"] for count in report["loaded_tensors"].values())
     # the table, and nothing left behind
-    for word in ("SAVE", "LOAD", "WHERE A SAVE'S TIME GOES", "SPEEDUPS", "TARGETS", "torch.save + fsync"):
+    headings = ("SAVE", "LOAD", "WHERE A SAVE'S TIME GOES", "WHERE A LOAD'S TIME GOES", "SPEEDUPS", "TARGETS")
+    for word in (*headings, "torch.save + fsync"):
         assert word in stdout
     assert not [p for p in os.listdir(root / "data") if p.startswith(".fastpersist-bench-")]
 

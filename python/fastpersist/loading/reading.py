@@ -73,8 +73,11 @@ def _mapping_errors(root: str, m: Manifest, read: Callable[[], T]) -> T:
         raise checksum_error(m, root, e.filename, e.offset_bytes, e.len_bytes, e.expected or 0, e.found or 0) from None
 
 
-def read_stream(root: str, m: Manifest, verify: bool, config: Config) -> _core.PagedBuffer:
-    """Reads the whole logical stream (O_DIRECT, checksums checked) into page-aligned memory."""
+def read_stream(
+    root: str, m: Manifest, verify: bool, config: Config, stats: dict[str, float] | None = None
+) -> _core.PagedBuffer:
+    """Reads the whole logical stream (O_DIRECT, checksums checked) into page-aligned memory;
+    `stats` gets the engine's measures (``bytes``, ``crc32c_s``)."""
     stream = _core.PagedBuffer(direct_padded(m.total_bytes))
     parts = [
         (m.file_path(root, f), f.len_bytes, f.stream_offset_bytes, f.chunk_crc32c if verify else []) for f in m.files
@@ -89,6 +92,7 @@ def read_stream(root: str, m: Manifest, verify: bool, config: Config) -> _core.P
             backend=config.backend,
             direct_io=config.direct_io,
             queue_depth=config.queue_depth,
+            stats=stats,
         ),
     )
     return stream
@@ -140,9 +144,17 @@ def stream_windows(m: Manifest, window_bytes: int = WINDOW_BYTES) -> Iterator[tu
 
 
 def read_window(
-    root: str, m: Manifest, lo: int, hi: int, dest: _core.PagedBuffer, verify: bool, config: Config
+    root: str,
+    m: Manifest,
+    lo: int,
+    hi: int,
+    dest: _core.PagedBuffer,
+    verify: bool,
+    config: Config,
+    stats: dict[str, float] | None = None,
 ) -> None:
-    """Reads stream bytes ``[lo, hi)`` (chunk-aligned `lo`; see :func:`windowable`) into `dest`."""
+    """Reads stream bytes ``[lo, hi)`` (chunk-aligned `lo`; see :func:`windowable`) into `dest`;
+    `stats` gets the engine's measures (``bytes``, ``crc32c_s``)."""
     chunk = m.chunk_bytes
     ranges = []
     for f in m.files:
@@ -163,6 +175,7 @@ def read_window(
             backend=config.backend,
             direct_io=config.direct_io,
             queue_depth=config.queue_depth,
+            stats=stats,
         ),
     )
 

@@ -4,6 +4,7 @@
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
+use std::time::Instant;
 
 use crate::DIRECT_ALIGN_BYTES;
 use crate::align::round_up;
@@ -61,6 +62,16 @@ pub struct ReadOptions {
     pub chunk_bytes: u64,
 }
 
+/// What a read job measured.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReadStats {
+    /// Bytes read (the sum of the parts' lengths).
+    pub bytes: u64,
+    /// Time spent verifying chunk checksums, on the driver thread (included in the read's wall
+    /// time: a chunk is checked as its read completes, while later reads are in flight).
+    pub crc32c_ns: u64,
+}
+
 struct ReadChunk {
     file: usize,
     file_offset_bytes: u64,
@@ -70,7 +81,7 @@ struct ReadChunk {
 }
 
 /// Reads every part into `dest`. Parts must not overlap in `dest` and must fit in it.
-pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) -> Result<u64> {
+pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) -> Result<ReadStats> {
     let chunk_bytes = options.chunk_bytes;
     if chunk_bytes == 0
         || !chunk_bytes.is_multiple_of(DIRECT_ALIGN_BYTES as u64)
@@ -160,7 +171,10 @@ pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) ->
         options.queue_depth,
         &mut source,
     )?;
-    Ok(parts.iter().map(|p| p.len_bytes).sum())
+    Ok(ReadStats {
+        bytes: parts.iter().map(|p| p.len_bytes).sum(),
+        crc32c_ns: source.crc32c_ns,
+    })
 }
 
 /// Opens a part for reading, with O_DIRECT when `mode` and the destination allow it.
@@ -209,6 +223,7 @@ struct ReadSource<'a, 'f> {
     chunks: Vec<ReadChunk>,
     files: &'f [OpenFile],
     next: usize,
+    crc32c_ns: u64,
 }
 
 impl<'a, 'f> ReadSource<'a, 'f> {
@@ -256,6 +271,7 @@ impl<'a, 'f> ReadSource<'a, 'f> {
             chunks,
             files,
             next: 0,
+            crc32c_ns: 0,
         })
     }
 }
@@ -282,7 +298,9 @@ impl<'a> OpSource<'a> for ReadSource<'a, '_> {
     fn completed(&mut self, op: IoOp<'a>) -> Result<()> {
         let chunk = &self.chunks[op.tag];
         if let Some(expected) = chunk.expected_crc {
+            let started = Instant::now();
             let found = crc32c(&op.buf.bytes()[..chunk.len_bytes]);
+            self.crc32c_ns += started.elapsed().as_nanos() as u64;
             if found != expected {
                 return Err(Error::ChecksumMismatch {
                     path: self.files[chunk.file].path.clone(),

@@ -175,6 +175,40 @@ fn round_trip_both_backends_direct_on_and_off() {
 }
 
 #[test]
+fn read_stats_count_bytes_and_time_only_verified_chunks() {
+    for backend in backends() {
+        let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let dirs = stripe_dirs(root.path(), 2);
+        let written = write_all(&dirs, &[1 << 20, 300_001], 1, backend, DirectMode::Auto);
+        let options = ReadOptions {
+            backend,
+            direct: DirectMode::Auto,
+            queue_depth: 4,
+            chunk_bytes: CHUNK,
+        };
+        let total: u64 = written.parts.iter().map(|p| p.len_bytes).sum();
+        let mut dest = AlignedBuf::zeroed(written.plan.total_bytes as usize);
+        let verified = read_parts(&written.parts, &mut dest, &options).unwrap();
+        assert_eq!(verified.bytes, total);
+        assert!(
+            verified.crc32c_ns > 0,
+            "{backend:?}: checksums were checked but not timed"
+        );
+        let unverified_parts: Vec<ReadPart> = written
+            .parts
+            .iter()
+            .cloned()
+            .map(|mut p| {
+                p.chunk_crc32c.clear();
+                p
+            })
+            .collect();
+        let unverified = read_parts(&unverified_parts, &mut dest, &options).unwrap();
+        assert_eq!((unverified.bytes, unverified.crc32c_ns), (total, 0));
+    }
+}
+
+#[test]
 fn direct_io_is_used_where_supported() {
     let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     if !probe::direct_io_supported(root.path()).unwrap() {

@@ -16,6 +16,7 @@ use fastpersist_core::read::{ReadOptions, ReadPart, read_parts};
 use fastpersist_core::{checksum, durable, plan, pool};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
 use buffers::{HeldBuffer, PagedBuffer};
 use errors::IntoPyResult;
@@ -280,7 +281,8 @@ fn start_write(
 /// `parts` holds `(path, len_bytes, dest_offset_bytes, chunk_crc32c)`; an empty checksum list
 /// skips verification. Returns the bytes read.
 #[pyfunction]
-#[pyo3(signature = (parts, dest, *, chunk_bytes, backend="auto", direct_io="auto", queue_depth=8))]
+#[pyo3(signature = (parts, dest, *, chunk_bytes, backend="auto", direct_io="auto", queue_depth=8, stats=None))]
+#[allow(clippy::too_many_arguments)]
 fn read_into(
     py: Python<'_>,
     parts: Vec<(PathBuf, u64, u64, Vec<u32>)>,
@@ -289,6 +291,7 @@ fn read_into(
     backend: &str,
     direct_io: &str,
     queue_depth: usize,
+    stats: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<u64> {
     let parts = parts
         .into_iter()
@@ -302,6 +305,7 @@ fn read_into(
         backend,
         direct_io,
         queue_depth,
+        stats,
     )
 }
 
@@ -310,8 +314,8 @@ fn read_into(
 /// range starts at a chunk boundary and `chunk_crc32c` lists its chunks' checksums (or is
 /// empty). Returns the bytes read.
 #[pyfunction]
-#[pyo3(signature = (ranges, dest, *, chunk_bytes, backend="auto", direct_io="auto", queue_depth=8))]
-#[allow(clippy::type_complexity)]
+#[pyo3(signature = (ranges, dest, *, chunk_bytes, backend="auto", direct_io="auto", queue_depth=8, stats=None))]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn read_ranges_into(
     py: Python<'_>,
     ranges: Vec<(PathBuf, u64, u64, u64, u64, Vec<u32>)>,
@@ -320,6 +324,7 @@ fn read_ranges_into(
     backend: &str,
     direct_io: &str,
     queue_depth: usize,
+    stats: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<u64> {
     let parts = ranges
         .into_iter()
@@ -349,9 +354,11 @@ fn read_ranges_into(
         backend,
         direct_io,
         queue_depth,
+        stats,
     )
 }
 
+#[allow(clippy::too_many_arguments)]
 fn read_parts_into(
     py: Python<'_>,
     parts: Vec<ReadPart>,
@@ -360,6 +367,7 @@ fn read_parts_into(
     backend: &str,
     direct_io: &str,
     queue_depth: usize,
+    stats: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<u64> {
     let selection =
         probe::select(BackendChoice::parse(backend).into_py_result(py)?).into_py_result(py)?;
@@ -373,8 +381,14 @@ fn read_parts_into(
     // SAFETY: `held` was obtained writable, stays alive for this call, and nothing else in this
     // process touches it meanwhile (the caller handed it over for the read).
     let dest_slice = unsafe { held.as_mut_slice() };
-    py.detach(|| read_parts(&parts, dest_slice, &options))
-        .into_py_result(py)
+    let measured = py
+        .detach(|| read_parts(&parts, dest_slice, &options))
+        .into_py_result(py)?;
+    if let Some(stats) = stats {
+        stats.set_item("bytes", measured.bytes)?;
+        stats.set_item("crc32c_s", measured.crc32c_ns as f64 * 1e-9)?;
+    }
+    Ok(measured.bytes)
 }
 
 /// `(backend, fallback_reason)` that `choice` resolves to here (honours FASTPERSIST_BACKEND).

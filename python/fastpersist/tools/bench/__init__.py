@@ -137,11 +137,8 @@ def _report(
             "vocab": shape.vocab,
             "context": shape.context,
         },
-        "save_phases": {
-            key: {phase: statistics.median(run[phase] for run in runs) for phase in runs[0]}
-            for key, runs in bench.save_phases.items()
-            if runs
-        },
+        "save_phases": _median_phases(bench.save_phases),
+        "load_phases": _median_phases(bench.load_phases),
         "cold_reads": bench.cold,
         "loaded_tensors": bench.loaded_tensors,
         "fio_raw": getattr(bench, "fio_raw", []),
@@ -150,6 +147,15 @@ def _report(
         # VmHWM is reset before each method, so the run's peak is the largest per-method peak.
         "peak_rss_bytes": max([r.peak_rss_bytes for r in bench.rows.values()] + [status_bytes("VmHWM")]),
         "notes": notes,
+    }
+
+
+def _median_phases(by_row: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per row, the median of each phase over its repetitions."""
+    return {
+        key: {phase: statistics.median(run[phase] for run in runs) for phase in runs[0]}
+        for key, runs in by_row.items()
+        if runs
     }
 
 

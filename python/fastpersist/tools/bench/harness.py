@@ -44,6 +44,8 @@ class Bench:
         self.loaded_tensors: dict[str, int] = {}
         #: SaveResult.phases of each repetition of each fastpersist.save row
         self.save_phases: dict[str, list[dict[str, float]]] = {}
+        #: fp.load(phases=...) of each repetition of the fastpersist.load row
+        self.load_phases: dict[str, list[dict[str, float]]] = {}
         progress(f"building a {args.size / 2**30:.2f} GiB training state ...")
         self.state = build_state(args.size)
         summary = state_summary(self.state)

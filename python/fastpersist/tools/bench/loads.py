@@ -85,10 +85,12 @@ def _add_fastpersist_load(bench: Bench) -> None:
         load_config = fp.Config(backend=backend, queue_depth=bench.args.queue_depth)
 
         def fp_load() -> dict[str, float]:
+            phases: dict[str, float] = {}
             start = time.perf_counter()
-            loaded = fp.load(fp_path, config=load_config)
+            loaded = fp.load(fp_path, config=load_config, phases=phases)
             seconds = time.perf_counter() - start
             bench.loaded(fp_key, loaded)
+            bench.load_phases.setdefault(fp_key, []).append(phases)
             return {fp_key: seconds}
 
         bench.load_methods.append(Method("fastpersist.load", fp_load, []))

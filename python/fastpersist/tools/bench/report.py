@@ -12,13 +12,14 @@ from .system import GB, MiB
 if TYPE_CHECKING:
     from .harness import Bench
 
-# Targets the table checks (see docs/: the issue that asked for this benchmark).
+# Targets the table checks: the benchmark issues' (save and load at the drive's limit, the lead over
+# peers, flatten+plan of 10,000 tensors under 25 ms).
 TARGET_SAVE_VS_LIMIT = 0.90
-TARGET_SAVE_VS_SAFETENSORS = 1.5
+TARGET_SAVE_VS_SAFETENSORS = 2.0
 TARGET_SAVE_VS_TORCH = 3.0
 TARGET_TORCH_SAVE_VS_TORCH = 2.0
 TARGET_LOAD_VS_LIMIT = 0.90
-TARGET_FLATTEN_PLAN_S = 0.050
+TARGET_FLATTEN_PLAN_S = 0.025
 
 
 def _stats(row: Row, nbytes: int) -> dict[str, Any]:
@@ -167,6 +168,15 @@ def table(report: dict[str, Any]) -> str:
         for key, medians in phases.items():
             shown = ", ".join(f"{name} {value:.3f}" for name, value in medians.items())
             lines.append(f"  {results.get(key, {}).get('label', key):<36} {shown}")
+    for key, medians in report.get("load_phases", {}).items():
+        lines += ["", "WHERE A LOAD'S TIME GOES (fp.load(phases=...), median s; crc32c is inside read)"]
+        timed = ", ".join(f"{name} {value:.3f}" for name, value in medians.items() if not name.startswith("read_"))
+        lines.append(f"  {results.get(key, {}).get('label', key):<36} {timed}")
+        if "read_minor_faults" in medians:
+            lines.append(
+                f"  {'':<36} first touch inside read: {medians['read_minor_faults']:.0f} page faults, "
+                f"{medians['read_sys_cpu_s']:.3f} s system CPU"
+            )
     if report["speedups"]:
         lines += ["", "SPEEDUPS (peer median s / fastpersist median s)"]
         for name, value in report["speedups"].items():
