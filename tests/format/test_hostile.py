@@ -12,6 +12,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -203,3 +204,17 @@ def test_raw_garbage_manifests(base: tuple[str, dict[str, Any]], raw: bytes) -> 
     TRIED["hand_written"] += 1
     with pytest.raises(fp.CorruptCheckpointError):
         load_with(path, raw, [])
+
+
+def test_a_shard_that_is_itself_sharded_is_refused(tmp_path: Path) -> None:
+    outer = tmp_path / "ck"
+    outer.mkdir()
+    fp.save({"w": torch.ones(3)}, str(outer / "shard-00000"))
+    # Each level's manifest names a shard below it: fastpersist never writes such a layout.
+    for level in (outer, outer / "shard-00000"):
+        doc = json.load(open(outer / "shard-00000" / "manifest.json"))
+        doc.pop("manifest_sha256")
+        doc["shards"] = ["shard-00000"]
+        (level / "manifest.json").write_bytes(seal(json.dumps(doc).encode()))
+    with pytest.raises(fp.CorruptCheckpointError, match="may not itself be sharded"):
+        fp.load(str(outer), shard=0)
