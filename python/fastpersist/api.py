@@ -20,6 +20,7 @@ from .futures import SaveFuture, SaveJobLike
 from .loading.fill import fill_by_key
 from .loading.maplocation import MapLocation, MappedStorages, check_load_flags, map_tensor
 from .loading.reading import blob_buffers, checksum_error, read_stream, windowable
+from .loading.todevice import device_targets, load_blobs
 from .logs import log_load
 from .saving.job import SaveJob
 
@@ -209,7 +210,8 @@ def _load_one(
             out, root, m, verify, config, lambda t, rec: place(t, rec.device), namedtuple_types=namedtuple_types
         )
     else:
-        state = _load_new(root, m, verify, config, place, namedtuple_types, shared_group)
+        targets = device_targets(m, map_location) if shared_group is None and windowable(m) else {}
+        state = _load_new(root, m, verify, config, place, namedtuple_types, shared_group, targets)
     log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
     return state
 
@@ -222,22 +224,28 @@ def _load_new(
     place: Callable[[torch.Tensor, str], torch.Tensor],
     namedtuple_types: Iterable[type],
     shared_group: object = None,
+    targets: dict[int, torch.device] | None = None,
 ) -> Any:
-    """Reads the stream and builds a new state (each large tensor owning its pages)."""
-    if shared_group is not None and windowable(m):
+    """Reads the stream and builds a new state (each large tensor owning its pages). Blobs in
+    `targets` are loaded straight to their device through a ring of pinned windows
+    (:mod:`fastpersist.loading.todevice`); their tensors are already placed."""
+    if targets:
+        buffers = load_blobs(root, m, verify, config, targets)
+    elif shared_group is not None and windowable(m):
         from .loading.group import read_stream_shared
 
-        stream = read_stream_shared(root, m, verify, config, shared_group)
+        buffers = blob_buffers(read_stream_shared(root, m, verify, config, shared_group), m)
     else:
-        stream = read_stream(root, m, verify, config)
-    buffers = blob_buffers(stream, m)
+        buffers = blob_buffers(read_stream(root, m, verify, config), m)
     try:
         tensors = materialize(m.tensors, buffers)
     except ValueError as e:
         raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
     del buffers
+    on_device = targets or {}
     tensors = [
-        place(t, rec.device) if isinstance(t, torch.Tensor) else t for t, rec in zip(tensors, m.tensors, strict=True)
+        place(t, rec.device) if isinstance(t, torch.Tensor) and rec.blob not in on_device else t
+        for t, rec in zip(tensors, m.tensors, strict=True)
     ]
     try:
         return unflatten(m.tree, tensors, namedtuple_types=namedtuple_types)

@@ -1,0 +1,223 @@
+"""Loading tensors straight into device memory: the mirror of the save's device staging.
+
+When ``map_location`` sends a checkpoint's tensors to a device with a
+:class:`~fastpersist.device.DeviceLoader` (CUDA, or a fake installed with
+:func:`~fastpersist.device.use_loader`), the load does not read the whole stream into host
+memory and call ``.to(device)`` per tensor. Instead:
+
+1. each such blob gets a destination on its target device (``loader.empty``); tensors are
+   views of it, built as for a host load, so tied weights share device storage again;
+2. the stream is read in fixed chunk-aligned windows (:data:`DEVICE_WINDOW_BYTES`, O_DIRECT,
+   every chunk's crc32c checked by ``read_window``) into a ring of two page-aligned host
+   buffers, registered with CUDA once and kept for later loads;
+3. each window's bytes are queued host-to-device (``loader.copy_to_device``, non-blocking on a
+   side stream) into the blobs' destinations, then the ring buffer's event is recorded
+   (``mark``); while those copies run, the next window is read into the other buffer (the read
+   releases the GIL). A ring buffer is refilled only after ``wait`` on its event returned;
+4. blobs bound for the CPU (or a device without a loader) are copied out of the ring into host
+   memory of their own and placed as today.
+
+Ordering contract (:class:`~fastpersist.device.CudaLoader`): the side stream first waits for
+the work the caller had queued on its current stream (``begin``: memory the caching allocator
+hands out may still be in use by it); at the end the caller's current stream waits for the side
+stream (``finish``), without blocking the host. So the returned tensors are safe to use on the
+stream that was current during ``load``; on another stream, synchronise with it first (or call
+``torch.cuda.synchronize()``). Host memory stays at two windows, whatever the state's size; a
+blob larger than a window is simply copied in several pieces.
+
+Example:
+    >>> import fastpersist as fp, torch
+    >>> from fastpersist.format.manifest import read_manifest
+    >>> _ = fp.save({"w": torch.ones(4)}, "/tmp/fp-doc-todevice")
+    >>> device_targets(read_manifest("/tmp/fp-doc-todevice"), None)   # CPU tensors: the host path
+    {}
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import threading
+
+import torch
+
+from .. import _core
+from ..config import Config
+from ..device import DeviceLoader, loader_for, unpin_host
+from ..errors import FastPersistError
+from ..format.manifest import Manifest
+from .maplocation import MapLocation, target_device
+from .reading import WINDOW_BYTES, direct_padded, read_window
+
+__all__ = ["DEVICE_WINDOW_BYTES", "RING_SLOTS", "device_targets", "load_blobs"]
+
+#: Stream bytes read per window of a device load (rounded down to whole chunks, at least one).
+DEVICE_WINDOW_BYTES = WINDOW_BYTES
+#: Host buffers in the ring: one being read while the other's copies run.
+RING_SLOTS = 2
+
+RingBuffer = tuple[_core.PagedBuffer, torch.Tensor]
+#: Rings kept between loads by buffer size, most recently used last (bounded, like save pools).
+_rings: collections.OrderedDict[int, list[RingBuffer]] = collections.OrderedDict()
+_rings_lock = threading.Lock()
+_RINGS_KEPT = 2
+
+
+def device_targets(m: Manifest, location: MapLocation) -> dict[int, torch.device]:
+    """Blob index -> target device, for the blobs whose tensors all go to one device that has a
+    loader (empty: the whole load takes the host path; always so for a callable `location`)."""
+    targets: dict[int, torch.device | None] = {}
+    for rec in m.tensors:
+        target = target_device(location, rec.device) if rec.kind == "torch" else torch.device("cpu")
+        if target is None:
+            return {}
+        if loader_for(target) is None:
+            targets[rec.blob] = None
+        elif targets.setdefault(rec.blob, target) != target:
+            targets[rec.blob] = None  # records of one storage sent to two devices: host path
+    return {b: t for b, t in targets.items() if t is not None}
+
+
+def _take_ring(nbytes: int) -> list[RingBuffer]:
+    with _rings_lock:
+        ring = _rings.pop(nbytes, None)
+    if ring is None:
+        ring = []
+        for _ in range(RING_SLOTS):
+            paged = _core.PagedBuffer(nbytes)
+            ring.append((paged, torch.frombuffer(paged, dtype=torch.uint8)))
+    return ring
+
+
+def _give_back_ring(nbytes: int, ring: list[RingBuffer]) -> None:
+    dropped: list[RingBuffer] = []
+    with _rings_lock:
+        dropped.extend(_rings.pop(nbytes, []))  # a concurrent load's ring of the same size
+        _rings[nbytes] = ring
+        while len(_rings) > _RINGS_KEPT:
+            dropped.extend(_rings.popitem(last=False)[1])
+    for _, host in dropped:
+        unpin_host(host)
+
+
+def _copy_failed(root: str, device: torch.device, error: BaseException) -> FastPersistError:
+    return FastPersistError(
+        f"loading {root} to {device}: a host-to-device copy failed ({type(error).__name__}: {error}); "
+        "nothing was loaded (check the device's health and free memory, or load with map_location='cpu')"
+    )
+
+
+class _Copies:
+    """The loaders of one load and which of them have copies in flight from each ring buffer."""
+
+    def __init__(self, root: str, devices: set[torch.device]) -> None:
+        self.root = root
+        self.loaders: dict[torch.device, DeviceLoader] = {}
+        for device in sorted(devices, key=str):
+            factory = loader_for(device)
+            assert factory is not None
+            self.loaders[device] = factory(device)
+        self.busy: list[set[torch.device]] = [set() for _ in range(RING_SLOTS)]
+
+    def call(self, device: torch.device, what: str, *args: object) -> None:
+        try:
+            getattr(self.loaders[device], what)(*args)
+        except Exception as e:
+            raise _copy_failed(self.root, device, e) from e
+
+    def reuse(self, slot: int) -> None:
+        """Returns once ring buffer `slot` may be refilled (its previous copies completed)."""
+        for device in sorted(self.busy[slot], key=str):
+            self.call(device, "wait", slot)
+        self.busy[slot] = set()
+
+    def mark(self, slot: int) -> None:
+        for device in sorted(self.busy[slot], key=str):
+            self.call(device, "mark", slot)
+
+    def drain(self) -> None:
+        """After a failure: lets every copy in flight finish (errors are already being raised)."""
+        for slot in range(RING_SLOTS):
+            for device in self.busy[slot]:
+                try:
+                    self.loaders[device].wait(slot)
+                except Exception:
+                    pass
+        for loader in self.loaders.values():
+            try:
+                loader.finish()
+            except Exception:
+                pass
+
+
+def load_blobs(
+    root: str, m: Manifest, verify: bool, config: Config, targets: dict[int, torch.device]
+) -> list[torch.Tensor]:
+    """One 1-D uint8 buffer per blob of `m`: on its target device for the blobs in `targets`
+    (filled through their loaders), in host memory of its own for the others.
+
+    Raises what ``read_window`` raises for a damaged or missing file (naming file and
+    tensors), and :class:`FastPersistError` naming the checkpoint for a failing copy; copies
+    already queued have completed by then.
+    """
+    chunk = m.chunk_bytes
+    window = max(chunk, DEVICE_WINDOW_BYTES // chunk * chunk)
+    copies = _Copies(root, set(targets.values()))
+    for device in copies.loaders:
+        copies.call(device, "begin")
+    buffers = [
+        copies.loaders[targets[b]].empty(nbytes) if b in targets else torch.empty(nbytes, dtype=torch.uint8)
+        for b, (_, nbytes) in enumerate(m.blobs)
+    ]
+    nbytes = direct_padded(window)
+    ring = _take_ring(nbytes)
+    try:
+        for _, host in ring:
+            for device in copies.loaders:
+                copies.call(device, "register", host)
+        _fill(root, m, verify, config, window, ring, copies, buffers, targets)
+        for device in copies.loaders:
+            copies.call(device, "finish")
+    except BaseException:
+        copies.drain()
+        raise
+    finally:
+        _give_back_ring(nbytes, ring)
+    return buffers
+
+
+def _fill(
+    root: str,
+    m: Manifest,
+    verify: bool,
+    config: Config,
+    window: int,
+    ring: list[RingBuffer],
+    copies: _Copies,
+    buffers: list[torch.Tensor],
+    targets: dict[int, torch.device],
+) -> None:
+    """Reads the stream window by window into the ring and copies each blob's pieces out."""
+    order = sorted((offset, b) for b, (offset, nbytes) in enumerate(m.blobs) if nbytes)
+    ends = [m.blobs[b][0] + m.blobs[b][1] for _, b in order]
+    for k, lo in enumerate(range(0, m.total_bytes, window)):
+        slot = k % RING_SLOTS
+        copies.reuse(slot)
+        hi = min(lo + window, m.total_bytes)
+        paged, host = ring[slot]
+        read_window(root, m, lo, hi, paged, verify, config)
+        try:
+            for i in range(bisect.bisect_right(ends, lo), len(order)):
+                offset, b = order[i]
+                if offset >= hi:
+                    break
+                a, z = max(lo, offset), min(hi, ends[i])
+                src, dst = host[a - lo : z - lo], buffers[b][a - offset : z - offset]
+                device = targets.get(b)
+                if device is None:
+                    dst.copy_(src)
+                    continue
+                copies.busy[slot].add(device)
+                copies.call(device, "copy_to_device", src, dst, slot)
+        finally:
+            copies.mark(slot)
