@@ -96,10 +96,8 @@ class FakeLoader:
         FakeLoader.log.append(("finish", str(self.device)))
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeLoader]]:
-    """Targets of type "cuda" load through FakeLoader, in windows of two chunks; the whole-stream
-    host read is forbidden on the device path (it stays allowed for host loads)."""
+def _install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resets FakeLoader, reads in windows of two chunks and records each window's read."""
     FakeLoader.log, FakeLoader.reads, FakeLoader.registered = [], [], {}
     FakeLoader.allocated, FakeLoader.written, FakeLoader.fail_at_copy, FakeLoader.copies = {}, {}, None, 0
     monkeypatch.setattr(todevice, "DEVICE_WINDOW_BYTES", WINDOW)
@@ -112,10 +110,24 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeLoader]]:
 
     monkeypatch.setattr(todevice, "read_window", spy)
 
-    def factory(device: torch.device) -> DeviceLoader:
-        return FakeLoader(device)
 
-    with use_loader(lambda d: d.type == "cuda", factory):
+def _factory(device: torch.device) -> DeviceLoader:
+    return FakeLoader(device)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeLoader]]:
+    """Targets of type "cuda" load through FakeLoader (into CPU memory)."""
+    _install(monkeypatch)
+    with use_loader(lambda d: d.type == "cuda", _factory):
+        yield FakeLoader
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeLoader]]:
+    """CPU tensors of out= are filled through FakeLoader, as CUDA tensors would be."""
+    _install(monkeypatch)
+    with use_loader(lambda d: d.type == "cpu", _factory):
         yield FakeLoader
 
 
@@ -306,6 +318,31 @@ def test_a_failing_copy_names_the_checkpoint_and_returns_nothing(
     _assert_equal(fp.load(path), _state())  # the ring is reusable after a failed load
 
 
+def test_out_fills_device_tensors_in_place_through_the_loader(
+    workdir: str, backend: str, fake_cpu: type[FakeLoader]
+) -> None:
+    path = _saved(workdir, backend, None)
+    expected = _state()
+    out = {
+        k: torch.empty_like(v) for k, v in expected.items() if isinstance(v, torch.Tensor) and k not in ("view", "head")
+    }
+    out["i64"] = torch.empty(10_000, dtype=torch.int64)[::2]  # not contiguous: filled on the host path
+    for t in out.values():
+        FakeLoader.allocated[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    state = fp.load(path, out=out)
+    _assert_equal(state, expected)
+    assert all(state[k] is t for k, t in out.items())
+    written = set(FakeLoader.written)
+    ptr = {k: t.untyped_storage().data_ptr() for k, t in out.items()}
+    assert {ptr["emb"], ptr["bf16"], ptr["u8"], ptr["c64"], ptr["mask"]} <= written
+    # "view" is not in out, so its storage ("big") and the strided i64 take the host path
+    assert ptr["big"] not in written and ptr["i64"] not in written
+    assert {k for k, n in FakeLoader.allocated.items() if k in written} == written
+    FakeLoader.allocated = {k: n for k, n in FakeLoader.allocated.items() if k in written}
+    _assert_every_byte_once()
+    assert len(FakeLoader.registered) == 2
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_load_round_trip(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(todevice, "DEVICE_WINDOW_BYTES", 1 << 20)  # several windows
@@ -325,3 +362,19 @@ def test_cuda_load_round_trip(workdir: str, monkeypatch: pytest.MonkeyPatch) -> 
     again = fp.load(path)  # None: the saved devices (CPU tensors stay on the CPU)
     assert again["gpu"].is_cuda and not again["big"].is_cuda
     assert torch.equal(again["gpu"].sum(), state["gpu"].sum())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_out_is_filled_in_place(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(todevice, "DEVICE_WINDOW_BYTES", 1 << 20)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512)).cuda()
+    path = os.path.join(workdir, "gpu-out")
+    fp.save({"model": model.state_dict()}, path)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    for p in model.parameters():
+        p.data.zero_()
+    out = {"model": model.state_dict()}
+    state = fp.load(path, out=out)
+    for key, value in expected.items():
+        assert state["model"][key] is out["model"][key]
+        assert torch.equal(model.state_dict()[key], value), key

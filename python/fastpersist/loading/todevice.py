@@ -35,9 +35,9 @@ Example:
 
 from __future__ import annotations
 
-import bisect
 import collections
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -49,7 +49,15 @@ from ..format.manifest import Manifest
 from .maplocation import MapLocation, target_device
 from .reading import WINDOW_BYTES, direct_padded, read_window
 
-__all__ = ["DEVICE_WINDOW_BYTES", "RING_SLOTS", "device_targets", "load_blobs"]
+__all__ = [
+    "DEVICE_WINDOW_BYTES",
+    "RING_SLOTS",
+    "DeviceCopies",
+    "Extent",
+    "copy_extents",
+    "device_targets",
+    "load_blobs",
+]
 
 #: Stream bytes read per window of a device load (rounded down to whole chunks, at least one).
 DEVICE_WINDOW_BYTES = WINDOW_BYTES
@@ -107,19 +115,23 @@ def _copy_failed(root: str, device: torch.device, error: BaseException) -> FastP
     )
 
 
-class _Copies:
-    """The loaders of one load and which of them have copies in flight from each ring buffer."""
+class DeviceCopies:
+    """The loaders of one load (one per target device) and which of them have copies in flight
+    from each ring buffer; a loader's failure becomes one error naming the checkpoint."""
 
     def __init__(self, root: str, devices: set[torch.device]) -> None:
         self.root = root
         self.loaders: dict[torch.device, DeviceLoader] = {}
         for device in sorted(devices, key=str):
             factory = loader_for(device)
-            assert factory is not None
+            assert factory is not None, f"{device} has no loader"
             self.loaders[device] = factory(device)
         self.busy: list[set[torch.device]] = [set() for _ in range(RING_SLOTS)]
+        for device in self.loaders:
+            self.call(device, "begin")
 
     def call(self, device: torch.device, what: str, *args: object) -> None:
+        """``loaders[device].what(*args)``, its failure raised as :class:`FastPersistError`."""
         try:
             getattr(self.loaders[device], what)(*args)
         except Exception as e:
@@ -132,6 +144,7 @@ class _Copies:
         self.busy[slot] = set()
 
     def mark(self, slot: int) -> None:
+        """Records the end of the current window's copies from ring buffer `slot`."""
         for device in sorted(self.busy[slot], key=str):
             self.call(device, "mark", slot)
 
@@ -150,6 +163,15 @@ class _Copies:
                 pass
 
 
+class Extent(NamedTuple):
+    """Stream bytes ``[offset_bytes, offset_bytes + dst.numel())`` go to `dst` (1-D uint8):
+    through the loader of `device`, or by a host copy when `device` is None."""
+
+    offset_bytes: int
+    dst: torch.Tensor
+    device: torch.device | None
+
+
 def load_blobs(
     root: str, m: Manifest, verify: bool, config: Config, targets: dict[int, torch.device]
 ) -> list[torch.Tensor]:
@@ -160,22 +182,31 @@ def load_blobs(
     tensors), and :class:`FastPersistError` naming the checkpoint for a failing copy; copies
     already queued have completed by then.
     """
-    chunk = m.chunk_bytes
-    window = max(chunk, DEVICE_WINDOW_BYTES // chunk * chunk)
-    copies = _Copies(root, set(targets.values()))
-    for device in copies.loaders:
-        copies.call(device, "begin")
+    copies = DeviceCopies(root, set(targets.values()))
     buffers = [
         copies.loaders[targets[b]].empty(nbytes) if b in targets else torch.empty(nbytes, dtype=torch.uint8)
         for b, (_, nbytes) in enumerate(m.blobs)
     ]
+    extents = [Extent(offset, buffers[b], targets.get(b)) for b, (offset, _) in enumerate(m.blobs)]
+    copy_extents(root, m, verify, config, copies, extents)
+    return buffers
+
+
+def copy_extents(
+    root: str, m: Manifest, verify: bool, config: Config, copies: DeviceCopies, extents: list[Extent]
+) -> None:
+    """Reads the windows of the stream that hold `extents` through the ring and copies each
+    extent's bytes to its destination; on return every copy is ordered before the caller's
+    later work on its current stream (``finish``). See the module docstring."""
+    chunk = m.chunk_bytes
+    window = max(chunk, DEVICE_WINDOW_BYTES // chunk * chunk)
     nbytes = direct_padded(window)
     ring = _take_ring(nbytes)
     try:
         for _, host in ring:
             for device in copies.loaders:
                 copies.call(device, "register", host)
-        _fill(root, m, verify, config, window, ring, copies, buffers, targets)
+        _fill(root, m, verify, config, window, ring, copies, extents)
         for device in copies.loaders:
             copies.call(device, "finish")
     except BaseException:
@@ -183,7 +214,6 @@ def load_blobs(
         raise
     finally:
         _give_back_ring(nbytes, ring)
-    return buffers
 
 
 def _fill(
@@ -193,31 +223,30 @@ def _fill(
     config: Config,
     window: int,
     ring: list[RingBuffer],
-    copies: _Copies,
-    buffers: list[torch.Tensor],
-    targets: dict[int, torch.device],
+    copies: DeviceCopies,
+    extents: list[Extent],
 ) -> None:
-    """Reads the stream window by window into the ring and copies each blob's pieces out."""
-    order = sorted((offset, b) for b, (offset, nbytes) in enumerate(m.blobs) if nbytes)
-    ends = [m.blobs[b][0] + m.blobs[b][1] for _, b in order]
-    for k, lo in enumerate(range(0, m.total_bytes, window)):
+    """Reads each window that holds extent bytes into the next ring buffer and copies them out
+    (extents may overlap: views of one storage filled into separate tensors)."""
+    by_window: dict[int, list[Extent]] = {}
+    for e in sorted(extents, key=lambda e: e.offset_bytes):
+        for w in range(e.offset_bytes // window, -(-(e.offset_bytes + e.dst.numel()) // window)):
+            by_window.setdefault(w, []).append(e)
+    for k, w in enumerate(sorted(by_window)):
         slot = k % RING_SLOTS
         copies.reuse(slot)
+        lo = w * window
         hi = min(lo + window, m.total_bytes)
         paged, host = ring[slot]
         read_window(root, m, lo, hi, paged, verify, config)
         try:
-            for i in range(bisect.bisect_right(ends, lo), len(order)):
-                offset, b = order[i]
-                if offset >= hi:
-                    break
-                a, z = max(lo, offset), min(hi, ends[i])
-                src, dst = host[a - lo : z - lo], buffers[b][a - offset : z - offset]
-                device = targets.get(b)
+            for offset, dst, device in by_window[w]:
+                a, z = max(lo, offset), min(hi, offset + dst.numel())
+                src, piece = host[a - lo : z - lo], dst[a - offset : z - offset]
                 if device is None:
-                    dst.copy_(src)
+                    piece.copy_(src)
                     continue
                 copies.busy[slot].add(device)
-                copies.call(device, "copy_to_device", src, dst, slot)
+                copies.call(device, "copy_to_device", src, piece, slot)
         finally:
             copies.mark(slot)
