@@ -124,11 +124,11 @@ def load(
     Args:
         map_location: as in ``torch.load`` (also positional): ``None`` (the device each tensor
             was saved from), a device, a ``{saved: target}`` dict, or ``fn(storage, location)``
-            returning a storage (see :mod:`fastpersist.loading.maplocation`).
+            returning a storage (see :mod:`fastpersist.loading.maplocation`). CUDA targets skip
+            the host copy of the state (:mod:`fastpersist.loading.todevice`).
         weights_only: accepted for ``torch.load`` compatibility and has no effect: loading never
             unpickles, so every load is weights-only.
-        mmap: accepted for ``torch.load`` compatibility; data is always read into memory with
-            O_DIRECT and checksummed.
+        mmap: accepted for ``torch.load`` compatibility; data is always read with O_DIRECT and checksummed.
         verify: check chunk checksums (cheap: crc32c runs at >10 GB/s).
         out: an existing state whose tensors are filled in place, matched by key path (never
             by position); each must exist in the checkpoint with the same dtype and shape, else

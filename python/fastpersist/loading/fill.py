@@ -9,6 +9,12 @@ state created by the first ``step()``) come back as new tensors, and non-tensor 
 learning rate, RNG state) come from the checkpoint: the returned state has the checkpoint's
 structure, holding `out`'s tensor objects where it has them.
 
+Device tensors of `out` (contiguous, on a device with a :class:`~fastpersist.device.DeviceLoader`,
+e.g. CUDA) whose storage's bytes all go to such tensors are filled first, without a host copy:
+the windows holding them are read into the load's ring of two pinned buffers and copied on a
+side stream while the next window is read (:mod:`fastpersist.loading.todevice`; the caller's
+current stream waits for those copies). Everything else is copied from the windows as above.
+
 Example:
     >>> import fastpersist as fp, torch
     >>> _ = fp.save({"a": torch.ones(2), "b": torch.zeros(3), "step": 5}, "/tmp/fp-doc-fill")
