@@ -305,6 +305,24 @@ def test_a_corrupt_chunk_in_a_later_window_names_file_and_tensor(
     assert FakeLoader.log[-1][0] == "finish"  # copies in flight were let finish
 
 
+def test_a_file_missing_at_read_time_is_a_corrupt_checkpoint(
+    workdir: str, backend: str, fake_cuda: type[FakeLoader], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stripes = [os.path.join(workdir, f"ssd{i}") for i in range(2)]
+    for s in stripes:
+        os.mkdir(s)
+    path = os.path.join(workdir, "striped")
+    fp.save(_state(), path, config=fp.Config(backend=backend, chunk_bytes=CHUNK, stripes=stripes))
+    _record_device(path, "cuda:0")
+    last = max(fp.inspect(path)["files"], key=lambda f: f["path"])["path"]
+    monkeypatch.setattr(api, "check_data_files", lambda *args: None)  # it would catch this first
+    os.unlink(last)
+    with pytest.raises(fp.CorruptCheckpointError, match="missing") as info:
+        fp.load(path)
+    assert str(last) in str(info.value) and len(FakeLoader.reads) > 1
+    assert FakeLoader.log[-1][0] == "finish"
+
+
 def test_a_failing_copy_names_the_checkpoint_and_returns_nothing(
     workdir: str, backend: str, fake_cuda: type[FakeLoader]
 ) -> None:
