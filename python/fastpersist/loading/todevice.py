@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -74,12 +75,16 @@ _RINGS_KEPT = 2
 def device_targets(m: Manifest, location: MapLocation) -> dict[int, torch.device]:
     """Blob index -> target device, for the blobs whose tensors all go to one device that has a
     loader (empty: the whole load takes the host path; always so for a callable `location`)."""
+    if callable(location) and not isinstance(location, Mapping):
+        return {}
+    by_saved: dict[str, torch.device | None] = {}  # saved device -> target with a loader
     targets: dict[int, torch.device | None] = {}
     for rec in m.tensors:
-        target = target_device(location, rec.device) if rec.kind == "torch" else torch.device("cpu")
+        if rec.device not in by_saved:
+            target = target_device(location, rec.device)
+            by_saved[rec.device] = target if target is not None and loader_for(target) is not None else None
+        target = by_saved[rec.device] if rec.kind == "torch" else None
         if target is None:
-            return {}
-        if loader_for(target) is None:
             targets[rec.blob] = None
         elif targets.setdefault(rec.blob, target) != target:
             targets[rec.blob] = None  # records of one storage sent to two devices: host path
