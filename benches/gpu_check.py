@@ -7,7 +7,11 @@ Prints, in well under five minutes:
    ``tensor.to("cpu")`` vs a plain ``copy_`` into pinned memory;
 3. save GB/s of a GPU state vs torch.save + fsync vs fastpersist saving the same bytes from host
    memory; ``save_async`` return time; GPU memory growth during a save;
-4. per-iteration overhead of the overlap recipe (Checkpointer every=1) with real GPU compute.
+4. load GB/s of the same GPU state to ``map_location="cuda"``: fastpersist (pinned windows,
+   side-stream copies) vs ``torch.load(map_location="cuda")`` of a torch.save file vs
+   fastpersist's host load + ``.to("cuda")``; GPU memory growth beyond the state during a
+   load, and host memory (peak RSS growth) of a fastpersist device load;
+5. per-iteration overhead of the overlap recipe (Checkpointer every=1) with real GPU compute.
 
 Run: ``python benches/gpu_check.py --size 1GiB --dir /tmp/fp-gpu``.
 """
@@ -119,6 +123,77 @@ def check_copies(root: str, nbytes: int) -> None:
     )
 
 
+def _drop_cache(path: str) -> None:
+    """Evicts a file's clean pages, so that torch.load reads the disk as O_DIRECT does."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _host_peak_growth(fn: Callable[[], object]) -> int | None:
+    """Peak RSS growth of `fn` in bytes (resets VmHWM through /proc/self/clear_refs), or None."""
+
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith(field))
+        return int(line.split()[1]) * 1024
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = status("VmRSS")
+        fn()
+        return status("VmHWM") - before
+    except OSError:
+        fn()
+        return None
+
+
+def check_load(root: str, nbytes: int) -> None:
+    state = _gpu_state(nbytes)
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    size = sum(t.nbytes for t in tensors.values())
+    path, pt = os.path.join(root, "load"), os.path.join(root, "load.pt")
+    fp.save(state, path)
+    with open(pt, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+    loaded = fp.load(path, map_location="cuda")
+    bad = [k for k, v in tensors.items() if not (loaded[k].is_cuda and torch.equal(loaded[k], v))]
+    print(f"load to map_location='cuda': {'ok' if not bad else 'MISMATCH ' + str(bad)}")
+    del loaded
+
+    def torch_load() -> object:
+        _drop_cache(pt)
+        return torch.load(pt, map_location="cuda", weights_only=True)
+
+    def host_then_to() -> object:
+        host = fp.load(path, map_location="cpu")
+        return {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in host.items()}
+
+    t_fp = _median_s(lambda: fp.load(path, map_location="cuda"))
+    t_torch = _median_s(torch_load)
+    t_host = _median_s(host_then_to)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    host_growth = _host_peak_growth(lambda: fp.load(path, map_location="cuda"))
+    torch.cuda.synchronize()
+    growth = torch.cuda.max_memory_allocated() - before - size
+    gb = size / 1e9
+    host = "n/a" if host_growth is None else f"{host_growth / 2**20:.0f} MiB"
+    print(
+        f"load {size / 2**30:.2f} GiB to cuda: fastpersist {gb / t_fp:.2f} GB/s, torch.load(map_location='cuda') "
+        f"{gb / t_torch:.2f} GB/s, fastpersist host load + .to('cuda') {gb / t_host:.2f} GB/s; "
+        f"GPU memory beyond the state during a load: {growth / 2**20:.1f} MiB (target ~0); "
+        f"host peak RSS growth: {host} (target ~ two 64 MiB windows)"
+    )
+
+
 def check_overlap(root: str, iters: int = 12) -> None:
     model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(24)]).cuda()
     opt = torch.optim.AdamW(model.parameters())
@@ -162,6 +237,7 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, fastpersist {fp.__version__}")
     check_round_trip(args.dir)
     check_copies(args.dir, nbytes)
+    check_load(args.dir, nbytes)
     check_overlap(args.dir)
     shutil.rmtree(args.dir, ignore_errors=True)
 

@@ -21,6 +21,7 @@ from .loading.fill import fill_by_key
 from .loading.maplocation import MapLocation, MappedStorages, check_load_flags, map_tensor
 from .loading.phases import PhaseClock
 from .loading.reading import blob_buffers, checksum_error, read_stream, windowable
+from .loading.todevice import device_targets, load_blobs
 from .logs import log_load
 from .saving.job import SaveJob
 
@@ -124,7 +125,8 @@ def load(
     Args:
         map_location: as in ``torch.load`` (also positional): ``None`` (the device each tensor
             was saved from), a device, a ``{saved: target}`` dict, or ``fn(storage, location)``
-            returning a storage (see :mod:`fastpersist.loading.maplocation`).
+            returning a storage (see :mod:`fastpersist.loading.maplocation`). CUDA targets skip
+            the host copy of the state (:mod:`fastpersist.loading.todevice`).
         weights_only, mmap: accepted for ``torch.load`` compatibility, no effect: loading
             never unpickles, and data is always read with O_DIRECT and checksummed.
         verify: check chunk checksums (cheap: crc32c runs at >10 GB/s).
@@ -216,7 +218,8 @@ def _load_one(root: str, m: Manifest, out: object, options: _LoadOptions, shared
         )
         options.clock.mark("fill")
     else:
-        state = _load_new(root, m, options, place, shared_group)
+        targets = device_targets(m, options.map_location) if shared_group is None and windowable(m) else {}
+        state = _load_new(root, m, options, place, shared_group, targets)
     log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
     return state
 
@@ -227,25 +230,34 @@ def _load_new(
     options: _LoadOptions,
     place: Callable[[torch.Tensor, str], torch.Tensor],
     shared_group: object = None,
+    targets: dict[int, torch.device] | None = None,
 ) -> Any:
-    """Reads the stream and builds a new state (each large tensor owning its pages)."""
-    clock = options.clock
-    with clock.reading() as stats:
-        if shared_group is not None and windowable(m):
+    """Reads the stream and builds a new state (each large tensor owning its pages). Blobs in
+    `targets` are loaded straight to their device through a ring of pinned windows
+    (:mod:`fastpersist.loading.todevice`); their tensors are already placed."""
+    clock, verify, config = options.clock, options.verify, options.config
+    stream = None
+    with clock.reading() as stats:  # on a device: the host-to-device copies are inside `read`
+        if targets:
+            buffers = load_blobs(root, m, verify, config, targets, stats)
+        elif shared_group is not None and windowable(m):
             from .loading.group import read_stream_shared
 
-            stream = read_stream_shared(root, m, options.verify, options.config, shared_group)
+            stream = read_stream_shared(root, m, verify, config, shared_group)
         else:
-            stream = read_stream(root, m, options.verify, options.config, stats)
-    buffers = blob_buffers(stream, m)
+            stream = read_stream(root, m, verify, config, stats)
+    if stream is not None:
+        buffers = blob_buffers(stream, m)
     try:
         tensors = materialize(m.tensors, buffers)
     except ValueError as e:
         raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
     del buffers
     clock.mark("build")
+    on_device = targets or {}
     tensors = [
-        place(t, rec.device) if isinstance(t, torch.Tensor) else t for t, rec in zip(tensors, m.tensors, strict=True)
+        place(t, rec.device) if isinstance(t, torch.Tensor) and rec.blob not in on_device else t
+        for t, rec in zip(tensors, m.tensors, strict=True)
     ]
     clock.mark("place")
     try:

@@ -13,9 +13,17 @@ slots registered with CUDA (``cudaHostRegister``, once per slot) so that they ru
 speed. Tests on machines without a GPU install a fake copier with :func:`use_copier`; it sees
 CPU tensors that :func:`use_copier`'s predicate selects as if they were device tensors.
 
+The load side mirrors it with a :class:`DeviceLoader`: a load whose tensors go to a CUDA
+device reads the stream window by window into two pinned host buffers and copies each window
+host-to-device on a side stream while the next window is read (see
+:mod:`fastpersist.loading.todevice`). :class:`CudaLoader` implements it; tests install a fake
+with :func:`use_loader`, which chooses the target devices it handles.
+
 Example:
     >>> import torch
     >>> copier_for(torch.zeros(2)) is None   # CPU tensors are read in place, not copied
+    True
+    >>> loader_for(torch.device("cpu")) is None   # CPU targets are read into host memory
     True
 """
 
@@ -24,11 +32,23 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["CudaCopier", "DeviceCopier", "copier_for", "device_bytes", "use_copier"]
+__all__ = [
+    "CudaCopier",
+    "CudaLoader",
+    "DeviceCopier",
+    "DeviceLoader",
+    "copier_for",
+    "device_bytes",
+    "loader_for",
+    "pin_host",
+    "unpin_host",
+    "use_copier",
+    "use_loader",
+]
 
 
 class DeviceCopier(Protocol):
@@ -48,11 +68,42 @@ def device_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
+#: Host buffers registered with CUDA (address -> bytes): each is registered once, and kept
+#: registered for as long as it lives (save pool slots, the load ring's buffers).
+_pinned: dict[int, int] = {}
+_pinned_lock = threading.Lock()
+
+
+def pin_host(host: torch.Tensor) -> None:
+    """Registers the CPU buffer `host` (1-D uint8, kept alive by its owner) with CUDA once, so
+    that copies from or to it run at pinned speed; a failure only means a slower copy."""
+    address, nbytes = host.data_ptr(), host.numel()
+    with _pinned_lock:
+        if _pinned.get(address) == nbytes:
+            return
+        _pinned[address] = nbytes
+    try:
+        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        cudart.cudaHostRegister(address, nbytes, 0)
+    except Exception:  # already registered, or not allowed: copy unpinned
+        pass
+
+
+def unpin_host(host: torch.Tensor) -> None:
+    """Undoes :func:`pin_host` before `host`'s memory is freed (a no-op if it was not pinned)."""
+    with _pinned_lock:
+        if _pinned.get(host.data_ptr()) != host.numel():
+            return
+        del _pinned[host.data_ptr()]
+    try:
+        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        cudart.cudaHostUnregister(host.data_ptr())
+    except Exception:  # never registered (the register call failed): nothing to undo
+        pass
+
+
 class CudaCopier:
     """Side-stream, event-ordered copies from one CUDA device into pinned slots."""
-
-    _pinned: ClassVar[dict[int, int]] = {}
-    _pinned_lock = threading.Lock()
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -63,24 +114,9 @@ class CudaCopier:
         self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.ready.record(torch.cuda.current_stream(self.device))
 
-    @classmethod
-    def _pin(cls, host: torch.Tensor) -> None:
-        """Registers a slot with CUDA once (slots live as long as their pool, and pools are
-        kept for the process's life); a failure only means an unpinned, slower copy."""
-        address, nbytes = host.data_ptr(), host.numel()
-        with cls._pinned_lock:
-            if cls._pinned.get(address) == nbytes:
-                return
-            cls._pinned[address] = nbytes
-        try:
-            cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-            cudart.cudaHostRegister(address, nbytes, 0)
-        except Exception:  # already registered, or not allowed: copy unpinned
-            pass
-
     def copy_to_host(self, src: torch.Tensor, slot: memoryview, start: int, end: int) -> None:
         host = torch.frombuffer(slot, dtype=torch.uint8)
-        self._pin(host)
+        pin_host(host)
         with torch.cuda.stream(self.stream):
             if self.ready is not None:
                 self.stream.wait_event(self.ready)
@@ -115,3 +151,107 @@ def use_copier(
         yield
     finally:
         installed_copier = previous
+
+
+class DeviceLoader(Protocol):
+    """Copies windows of a load's host ring buffers into device memory, for one load and one
+    target device. Copies are queued (asynchronous); the ordering is:
+
+    ``begin`` (copies come after the caller's queued work) -> per window ``copy_to_device``
+    for each blob piece -> ``mark(slot)`` -> ... -> ``wait(slot)`` before the loader refills
+    that ring buffer -> ``finish`` (the caller's current stream waits for every copy).
+    """
+
+    def begin(self) -> None:
+        """Called once, on the caller's thread, before any allocation or copy: orders the copies
+        after the work the caller has queued so far (memory the allocator hands out may still
+        be in use by it)."""
+
+    def register(self, host: torch.Tensor) -> None:
+        """`host` (a whole ring buffer, 1-D uint8, page-aligned) will be copied from: pin it."""
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """A new, uninitialised 1-D uint8 destination of `nbytes` on the target device."""
+
+    def copy_to_device(self, host: torch.Tensor, dst: torch.Tensor, slot: int) -> None:
+        """Queues the copy of `host` (1-D uint8, a part of ring buffer `slot`) into `dst` (1-D
+        uint8 on the device, same length); may return before the copy has run."""
+
+    def mark(self, slot: int) -> None:
+        """Every copy queued so far from ring buffer `slot` belongs to its current window."""
+
+    def wait(self, slot: int) -> None:
+        """Returns once the copies marked for ring buffer `slot` have completed (it may be refilled)."""
+
+    def finish(self) -> None:
+        """Makes the caller's current stream wait for every queued copy (without blocking the
+        host): the loaded tensors are then safe to use on that stream."""
+
+
+class CudaLoader:
+    """Host-to-device copies on a side CUDA stream, one event per ring buffer."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        self.stream: Any = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        self.events: dict[int, Any] = {}
+
+    def begin(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def register(self, host: torch.Tensor) -> None:
+        pin_host(host)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        # Allocated on the caller's current stream, which owns the memory from here on: the side
+        # stream's copies are ordered after the caller's prior work (begin) and before its later
+        # work (finish), so the caching allocator's per-stream reuse stays correct.
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def copy_to_device(self, host: torch.Tensor, dst: torch.Tensor, slot: int) -> None:
+        with torch.cuda.stream(self.stream):
+            dst.copy_(host, non_blocking=True)
+
+    def mark(self, slot: int) -> None:
+        event = self.events.get(slot)
+        if event is None:
+            event = self.events[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self.stream)
+
+    def wait(self, slot: int) -> None:
+        event = self.events.get(slot)
+        if event is not None:
+            event.synchronize()
+
+    def finish(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+#: The loader installed by :func:`use_loader` (the predicate choosing its target devices, its
+#: factory), or None.
+installed_loader: tuple[Callable[[torch.device], bool], Callable[[torch.device], DeviceLoader]] | None = None
+
+
+def loader_for(device: torch.device) -> Callable[[torch.device], DeviceLoader] | None:
+    """The factory of the loader that copies tensors bound for `device`, or None if they are
+    built in host memory and moved as ``torch.load`` would (CPU, devices without a loader)."""
+    if installed_loader is not None and installed_loader[0](device):
+        return installed_loader[1]
+    if device.type == "cuda" and torch.cuda.is_available():
+        return CudaLoader
+    return None
+
+
+@contextmanager
+def use_loader(
+    selects: Callable[[torch.device], bool], factory: Callable[[torch.device], DeviceLoader]
+) -> Iterator[None]:
+    """Within the block, loads treat every target device for which ``selects(device)`` is true
+    as a device with a loader, ``factory(device)`` (the seam the CPU tests drive the device
+    load path through; a fake may allocate its destinations on the CPU)."""
+    global installed_loader
+    previous, installed_loader = installed_loader, (selects, factory)
+    try:
+        yield
+    finally:
+        installed_loader = previous

@@ -56,8 +56,9 @@ _Parameter = torch.nn.Parameter
 def materialize(records: list[TensorRecord], blob_buffers: list[torch.Tensor]) -> list[object]:
     """Build each record's tensor or array as a zero-copy view into its blob buffer.
 
-    `blob_buffers[b]` is a 1-D uint8 CPU tensor holding blob b. Records of one blob share its
-    storage, so tied weights stay tied. Devices are left to the caller.
+    `blob_buffers[b]` is a 1-D uint8 tensor holding blob b: on the CPU, or (a blob of torch
+    tensors only) on the device its tensors are loaded to. Records of one blob share its
+    storage, so tied weights stay tied. Moving CPU tensors to devices is left to the caller.
 
     Example:
         >>> from fastpersist.format.flatten import flatten
@@ -67,14 +68,8 @@ def materialize(records: list[TensorRecord], blob_buffers: list[torch.Tensor]) -
     """
     bufs = list(blob_buffers)
     for b, buf in enumerate(bufs):
-        if not (
-            isinstance(buf, torch.Tensor)
-            and buf.dtype == torch.uint8
-            and buf.dim() == 1
-            and buf.is_cpu
-            and buf.is_contiguous()
-        ):
-            raise ValueError(f"blob buffer {b} must be a 1-D contiguous uint8 CPU tensor")
+        if not (isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()):
+            raise ValueError(f"blob buffer {b} must be a 1-D contiguous uint8 tensor")
     # view(dtype) needs the byte offset in the storage to be a multiple of the itemsize;
     # realign a whole blob at once so that its records still share one storage.
     need: dict[int, int] = {}
@@ -99,6 +94,8 @@ def materialize(records: list[TensorRecord], blob_buffers: list[torch.Tensor]) -
             )
         raw = buf[r.offset_bytes : end]
         if r.kind == "numpy":
+            if not buf.is_cpu:
+                raise ValueError(f"tensor record {i} ({r.key_path}): a numpy array's blob must be on the CPU")
             out.append(raw.numpy().view(numpy_dtype(r.dtype)).reshape(r.shape))
             continue
         t = raw.view(TORCH_DTYPES[r.dtype]).as_strided(r.shape, r.stride)

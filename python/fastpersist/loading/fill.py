@@ -9,6 +9,12 @@ state created by the first ``step()``) come back as new tensors, and non-tensor 
 learning rate, RNG state) come from the checkpoint: the returned state has the checkpoint's
 structure, holding `out`'s tensor objects where it has them.
 
+Device tensors of `out` (contiguous, on a device with a :class:`~fastpersist.device.DeviceLoader`,
+e.g. CUDA) whose storage's bytes all go to such tensors are filled first, without a host copy:
+the windows holding them are read into the load's ring of two pinned buffers and copied on a
+side stream while the next window is read (:mod:`fastpersist.loading.todevice`; the caller's
+current stream waits for those copies). Everything else is copied from the windows as above.
+
 Example:
     >>> import fastpersist as fp, torch
     >>> _ = fp.save({"a": torch.ones(2), "b": torch.zeros(3), "step": 5}, "/tmp/fp-doc-fill")
@@ -28,11 +34,13 @@ import torch
 
 from .. import _core
 from ..config import Config
+from ..device import device_bytes, loader_for
 from ..format.flatten import flatten
 from ..format.manifest import Manifest
-from ..format.records import TensorRecord
+from ..format.records import TensorRecord, canonical_layout
 from ..format.unflatten import materialize, unflatten
 from .reading import direct_padded, read_window, stream_windows
+from .todevice import DeviceCopies, Extent, copy_extents
 
 __all__ = ["fill_by_key"]
 
@@ -64,6 +72,42 @@ def _copy_into(dest: object, loaded: object) -> None:
         np.copyto(cast(np.ndarray, dest), cast(np.ndarray, loaded))
 
 
+def _device_dest(dest: object, rec: TensorRecord) -> torch.device | None:
+    """The device whose loader fills `dest` with `rec`'s bytes as they are stored (both
+    contiguous, so the bytes match one for one), or None for the host path."""
+    if not isinstance(dest, torch.Tensor) or loader_for(dest.device) is None:
+        return None
+    if not dest.is_contiguous() or dest.is_conj() or dest.is_neg() or rec.stride != canonical_layout(rec.shape)[1]:
+        return None
+    return dest.device
+
+
+def _fill_on_devices(
+    root: str, m: Manifest, verify: bool, config: Config, dests: dict[int, object], by_blob: dict[int, list[int]]
+) -> set[int]:
+    """Fills the device tensors of `out` whose blobs go only to such tensors straight through the
+    ring of pinned windows and their device's loader (:mod:`~fastpersist.loading.todevice`);
+    returns those blobs."""
+    extents: list[Extent] = []
+    blobs: set[int] = set()
+    for b, indices in by_blob.items():
+        devices = [_device_dest(dests[i], m.tensors[i]) if i in dests else None for i in indices]
+        if None in devices:
+            continue
+        blobs.add(b)
+        for i, device in zip(indices, devices, strict=True):
+            extents.append(Extent(m.blobs[b][0] + m.tensors[i].offset_bytes, device_bytes(_tensor(dests[i])), device))
+    if extents:
+        copies = DeviceCopies(root, {e.device for e in extents if e.device is not None})
+        copy_extents(root, m, verify, config, copies, extents)
+    return blobs
+
+
+def _tensor(x: object) -> torch.Tensor:
+    assert isinstance(x, torch.Tensor)
+    return x
+
+
 def fill_by_key(
     out: object,
     root: str,
@@ -83,10 +127,17 @@ def fill_by_key(
     for i, rec in enumerate(m.tensors):
         by_blob.setdefault(rec.blob, []).append(i)
     values: list[object] = [None] * len(m.tensors)
+    on_device = _fill_on_devices(root, m, verify, config, dests, by_blob)
+    for b in on_device:
+        for i in by_blob[b]:
+            values[i] = dests[i]
     empty = torch.empty(0, dtype=torch.uint8)
     paged: _core.PagedBuffer | None = None
     window = empty
-    for lo, hi, blobs in stream_windows(m):
+    for lo, hi, all_blobs in stream_windows(m):
+        blobs = [b for b in all_blobs if b not in on_device]
+        if not blobs:
+            continue
         if paged is None or len(paged) < hi - lo:
             paged = _core.PagedBuffer(direct_padded(hi - lo))
             window = torch.frombuffer(paged, dtype=torch.uint8)

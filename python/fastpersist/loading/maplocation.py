@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MapLocation", "MappedStorages", "check_load_flags", "map_tensor"]
+__all__ = ["MapLocation", "MappedStorages", "check_load_flags", "map_tensor", "target_device"]
 
 MapLocation = str | torch.device | Mapping[str, str | torch.device] | Callable[[torch.UntypedStorage, str], Any] | None
 #: Mapped storages by the data pointer of their source storage (so shared storages stay shared).
@@ -38,8 +38,14 @@ def check_load_flags(weights_only: bool | None, mmap: bool | None) -> None:
             raise TypeError(f"{name} must be None, True or False, not {type(value).__name__}")
 
 
-def map_tensor(location: MapLocation, tensor: torch.Tensor, saved_device: str, cache: MappedStorages) -> torch.Tensor:
-    """`tensor` (on the CPU, as read) moved where `location` says (see the module docstring)."""
+def target_device(location: MapLocation, saved_device: str) -> torch.device | None:
+    """Where `location` sends a tensor saved on `saved_device`; None for a callable (only the
+    call can say).
+
+    Example:
+        >>> target_device({"cuda:1": "cuda:0"}, "cuda:1"), target_device(None, "cpu")
+        (device(type='cuda', index=0), device(type='cpu'))
+    """
     if location is None:
         target: str | torch.device = saved_device
     elif isinstance(location, (str, torch.device)):
@@ -47,13 +53,22 @@ def map_tensor(location: MapLocation, tensor: torch.Tensor, saved_device: str, c
     elif isinstance(location, Mapping):
         target = location.get(saved_device, saved_device)
     elif callable(location):
-        return _call(location, tensor, saved_device, cache)
+        return None
     else:
         raise TypeError(
             "map_location must be None, a device, a dict or a callable(storage, location), "
             f"not {type(location).__name__}"
         )
-    if torch.device(target) == tensor.device:
+    return torch.device(target)
+
+
+def map_tensor(location: MapLocation, tensor: torch.Tensor, saved_device: str, cache: MappedStorages) -> torch.Tensor:
+    """`tensor` (on the CPU, as read) moved where `location` says (see the module docstring)."""
+    target = target_device(location, saved_device)
+    if target is None:
+        assert callable(location)
+        return _call(location, tensor, saved_device, cache)
+    if target == tensor.device:
         return tensor
     return _like(tensor, tensor.to(target))
 
