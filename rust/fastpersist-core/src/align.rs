@@ -94,6 +94,38 @@ pub fn round_up_u64(value: u64, align: u64) -> u64 {
     (value + align - 1) & !(align - 1)
 }
 
+/// Faults in (allocates and zeroes) the pages under `[addr, addr + len_bytes)` that are not present yet, without
+/// changing any byte: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+). Returns false where the
+/// kernel refuses (older kernels, file-backed or locked memory); the pages are then faulted in
+/// by whoever touches them first, as usual.
+///
+/// A read job calls this from a second thread ahead of its reads, so that the kernel's page
+/// faults on a fresh destination (about 1 us per 4 KiB page here, a third of a fast drive's
+/// time) do not serialise with the submissions.
+///
+/// It takes an address rather than a slice because the bytes are borrowed mutably elsewhere
+/// meanwhile (by the reads); it never reads or writes them.
+pub fn populate_write(addr: usize, len_bytes: usize) -> bool {
+    if len_bytes == 0 {
+        return true;
+    }
+    let page = DIRECT_ALIGN_BYTES;
+    let start = addr & !(page - 1);
+    let end = round_up(addr + len_bytes, page);
+    // SAFETY: madvise acts only on the page tables of [start, end); an address range this
+    // process has not mapped writable makes it fail (ENOMEM/EFAULT), not touch memory. With
+    // MADV_POPULATE_WRITE it allocates missing pages and never changes the value of a byte, so
+    // it is sound even while other threads, or the kernel's own reads, write to that memory.
+    let rc = unsafe {
+        libc::madvise(
+            start as *mut libc::c_void,
+            end - start,
+            libc::MADV_POPULATE_WRITE,
+        )
+    };
+    rc == 0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -312,5 +344,42 @@ mod page_tests {
             "page 5 should be unmapped once its only span is dropped"
         );
         assert!(resident(&a));
+    }
+
+    #[test]
+    fn populate_write_faults_pages_in_and_changes_no_byte() {
+        let pages = 16;
+        let span = SharedPages::map(pages * DIRECT_ALIGN_BYTES).unwrap();
+        let base = span.as_ptr();
+        // SAFETY: page 3 lies inside our own 16-page mapping.
+        unsafe { base.add(3 * DIRECT_ALIGN_BYTES + 5).write(42) };
+        let mut vec = vec![0u8; pages];
+        let residency = |vec: &mut Vec<u8>| {
+            // SAFETY: mincore only inspects our own mapping and fills one byte per page.
+            let rc =
+                unsafe { libc::mincore(base.cast(), pages * DIRECT_ALIGN_BYTES, vec.as_mut_ptr()) };
+            assert_eq!(rc, 0);
+            vec.iter().filter(|&&v| v & 1 == 1).count()
+        };
+        assert_eq!(residency(&mut vec), 1, "only the written page is resident");
+        // An unaligned range rounds out to the pages under it: 2..=9 here.
+        if !populate_write(
+            base as usize + 2 * DIRECT_ALIGN_BYTES + 100,
+            7 * DIRECT_ALIGN_BYTES,
+        ) {
+            eprintln!("skipping: this kernel refuses MADV_POPULATE_WRITE");
+            return;
+        }
+        assert_eq!(residency(&mut vec), 8);
+        assert!(vec[2..10].iter().all(|&v| v & 1 == 1));
+        assert!(
+            populate_write(base as usize, 0),
+            "an empty range is a no-op"
+        );
+        // SAFETY: the whole mapping is ours; nothing writes to it meanwhile.
+        let bytes = unsafe { std::slice::from_raw_parts(base, pages * DIRECT_ALIGN_BYTES) };
+        let nonzero: Vec<usize> = (0..bytes.len()).filter(|&i| bytes[i] != 0).collect();
+        assert_eq!(nonzero, vec![3 * DIRECT_ALIGN_BYTES + 5]);
+        assert_eq!(bytes[3 * DIRECT_ALIGN_BYTES + 5], 42);
     }
 }

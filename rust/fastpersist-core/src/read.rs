@@ -4,10 +4,11 @@
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use crate::DIRECT_ALIGN_BYTES;
-use crate::align::round_up;
+use crate::align::{populate_write, round_up};
 use crate::backend::{self, Direction, IoBuf, IoOp, Next, OpSource, OpenFile};
 use crate::checksum::crc32c;
 use crate::error::{Error, Result};
@@ -163,18 +164,52 @@ pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) ->
         }
     }
     chunks.sort_by_key(|c| c.dest_offset_bytes);
+    let dest_addr = dest.as_mut_ptr() as usize;
+    // The first `queue_depth` chunks are submitted at once, faulting their own pages; the
+    // prefaulter starts after them.
+    let ahead: Vec<(usize, usize)> = chunks
+        .iter()
+        .skip(options.queue_depth)
+        .map(|c| (dest_addr + c.dest_offset_bytes, c.len_bytes))
+        .collect();
     let mut source = ReadSource::new(dest, chunks, &files)?;
-    backend::drive(
-        options.backend,
-        Direction::Read,
-        &files,
-        options.queue_depth,
-        &mut source,
-    )?;
+    let done = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let prefaulting = ahead.iter().map(|r| r.1).sum::<usize>() >= PREFAULT_MIN_BYTES;
+        if prefaulting {
+            scope.spawn(|| prefault(&ahead, &done));
+        }
+        let result = backend::drive(
+            options.backend,
+            Direction::Read,
+            &files,
+            options.queue_depth,
+            &mut source,
+        );
+        done.store(true, Ordering::Relaxed);
+        result
+    })?;
     Ok(ReadStats {
         bytes: parts.iter().map(|p| p.len_bytes).sum(),
         crc32c_ns: source.crc32c_ns,
     })
+}
+
+/// Destinations smaller than this are faulted in by the reads themselves (a thread costs more).
+const PREFAULT_MIN_BYTES: usize = 32 << 20;
+
+/// Faults in each destination range ahead of its read, in order, until the reads are `done`.
+///
+/// A fresh destination's pages are otherwise faulted in by the kernel while it submits each
+/// read (pinning the pages for O_DIRECT), on the thread that drives the reads: about 0.3 s per
+/// GiB of system time here, on top of checking checksums. On its own thread that work overlaps
+/// the reads in flight, on another core.
+fn prefault(ranges: &[(usize, usize)], done: &AtomicBool) {
+    for &(addr, len_bytes) in ranges {
+        if done.load(Ordering::Relaxed) || !populate_write(addr, len_bytes) {
+            return;
+        }
+    }
 }
 
 /// Opens a part for reading, with O_DIRECT when `mode` and the destination allow it.

@@ -209,6 +209,22 @@ fn read_stats_count_bytes_and_time_only_verified_chunks() {
 }
 
 #[test]
+fn a_destination_large_enough_to_be_prefaulted_reads_back_exactly() {
+    // Past the read job's prefault threshold (32 MiB): a second thread faults the destination
+    // in ahead of the reads while they land in it.
+    for backend in backends() {
+        let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let dirs = stripe_dirs(root.path(), 2);
+        let written = write_all(&dirs, &[40 << 20, 3 << 20], 2, backend, DirectMode::Auto);
+        let got = read_back(&written, backend, DirectMode::Auto).unwrap();
+        assert!(
+            got == written.stream,
+            "{backend:?}: mismatch after a prefaulted read"
+        );
+    }
+}
+
+#[test]
 fn direct_io_is_used_where_supported() {
     let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     if !probe::direct_io_supported(root.path()).unwrap() {
