@@ -30,6 +30,7 @@ Example:
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -54,9 +55,10 @@ __all__ = [
 class DeviceCopier(Protocol):
     """Copies device memory into host staging slots for one save."""
 
-    def begin(self) -> None:
+    def begin(self, slots_owner: object) -> None:
         """Called once when the save starts, on the caller's thread: orders the copies after
-        the work the caller has queued so far."""
+        the work the caller has queued so far. `slots_owner` owns the staging slots the copies
+        go into (the save's pool): memory pinned for them must stay pinned only while it lives."""
 
     def copy_to_host(self, src: torch.Tensor, slot: memoryview, start: int, end: int) -> None:
         """Copies `src` (1-D uint8, on the device) into ``slot[start:end]``; returns when done."""
@@ -68,36 +70,66 @@ def device_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-#: Host buffers registered with CUDA (address -> bytes): each is registered once, and kept
-#: registered for as long as it lives (save pool slots, the load ring's buffers).
+#: Host buffers registered with CUDA (address -> bytes). A registration must end before its
+#: memory is freed: CUDA keeps the old pages pinned and, by address, would go on copying into
+#: them after the address is reused for new memory. So every registration is tied to the
+#: object that owns the memory (a save pool, the load ring) and undone when it is dropped.
 _pinned: dict[int, int] = {}
 _pinned_lock = threading.Lock()
+#: The addresses pinned for each owner (released by a weakref.finalize on the owner).
+_pinned_by_owner: dict[int, list[int]] = {}
 
 
-def pin_host(host: torch.Tensor) -> None:
-    """Registers the CPU buffer `host` (1-D uint8, kept alive by its owner) with CUDA once, so
-    that copies from or to it run at pinned speed; a failure only means a slower copy."""
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def pin_host(host: torch.Tensor, owner: object) -> None:
+    """Registers the CPU buffer `host` (1-D uint8, memory that `owner` keeps alive) with CUDA
+    once, so that copies from or to it run at pinned speed; a failure only means a slower copy.
+    The registration is undone when `owner` is garbage collected (it must support weak
+    references), before its memory can be freed."""
     address, nbytes = host.data_ptr(), host.numel()
     with _pinned_lock:
         if _pinned.get(address) == nbytes:
             return
         _pinned[address] = nbytes
+        addresses = _pinned_by_owner.get(id(owner))
+        if addresses is None:
+            addresses = _pinned_by_owner[id(owner)] = []
+            weakref.finalize(owner, _unpin_owner, id(owner))
+        addresses.append(address)
     try:
-        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        cudart.cudaHostRegister(address, nbytes, 0)
+        _cudart().cudaHostRegister(address, nbytes, 0)
     except Exception:  # already registered, or not allowed: copy unpinned
         pass
 
 
+def _unpin_owner(owner_id: int) -> None:
+    with _pinned_lock:
+        addresses = _pinned_by_owner.pop(owner_id, [])
+        for address in addresses:
+            del _pinned[address]
+    for address in addresses:
+        try:
+            _cudart().cudaHostUnregister(address)
+        except Exception:  # never registered (the register call failed): nothing to undo
+            pass
+
+
 def unpin_host(host: torch.Tensor) -> None:
     """Undoes :func:`pin_host` before `host`'s memory is freed (a no-op if it was not pinned)."""
+    address = host.data_ptr()
     with _pinned_lock:
-        if _pinned.get(host.data_ptr()) != host.numel():
+        if _pinned.get(address) != host.numel():
             return
-        del _pinned[host.data_ptr()]
+        del _pinned[address]
+        for addresses in _pinned_by_owner.values():
+            if address in addresses:
+                addresses.remove(address)
+                break
     try:
-        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        cudart.cudaHostUnregister(host.data_ptr())
+        _cudart().cudaHostUnregister(address)
     except Exception:  # never registered (the register call failed): nothing to undo
         pass
 
@@ -109,14 +141,16 @@ class CudaCopier:
         self.device = device
         self.stream: Any = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self.ready: Any = None
+        self.slots_owner: object = None
 
-    def begin(self) -> None:
+    def begin(self, slots_owner: object) -> None:
+        self.slots_owner = slots_owner
         self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.ready.record(torch.cuda.current_stream(self.device))
 
     def copy_to_host(self, src: torch.Tensor, slot: memoryview, start: int, end: int) -> None:
         host = torch.frombuffer(slot, dtype=torch.uint8)
-        pin_host(host)
+        pin_host(host, self.slots_owner)
         with torch.cuda.stream(self.stream):
             if self.ready is not None:
                 self.stream.wait_event(self.ready)
@@ -200,7 +234,7 @@ class CudaLoader:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def register(self, host: torch.Tensor) -> None:
-        pin_host(host)
+        pin_host(host, host)  # unpinned when the ring drops the buffer (or the tensor dies)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         # Allocated on the caller's current stream, which owns the memory from here on: the side

@@ -3,6 +3,7 @@ real GPU where there is one."""
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from collections.abc import Iterator
@@ -12,7 +13,9 @@ import pytest
 import torch
 
 import fastpersist as fp
+from fastpersist import _core, device
 from fastpersist.device import DeviceCopier, use_copier
+from fastpersist.saving.job import pool_for
 
 CHUNK = 64 << 10
 
@@ -24,12 +27,14 @@ class FakeCopier:
     begun = 0
     gate: threading.Event | None = None
     fail_after_bytes: int | None = None
+    slots_owners: ClassVar[list[object]] = []
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def begin(self) -> None:
+    def begin(self, slots_owner: object) -> None:
         FakeCopier.begun += 1
+        FakeCopier.slots_owners.append(slots_owner)
 
     def copy_to_host(self, src: torch.Tensor, slot: memoryview, start: int, end: int) -> None:
         if FakeCopier.gate is not None:
@@ -46,6 +51,7 @@ class FakeCopier:
 def fake_device() -> Iterator[set[int]]:
     """Tensors whose storage is in `on_device` are staged by FakeCopier, as GPU tensors would be."""
     FakeCopier.calls, FakeCopier.begun, FakeCopier.gate, FakeCopier.fail_after_bytes = [], 0, None, None
+    FakeCopier.slots_owners = []
     on_device: set[int] = set()
 
     def selects(t: torch.Tensor) -> bool:
@@ -146,3 +152,48 @@ def test_cuda_state_round_trip(workdir: str) -> None:
     loaded = fp.load(path)
     for key, value in state["model"].items():
         assert loaded["model"][key].device == value.device and torch.equal(loaded["model"][key], value), key
+
+
+class FakeCudart:
+    """Records cudaHostRegister / cudaHostUnregister calls (torch.cuda.cudart() stand-in)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> None:
+        self.calls.append(("register", address))
+
+    def cudaHostUnregister(self, address: int) -> None:
+        self.calls.append(("unregister", address))
+
+
+def test_pinned_memory_is_unregistered_when_its_owner_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CUDA keeps a registration by address: one outliving its memory would make later copies
+    # to that address land in the old pages. Each registration is undone with its owner.
+    cudart = FakeCudart()
+    monkeypatch.setattr(device, "_cudart", lambda: cudart)
+    pool = _core.Pool(1 << 20, 4 << 20)
+    slots = [torch.empty(1 << 20, dtype=torch.uint8) for _ in range(2)]
+    for slot in slots + slots:
+        device.pin_host(slot, pool)
+    assert cudart.calls == [("register", s.data_ptr()) for s in slots]  # once per buffer
+    del pool
+    gc.collect()
+    assert cudart.calls[2:] == [("unregister", s.data_ptr()) for s in slots]
+    device.pin_host(slots[0], slots[0])  # a new owner: registered again
+    device.unpin_host(slots[0])
+    assert cudart.calls[4:] == [("register", slots[0].data_ptr()), ("unregister", slots[0].data_ptr())]
+
+
+def test_device_copies_go_into_slots_owned_by_the_saves_pool(workdir: str, fake_device: set[int]) -> None:
+    big = torch.randn(3 << 20)
+    fake_device.add(big.untyped_storage().data_ptr())
+    ck = fp.Checkpointer(os.path.join(workdir, "ck"))  # snapshot mode: a pool of its own
+    ck.save(1, {"w": big})
+    ck.wait()
+    config = fp.Config(chunk_bytes=CHUNK)
+    fp.save({"w": big}, os.path.join(workdir, "plain"), config=config)
+    assert len(FakeCopier.slots_owners) == 2
+    assert all(isinstance(owner, _core.Pool) for owner in FakeCopier.slots_owners)
+    assert FakeCopier.slots_owners[1] is pool_for(config)  # the process-wide pool of that config
+    assert FakeCopier.slots_owners[0] is not FakeCopier.slots_owners[1]

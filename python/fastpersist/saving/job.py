@@ -204,7 +204,9 @@ class SaveJob:
         self.blob_owner: dict[int, str] = {}
         for rec in flat.tensors:
             self.blob_owner.setdefault(rec.blob, rec.key_path)
-        self._copiers = _prepare_device_blobs(flat.blobs)
+        # Held for the whole save: memory pinned for the device copies stays pinned while it lives.
+        self.pool = self.pool if self.pool is not None else pool_for(self.config)
+        self._copiers = _prepare_device_blobs(flat.blobs, self.pool)
         self.my_parts = [part for part in map(PlanPart._make, self.plan.parts) if part.writer == layout.writer]
         used = {self.stripe_dirs[part.stripe] for part in self.my_parts} if stripe_roots else set()
         self.stripe_dirs_used = sorted(used)
@@ -233,14 +235,14 @@ class SaveJob:
 
     def _start_engine(self, paths: list[str], background: bool) -> None:
         """Hands this process's parts to the engine (stage, checksum, write, fsync)."""
-        flat, config = self._flat, self.config
-        assert flat is not None and self.layout.writer is not None
+        flat, config, pool = self._flat, self.config, self.pool
+        assert flat is not None and self.layout.writer is not None and pool is not None
         self.handle = _core.start_write(
             self.plan,
             self.layout.writer,
             paths,
             [None if b.device is not None else b.data for b in flat.blobs],
-            self.pool if self.pool is not None else pool_for(config),
+            pool,
             backend=config.backend,
             direct_io=config.direct_io,
             queue_depth=config.queue_depth,
@@ -454,10 +456,10 @@ class SaveJob:
                 pass
 
 
-def _prepare_device_blobs(blobs: list[Blob]) -> dict[tuple[object, Any], DeviceCopier]:
+def _prepare_device_blobs(blobs: list[Blob], pool: _core.Pool) -> dict[tuple[object, Any], DeviceCopier]:
     """Copies small device-resident blobs on their device (stream-ordered, no host sync), so
     that buffers the next forward pass updates cannot race them, and starts one copier per
-    device for the rest. Returns the copiers by (factory, device)."""
+    device for the rest, copying into the slots of `pool`. Returns the copiers by (factory, device)."""
     on_device = [b for b in blobs if b.device is not None]
     budget = COPY_AT_START_BUDGET_BYTES
     for blob in sorted(on_device, key=lambda b: b.nbytes):
@@ -472,7 +474,7 @@ def _prepare_device_blobs(blobs: list[Blob]) -> dict[tuple[object, Any], DeviceC
         if key not in copiers:
             factory: Any = blob.device
             copiers[key] = factory(key[1])
-            copiers[key].begin()
+            copiers[key].begin(pool)
     return copiers
 
 

@@ -76,8 +76,9 @@ impl Plan {
     }
 }
 
-/// Page-aligned staging memory, reused across saves.
-#[pyclass(frozen, module = "fastpersist._core")]
+/// Page-aligned staging memory, reused across saves. Weak references let Python release what
+/// it tied to the pool's memory (CUDA registrations of its slots) when the pool goes.
+#[pyclass(frozen, weakref, module = "fastpersist._core")]
 struct Pool {
     inner: pool::Pool,
 }
