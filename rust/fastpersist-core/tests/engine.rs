@@ -272,6 +272,37 @@ fn corruption_and_truncation_are_detected() {
 }
 
 #[test]
+fn corruption_is_detected_by_the_checksum_thread_of_a_large_read() {
+    // Past 32 MiB of verified bytes the checksums are checked on a thread of their own: a bad
+    // chunk still fails the read with its file and byte range, and stops it early.
+    for backend in backends() {
+        let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let dirs = stripe_dirs(root.path(), 1);
+        let written = write_all(&dirs, &[48 << 20], 1, backend, DirectMode::Auto);
+        let path = &written.parts[0].path;
+        let mut bytes = std::fs::read(path).unwrap();
+        let damaged = (20 << 20) + 12_345;
+        bytes[damaged] ^= 0x01;
+        std::fs::write(path, &bytes).unwrap();
+        match read_back(&written, backend, DirectMode::Auto) {
+            Err(Error::ChecksumMismatch {
+                path: reported,
+                offset_bytes,
+                len_bytes,
+                ..
+            }) => {
+                assert_eq!(&reported, path);
+                assert_eq!(len_bytes, CHUNK);
+                assert!(
+                    offset_bytes <= damaged as u64 && (damaged as u64) < offset_bytes + len_bytes
+                );
+            }
+            other => panic!("{backend:?}: expected a checksum mismatch, got {other:?}"),
+        }
+    }
+}
+
+#[test]
 fn os_errors_keep_errno_and_path() {
     for backend in backends() {
         let missing = PathBuf::from("/nonexistent-dir-fastpersist/x.bin");
