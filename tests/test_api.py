@@ -157,6 +157,7 @@ def test_out_reads_through_a_bounded_window(workdir: str, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(fill._core, "PagedBuffer", recording)
     monkeypatch.setattr(fill, "stream_windows", lambda m: fill_windows(m, 3 << 20))
+    monkeypatch.setattr(fill, "FILL_BUFFER_BYTES", 6 << 20)  # two windows in flight at most
     from fastpersist.loading.reading import stream_windows as fill_windows
 
     out = {k: torch.zeros_like(v) for k, v in saved.items() if k != "tied"}
@@ -165,6 +166,7 @@ def test_out_reads_through_a_bounded_window(workdir: str, monkeypatch: pytest.Mo
         assert torch.equal(v, saved[k]), k
     assert torch.equal(state["tied"], saved["t0"])
     assert sizes and max(sizes) <= (3 << 20) + (256 << 10)  # never the state's 12 MiB
+    assert sum(sizes) <= 2 * ((3 << 20) + (256 << 10)), sizes  # buffers are reused within the budget
 
 
 def test_out_mismatch_is_rejected(workdir: str) -> None:

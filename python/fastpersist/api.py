@@ -134,8 +134,9 @@ def load(
             by position); each must exist in the checkpoint with the same dtype and shape, else
             ``ValueError`` names it and `out` is left untouched. The returned state has the
             checkpoint's structure and non-tensor values, holding `out`'s tensors; tensors
-            `out` lacks come back new. Reads through a bounded window (64 MiB, or the largest
-            tensor), never a buffer of the state's size.
+            `out` lacks come back new. Reads 64 MiB windows, a few ahead, through at most
+            256 MiB of buffers (or one window of the largest tensor), never a buffer of the
+            state's size.
         group: for a sharded checkpoint, each rank of `group` gets its own shard back. For a
             replicated one, every rank gets the whole state; with `shared_read` each rank reads
             only ~1/N of it from disk and the ranks exchange the rest over gloo (every rank of
