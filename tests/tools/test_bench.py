@@ -17,6 +17,7 @@ import torch
 from fastpersist.format.flatten import flatten
 from fastpersist.tools import bench, cli
 from fastpersist.tools.bench import state as bench_state
+from fastpersist.tools.bench.report import miss_bound
 
 from backends import uring_available
 
@@ -122,6 +123,13 @@ def test_tiny_run_reports_every_method_with_sane_numbers(tiny_run: tuple[dict[st
     rss = report["rss"]
     assert rss["mode"] == "bounded" and rss["pool_bytes"] < nbytes and rss["delta_bytes"] >= 0, rss
     assert report["speedups"] and report["targets"]
+    # A missed target says what bounded it, from the same run's phases.
+    lines = stdout.splitlines()
+    for i, line in enumerate(lines):
+        if "[MISS]" in line:
+            assert lines[i + 1].strip().startswith("bound: "), lines[i : i + 2]
+    for key in ("save_vs_limit", "save_vs_safetensors", "load_vs_limit", "flatten_plan"):
+        assert "no phase measured" not in miss_bound(key, report), key
     for key, phases in report["save_phases"].items():
         assert key.startswith("fastpersist_save_") and key in results, key
         assert set(phases) == {"flatten_plan", "staging", "write_fsync", "commit"}, phases

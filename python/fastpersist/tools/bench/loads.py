@@ -31,7 +31,7 @@ def _add_engine_reads(bench: Bench) -> None:
     """The drive's read limits: the engine reading into warm memory, and into fresh memory."""
     args = bench.args
     backend = bench.backends[0] if bench.backends else "threads"
-    raw_key = bench.add_row("read_limit_engine", f"O_DIRECT read limit (engine, {backend})", "load", "limit")
+    raw_key = bench.add_row("read_limit_engine", f"O_DIRECT read into warm memory (engine, {backend})", "load", "limit")
     parts: list[tuple[str, int, int, list[int]]] = [
         (p, n, off, []) for p, (_w, _s, off, n) in zip(bench.raw_paths, bench.raw_plan.parts, strict=True)
     ]
@@ -50,7 +50,7 @@ def _add_engine_reads(bench: Bench) -> None:
         assert got == bench.nbytes
         return {raw_key: seconds}
 
-    bench.load_methods.append(Method("O_DIRECT read limit (engine)", raw_read, []))
+    bench.load_methods.append(Method("O_DIRECT read into warm memory (engine)", raw_read, []))
     fresh_key = bench.add_row(
         "read_fresh_engine", f"O_DIRECT read into fresh memory (engine, {backend})", "load", "limit"
     )
