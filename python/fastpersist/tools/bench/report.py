@@ -72,7 +72,20 @@ def summarise(bench: Bench, extras: dict[str, Any]) -> dict[str, Any]:
         if "gb_per_s" in r and ref in results:
             r["ratio_to_limit"] = r["gb_per_s"] / results[ref]["gb_per_s"]
     fp_save = next((k for k in ("fastpersist_save_io_uring", "fastpersist_save_threads") if k in results), None)
-    peers = _speedups(results, fp_save)
+    return {
+        "results": results,
+        "write_limit": write_ref,
+        "read_limit": read_ref,
+        "speedups": _speedups(results, fp_save),
+        "targets": _targets(results, fp_save, write_ref, extras),
+        "fastpersist_save": fp_save,
+    }
+
+
+def _targets(
+    results: dict[str, Any], fp_save: str | None, write_ref: str, extras: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Each target of the benchmark checked against this run's medians."""
     targets: list[dict[str, Any]] = []
 
     def target(key: str, name: str, value: float | None, threshold: float, higher: bool = True) -> None:
@@ -147,14 +160,7 @@ def summarise(bench: Bench, extras: dict[str, Any]) -> dict[str, Any]:
             rss["budget_bytes"] / MiB + 1e-9,
             higher=False,
         )
-    return {
-        "results": results,
-        "write_limit": write_ref,
-        "read_limit": read_ref,
-        "speedups": peers,
-        "targets": targets,
-        "fastpersist_save": fp_save,
-    }
+    return targets
 
 
 def table(report: dict[str, Any]) -> str:
