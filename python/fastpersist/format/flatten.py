@@ -72,9 +72,6 @@ _SUPPORTED = (
 )
 
 _STRIDED = torch.strided
-#: Int dict keys below this magnitude take the inline path of `_Walker._mapping` (their
-#: decimal text is always within sys.get_int_max_str_digits()).
-_SMALL_INT_KEY = 1 << 62
 
 
 _Tensor = torch.Tensor
@@ -266,14 +263,9 @@ class _Walker:
         keys: list[Any] = []
         values: list[Any] = []
         for k, v in x.items():
-            kcls = type(k)
-            if kcls is str:
+            if type(k) is str:
                 keys.append(k)
                 child = f"{path}.{k}" if k.isidentifier() else f"{path}[{k!r}]"
-            elif kcls is int and -_SMALL_INT_KEY < k < _SMALL_INT_KEY:  # optimizer state: {param index: ...}
-                text = str(k)
-                keys.append({"t": "int", "v": text})
-                child = f"{path}[{text}]"
             else:
                 keys.append(self._key(k, path, depth))
                 child = f"{path}[{_safe_repr(k)}]"
