@@ -94,10 +94,10 @@ pub fn round_up_u64(value: u64, align: u64) -> u64 {
     (value + align - 1) & !(align - 1)
 }
 
-/// Faults in (allocates and zeroes) the pages under `[addr, addr + len_bytes)` that are not present yet, without
-/// changing any byte: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+). Returns false where the
-/// kernel refuses (older kernels, file-backed or locked memory); the pages are then faulted in
-/// by whoever touches them first, as usual.
+/// Faults in (allocates and zeroes) the pages under `[addr, addr + len_bytes)` that are not
+/// present yet, without changing any byte: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+).
+/// Returns false where the kernel refuses (older kernels, file-backed or locked memory); the
+/// pages are then faulted in by whoever touches them first, as usual.
 ///
 /// A read job calls this from a second thread ahead of its reads, so that the kernel's page
 /// faults on a fresh destination (about 1 us per 4 KiB page here, a third of a fast drive's

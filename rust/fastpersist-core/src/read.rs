@@ -69,8 +69,9 @@ pub struct ReadOptions {
 pub struct ReadStats {
     /// Bytes read (the sum of the parts' lengths).
     pub bytes: u64,
-    /// Time spent verifying chunk checksums, on the driver thread (included in the read's wall
-    /// time: a chunk is checked as its read completes, while later reads are in flight).
+    /// Time spent verifying chunk checksums (included in the read's wall time: a chunk is
+    /// checked as its read completes, on the driver thread or, for a large read, on a thread of
+    /// its own, while later reads are in flight).
     pub crc32c_ns: u64,
 }
 
@@ -182,11 +183,10 @@ pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) ->
     let done = AtomicBool::new(false);
     let files = &files;
     std::thread::scope(|scope| {
-        let prefaulting = ahead.iter().map(|r| r.1).sum::<usize>() >= PREFAULT_MIN_BYTES;
-        if prefaulting {
+        if ahead.iter().map(|r| r.1).sum::<usize>() >= HELPER_THREAD_MIN_BYTES {
             scope.spawn(|| prefault(&ahead, &done));
         }
-        let verifier = (verified_bytes >= VERIFY_THREAD_MIN_BYTES).then(|| {
+        let verifier = (verified_bytes >= HELPER_THREAD_MIN_BYTES).then(|| {
             let (sender, received) = mpsc::channel();
             let failed = Arc::new(AtomicBool::new(false));
             source.verifier = Some((sender, Arc::clone(&failed)));
@@ -217,8 +217,9 @@ pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) ->
     })
 }
 
-/// Reads verifying at least this many bytes check the checksums on a thread of their own.
-const VERIFY_THREAD_MIN_BYTES: usize = 32 << 20;
+/// A read job hands work to a thread of its own (faulting the destination in, checking the
+/// checksums) only for at least this many bytes of it: below, a thread costs more than it saves.
+const HELPER_THREAD_MIN_BYTES: usize = 32 << 20;
 
 /// A chunk that has landed, to verify.
 struct Landed<'a> {
@@ -233,14 +234,21 @@ struct ChunkId {
     expected: u32,
 }
 
-fn mismatch(files: &[OpenFile], chunk: &ChunkId, len_bytes: usize, found: u32) -> Error {
-    Error::ChecksumMismatch {
+/// Checks `bytes` against the chunk's recorded crc32c, adding the time spent to `crc32c_ns`.
+fn verify(files: &[OpenFile], chunk: &ChunkId, bytes: &[u8], crc32c_ns: &mut u64) -> Result<()> {
+    let started = Instant::now();
+    let found = crc32c(bytes);
+    *crc32c_ns += started.elapsed().as_nanos() as u64;
+    if found == chunk.expected {
+        return Ok(());
+    }
+    Err(Error::ChecksumMismatch {
         path: files[chunk.file].path.clone(),
         offset_bytes: chunk.file_offset_bytes,
-        len_bytes: len_bytes as u64,
+        len_bytes: bytes.len() as u64,
         expected: chunk.expected,
         found,
-    }
+    })
 }
 
 /// Checks each landed chunk's crc32c (cold memory, just written by the device: ~10 GB/s here,
@@ -258,19 +266,13 @@ fn verify_chunks(
         if first.is_some() {
             continue;
         }
-        let started = Instant::now();
-        let found = crc32c(bytes);
-        crc32c_ns += started.elapsed().as_nanos() as u64;
-        if found != chunk.expected {
-            first = Some(mismatch(files, &chunk, bytes.len(), found));
+        if let Err(error) = verify(files, &chunk, bytes, &mut crc32c_ns) {
+            first = Some(error);
             failed.store(true, Ordering::Relaxed);
         }
     }
     (crc32c_ns, first)
 }
-
-/// Destinations smaller than this are faulted in by the reads themselves (a thread costs more).
-const PREFAULT_MIN_BYTES: usize = 32 << 20;
 
 /// Faults in each destination range ahead of its read, in order, until the reads are `done`.
 ///
@@ -436,12 +438,11 @@ impl<'a> OpSource<'a> for ReadSource<'a, '_> {
             });
             return Ok(());
         }
-        let started = Instant::now();
-        let found = crc32c(&op.buf.bytes()[..len_bytes]);
-        self.crc32c_ns += started.elapsed().as_nanos() as u64;
-        if found != expected {
-            return Err(mismatch(self.files, &id, len_bytes, found));
-        }
-        Ok(())
+        verify(
+            self.files,
+            &id,
+            &op.buf.bytes()[..len_bytes],
+            &mut self.crc32c_ns,
+        )
     }
 }
