@@ -209,8 +209,8 @@ def read_ranges_into(
 
     ``ranges`` holds ``(path, file_len_bytes, file_offset_bytes, len_bytes, dest_offset_bytes,
     chunk_crc32c)``: a range starts at a chunk boundary of its file and ``chunk_crc32c`` lists
-    its chunks' checksums (empty: unchecked). Returns the bytes read; a ``stats`` dict gets
-    ``bytes`` and ``crc32c_s`` (time spent verifying checksums).
+    its chunks' checksums (empty: unchecked). Returns the bytes read; ``bytes`` and ``crc32c_s``
+    (time spent verifying checksums) are added to a ``stats`` dict, so one dict can total reads.
     """
 
 @final
@@ -239,8 +239,8 @@ def read_into(
     """Reads part files into the writable buffer ``dest``, verifying chunk checksums; returns bytes read.
 
     ``parts`` holds ``(path, len_bytes, dest_offset_bytes, chunk_crc32c)``; an empty checksum
-    list skips verification. A ``stats`` dict gets ``bytes`` and ``crc32c_s`` (time spent
-    verifying checksums).
+    list skips verification. ``bytes`` and ``crc32c_s`` (time spent verifying
+    checksums) are added to a ``stats`` dict, so one dict can total several reads.
     """
 
 def select_backend(choice: _BackendChoice = "auto") -> tuple[_BackendName, str | None]:

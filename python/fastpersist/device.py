@@ -105,16 +105,20 @@ def pin_host(host: torch.Tensor, owner: object) -> None:
         pass
 
 
+def _unregister(address: int) -> None:
+    try:
+        _cudart().cudaHostUnregister(address)
+    except Exception:  # never registered (the register call failed): nothing to undo
+        pass
+
+
 def _unpin_owner(owner_id: int) -> None:
     with _pinned_lock:
         addresses = _pinned_by_owner.pop(owner_id, [])
         for address in addresses:
             del _pinned[address]
     for address in addresses:
-        try:
-            _cudart().cudaHostUnregister(address)
-        except Exception:  # never registered (the register call failed): nothing to undo
-            pass
+        _unregister(address)
 
 
 def unpin_host(host: torch.Tensor) -> None:
@@ -128,10 +132,7 @@ def unpin_host(host: torch.Tensor) -> None:
             if address in addresses:
                 addresses.remove(address)
                 break
-    try:
-        _cudart().cudaHostUnregister(address)
-    except Exception:  # never registered (the register call failed): nothing to undo
-        pass
+    _unregister(address)
 
 
 class CudaCopier:

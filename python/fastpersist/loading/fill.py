@@ -2,13 +2,13 @@
 
 Every tensor of `out` must be in the checkpoint with the same kind, dtype and shape (checked
 before any byte is read, so a mismatch leaves `out` untouched). The stream is read one
-chunk-aligned window at a time (:data:`~fastpersist.loading.reading.WINDOW_BYTES`, or one blob if it
-is larger) into two reused buffers, and each window's bytes are copied into the destination
-tensors while the next window is read: no buffer of the state's size is allocated. Tensors of
-the checkpoint that `out` lacks (for example optimizer state created by the first ``step()``)
-come back as new tensors, and non-tensor values (step, learning rate, RNG state) come from the
-checkpoint: the returned state has the checkpoint's structure, holding `out`'s tensor objects
-where it has them.
+chunk-aligned window at a time (:data:`~fastpersist.loading.reading.WINDOW_BYTES`, or one blob
+if it is larger) into reused buffers, several windows ahead within :data:`FILL_BUFFER_BYTES`,
+and each window's bytes are copied into the destination tensors while the next ones are read:
+no buffer of the state's size is allocated. Tensors of the checkpoint that `out` lacks (for
+example optimizer state created by the first ``step()``) come back as new tensors, and
+non-tensor values (step, learning rate, RNG state) come from the checkpoint: the returned state
+has the checkpoint's structure, holding `out`'s tensor objects where it has them.
 
 Device tensors of `out` (contiguous, on a device with a :class:`~fastpersist.device.DeviceLoader`,
 e.g. CUDA) whose storage's bytes all go to such tensors are filled first, without a host copy:
@@ -42,7 +42,7 @@ from ..format.flatten import flatten
 from ..format.manifest import Manifest
 from ..format.records import TensorRecord, canonical_layout
 from ..format.unflatten import materialize, unflatten
-from .reading import WINDOW_BYTES, direct_padded, read_window, stream_windows
+from .reading import WINDOW_BYTES, paged_uint8, read_window, stream_windows
 from .todevice import DeviceCopies, Extent, copy_extents
 
 __all__ = ["fill_by_key"]
@@ -131,8 +131,7 @@ class _WindowReader:
             held = self.free.pop()
             if len(held[0]) >= nbytes:
                 return held
-        paged = _core.PagedBuffer(direct_padded(nbytes))
-        return paged, torch.frombuffer(paged, dtype=torch.uint8)
+        return paged_uint8(nbytes)
 
     def read(self, held: tuple[_core.PagedBuffer, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
         """Stream bytes ``[lo, hi)`` into `held` (run on the read-ahead threads)."""

@@ -5,12 +5,13 @@ Phases, in the order a load runs them (a phase that does not run is absent):
 * ``manifest``: read and validate the manifest, check every data file (size, no links,
   confinement) before anything is allocated;
 * ``read``: the O_DIRECT reads into fresh page-aligned memory, with every chunk's crc32c
-  checked as it lands. Fresh memory is faulted in by these reads (the kernel pins each
-  destination page as a read is submitted), so the first touch of the destination is part of
-  ``read``: ``read_minor_faults`` and ``read_sys_cpu_s`` say how much of it there was
-  (process-wide counters, from ``getrusage``);
-* ``crc32c``: the part of ``read`` spent verifying checksums (on the engine's driver thread,
-  while later reads are in flight);
+  checked as it lands. Fresh memory is faulted in (allocated and zeroed) while it is read, by
+  the read job's prefault thread or the reads themselves, so the first touch of the destination
+  is part of ``read``: ``read_minor_faults`` and ``read_sys_cpu_s`` say how much of it there
+  was (process-wide counters, from ``getrusage``). On a device, the host-to-device copies are
+  inside ``read`` too;
+* ``crc32c``: the time spent verifying checksums, overlapped with ``read`` (on the driver
+  thread, or for a large read on a thread of its own, while later reads are in flight);
 * ``build``: tensors over the read bytes (views of their own pages for large blobs, copies of
   small ones);
 * ``place``: ``map_location`` (moving tensors to their devices);

@@ -30,6 +30,7 @@ __all__ = [
     "blob_buffers",
     "checksum_error",
     "direct_padded",
+    "paged_uint8",
     "read_stream",
     "read_window",
     "stream_windows",
@@ -57,6 +58,13 @@ def aligned_uint8(nbytes: int) -> torch.Tensor:
     return raw[skip : skip + padded]
 
 
+def paged_uint8(nbytes: int) -> tuple[_core.PagedBuffer, torch.Tensor]:
+    """A page-aligned buffer of `nbytes` rounded up to whole pages (room for O_DIRECT's padded
+    tail), and a 1-D uint8 tensor over it: a window to read stream bytes into."""
+    paged = _core.PagedBuffer(direct_padded(nbytes))
+    return paged, torch.frombuffer(paged, dtype=torch.uint8)
+
+
 def direct_padded(nbytes: int) -> int:
     """`nbytes` rounded up to whole pages (at least one): room for O_DIRECT's padded tail."""
     align = _core.DIRECT_ALIGN_BYTES
@@ -77,7 +85,7 @@ def read_stream(
     root: str, m: Manifest, verify: bool, config: Config, stats: dict[str, float] | None = None
 ) -> _core.PagedBuffer:
     """Reads the whole logical stream (O_DIRECT, checksums checked) into page-aligned memory;
-    `stats` gets the engine's measures (``bytes``, ``crc32c_s``)."""
+    the engine adds its measures (``bytes``, ``crc32c_s``) to `stats`."""
     stream = _core.PagedBuffer(direct_padded(m.total_bytes))
     parts = [
         (m.file_path(root, f), f.len_bytes, f.stream_offset_bytes, f.chunk_crc32c if verify else []) for f in m.files
@@ -154,7 +162,7 @@ def read_window(
     stats: dict[str, float] | None = None,
 ) -> None:
     """Reads stream bytes ``[lo, hi)`` (chunk-aligned `lo`; see :func:`windowable`) into `dest`;
-    `stats` gets the engine's measures (``bytes``, ``crc32c_s``)."""
+    the engine adds its measures (``bytes``, ``crc32c_s``) to `stats`."""
     chunk = m.chunk_bytes
     ranges = []
     for f in m.files:

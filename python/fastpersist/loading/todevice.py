@@ -48,7 +48,7 @@ from ..device import DeviceLoader, loader_for, unpin_host
 from ..errors import FastPersistError
 from ..format.manifest import Manifest
 from .maplocation import MapLocation, target_device
-from .reading import WINDOW_BYTES, direct_padded, read_window
+from .reading import WINDOW_BYTES, direct_padded, paged_uint8, read_window
 
 __all__ = [
     "DEVICE_WINDOW_BYTES",
@@ -95,10 +95,7 @@ def _take_ring(nbytes: int) -> list[RingBuffer]:
     with _rings_lock:
         ring = _rings.pop(nbytes, None)
     if ring is None:
-        ring = []
-        for _ in range(RING_SLOTS):
-            paged = _core.PagedBuffer(nbytes)
-            ring.append((paged, torch.frombuffer(paged, dtype=torch.uint8)))
+        ring = [paged_uint8(nbytes) for _ in range(RING_SLOTS)]
     return ring
 
 
@@ -256,11 +253,7 @@ def _fill(
         lo = w * window
         hi = min(lo + window, m.total_bytes)
         paged, host = ring[slot]
-        measured: dict[str, float] = {}
-        read_window(root, m, lo, hi, paged, verify, config, measured)
-        if stats is not None:
-            for key, value in measured.items():
-                stats[key] = stats.get(key, 0.0) + value
+        read_window(root, m, lo, hi, paged, verify, config, stats)  # the engine adds to `stats`
         try:
             for offset, dst, device in by_window[w]:
                 a, z = max(lo, offset), min(hi, offset + dst.numel())

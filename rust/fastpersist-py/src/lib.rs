@@ -386,10 +386,19 @@ fn read_parts_into(
         .detach(|| read_parts(&parts, dest_slice, &options))
         .into_py_result(py)?;
     if let Some(stats) = stats {
-        stats.set_item("bytes", measured.bytes)?;
-        stats.set_item("crc32c_s", measured.crc32c_ns as f64 * 1e-9)?;
+        // Added to what the dict holds, so that one dict can total several reads.
+        add_stat(stats, "bytes", measured.bytes as f64)?;
+        add_stat(stats, "crc32c_s", measured.crc32c_ns as f64 * 1e-9)?;
     }
     Ok(measured.bytes)
+}
+
+fn add_stat(stats: &Bound<'_, PyDict>, key: &str, value: f64) -> PyResult<()> {
+    let before: f64 = match stats.get_item(key)? {
+        Some(held) => held.extract()?,
+        None => 0.0,
+    };
+    stats.set_item(key, before + value)
 }
 
 /// `(backend, fallback_reason)` that `choice` resolves to here (honours FASTPERSIST_BACKEND).
