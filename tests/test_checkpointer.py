@@ -78,9 +78,13 @@ def test_leftovers_of_a_crash_are_removed_and_only_those(workdir: str) -> None:
     unrelated = os.path.join(workdir, "notes.txt")
     open(unrelated, "w").close()
     ck2 = fp.Checkpointer(workdir)
+    assert ck2.latest() == 1 and ck2.load()["a"].sum() == 3
+    assert os.path.exists(leftover), "a read-only use (construction, latest, load) removes nothing"
+    ck2.save(2, {"a": torch.ones(3)})  # the first save cleans up first
+    ck2.wait()
     assert ck2.removed_leftovers == [leftover]
     assert not os.path.exists(leftover) and os.path.exists(unrelated)
-    assert ck2.latest() == 1
+    assert ck2.latest() == 2
 
 
 def test_mutation_before_staging_ends_fails_the_save(workdir: str, backend: str) -> None:

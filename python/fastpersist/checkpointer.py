@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import threading
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -29,21 +28,19 @@ from typing import Any, Literal
 from . import _core
 from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
 from .api import load, verify
-from .cleanup import INDEX_TMP
+from .cleanup import clean, stripe_leftovers
 from .config import Config, SaveResult
 from .errors import CorruptCheckpointError
 from .format.manifest import MANIFEST_NAME, read_manifest
-from .format.stripes import STRIPE_SUFFIX
 from .futures import SaveFuture, SaveJobLike
-from .saving.job import SaveJob, pool_for, remove_checkpoint_tree
+from .retention import retire, retired_steps
+from .saving.job import SaveJob, pool_for
 
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger("fastpersist")
 
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
-_LEFTOVER_TMP = re.compile(r"^\.step-\d{8,}\.fptmp-[0-9a-f]{12}$")
-_LEFTOVER_STRIPE = re.compile(r"^step-\d{8,}\.[0-9a-f]{12}(\.[rw]\d+)?" + re.escape(STRIPE_SUFFIX) + "$")
 INDEX_NAME = "latest.json"
 
 
@@ -55,12 +52,15 @@ class Checkpointer:
         every: save when ``step % every == 0``; or ``"auto"``: start at 1 and adapt from this
             Checkpointer's own measured stall, write and step times (see docs/advisor.md).
         keep: committed checkpoints to keep (>= 1). Older ones are deleted only after a newer
-            one has committed, so there is always at least one good checkpoint.
+            one has committed and its files check out (present, of their recorded sizes), so
+            there is always at least one good checkpoint. Steps newer than the one being saved
+            (another run's, in a reused root) are never deleted; see :meth:`latest`.
         config: a :class:`Config`; by default the staging pool is sized to hold the whole state
             (snapshot mode, capped at a quarter of RAM) so ``wait_staged()`` costs one memcpy.
         group: a ``torch.distributed`` process group: every rank calls the same methods; the
             save is replicated across the group (or sharded with ``sharded=True``); rank 0
-            commits, applies retention and maintains the index.
+            commits and maintains the index; every rank removes its own stripe directories of
+            retired steps.
         sharded: each rank saves its own shard (FSDP/ZeRO-style); needs `group`.
         mtbf_s: the job's mean time between failures in seconds; needed by ``every="auto"``.
         max_every: the largest interval ``every="auto"`` may choose.
@@ -109,8 +109,9 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._verified: dict[str, tuple[Any, ...]] = {}
         os.makedirs(self.root, exist_ok=True)
-        # In a group only rank 0 cleans up: the others may share the directory.
-        self.removed_leftovers = self._remove_leftovers() if self.rank == 0 else []
+        #: What :meth:`clean` removed (it runs before the first save, never for a read-only use).
+        self.removed_leftovers: list[str] = []
+        self._cleaned = False
         self.history.persist = self.rank == 0
 
     @property
@@ -133,33 +134,35 @@ class Checkpointer:
                 found.append(int(match.group(1)))
         return sorted(found)
 
-    def _remove_leftovers(self) -> list[str]:
-        """Deletes temporary directories of crashed saves (and only those)."""
-        removed = []
-        for name in os.listdir(self.root):
-            if _LEFTOVER_TMP.match(name):
-                removed.append(os.path.join(self.root, name))
-            elif INDEX_TMP.match(name):  # an index replacement killed before its rename
-                os.unlink(os.path.join(self.root, name))
-        referenced: set[str] = set()
-        for step in self.steps():
-            try:
-                referenced.update(read_manifest(self.path(step)).stripes)
-            except (CorruptCheckpointError, OSError):
-                pass
-        for stripe_root in (self.config.stripes or []) if self.config else []:
-            try:
-                names = os.listdir(stripe_root)
-            except FileNotFoundError:
-                continue
-            for name in names:
-                full = os.path.join(os.fspath(stripe_root), name)
-                if _LEFTOVER_STRIPE.match(name) and full not in referenced:
-                    removed.append(full)
-        for path in removed:
-            log.info("removing leftover of an interrupted save: %s", path)
-            shutil.rmtree(path, ignore_errors=True)
+    def clean(self) -> list[str]:
+        """Removes what interrupted saves left in `root` and this rank's stripe roots; returns the paths.
+
+        Runs by itself before this Checkpointer's first save. Only provable leftovers go (see
+        :func:`fastpersist.clean`): another process's save in progress, other roots sharing the
+        stripe roots, and committed steps are left alone. In a group, rank 0 cleans `root` and
+        every rank its own stripe roots.
+        """
+        stripes = list(self.config.stripes or []) if self.config is not None else []
+        if self.rank == 0:
+            removed = clean(self.root, stripes=stripes)
+        else:
+            removed = stripe_leftovers(self.root, stripes) if stripes else []
+        self.removed_leftovers.extend(removed)
+        self._cleaned = True
         return removed
+
+    def _before_first_save(self, step: int) -> None:
+        self.clean()
+        newer = [s for s in self.steps() if s > step]
+        if newer and self.rank == 0:
+            log.warning(
+                "%s holds steps %s, newer than step %d being saved (another run's?). They are kept and never "
+                "retired by this run; latest() follows this Checkpointer's index (%s), not the highest step.",
+                self.root,
+                newer[:10],
+                step,
+                INDEX_NAME,
+            )
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -191,6 +194,8 @@ class Checkpointer:
             self._finish_previous()
         with self.history.waiting("start"), self._lock:
             config = self._config_for(state)
+            if not self._cleaned:
+                self._before_first_save(step)
             if self._pool is None:
                 self._pool = pool_for(config)  # held for this Checkpointer's life, reused by every save
             job: SaveJobLike
@@ -201,8 +206,7 @@ class Checkpointer:
 
                 job = GroupSaveJob(self.path(step), config, self.group, sharded=self.sharded, pool=self._pool)
                 job.start(state)
-            on_commit = functools.partial(self._after_commit, step) if self.rank == 0 else None
-            self._future = SaveFuture(job, on_commit=on_commit)
+            self._future = SaveFuture(job, on_commit=functools.partial(self._after_commit, step))
             return self._future
 
     def _finish_previous(self) -> None:
@@ -223,12 +227,38 @@ class Checkpointer:
                     self._future = None
 
     def _after_commit(self, step: int, result: SaveResult) -> None:
-        self._write_index(step)
-        for old in self.steps()[: -self.keep]:
-            if old != step:
-                remove_checkpoint_tree(self.path(old), self.config.stripes if self.config else None)
+        """On every rank, once `step` committed: the index (rank 0), then retention, then the costs."""
+        if self.rank == 0:
+            self._write_index(step)
         stripes = self.config.stripes if self.config else None
-        self.history.committed(result, stripes=stripes, group=self.group is not None)  # costs and wear
+        candidates = [self.path(s) for s in retired_steps(self.steps(), step, self.keep)]
+        if self.group is None:
+            retire(self.root, self.path(step), candidates, stripes, rank=0)
+        else:
+            self._retire_in_group(step, candidates)
+        if self.rank == 0:
+            self.history.committed(result, stripes=stripes, group=self.group is not None)  # costs and wear
+
+    def _retire_in_group(self, step: int, candidates: list[str]) -> None:
+        from .saving.group import control_for, forget_control
+
+        assert self.config is not None
+        control = control_for(self.group, self.config.timeout_s)
+        try:
+            retire(
+                self.root,
+                self.path(step),
+                candidates,
+                self.config.stripes,
+                rank=self.rank,
+                all_gather=control.all_gather,
+                broadcast=control.broadcast,
+            )
+        except Exception as e:
+            forget_control(control)
+            log.warning(
+                "retention after step %d skipped on rank %d (the group stopped answering): %s", step, self.rank, e
+            )
 
     def _write_index(self, step: int) -> None:
         doc = {
@@ -288,13 +318,35 @@ class Checkpointer:
         self._verified[path] = fingerprint
         return True
 
-    def latest(self) -> int | None:
-        """The newest step whose checkpoint is committed and verifies (every chunk checksum), or None.
+    def _index_step(self) -> int | None:
+        """The step ``latest.json`` names, or None (no index yet, or unreadable: then logged)."""
+        path = os.path.join(self.root, INDEX_NAME)
+        try:
+            with open(path, "rb") as f:
+                doc = json.loads(f.read(1 << 16))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            log.warning("ignoring the unreadable index %s: %s", path, e)
+            return None
+        step = doc.get("step") if isinstance(doc, dict) else None
+        if type(step) is not int or step < 0:
+            log.warning("ignoring the index %s: no valid step in it", path)
+            return None
+        return step
 
-        Verification results are cached per checkpoint while its files are unchanged.
+    def latest(self) -> int | None:
+        """The newest step, up to the one the index names, whose checkpoint is committed and verifies, or None.
+
+        The index (``latest.json``, replaced atomically after each commit) names the step this
+        root's Checkpointer last committed: steps above it (an earlier run's, in a reused root)
+        are never returned. If the indexed step fails verification, the next older one that
+        verifies is returned. Without an index, the newest step that verifies. Verification
+        results are cached per checkpoint while its files are unchanged.
         """
+        indexed = self._index_step()
         for step in reversed(self.steps()):
-            if self._verifies(step):
+            if (indexed is None or step <= indexed) and self._verifies(step):
                 return step
         return None
 

@@ -4,58 +4,177 @@ A save that dies (``kill -9``, power loss) before it commits leaves, beside its 
 
 * ``.{name}.fptmp-{id}``: the temporary checkpoint directory (partial data, maybe a manifest), or,
   when it died just after an atomic exchange, the replaced old checkpoint;
-* ``{name}.{id}[.rN|.wN].fpstripe`` directories under each stripe root that no committed
-  checkpoint names;
+* ``{name}.{id}[.rN|.wN].fpstripe`` directories under each stripe root;
 * ``.latest.json.tmp-*`` / ``.history.json.tmp-*``: a :class:`Checkpointer` index or cost
   history being replaced.
 
-The committed checkpoints are never touched: a leftover has no manifest at a checkpoint path.
-``Checkpointer`` cleans its own root when it starts; after plain :func:`fastpersist.save` calls,
-run :func:`clean` (or ``fastpersist clean ROOT``) when no save into `root` is in progress.
+The deletion rule: nothing is removed that is not provably a leftover of `root`.
+
+* A temporary directory is removed only when no live save holds its lock
+  (:mod:`fastpersist.format.ownership`), so a save running in another process is never touched.
+* A stripe directory is removed only when its owner marker names a checkpoint of *this* root
+  whose committed manifest carries another id (or that no longer exists) and whose save is not
+  alive; or, with no marker (its save died before writing it), when a dead temporary directory
+  of this root carries its name and id. Stripe roots shared with other roots, and ``cp -r``
+  copies of checkpoints, are therefore safe.
+* A committed checkpoint whose manifest cannot be read (an I/O error, a newer format) keeps
+  every stripe directory that names it, with a WARNING.
+* An index temporary file is removed only when the process that wrote it is gone.
+* A stripe directory renamed to ``NAME.fpstripe.fpremoving`` is one whose owner had proven it
+  and started removing it (a crash cut that short); it is removed.
+
+``Checkpointer`` runs this for its root and stripes before its first save (never for a read-only
+use such as ``latest()`` or ``load()``). Every rank of a group runs it for its own stripe roots.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
 import stat
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from .errors import FastPersistError
-from .format.confine import remove_checkpoint_tree
 from .format.manifest import MANIFEST_NAME, read_manifest
-from .format.stripes import STRIPE_SUFFIX
+from .format.ownership import REMOVING_SUFFIX, cleaning, is_live, lock_state, read_owner, remove_owned_dir
+from .format.stripes import parse_stripe_dir
 
-__all__ = ["INDEX_TMP", "clean"]
+__all__ = ["INDEX_TMP", "clean", "stripe_leftovers"]
 
 log = logging.getLogger("fastpersist")
 
 _TMP_DIR = re.compile(r"^\.(.+)\.fptmp-([0-9a-f]{12})$")
 #: A Checkpointer's index (latest.json) or cost history (history.json) being replaced.
-INDEX_TMP = re.compile(r"^\.(?:latest|history)\.json\.tmp-\d+-\d+$")
-_STRIPE_DIR = re.compile(r"^(.+)\.([0-9a-f]{12})(?:\.[rw]\d{1,6})?" + re.escape(STRIPE_SUFFIX) + "$")
+INDEX_TMP = re.compile(r"^\.(?:latest|history)\.json\.tmp-(\d+)-\d+$")
+
+_UNREADABLE = "unreadable"
 
 
-def _committed(root: str) -> dict[str, set[str]]:
-    """Committed checkpoints directly in `root`: name -> the stripe directories they use."""
-    found: dict[str, set[str]] = {}
-    for name in os.listdir(root):
-        path = os.path.join(root, name)
-        if name.startswith(".") or not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-            continue
-        stripes: set[str] = set()
+@dataclass
+class _RootView:
+    """What one pass of the cleaner learnt about `root` (under its cleaning lock)."""
+
+    root: str
+    real_root: str
+    dead_tmp: dict[tuple[str, str], str] = field(default_factory=dict)  # (name, id12) -> path
+    committed: dict[str, str | None] = field(default_factory=dict)  # name -> checkpoint id
+
+    def committed_id(self, name: str, *, fresh: bool = False) -> str | None:
+        """The checkpoint id committed at ``root/name``, None if none, or ``_UNREADABLE``."""
+        if fresh or name not in self.committed:
+            path = os.path.join(self.root, name)
+            if not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+                self.committed[name] = None
+            else:
+                try:
+                    self.committed[name] = read_manifest(path).checkpoint_id
+                except (FastPersistError, OSError) as e:
+                    log.warning("clean: %s is damaged (%s); keeping every stripe directory named after it", path, e)
+                    self.committed[name] = _UNREADABLE
+        return self.committed[name]
+
+
+def _is(path: str, kind: int) -> bool:
+    """Whether `path` is (without following links) of file type `kind`; False once it is gone."""
+    try:
+        return stat.S_IFMT(os.lstat(path).st_mode) == kind
+    except FileNotFoundError:
+        return False  # removed or renamed by its own save since the listing
+
+
+def _dead_tmp_dirs(view: _RootView) -> None:
+    for name in sorted(os.listdir(view.root)):
+        match = _TMP_DIR.match(name)
+        path = os.path.join(view.root, name)
+        if match and _is(path, stat.S_IFDIR) and lock_state(path) == "dead":
+            view.dead_tmp[(match.group(1), match.group(2))] = path
+
+
+def _is_leftover(view: _RootView, path: str, name: str, id12: str) -> bool:
+    """Whether the stripe directory `path` (named for checkpoint `name`, id `id12`) is a leftover of view.root."""
+    owner = read_owner(path)
+    if owner is None:
+        # Its save died between mkdir and the marker: provable only through that save's dead temporary directory.
+        return (name, id12) in view.dead_tmp
+    parent, owner_name = os.path.split(owner.checkpoint)
+    if parent != view.real_root or owner.checkpoint_id[:12] != id12:
+        return False  # another root's (a shared drive), or a marker that does not match its name
+    if view.committed_id(owner_name) in (owner.checkpoint_id, _UNREADABLE):
+        return False
+    if is_live(os.path.join(view.root, f".{owner_name}.fptmp-{id12}")):
+        return False
+    # The save may have committed between the two looks above (its rename is atomic): look again.
+    return view.committed_id(owner_name, fresh=True) not in (owner.checkpoint_id, _UNREADABLE)
+
+
+def _scan_stripes(view: _RootView, stripes: Sequence[str | os.PathLike[str]], names: set[str] | None) -> list[str]:
+    found = []
+    for stripe_root in stripes:
+        base = os.path.abspath(os.fspath(stripe_root))
         try:
-            m = read_manifest(path)
-            stripes.update(os.path.realpath(d) for d in m.stripes)
-            for shard in m.shards:
-                stripes.update(os.path.realpath(d) for d in read_manifest(os.path.join(path, shard)).stripes)
-        except (FastPersistError, OSError) as e:
-            log.warning("clean: %s is damaged (%s); keeping every stripe directory named after it", path, e)
-            stripes.add("*")
-        found[name] = stripes
+            entries = sorted(os.listdir(base))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            path = os.path.join(base, entry)
+            if entry.endswith(REMOVING_SUFFIX) and parse_stripe_dir(entry[: -len(REMOVING_SUFFIX)]):
+                if _is(path, stat.S_IFDIR):
+                    found.append(path)  # a removal that a crash cut short: its owner had proven it
+                continue
+            parsed = parse_stripe_dir(entry)
+            if parsed is None or (names is not None and parsed[0] not in names):
+                continue
+            if _is(path, stat.S_IFDIR) and _is_leftover(view, path, *parsed):
+                found.append(path)
     return found
+
+
+def stripe_leftovers(
+    root: str | os.PathLike[str], stripes: Sequence[str | os.PathLike[str]], *, names: set[str] | None = None
+) -> list[str]:
+    """Removes the stripe directories under `stripes` that are provably leftovers of `root`; returns them.
+
+    `names` limits the search to checkpoints of those names (a rank's share of retired steps, or
+    the old tree of a replaced checkpoint).
+    """
+    root = os.path.abspath(os.fspath(root))
+    view = _RootView(root=root, real_root=os.path.realpath(root))
+    with cleaning(root):
+        found = _scan_stripes(view, stripes, names)
+    for path in found:
+        _remove_stripe_dir(path)
+    return found
+
+
+def _remove_stripe_dir(path: str) -> None:
+    if path.endswith(REMOVING_SUFFIX):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        remove_owned_dir(path)
+
+
+def _index_tmp_orphans(root: str) -> list[str]:
+    found = []
+    for name in sorted(os.listdir(root)):
+        match = INDEX_TMP.match(name)
+        path = os.path.join(root, name)
+        if match and _is(path, stat.S_IFREG) and not _pid_alive(int(match.group(1))):
+            found.append(path)
+    return found
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def clean(
@@ -73,51 +192,28 @@ def clean(
             looked for, and deleted, only there.
         dry_run: list what would be removed without removing it.
 
-    Only leftovers are removed: temporary directories (``.NAME.fptmp-ID``), index temp files,
-    and stripe directories that belong to a removed temporary directory or to a committed
-    checkpoint of `root` that does not name them. Do not run it while a save into `root` is
-    in progress: that save's temporary directory would be removed and the save would fail.
+    Only provable leftovers are removed (see the module docstring): a save in progress in any
+    process, other roots' data on shared stripe roots, and copies of checkpoints are left alone.
 
     Example:
         >>> fp.clean("/tmp/fp-doc-runs")  # doctest: +SKIP
         ['/tmp/fp-doc-runs/.step-00000007.fptmp-1f2e3d4c5b6a']
     """
     root = os.path.abspath(os.fspath(root))
-    removed: list[str] = []
-    dead_ids: set[str] = set()
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
-        st = os.lstat(path)
-        match = _TMP_DIR.match(name)
-        if match and stat.S_ISDIR(st.st_mode):
-            dead_ids.add(match.group(2))
-            removed.append(path)
-            if not dry_run:
-                remove_checkpoint_tree(path, stripes)
-        elif INDEX_TMP.match(name) and stat.S_ISREG(st.st_mode):
-            removed.append(path)
-            if not dry_run:
+    view = _RootView(root=root, real_root=os.path.realpath(root))
+    with cleaning(root):
+        _dead_tmp_dirs(view)
+        dead_stripes = _scan_stripes(view, stripes or [], None)
+    index_tmp = _index_tmp_orphans(root)
+    removed = [*view.dead_tmp.values(), *index_tmp, *dead_stripes]
+    if not dry_run:
+        for path in dead_stripes:
+            _remove_stripe_dir(path)
+        for path in view.dead_tmp.values():
+            shutil.rmtree(path, ignore_errors=True)
+        for path in index_tmp:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-    committed = _committed(root)
-    used = set().union(*committed.values()) if committed else set()
-    for stripe_root in stripes or []:
-        base = os.path.abspath(os.fspath(stripe_root))
-        try:
-            names = sorted(os.listdir(base))
-        except FileNotFoundError:
-            continue
-        for name in names:
-            path = os.path.join(base, name)
-            match = _STRIPE_DIR.match(name)
-            if match is None or not stat.S_ISDIR(os.lstat(path).st_mode) or os.path.realpath(path) in used:
-                continue
-            # A save killed after its exchange leaves its id on the temporary directory (which then
-            # holds the old tree) while the committed checkpoint uses that id's stripes: kept above.
-            owner = committed.get(match.group(1))
-            if match.group(2) in dead_ids or (owner is not None and "*" not in owner):
-                removed.append(path)
-                if not dry_run:
-                    shutil.rmtree(path, ignore_errors=True)
     for path in removed:
         log.info("clean: %s %s", "would remove" if dry_run else "removed", path)
     return removed

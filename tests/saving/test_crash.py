@@ -18,6 +18,7 @@ import torch
 
 import fastpersist as fp
 from fastpersist.format.manifest import read_manifest
+from fastpersist.format.ownership import write_owner
 from fastpersist.tools import cli
 
 import crash_worker
@@ -150,10 +151,11 @@ def test_kill_9_at_random_moments_never_loses_the_newest_committed_step(workdir:
         died_in[crash_worker.PHASES[at]] += 1
         context = f"seed {SEED}, kill {kill} in phase {crash_worker.PHASES[at]}"
         left = _leftovers(root)
-        ck = fp.Checkpointer(root, keep=2, config=crash_worker.config())  # the next start cleans up
+        ck = fp.Checkpointer(root, keep=2, config=crash_worker.config())
+        removed = ck.clean()  # what the next run's first save does
         cleaned += len(left)
         assert _leftovers(root) == [], context
-        assert {os.path.basename(p) for p in ck.removed_leftovers} >= {n for n in left if ".fptmp-" in n}, context
+        assert {os.path.basename(p) for p in removed} >= {n for n in left if ".fptmp-" in n}, context
         step = ck.latest()
         if step is None:
             assert newest == -1, f"{context}: step {newest} was committed and is gone"
@@ -214,14 +216,22 @@ def test_clean_dry_run_lists_and_clean_removes_only_leftovers(workdir: str) -> N
     fp.save({"w": torch.ones(3)}, path, config=fp.Config(stripes=[ssd]))
     kept = set(os.listdir(ssd))
     tmp = os.path.join(root, ".ck.fptmp-0123456789ab")
+    # Provable leftovers: one of the dead temporary directory's save (no marker yet), one whose
+    # marker names root/ck under an id that is not the committed one.
     orphans = [os.path.join(ssd, "ck.0123456789ab.fpstripe"), os.path.join(ssd, "ck.ba9876543210.w1.fpstripe")]
     for d in (tmp, *orphans):
         os.makedirs(d)
-    unrelated = os.path.join(ssd, "other.ba9876543210.fpstripe")  # another checkpoint's: not ours to judge
-    os.makedirs(unrelated)
+    write_owner(orphans[1], path, "ba9876543210" + "0" * 20, durable=False)
+    # Not provably ours: no marker and no dead save of that id; a marker naming another root.
+    unproven = os.path.join(ssd, "ck.cafe0000cafe.fpstripe")
+    foreign = os.path.join(ssd, "ck.beef0000beef.fpstripe")
+    for d in (unproven, foreign):
+        os.makedirs(d)
+    write_owner(foreign, os.path.join(workdir, "other-root", "ck"), "beef0000beef" + "0" * 20, durable=False)
     expected = sorted([tmp, *orphans])
     assert sorted(fp.clean(root, stripes=[ssd], dry_run=True)) == expected
     assert os.path.isdir(tmp) and all(os.path.isdir(d) for d in orphans)
     assert sorted(fp.clean(root, stripes=[ssd])) == expected
-    assert set(os.listdir(ssd)) == kept | {"other.ba9876543210.fpstripe"} and os.listdir(root) == ["ck"]
+    assert set(os.listdir(ssd)) == kept | {os.path.basename(unproven), os.path.basename(foreign)}
+    assert os.listdir(root) == ["ck"]
     assert fp.load(path)["w"].sum() == 3

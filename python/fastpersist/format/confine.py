@@ -13,8 +13,9 @@ regular file, not a symbolic link, of exactly its recorded length; every stripe 
 shard directory a real directory, not a link; and when the caller configured stripe roots
 (``Config(stripes=...)``), every stripe directory must sit directly in one of them. Deletion
 (:func:`remove_checkpoint_tree`) is stricter still: a stripe directory named by a manifest is
-deleted only when it sits directly in a stripe root the caller configured, so a damaged or
-hostile manifest can never make fastpersist delete anything else.
+deleted only when it sits directly in a stripe root the caller configured and its owner marker
+names that checkpoint, so a damaged or hostile manifest, or a copy of a checkpoint, can never make
+fastpersist delete anything else.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import shutil
 import stat
 from collections.abc import Sequence
 
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, FastPersistError
 from .manifest import Manifest, read_manifest
+from .ownership import Owner, checkpoint_key, read_owner, remove_owned_dir
 from .stripes import stripe_dir_id
 
 __all__ = [
@@ -105,35 +107,49 @@ def check_data_files(root: str, m: Manifest, stripe_roots: Sequence[str | os.Pat
     return total
 
 
-def remove_checkpoint_tree(root: str, stripe_roots: Sequence[str | os.PathLike[str]] | None) -> None:
-    """Deletes the checkpoint directory `root` and its stripe directories inside `stripe_roots`.
+def remove_checkpoint_tree(
+    root: str, stripe_roots: Sequence[str | os.PathLike[str]] | None, *, owner_path: str | None = None
+) -> None:
+    """Deletes the checkpoint directory `root` and those of its stripe directories that are provably its own.
 
-    Stripe directories named by the manifest (or its shards' manifests) are deleted only if
-    they are real directories directly inside a configured stripe root and carry the stripe
-    naming; any other one is left alone and logged. ``shutil.rmtree`` never follows links.
+    A stripe directory named by the manifest (or its shards' manifests) is deleted only if it is a
+    real directory directly inside a configured stripe root, carries the stripe naming, and its
+    owner marker (:mod:`fastpersist.format.ownership`) names this checkpoint and the manifest's
+    checkpoint id: a ``cp -r`` copy of a checkpoint, or a damaged or hostile manifest, can never
+    make fastpersist delete another checkpoint's data. `owner_path` is the checkpoint's own path
+    when `root` is a temporary name it was moved to (the old tree after an atomic exchange).
+    ``shutil.rmtree`` never follows links.
     """
-
     roots = _real_roots(stripe_roots) or set()
-    stripes: list[str] = []
-    try:
-        manifest = read_manifest(root)
-    except Exception:
-        manifest = None
-    if manifest is not None:
-        stripes.extend(manifest.stripes)
-        for shard in manifest.shards:
-            try:
-                stripes.extend(read_manifest(os.path.join(root, shard)).stripes)
-            except Exception:
-                pass
-    for d in stripes:
+    key = checkpoint_key(owner_path or root)
+    for d, checkpoint_id in _named_stripe_dirs(root):
         st = _lstat(d)
-        if st is None:
-            continue
-        if stat.S_ISDIR(st.st_mode) and stripe_dir_id(os.path.basename(d)) and _under_roots(d, roots):
-            shutil.rmtree(d, ignore_errors=True)
+        if st is None or not _under_roots(d, roots):
+            continue  # another rank's drive, or outside what this caller may delete
+        owner = read_owner(d)
+        if (
+            stat.S_ISDIR(st.st_mode)
+            and stripe_dir_id(os.path.basename(d))
+            and owner == Owner(checkpoint=key, checkpoint_id=checkpoint_id)
+        ):
+            remove_owned_dir(d)
         else:
-            log.warning("not deleting %s (named by %s): outside the configured stripe roots", d, root)
+            log.warning("not deleting %s (named by %s): its owner marker does not name that checkpoint", d, key)
     st = _lstat(root)
     if st is not None and stat.S_ISDIR(st.st_mode):
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _named_stripe_dirs(root: str) -> list[tuple[str, str]]:
+    """(stripe directory, checkpoint id) for every stripe directory the manifests of `root` name."""
+    try:
+        manifest = read_manifest(root)
+    except (FastPersistError, OSError):
+        return []
+    named = [(d, manifest.checkpoint_id) for d in manifest.stripes]
+    for shard in manifest.shards:
+        try:
+            named.extend((d, manifest.checkpoint_id) for d in read_manifest(os.path.join(root, shard)).stripes)
+        except (FastPersistError, OSError):
+            pass
+    return named

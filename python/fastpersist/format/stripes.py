@@ -15,16 +15,27 @@ from collections.abc import Iterable
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["STRIPE_SUFFIX", "check_stripe_dirs", "stripe_dir_id"]
+__all__ = ["STRIPE_SUFFIX", "check_stripe_dirs", "parse_stripe_dir", "stripe_dir_id"]
 
 STRIPE_SUFFIX = ".fpstripe"
-_STRIPE_DIR = re.compile(r"^[A-Za-z0-9._-]{0,240}\.([0-9a-f]{12})(?:\.[rw]\d{1,6})?" + re.escape(STRIPE_SUFFIX) + "$")
+_STRIPE_DIR = re.compile(r"^([A-Za-z0-9._-]{0,240})\.([0-9a-f]{12})(?:\.[rw]\d{1,6})?" + re.escape(STRIPE_SUFFIX) + "$")
+
+
+def parse_stripe_dir(name: str) -> tuple[str, str] | None:
+    """(checkpoint name, 12-hex checkpoint id) of a stripe directory's name, or None if it is not one.
+
+    Example:
+        >>> parse_stripe_dir("step-00000012.0123456789ab.r3.fpstripe")
+        ('step-00000012', '0123456789ab')
+    """
+    match = _STRIPE_DIR.match(name)
+    return (match.group(1), match.group(2)) if match else None
 
 
 def stripe_dir_id(name: str) -> str | None:
     """The 12-hex checkpoint id in a stripe directory's name, or None if it is not one."""
-    match = _STRIPE_DIR.match(name)
-    return match.group(1) if match else None
+    parsed = parse_stripe_dir(name)
+    return parsed[1] if parsed else None
 
 
 def check_stripe_dirs(stripes: Iterable[str], checkpoint_id: str, where: str) -> None:

@@ -22,6 +22,7 @@ D. rank 0 writes the manifest and commits atomically; it broadcasts the outcome,
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import threading
 import uuid
@@ -32,10 +33,13 @@ from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
+from ..cleanup import stripe_leftovers
 from ..config import Config, SaveResult
 from ..errors import FastPersistError
 from ..format.manifest import FileEntry, build
-from .job import Layout, SaveJob, Written, check_target, tmp_dir_for, write_manifest
+from ..format.ownership import DirLock, make_locked_dir
+from .job import Layout, SaveJob, Written
+from .target import check_stripe_roots, check_target, tmp_dir_for, write_manifest
 
 __all__ = [
     "CommitOutcome",
@@ -205,17 +209,25 @@ class GroupSaveJob:
         self.rank = self.control.rank
         own_error: BaseException | None = None
         message: StartMessage | None = None
+        tmp_lock: DirLock | None = None
         if self.rank == 0:
             try:
+                check_stripe_roots(self.config.stripes)
                 check_target(self.path)
                 checkpoint_id = uuid.uuid4().hex
                 tmp = tmp_dir_for(self.path, checkpoint_id)
-                os.mkdir(tmp)
+                tmp_lock = make_locked_dir(tmp)
                 message = StartMessage(checkpoint_id=checkpoint_id, tmp_dir=tmp)
             except Exception as e:
                 own_error = e
                 message = StartMessage(error=_describe(e))
-        message = self._collective("start the save", lambda: self.control.broadcast(message))
+        try:
+            message = self._collective("start the save", lambda: self.control.broadcast(message))
+        except GroupSaveError:
+            if tmp_lock is not None:
+                shutil.rmtree(tmp_lock.path, ignore_errors=True)
+                tmp_lock.release()
+            raise
         assert message is not None
         if message.error:
             if own_error is not None:
@@ -223,9 +235,8 @@ class GroupSaveJob:
             raise GroupSaveError(f"rank 0 could not start the save of {self.path}: {message.error}")
         self.layout = self._layout(message)
         try:
-            self.job = SaveJob(self.path, self.config, layout=self.layout, pool=self.pool).start(
-                state, background=background
-            )
+            self.job = SaveJob(self.path, self.config, layout=self.layout, pool=self.pool, tmp_lock=tmp_lock)
+            self.job.start(state, background=background)
         except BaseException as e:  # reported to the group in finish(); wait_staged re-raises it
             self.start_error = e
         return self
@@ -365,6 +376,9 @@ class GroupSaveJob:
             self._discard_local()
             raise error
         self.job.verdict.mark_committed()
+        if self.config.stripes:
+            # A replaced checkpoint's stripe directories on this rank's drives (rank 0 removed its tree).
+            stripe_leftovers(os.path.dirname(self.path), self.config.stripes, names={os.path.basename(self.path)})
         return self.job.result(written)
 
     def _commit(self, statuses: list[RankStatus]) -> None:

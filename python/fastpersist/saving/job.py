@@ -15,7 +15,6 @@ the rank that owns the temporary directory writes the manifest and commits for a
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import os
 import shutil
@@ -23,7 +22,6 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -32,18 +30,17 @@ from ..config import Config, SaveResult
 from ..device import DeviceCopier, device_bytes
 from ..errors import SaveCancelledError
 from ..format.blobs import Blob
-from ..format.confine import remove_checkpoint_tree as _remove_confined
 from ..format.flatten import FlatState, flatten, records_to_json
-from ..format.manifest import MANIFEST_NAME, FileEntry, build
+from ..format.manifest import FileEntry, build
+from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write_owner
 from ..format.stripes import STRIPE_SUFFIX
 from ..logs import log_save
+from .target import check_stripe_roots, check_target, remove_checkpoint_tree, tmp_dir_for, write_manifest
 from .verdict import Verdict
 
-__all__ = ["Layout", "SaveJob", "pool_for", "remove_checkpoint_tree", "single_layout"]
+__all__ = ["Layout", "SaveJob", "pool_for", "single_layout"]
 
 log = logging.getLogger("fastpersist")
-
-TMP_MARKER = ".fptmp-"
 
 #: Watched tensors of at most this size are copied when the save starts, smallest first and up
 #: to COPY_AT_START_BUDGET_BYTES in all, so that nothing the next forward pass updates in place
@@ -76,21 +73,6 @@ def _warn_fallback_once(reason: str | None) -> None:
         _warned_fallback = True
         log.warning("%s", reason)
         warnings.warn(reason, RuntimeWarning, stacklevel=4)
-
-
-def check_target(path: str) -> None:
-    """Refuses to replace anything but a fastpersist checkpoint (or an empty directory)."""
-    if not os.path.lexists(path):
-        return
-    if os.path.isdir(path) and not os.path.islink(path):
-        if os.path.exists(os.path.join(path, MANIFEST_NAME)) or not os.listdir(path):
-            return
-    raise FileExistsError(errno.EEXIST, "exists and is not a fastpersist checkpoint; refusing to replace it", path)
-
-
-def tmp_dir_for(path: str, checkpoint_id: str) -> str:
-    parent, name = os.path.split(path)
-    return os.path.join(parent, f".{name}{TMP_MARKER}{checkpoint_id[:12]}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,12 +137,16 @@ class SaveJob:
         *,
         layout: Layout | None = None,
         pool: _core.Pool | None = None,
+        tmp_lock: DirLock | None = None,
     ) -> None:
         self.started = self._laid_out = self._written = time.perf_counter()
         self.path = os.path.abspath(os.fspath(path))
         self.config = config
         self.layout = layout or single_layout(self.path)
         self.pool = pool
+        #: Held from the temporary directory's creation until commit or discard: a cleaner in
+        #: any process leaves a locked temporary directory (and its stripe directories) alone.
+        self.tmp_lock = tmp_lock
         self.handle: Any = None
         self.verdict = Verdict()
         self._created: list[str] = []
@@ -173,6 +159,7 @@ class SaveJob:
 
     def start(self, state: object, *, background: bool = True) -> SaveJob:
         """Flattens `state`, lays out the stream, creates the directories and starts the engine."""
+        check_stripe_roots(self.config.stripes)
         if self.layout.owner:
             check_target(self.path)
         self._lay_out(state)
@@ -219,8 +206,8 @@ class SaveJob:
         layout = self.layout
         if layout.owner:
             # In a group the owner made it already, before the others could write into it.
-            if not os.path.isdir(layout.tmp_dir):
-                os.mkdir(layout.tmp_dir)
+            if self.tmp_lock is None:
+                self.tmp_lock = make_locked_dir(layout.tmp_dir)
             self._created.append(layout.tmp_dir)
         if layout.data_dir != layout.tmp_dir:
             os.mkdir(layout.data_dir)
@@ -228,6 +215,7 @@ class SaveJob:
         for d in self.stripe_dirs_used:
             os.mkdir(d)
             self._created.append(d)
+            write_owner(d, self.path, layout.checkpoint_id, durable=self.config.durable)
         return [
             os.path.join(self.stripe_dirs[stripe] if stripe is not None else layout.data_dir, fname)
             for stripe, fname in self.part_names
@@ -397,7 +385,8 @@ class SaveJob:
         if self.config.durable:
             _core.fsync_dir(os.path.dirname(self.path))
         if exchanged:
-            remove_checkpoint_tree(self.layout.tmp_dir, self.config.stripes)
+            remove_checkpoint_tree(self.layout.tmp_dir, self.config.stripes, owner_path=self.path)
+        self._release_tmp_lock()
 
     def result(self, written: Written) -> SaveResult:
         seconds = time.perf_counter() - self.started
@@ -440,10 +429,18 @@ class SaveJob:
         self.cancel_quietly()
         if self.verdict.committed:
             # The new checkpoint is in place; only the old tree (exchanged to tmp_dir) remains.
-            remove_checkpoint_tree(self.layout.tmp_dir, self.config.stripes)
-            return
-        for d in reversed(self._created):
-            shutil.rmtree(d, ignore_errors=True)
+            remove_checkpoint_tree(self.layout.tmp_dir, self.config.stripes, owner_path=self.path)
+        else:
+            for d in reversed(self._created):
+                if d in self.stripe_dirs_used:
+                    remove_owned_dir(d)
+                else:
+                    shutil.rmtree(d, ignore_errors=True)
+        self._release_tmp_lock()
+
+    def _release_tmp_lock(self) -> None:
+        if self.tmp_lock is not None:
+            self.tmp_lock.release()
 
     def cancel_quietly(self) -> None:
         """Stops the engine's job and waits for it (its error, if any, is already the verdict)."""
@@ -476,24 +473,3 @@ def _prepare_device_blobs(blobs: list[Blob], pool: _core.Pool) -> dict[tuple[obj
             copiers[key] = factory(key[1])
             copiers[key].begin(pool)
     return copiers
-
-
-def write_manifest(directory: str, manifest: bytes, *, durable: bool) -> None:
-    """Writes `manifest` as ``directory/manifest.json`` (new file), fsyncing it and the directory."""
-    fd = os.open(os.path.join(directory, MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(manifest)
-        while view:
-            view = view[os.write(fd, view) :]
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    if durable:
-        _core.fsync_dir(directory)
-
-
-def remove_checkpoint_tree(root: str, stripe_roots: Sequence[str | os.PathLike[str]] | None = None) -> None:
-    """Deletes a checkpoint directory and those of its stripe directories inside `stripe_roots`
-    (see :func:`fastpersist.format.confine.remove_checkpoint_tree`: a manifest cannot widen that)."""
-    _remove_confined(root, stripe_roots)

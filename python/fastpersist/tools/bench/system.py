@@ -32,7 +32,7 @@ def progress(message: str) -> None:
 
 
 def remove_path(path: str) -> None:
-    from ...saving.job import remove_checkpoint_tree
+    from ...saving.target import remove_checkpoint_tree
 
     if os.path.isdir(path):
         remove_checkpoint_tree(path)  # also removes the stripe directories its manifest names

@@ -1,0 +1,215 @@
+"""Who owns a directory on disk: the owner marker of a stripe directory, the lock of a live save.
+
+Stripe roots are drive mount points (``/nvme0``, ``/nvme1``) that several checkpoint roots share:
+two experiments, a ``best`` and a ``latest`` root, a ``cp -r`` backup whose manifest still names
+the original's stripe directories. A stripe directory's name alone therefore does not say whose it
+is. Before any data goes in, a save writes :data:`OWNER_MARKER` into each stripe directory it
+creates, naming the checkpoint it belongs to (the real path of its parent plus its name) and the
+checkpoint id. Removal (retention, replacement, :func:`fastpersist.clean`) deletes a stripe
+directory only when its marker names the checkpoint being removed, or, for a leftover, a
+checkpoint of the root being cleaned whose save is provably dead.
+
+A save holds an exclusive ``flock`` on its temporary directory from the moment it exists until the
+save commits or is discarded; the kernel drops the lock when the process dies, so a temporary
+directory whose lock can be taken belongs to a dead save. The directory is created under a shared
+lock on its parent and a cleaner tests liveness under an exclusive one, so no cleaner ever sees a
+temporary directory between its ``mkdir`` and its lock.
+
+Example:
+    >>> lock = make_locked_dir("/tmp/fp-doc/.ck.fptmp-0123456789ab")   # doctest: +SKIP
+    >>> with cleaning("/tmp/fp-doc"):                                  # doctest: +SKIP
+    ...     is_live("/tmp/fp-doc/.ck.fptmp-0123456789ab")
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = [
+    "OWNER_MARKER",
+    "REMOVING_SUFFIX",
+    "DirLock",
+    "Owner",
+    "checkpoint_key",
+    "cleaning",
+    "is_live",
+    "lock_state",
+    "make_locked_dir",
+    "read_owner",
+    "remove_owned_dir",
+    "write_owner",
+]
+
+#: The marker file inside each stripe directory. Data file names start with a letter or digit,
+#: so it can never be mistaken for one.
+OWNER_MARKER = ".fpowner.json"
+#: Appended to a stripe directory's name when its removal starts (see :func:`remove_owned_dir`).
+REMOVING_SUFFIX = ".fpremoving"
+_MAX_MARKER_BYTES = 1 << 14
+
+
+@dataclass(frozen=True)
+class Owner:
+    """What a stripe directory's marker says: the checkpoint it belongs to and that save's id."""
+
+    checkpoint: str
+    checkpoint_id: str
+
+
+def checkpoint_key(path: str | os.PathLike[str]) -> str:
+    """The name a marker records for the checkpoint at `path`: its parent's real path plus its name.
+
+    The checkpoint itself need not exist (a save's target, a removed step): only the parent is
+    resolved, so a root reached through a symbolic link still names the same checkpoint.
+    """
+    parent, name = os.path.split(os.path.abspath(os.fspath(path)))
+    return os.path.join(os.path.realpath(parent), name)
+
+
+def write_owner(stripe_dir: str, checkpoint_path: str, checkpoint_id: str, *, durable: bool) -> None:
+    """Writes the owner marker into a freshly created, still empty stripe directory.
+
+    Its directory entry is made durable with the data files' (a durable save fsyncs every
+    stripe directory before it commits).
+    """
+    doc = {"fastpersist_owner": 1, "checkpoint": checkpoint_key(checkpoint_path), "checkpoint_id": checkpoint_id}
+    fd = os.open(os.path.join(stripe_dir, OWNER_MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(json.dumps(doc).encode())
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_owner(stripe_dir: str) -> Owner | None:
+    """The owner a stripe directory's marker names, or None (no marker, or not a valid one)."""
+    try:
+        fd = os.open(os.path.join(stripe_dir, OWNER_MARKER), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        raw = os.read(fd, _MAX_MARKER_BYTES)
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    checkpoint, checkpoint_id = doc.get("checkpoint"), doc.get("checkpoint_id")
+    if not isinstance(checkpoint, str) or not isinstance(checkpoint_id, str):
+        return None
+    return Owner(checkpoint=checkpoint, checkpoint_id=checkpoint_id)
+
+
+def remove_owned_dir(stripe_dir: str) -> None:
+    """Deletes a stripe directory its caller has proven to own.
+
+    It is first renamed to ``NAME`` + :data:`REMOVING_SUFFIX`, a name no save creates, so a
+    removal cut short by a crash leaves a directory any later clean may finish removing,
+    rather than a half-emptied one whose owner can no longer be proven.
+    """
+    doomed = stripe_dir + REMOVING_SUFFIX
+    try:
+        os.rename(stripe_dir, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+class DirLock:
+    """An exclusive ``flock`` held on a directory while a save is alive; :meth:`release` drops it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Drops the lock (idempotent). The directory may have been renamed or removed meanwhile."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _locked_parent(parent: str, operation: int) -> Iterator[None]:
+    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, operation)
+        yield
+    finally:
+        os.close(fd)
+
+
+def make_locked_dir(path: str) -> DirLock:
+    """Creates the directory `path` (a save's temporary directory) and returns its held lock.
+
+    Raises:
+        FileExistsError: `path` exists already.
+    """
+    with _locked_parent(os.path.dirname(path) or ".", fcntl.LOCK_SH):
+        os.mkdir(path)
+        try:
+            return DirLock(path)
+        except BaseException:
+            os.rmdir(path)
+            raise
+
+
+@contextlib.contextmanager
+def cleaning(root: str) -> Iterator[None]:
+    """Holds `root` against new temporary directories while a cleaner decides what is dead."""
+    with _locked_parent(root, fcntl.LOCK_EX):
+        yield
+
+
+def is_live(tmp_dir: str) -> bool:
+    """Whether a live save holds `tmp_dir` (call inside :func:`cleaning` of its parent).
+
+    A directory that is missing, or whose lock can be taken, belongs to no live save.
+    """
+    return lock_state(tmp_dir) == "live"
+
+
+def lock_state(tmp_dir: str) -> str:
+    """``"live"`` (a save holds it), ``"dead"`` (its save is gone) or ``"gone"`` (no such directory).
+
+    ``"dead"`` only while the lock taken is the lock of the directory still at `tmp_dir`: a save
+    that committed (renamed it away) between the look and the lock makes it ``"gone"``.
+    """
+    try:
+        fd = os.open(tmp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            return "gone"
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return "live"
+    try:
+        held = os.fstat(fd)
+        now = os.lstat(tmp_dir)
+    except FileNotFoundError:
+        return "gone"
+    finally:
+        os.close(fd)
+    return "dead" if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino) else "gone"

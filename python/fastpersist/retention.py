@@ -1,0 +1,139 @@
+"""Retention for a :class:`~fastpersist.Checkpointer`: which steps go, and when it is safe to remove them.
+
+The rules (docs/failure-model.md, "Deletion"):
+
+* After step *s* commits, the steps older than *s* beyond the newest ``keep - 1`` of them are
+  retired. Steps newer than *s* (another run's, in a reused root) are never retired by it.
+* Nothing is retired until *s* is verified loadable: its manifests readable and every data file
+  present with its recorded size. In a group each rank checks the files on its own drives and
+  rank 0 checks that every file was checked by someone.
+* Rank 0 removes the retired checkpoint directories and their stripe directories on its drives;
+  then every other rank removes its own stripe directories of those steps, found by their
+  owner markers (so per-rank drives on other nodes are cleaned by the rank that has them).
+
+A collective that fails here (a rank died after the commit) skips retention with a WARNING: the
+old steps stay, nothing committed is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cleanup import stripe_leftovers
+from .errors import FastPersistError
+from .format.manifest import Manifest, read_manifest
+from .saving.target import remove_checkpoint_tree
+
+__all__ = ["ShareCheck", "check_share", "retire", "retired_steps"]
+
+log = logging.getLogger("fastpersist")
+
+
+def retired_steps(steps: Sequence[int], step: int, keep: int) -> list[int]:
+    """The committed `steps` to remove once `step` has committed, keeping `keep` in all.
+
+    Example:
+        >>> retired_steps([1, 2, 3, 4, 98, 99], 4, 2)
+        [1, 2]
+    """
+    older = sorted(s for s in steps if s < step)
+    return older[: max(0, len(older) - (keep - 1))]
+
+
+@dataclass
+class ShareCheck:
+    """What one rank found checking the files of a new step it can see."""
+
+    checked: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    expected: list[str] = field(default_factory=list)
+
+
+def _manifests(path: str) -> list[tuple[str, Manifest]]:
+    top = read_manifest(path)
+    found = [(path, top)]
+    for shard in top.shards:
+        shard_dir = os.path.join(path, shard)
+        found.append((shard_dir, read_manifest(shard_dir)))
+    return found
+
+
+def check_share(path: str, stripe_roots: Sequence[str | os.PathLike[str]] | None, *, checks_dir: bool) -> ShareCheck:
+    """Checks the data files of the checkpoint at `path` that lie on this rank's drives.
+
+    A file is this rank's to check when its stripe directory sits in one of `stripe_roots`, or,
+    with `checks_dir`, when it lies in the checkpoint directory itself (rank 0).
+    """
+    roots = {os.path.realpath(os.fspath(r)) for r in stripe_roots or []}
+    result = ShareCheck()
+    try:
+        manifests = _manifests(path)
+    except (FastPersistError, OSError) as e:
+        result.problems.append(f"{path}: {e}")
+        return result
+    for where, m in manifests:
+        for entry in m.files:
+            file_path = m.file_path(where, entry)
+            result.expected.append(file_path)
+            in_stripe = entry.stripe is not None
+            mine = os.path.realpath(os.path.dirname(os.path.dirname(file_path))) in roots if in_stripe else checks_dir
+            if not mine:
+                continue
+            result.checked.append(file_path)
+            try:
+                st = os.lstat(file_path)
+            except OSError as e:
+                result.problems.append(f"{file_path}: {e.strerror}")
+                continue
+            if not stat.S_ISREG(st.st_mode) or st.st_size != entry.len_bytes:
+                result.problems.append(f"{file_path}: {st.st_size} bytes, expected {entry.len_bytes}")
+    return result
+
+
+def _verdict(path: str, checks: Sequence[ShareCheck]) -> str:
+    """Empty if the new step at `path` is loadable by what `checks` saw, else why not."""
+    problems = [p for c in checks for p in c.problems]
+    if problems:
+        return "; ".join(problems[:3])
+    unchecked = sorted(set(checks[0].expected) - {p for c in checks for p in c.checked})
+    if unchecked:
+        return f"{len(unchecked)} data files were checked by no rank (e.g. {unchecked[0]})"
+    return ""
+
+
+def retire(
+    root: str,
+    step_path: str,
+    candidates: Sequence[str],
+    stripe_roots: Sequence[str | os.PathLike[str]] | None,
+    *,
+    rank: int,
+    all_gather: Callable[[Any], list[Any]] | None = None,
+    broadcast: Callable[[Any], Any] | None = None,
+) -> list[str]:
+    """Removes the checkpoints `candidates` once the new one at `step_path` is verified; returns them.
+
+    Every rank calls it with the same arguments but its own stripe roots; `all_gather` and
+    `broadcast` (from rank 0) are the group's collectives, None alone.
+    """
+    check = check_share(step_path, stripe_roots, checks_dir=rank == 0)
+    checks = all_gather(check) if all_gather is not None else [check]
+    removed: list[str] = []
+    if rank == 0:
+        why = _verdict(step_path, checks)
+        if why and candidates:
+            log.warning("keeping %s: the new checkpoint %s does not verify yet (%s)", list(candidates), step_path, why)
+        else:
+            removed = list(candidates)
+        for path in removed:
+            remove_checkpoint_tree(path, stripe_roots)
+    if broadcast is not None:
+        removed = broadcast(removed)
+        if rank != 0 and removed and stripe_roots:
+            stripe_leftovers(root, stripe_roots, names={os.path.basename(p) for p in removed})
+    return removed
