@@ -194,7 +194,25 @@ def torn_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, An
     return {"staged_error": staged_error, "error": error, "previous_ok": same(make_state(1), fp.load(path))}
 
 
+def copy_guard(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    """guard="copy": writes through .data and .numpy() right after save_async returns stay out."""
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, pool_bytes=256 << 10, guard="copy")
+    state = {f"w{i}": torch.full(((2 << 20) // 4,), float(i)) for i in range(4)}
+    expected = {k: v.clone() for k, v in state.items()}
+    path = os.path.join(workdir, "copy-guard")
+    fut = fp.save_async(state, path, config=cfg, group=dist.group.WORLD)
+    for i, t in enumerate(reversed(list(state.values()))):
+        if i % 2:
+            t.data.add_(100)
+        else:
+            t.numpy()[:] += 100
+    fut.wait()
+    dist.barrier()
+    return {"same": same(expected, fp.load(path)), "changed": not same(expected, state)}
+
+
 SCENARIOS: dict[str, Callable[[int, int, str, str], dict[str, Any]]] = {
+    "copy_guard": copy_guard,
     "torn_rank": torn_rank,
     "replicated": replicated,
     "writers_node": writers_node,

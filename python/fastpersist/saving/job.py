@@ -181,6 +181,10 @@ class SaveJob:
             paths = self._make_directories()
             if self.my_parts:
                 self._start_engine(paths, background)
+                if self.config.guard == "copy":
+                    # Writes the version counter cannot see (.data, .numpy(), CUDA kernels) can
+                    # only be kept out of the checkpoint by not returning before it is staged.
+                    self.handle.wait_staged()
         except BaseException:
             self.discard()
             raise
