@@ -35,7 +35,8 @@ import torch.distributed as dist
 from ..config import Config, SaveResult
 from ..errors import FastPersistError
 from ..format.manifest import FileEntry, build
-from .job import Layout, SaveJob, Written, check_target, tmp_dir_for, write_manifest
+from .job import Layout, SaveJob, Written, write_manifest
+from .target import check_name_fits, check_target, tmp_dir_for
 
 __all__ = [
     "CommitOutcome",
@@ -207,6 +208,9 @@ class GroupSaveJob:
         message: StartMessage | None = None
         if self.rank == 0:
             try:
+                # The longest tag any rank's stripe directories get (".r{rank}" or ".w{writer}").
+                worst_tag = f".r{self.control.size - 1}"
+                check_name_fits(self.path, striped=bool(self.config.stripes), tag=worst_tag)
                 check_target(self.path)
                 checkpoint_id = uuid.uuid4().hex
                 tmp = tmp_dir_for(self.path, checkpoint_id)

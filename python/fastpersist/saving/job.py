@@ -15,7 +15,6 @@ the rank that owns the temporary directory writes the manifest and commits for a
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import os
 import shutil
@@ -35,15 +34,13 @@ from ..format.blobs import Blob
 from ..format.confine import remove_checkpoint_tree as _remove_confined
 from ..format.flatten import FlatState, flatten, records_to_json
 from ..format.manifest import MANIFEST_NAME, FileEntry, build
-from ..format.stripes import STRIPE_SUFFIX
 from ..logs import log_save
+from .target import check_name_fits, check_target, replace_as_last_writer, stripe_dir_name, tmp_dir_for
 from .verdict import Verdict
 
 __all__ = ["Layout", "SaveJob", "pool_for", "remove_checkpoint_tree", "single_layout"]
 
 log = logging.getLogger("fastpersist")
-
-TMP_MARKER = ".fptmp-"
 
 #: Watched tensors of at most this size are copied when the save starts, smallest first and up
 #: to COPY_AT_START_BUDGET_BYTES in all, so that nothing the next forward pass updates in place
@@ -76,21 +73,6 @@ def _warn_fallback_once(reason: str | None) -> None:
         _warned_fallback = True
         log.warning("%s", reason)
         warnings.warn(reason, RuntimeWarning, stacklevel=4)
-
-
-def check_target(path: str) -> None:
-    """Refuses to replace anything but a fastpersist checkpoint (or an empty directory)."""
-    if not os.path.lexists(path):
-        return
-    if os.path.isdir(path) and not os.path.islink(path):
-        if os.path.exists(os.path.join(path, MANIFEST_NAME)) or not os.listdir(path):
-            return
-    raise FileExistsError(errno.EEXIST, "exists and is not a fastpersist checkpoint; refusing to replace it", path)
-
-
-def tmp_dir_for(path: str, checkpoint_id: str) -> str:
-    parent, name = os.path.split(path)
-    return os.path.join(parent, f".{name}{TMP_MARKER}{checkpoint_id[:12]}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +155,7 @@ class SaveJob:
 
     def start(self, state: object, *, background: bool = True) -> SaveJob:
         """Flattens `state`, lays out the stream, creates the directories and starts the engine."""
+        check_name_fits(self.path, striped=bool(self.config.stripes), tag=self.layout.tag)
         if self.layout.owner:
             check_target(self.path)
         self._lay_out(state)
@@ -196,9 +179,8 @@ class SaveJob:
         flat = self._flat = flatten(state)
         name = os.path.basename(self.path)
         stripe_roots = list(config.stripes or [])
-        self.stripe_dirs = [
-            os.path.join(r, f"{name}.{layout.checkpoint_id[:12]}{layout.tag}{STRIPE_SUFFIX}") for r in stripe_roots
-        ]
+        stripe_name = stripe_dir_name(name, layout.checkpoint_id, layout.tag)
+        self.stripe_dirs = [os.path.join(r, stripe_name) for r in stripe_roots]
         self.plan = _core.Plan(
             [b.nbytes for b in flat.blobs], layout.writer_count, max(1, len(stripe_roots)), config.chunk_bytes
         )
@@ -395,7 +377,7 @@ class SaveJob:
 
         def put_in_place() -> None:
             nonlocal exchanged
-            exchanged = _core.replace_atomically(self.layout.tmp_dir, self.path)
+            exchanged = replace_as_last_writer(self.layout.tmp_dir, self.path)
 
         self.verdict.commit(put_in_place)
         if self.config.durable:
