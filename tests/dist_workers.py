@@ -211,7 +211,25 @@ def copy_guard(rank: int, world: int, workdir: str, backend: str) -> dict[str, A
     return {"same": same(expected, fp.load(path)), "changed": not same(expected, state)}
 
 
+def dtensor_leaf(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    """What saving a DTensor (plain, and as an FSDP2-style Parameter) raises: type and message."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", (world,))
+    dt = DTensor.from_local(torch.ones(4), mesh, [Replicate()])
+    raised = {}
+    for name, leaf in (("plain", dt), ("param", torch.nn.Parameter(dt))):
+        try:
+            fp.save({"model": {"w": leaf}}, os.path.join(workdir, f"dtensor-{name}"))
+            raised[name] = "nothing"
+        except Exception as e:
+            raised[name] = f"{type(e).__name__}: {e}"
+    return {"raised": raised, "written": sorted(os.listdir(workdir))}
+
+
 SCENARIOS: dict[str, Callable[[int, int, str, str], dict[str, Any]]] = {
+    "dtensor_leaf": dtensor_leaf,
     "copy_guard": copy_guard,
     "torn_rank": torn_rank,
     "replicated": replicated,
