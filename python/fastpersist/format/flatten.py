@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import gc
 import math
 import sys
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import torch
 from .. import device as _device
 from ..device import copier_for as _copier_for
 from ..errors import UnsupportedValueError
+from ..gcpause import paused_gc
 from .blobs import U8, Blob, byte_view
 from .records import (
     CANONICAL_CACHE,
@@ -113,18 +113,12 @@ def flatten(state: object, *, root_name: str = "state") -> FlatState:
         'state.opt.state[0].step'
     """
     walker = _Walker()
-    # The walk allocates a few objects per leaf and no cycles; collections triggered by
-    # them would cost more than the walk itself on a state of many small tensors.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
     try:
-        root = walker.node(state, root_name, 0)
-        walker.finish()
+        with paused_gc():
+            root = walker.node(state, root_name, 0)
+            walker.finish()
     except RecursionError:
         raise UnsupportedValueError(f"at key path {root_name}: the state is nested too deeply to save") from None
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     return FlatState({"spec_version": SPEC_VERSION, "root": root}, walker.records, walker.blobs, walker.leaves)
 
 
