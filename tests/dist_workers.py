@@ -228,7 +228,22 @@ def dtensor_leaf(rank: int, world: int, workdir: str, backend: str) -> dict[str,
     return {"raised": raised, "written": sorted(os.listdir(workdir))}
 
 
+def long_name(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    """A group save of a name too long for the hidden directories: what each rank raises."""
+    stripes = [os.path.join(workdir, "ssd")]
+    os.makedirs(stripes[0], exist_ok=True)
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, stripes=stripes)
+    try:
+        fp.save(make_state(1), os.path.join(workdir, "n" * 240), config=cfg, group=dist.group.WORLD)
+        raised = "nothing"
+    except Exception as e:
+        raised = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return {"raised": raised, "written": sorted(os.listdir(workdir)), "stripe": os.listdir(stripes[0])}
+
+
 SCENARIOS: dict[str, Callable[[int, int, str, str], dict[str, Any]]] = {
+    "long_name": long_name,
     "dtensor_leaf": dtensor_leaf,
     "copy_guard": copy_guard,
     "torn_rank": torn_rank,

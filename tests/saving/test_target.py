@@ -16,7 +16,8 @@ import fastpersist as fp
 from fastpersist import _core
 from fastpersist.saving.target import NAME_MAX_BYTES
 
-from gloo import TESTS_DIR
+from dist_workers import run
+from gloo import TESTS_DIR, run_ranks
 from race_worker import save_rounds, state_of
 
 ROUNDS = 30
@@ -33,15 +34,17 @@ def test_two_processes_making_the_first_save_of_one_path_both_commit(workdir: st
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()
     os.environ["RACE_BACKEND"] = backend
+    procs = [ctx.Process(target=save_rounds, args=(w, workdir, ROUNDS, barrier, results)) for w in range(2)]
     try:
-        procs = [ctx.Process(target=save_rounds, args=(w, workdir, ROUNDS, barrier, results)) for w in range(2)]
         for p in procs:
             p.start()
         outcomes = dict(results.get(timeout=240) for _ in procs)
-        for p in procs:
-            p.join(60)
     finally:
         del os.environ["RACE_BACKEND"]
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
     assert outcomes == {0: ["ok"] * ROUNDS, 1: ["ok"] * ROUNDS}
     assert sorted(os.listdir(workdir)) == sorted(f"ck-{i}" for i in range(ROUNDS))  # no leftovers
     for i in range(ROUNDS):
@@ -118,3 +121,14 @@ def test_the_name_limit_counts_bytes_not_characters(workdir: str) -> None:
     path = os.path.join(workdir, "é" * 118)  # 236 bytes in UTF-8
     with pytest.raises(ValueError, match=r"236 bytes.*at most 235 bytes"):
         fp.save({"w": torch.ones(4)}, path)
+
+
+def test_a_group_save_of_a_name_too_long_fails_on_every_rank_before_writing(workdir: str) -> None:
+    """Rank 0 checks with the longest rank tag (".r1" here: 255 - 25 = 230 bytes) for everyone."""
+    results = run_ranks(run, 2, ("long_name", workdir, "threads"), workdir, 120)
+    for r in results:
+        assert [n for n in r["written"] if n not in ("init-store", "ssd") and not n.startswith("result-")] == [], r
+    assert [r["stripe"] for r in results] == [[], []]
+    rank0, rank1 = (r["raised"] for r in results)
+    assert rank0.startswith("ValueError: cannot save ") and "at most 230 bytes" in rank0, rank0
+    assert rank1.startswith("GroupSaveError: rank 0 could not start the save") and "at most 230 bytes" in rank1, rank1
