@@ -117,6 +117,17 @@ def test_a_name_too_long_for_the_hidden_directories_is_refused_before_writing(
     assert fp.load(fits, config=cfg)["w"].tolist() == [2.0] * 4
 
 
+def test_a_striped_save_refuses_a_name_its_loader_would_refuse(workdir: str) -> None:
+    stripes = [os.path.join(workdir, "ssd")]
+    os.mkdir(stripes[0])
+    cfg = fp.Config(stripes=stripes)
+    with pytest.raises(ValueError, match=r"my ckpt.*with stripes.*'my ckpt\.0{12}\.fpstripe'"):
+        fp.save({"w": torch.ones(4)}, os.path.join(workdir, "my ckpt"), config=cfg)
+    assert sorted(os.listdir(workdir)) == ["ssd"] and os.listdir(stripes[0]) == []
+    fp.save({"w": torch.ones(4)}, os.path.join(workdir, "my ckpt"))  # without stripes the name is fine
+    assert fp.load(os.path.join(workdir, "my ckpt"))["w"].tolist() == [1.0] * 4
+
+
 def test_the_name_limit_counts_bytes_not_characters(workdir: str) -> None:
     path = os.path.join(workdir, "é" * 118)  # 236 bytes in UTF-8
     with pytest.raises(ValueError, match=r"236 bytes.*at most 235 bytes"):

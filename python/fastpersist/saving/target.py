@@ -16,7 +16,7 @@ import os
 
 from .. import _core
 from ..format.manifest import MANIFEST_NAME
-from ..format.stripes import STRIPE_SUFFIX
+from ..format.stripes import STRIPE_SUFFIX, stripe_dir_id
 
 __all__ = [
     "COMMIT_ATTEMPTS",
@@ -51,7 +51,8 @@ def stripe_dir_name(name: str, checkpoint_id: str, tag: str) -> str:
 
 def check_name_fits(path: str, *, striped: bool, tag: str = "") -> None:
     """Raises ValueError, before anything is written, if a name a save of `path` creates
-    would exceed NAME_MAX (the kernel's ENAMETOOLONG would name only the hidden directory).
+    would exceed NAME_MAX (the kernel's ENAMETOOLONG would name only the hidden directory), or
+    if the loader would refuse the name of its stripe directories.
 
     `tag` is the longest stripe-directory tag any rank of the save uses (``".r12"``).
     """
@@ -67,6 +68,12 @@ def check_name_fits(path: str, *, striped: bool, tag: str = "") -> None:
             f"cannot save {path}: its name is {name_bytes} bytes, and the directories a save makes beside it "
             f"({', '.join(made)}) add {extra_bytes} bytes to it, past the {NAME_MAX_BYTES}-byte limit on a "
             f"file name (NAME_MAX). Use a checkpoint name of at most {NAME_MAX_BYTES - extra_bytes} bytes"
+        )
+    if striped and stripe_dir_id(made[-1]) is None:
+        raise ValueError(
+            f"cannot save {path} with stripes: the loader would refuse its stripe directory name {made[-1]!r} "
+            "(fastpersist/format/stripes.py accepts only ASCII letters, digits, '.', '_' and '-' in a striped "
+            "checkpoint's name). Rename the checkpoint"
         )
 
 
