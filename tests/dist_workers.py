@@ -194,7 +194,58 @@ def torn_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, An
     return {"staged_error": staged_error, "error": error, "previous_ok": same(make_state(1), fp.load(path))}
 
 
+def copy_guard(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    """guard="copy": writes through .data and .numpy() right after save_async returns stay out."""
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, pool_bytes=256 << 10, guard="copy")
+    state = {f"w{i}": torch.full(((2 << 20) // 4,), float(i)) for i in range(4)}
+    expected = {k: v.clone() for k, v in state.items()}
+    path = os.path.join(workdir, "copy-guard")
+    fut = fp.save_async(state, path, config=cfg, group=dist.group.WORLD)
+    for i, t in enumerate(reversed(list(state.values()))):
+        if i % 2:
+            t.data.add_(100)
+        else:
+            t.numpy()[:] += 100
+    fut.wait()
+    dist.barrier()
+    return {"same": same(expected, fp.load(path)), "changed": not same(expected, state)}
+
+
+def dtensor_leaf(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    """What saving a DTensor (plain, and as an FSDP2-style Parameter) raises: type and message."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", (world,))
+    dt = DTensor.from_local(torch.ones(4), mesh, [Replicate()])
+    raised = {}
+    for name, leaf in (("plain", dt), ("param", torch.nn.Parameter(dt))):
+        try:
+            fp.save({"model": {"w": leaf}}, os.path.join(workdir, f"dtensor-{name}"))
+            raised[name] = "nothing"
+        except Exception as e:
+            raised[name] = f"{type(e).__name__}: {e}"
+    return {"raised": raised, "written": sorted(os.listdir(workdir))}
+
+
+def long_name(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    """A group save of a name too long for the hidden directories: what each rank raises."""
+    stripes = [os.path.join(workdir, "ssd")]
+    os.makedirs(stripes[0], exist_ok=True)
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, stripes=stripes)
+    try:
+        fp.save(make_state(1), os.path.join(workdir, "n" * 240), config=cfg, group=dist.group.WORLD)
+        raised = "nothing"
+    except Exception as e:
+        raised = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return {"raised": raised, "written": sorted(os.listdir(workdir)), "stripe": os.listdir(stripes[0])}
+
+
 SCENARIOS: dict[str, Callable[[int, int, str, str], dict[str, Any]]] = {
+    "long_name": long_name,
+    "dtensor_leaf": dtensor_leaf,
+    "copy_guard": copy_guard,
     "torn_rank": torn_rank,
     "replicated": replicated,
     "writers_node": writers_node,

@@ -32,6 +32,7 @@ def assert_same(a: object, b: object, path: str = "state") -> None:
     elif isinstance(a, dict):
         assert isinstance(b, dict)
         assert list(a.keys()) == list(b.keys()), path
+        assert [type(k) for k in a] == [type(k) for k in b], f"{path}: key types"
         for k in a:
             assert_same(a[k], b[k], f"{path}[{k!r}]")
     elif isinstance(a, (list, tuple)):
@@ -62,6 +63,7 @@ def sample_state() -> dict[str, object]:
         "pt": Point(1, torch.ones(2, dtype=torch.complex64)),
         "empty": torch.empty(0, 3),
         "scalar": torch.tensor(7, dtype=torch.int64),
+        "by_shape": {torch.Size([2, 3]): 1, (2, 3, 4): 2, torch.device("cpu"): 3, 1j: 4, torch.Size([]): 5},
     }
 
 

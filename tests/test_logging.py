@@ -54,3 +54,23 @@ def test_no_print_calls_in_the_library() -> None:
                     f"{name}:{i + 1}" for i, line in enumerate(text.splitlines()) if re.match(r"\s*print\(", line)
                 ]
     assert not offenders
+
+
+def test_a_save_call_says_where_its_time_went(
+    workdir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """INFO from SLOW_CALL_S on (lowered to 0 here), else DEBUG: walk, engine start, staging wait."""
+    state = {f"t{i}": torch.zeros(4) for i in range(5000)}
+    path = os.path.join(workdir, "many")
+    with caplog.at_level("DEBUG", logger="fastpersist"):
+        fp.save_async(state, path).wait()
+        monkeypatch.setattr(fp.logs, "SLOW_CALL_S", 0.0)
+        fp.save_async(state, path, config=fp.Config(guard="copy")).wait()
+    calls = [(r.levelname, r.getMessage()) for r in caplog.records if "before returning" in r.getMessage()]
+    assert [level for level, _ in calls] == ["DEBUG", "INFO"]
+    pattern = (
+        rf"the save of {re.escape(os.path.abspath(path))} took [0-9.]+ s before returning: [0-9.]+ s walking the "
+        r"state \(5000 tensors\) and laying it out, .*; [0-9.]+ s starting the engine, which copies the small "
+        r"tensors before returning .*\(docs/overlap\.md\)(; [0-9.]+ s until every byte was staged .*)?"
+    )
+    assert all(re.fullmatch(pattern, message) for _, message in calls), calls

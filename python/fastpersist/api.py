@@ -89,7 +89,9 @@ def save_async(
     Call ``fut.wait_staged()`` before modifying the state (e.g. before ``optimizer.step()``) and
     ``fut.wait()`` when you need the checkpoint to be committed. With
     ``Config(pool_bytes >= state size)`` staging is one memory copy; otherwise it proceeds as
-    the writes drain the bounded pool.
+    the writes drain the bounded pool. With ``Config(guard="copy")`` it returns only once
+    every byte is staged, so writes torch cannot see (``.data``, ``.numpy()``, CUDA kernels)
+    cannot tear the save (docs/overlap.md).
 
     Example:
         >>> fut = fp.save_async({"w": torch.ones(3)}, "/tmp/fp-doc-async")

@@ -20,8 +20,8 @@ The deletion rule: nothing is removed that is not provably a leftover of `root`.
 * A committed checkpoint whose manifest cannot be read (an I/O error, a newer format) keeps
   every stripe directory that names it, with a WARNING.
 * An index temporary file is removed only when the process that wrote it is gone.
-* A stripe directory renamed to ``NAME.fpstripe.fpremoving`` is one whose owner had proven it
-  and started removing it (a crash cut that short); it is removed.
+* A directory ``.fpremoving-*`` in a stripe root is a stripe directory whose owner had proven
+  it and started removing it (a crash cut that short); it is removed.
 
 ``Checkpointer`` runs this for its root and stripes before its first save (never for a read-only
 use such as ``latest()`` or ``load()``). Every rank of a group runs it for its own stripe roots.
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from .errors import FastPersistError
 from .format.manifest import MANIFEST_NAME, read_manifest
-from .format.ownership import REMOVING_SUFFIX, cleaning, is_live, lock_state, read_owner, remove_owned_dir
+from .format.ownership import REMOVING, cleaning, is_live, lock_state, read_owner, remove_owned_dir
 from .format.stripes import parse_stripe_dir
 
 __all__ = ["INDEX_TMP", "clean", "stripe_leftovers"]
@@ -121,7 +121,7 @@ def _scan_stripes(view: _RootView, stripes: Sequence[str | os.PathLike[str]], na
             continue
         for entry in entries:
             path = os.path.join(base, entry)
-            if entry.endswith(REMOVING_SUFFIX) and parse_stripe_dir(entry[: -len(REMOVING_SUFFIX)]):
+            if REMOVING.match(entry):
                 if _is(path, stat.S_IFDIR):
                     found.append(path)  # a removal that a crash cut short: its owner had proven it
                 continue
@@ -151,7 +151,7 @@ def stripe_leftovers(
 
 
 def _remove_stripe_dir(path: str) -> None:
-    if path.endswith(REMOVING_SUFFIX):
+    if REMOVING.match(os.path.basename(path)):
         shutil.rmtree(path, ignore_errors=True)
     else:
         remove_owned_dir(path)

@@ -14,6 +14,7 @@ __all__ = ["Config", "SaveResult"]
 _BACKENDS = ("auto", "io_uring", "threads")
 _DIRECT = ("auto", "require", "off")
 _CHECKSUMS = ("crc32c", "off")
+_GUARDS = ("version", "copy")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,13 @@ class Config:
             ``"node"`` (one per node), or an integer k (the first k ranks of each node).
         timeout_s: in a process group, how long a rank waits for the others at each step of
             the commit before it gives up and raises (a failed or killed rank).
+        guard: how a save protects itself from writes to the state while it stages
+            (docs/overlap.md). ``"version"``: ``save_async`` returns at once and the save fails
+            if torch's version counter shows an in-place change before a tensor was staged; it
+            cannot see writes through ``.data``, ``.numpy()``, other storages or CUDA kernels.
+            ``"copy"``: ``save_async`` and ``Checkpointer.save`` return only once every byte is
+            in the staging pool, so no later write of any kind can tear the save (with a pool
+            smaller than the state, that waits until the disk has taken all but ``pool_bytes``).
 
     Example:
         >>> import fastpersist as fp
@@ -57,6 +65,7 @@ class Config:
     durable: bool = True
     writers: Literal["rank", "node"] | int = "rank"
     timeout_s: float = 600.0
+    guard: Literal["version", "copy"] = "version"
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, expected: str) -> ValueError:
@@ -81,6 +90,8 @@ class Config:
             raise bad("writers", self.writers, '"rank", "node" or an integer >= 1')
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise bad("timeout_s", self.timeout_s, "a positive number of seconds")
+        if self.guard not in _GUARDS:
+            raise bad("guard", self.guard, " | ".join(_GUARDS) + " (see docs/overlap.md)")
         if self.stripes is not None:
             if isinstance(self.stripes, (str, bytes)) or not len(self.stripes):
                 raise bad("stripes", self.stripes, "None or a non-empty list of directories")

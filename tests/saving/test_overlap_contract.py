@@ -7,6 +7,7 @@ import concurrent.futures
 import gc
 import logging
 import os
+import threading
 import time
 
 import pytest
@@ -194,3 +195,24 @@ def test_checkpointer_does_not_raise_twice_what_wait_staged_raised(workdir: str,
     ck.save(2, state)  # already reported: not raised again
     ck.wait()
     assert ck.steps() == [2] and ck.latest() == 2
+
+
+def test_the_manifest_records_are_built_on_the_saves_thread_not_at_the_call(
+    workdir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On 200,000 small tensors they cost a third of a second, and nothing at the call needs them."""
+    from fastpersist.saving import job
+
+    threads: list[str] = []
+    real = job.records_to_json
+
+    def on_which_thread(records: list[object]) -> object:
+        threads.append(threading.current_thread().name)
+        return real(records)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(job, "records_to_json", on_which_thread)
+    fut = fp.save_async({f"t{i}": torch.zeros(4) for i in range(100)}, os.path.join(workdir, "ckpt"))
+    assert threads == []
+    fut.wait()
+    assert threads == ["fastpersist-commit"]
+    assert len(fp.load(os.path.join(workdir, "ckpt"))) == 100

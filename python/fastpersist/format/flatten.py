@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import base64
 import collections
-import gc
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +31,7 @@ import torch
 from .. import device as _device
 from ..device import copier_for as _copier_for
 from ..errors import UnsupportedValueError
+from ..gcpause import paused_gc
 from .blobs import U8, Blob, byte_view
 from .records import (
     CANONICAL_CACHE,
@@ -112,18 +113,12 @@ def flatten(state: object, *, root_name: str = "state") -> FlatState:
         'state.opt.state[0].step'
     """
     walker = _Walker()
-    # The walk allocates a few objects per leaf and no cycles; collections triggered by
-    # them would cost more than the walk itself on a state of many small tensors.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
     try:
-        root = walker.node(state, root_name, 0)
-        walker.finish()
+        with paused_gc():
+            root = walker.node(state, root_name, 0)
+            walker.finish()
     except RecursionError:
         raise UnsupportedValueError(f"at key path {root_name}: the state is nested too deeply to save") from None
-    finally:
-        if gc_was_enabled:
-            gc.enable()
     return FlatState({"spec_version": SPEC_VERSION, "root": root}, walker.records, walker.blobs, walker.leaves)
 
 
@@ -195,11 +190,15 @@ _VALUE_ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
     torch.Size: _enc_size,
     torch.device: _enc_device,
 }
+#: Every hashable value leaf may be a dict key too (and tuples of them, below).
 _KEY_ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
     int: _enc_int,
     float: _enc_float,
+    complex: _enc_complex,
     bytes: _enc_bytes,
     torch.dtype: _enc_dtype,
+    torch.Size: _enc_size,
+    torch.device: _enc_device,
 }
 
 
@@ -298,8 +297,8 @@ class _Walker:
             return {"t": "tuple", "v": [self._key(e, path, depth + 1) for e in k]}  # type: ignore[attr-defined]
         raise UnsupportedValueError(
             f"at key path {path}: cannot save a dict key of type {_type_name(cls)} "
-            f"({_safe_repr(k)[:80]}). Dict keys may be str, int, float, bool, None, bytes, "
-            "torch.dtype or tuples of those"
+            f"({_safe_repr(k)[:80]}). Dict keys may be str, int, float, complex, bool, None, "
+            "bytes, torch.dtype, torch.Size, torch.device or tuples of those"
         )
 
     def _other(self, x: object, path: str, depth: int) -> Any:
@@ -326,6 +325,8 @@ class _Walker:
             return {"t": "np", "dtype": dt.str, "v": base64.b64encode(a.tobytes()).decode("ascii")}
         if isinstance(x, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
             raise _unsupported(path, x, "an uninitialized lazy parameter or buffer has no data")
+        if _is_dtensor(x):
+            raise _unsupported(path, x, _DTENSOR_FIX)
         if isinstance(x, torch.Tensor):
             raise _unsupported(path, x, "tensor subclass; convert it with .as_subclass(torch.Tensor)")
         if isinstance(x, np.ndarray):
@@ -451,6 +452,21 @@ class _Walker:
                 t.requires_grad,
                 type(t) is _Parameter,
             )
+
+
+_DTENSOR_FIX = (
+    "a DTensor is one rank's part of a distributed tensor, and .as_subclass() would keep it one: "
+    "save .full_tensor() (the whole tensor, gathered on every rank) or .to_local() (this rank's "
+    "shard, e.g. with sharded=True), or save the state with torch.distributed.checkpoint through "
+    "fastpersist.integrations.dcp"
+)
+
+
+def _is_dtensor(x: object) -> bool:
+    # Only a process that imported torch.distributed.tensor can hold a DTensor: no import here.
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return isinstance(dtensor, type) and isinstance(x, dtensor)
 
 
 def _tensor_error(t: torch.Tensor, path: str) -> UnsupportedValueError:

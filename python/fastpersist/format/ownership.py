@@ -29,13 +29,16 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = [
     "OWNER_MARKER",
-    "REMOVING_SUFFIX",
+    "REMOVING",
+    "REMOVING_PREFIX",
     "DirLock",
     "Owner",
     "checkpoint_key",
@@ -51,8 +54,10 @@ __all__ = [
 #: The marker file inside each stripe directory. Data file names start with a letter or digit,
 #: so it can never be mistaken for one.
 OWNER_MARKER = ".fpowner.json"
-#: Appended to a stripe directory's name when its removal starts (see :func:`remove_owned_dir`).
-REMOVING_SUFFIX = ".fpremoving"
+#: A stripe directory whose removal has started is renamed to a name this pattern matches
+#: (see :func:`remove_owned_dir`); short, so it fits wherever the stripe directory's name did.
+REMOVING_PREFIX = ".fpremoving-"
+REMOVING = re.compile(r"^" + re.escape(REMOVING_PREFIX) + r"[0-9a-f]{16}$")
 _MAX_MARKER_BYTES = 1 << 14
 
 
@@ -117,11 +122,11 @@ def read_owner(stripe_dir: str) -> Owner | None:
 def remove_owned_dir(stripe_dir: str) -> None:
     """Deletes a stripe directory its caller has proven to own.
 
-    It is first renamed to ``NAME`` + :data:`REMOVING_SUFFIX`, a name no save creates, so a
-    removal cut short by a crash leaves a directory any later clean may finish removing,
-    rather than a half-emptied one whose owner can no longer be proven.
+    It is first renamed to a name no save creates (:data:`REMOVING`), so a removal cut short
+    by a crash leaves a directory any later clean may finish removing, rather than a
+    half-emptied one whose owner can no longer be proven.
     """
-    doomed = stripe_dir + REMOVING_SUFFIX
+    doomed = os.path.join(os.path.dirname(stripe_dir), f"{REMOVING_PREFIX}{uuid.uuid4().hex[:16]}")
     try:
         os.rename(stripe_dir, doomed)
     except FileNotFoundError:

@@ -231,6 +231,10 @@ def _child(e: _SpecError, where: str) -> _SpecError:
     return e
 
 
+#: The value leaves that may also be dict keys (flatten's _KEY_ENCODERS writes them).
+_KEY_TAGS = ("int", "float", "complex", "bytes", "dtype", "size", "device")
+
+
 class _Builder:
     """Recursive spec reader with a depth cap; `tensors` supplies the tensor leaves."""
 
@@ -309,7 +313,7 @@ class _Builder:
         if node is None or type(node) is str or type(node) is bool:
             return node
         tag = node.get("t") if type(node) is dict else None
-        if tag in ("int", "float", "bytes", "dtype"):
+        if tag in _KEY_TAGS:
             return self.leaf(node, tag)  # type: ignore[arg-type]
         if tag == "tuple":
             (values,) = _fields(node, "v")  # type: ignore[arg-type]
@@ -317,7 +321,8 @@ class _Builder:
                 raise _SpecError("'v' must be a list")
             self._deeper(depth)
             return tuple(self.key(v, depth + 1) for v in values)
-        raise _SpecError("a dict key must be a string, boolean, null, or an int, float, bytes, dtype or tuple node")
+        kinds = ", ".join(_KEY_TAGS)
+        raise _SpecError(f"a dict key must be a string, boolean, null, or a node of type {kinds} or tuple")
 
     def leaf(self, node: dict[str, Any], tag: object) -> object:
         if tag == "int":

@@ -39,7 +39,7 @@ from ..errors import FastPersistError
 from ..format.manifest import FileEntry, build
 from ..format.ownership import DirLock, make_locked_dir
 from .job import Layout, SaveJob, Written
-from .target import check_stripe_roots, check_target, tmp_dir_for, write_manifest
+from .target import check_name_fits, check_stripe_roots, check_target, tmp_dir_for, write_manifest
 
 __all__ = [
     "CommitOutcome",
@@ -213,6 +213,9 @@ class GroupSaveJob:
         if self.rank == 0:
             try:
                 check_stripe_roots(self.config.stripes)
+                # The longest tag any rank's stripe directories get (".r{rank}" or ".w{writer}").
+                worst_tag = f".r{self.control.size - 1}"
+                check_name_fits(self.path, striped=bool(self.config.stripes), tag=worst_tag)
                 check_target(self.path)
                 checkpoint_id = uuid.uuid4().hex
                 tmp = tmp_dir_for(self.path, checkpoint_id)

@@ -15,6 +15,7 @@ the rank that owns the temporary directory writes the manifest and commits for a
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import shutil
@@ -30,12 +31,21 @@ from ..config import Config, SaveResult
 from ..device import DeviceCopier, device_bytes
 from ..errors import SaveCancelledError
 from ..format.blobs import Blob
-from ..format.flatten import FlatState, flatten, records_to_json
+from ..format.flatten import FlatState, TensorRecord, flatten, records_to_json
 from ..format.manifest import FileEntry, build
 from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write_owner
-from ..format.stripes import STRIPE_SUFFIX
-from ..logs import log_save
-from .target import check_stripe_roots, check_target, remove_checkpoint_tree, tmp_dir_for, write_manifest
+from ..gcpause import paused_gc
+from ..logs import log_save, log_save_call
+from .target import (
+    check_name_fits,
+    check_stripe_roots,
+    check_target,
+    remove_checkpoint_tree,
+    replace_as_last_writer,
+    stripe_dir_name,
+    tmp_dir_for,
+    write_manifest,
+)
 from .verdict import Verdict
 
 __all__ = ["Layout", "SaveJob", "pool_for", "single_layout"]
@@ -156,21 +166,31 @@ class SaveJob:
         self.stripe_dirs_used: list[str] = []
         self.my_parts: list[PlanPart] = []
         self.part_names: list[tuple[int | None, str]] = []
+        self.records: list[TensorRecord] = []
+        self.blob_lengths: list[int] = []
 
     def start(self, state: object, *, background: bool = True) -> SaveJob:
         """Flattens `state`, lays out the stream, creates the directories and starts the engine."""
         check_stripe_roots(self.config.stripes)
+        check_name_fits(self.path, striped=bool(self.config.stripes), tag=self.layout.tag)
         if self.layout.owner:
             check_target(self.path)
-        self._lay_out(state)
-        self._laid_out = time.perf_counter()
         try:
-            paths = self._make_directories()
-            if self.my_parts:
-                self._start_engine(paths, background)
+            with paused_gc():  # a few objects per tensor, no cycles: collections would cost more
+                self._lay_out(state)
+                self._laid_out = time.perf_counter()
+                paths = self._make_directories()
+                if self.my_parts:
+                    self._start_engine(paths, background)
+            engine_started = time.perf_counter()
+            if self.handle is not None and self.config.guard == "copy":
+                # Writes the version counter cannot see (.data, .numpy(), CUDA kernels) can
+                # only be kept out of the checkpoint by not returning before it is staged.
+                self.handle.wait_staged()
         except BaseException:
             self.discard()
             raise
+        log_save_call(self.path, len(self.records), self.started, self._laid_out, engine_started)
         return self
 
     def _lay_out(self, state: object) -> None:
@@ -179,18 +199,14 @@ class SaveJob:
         flat = self._flat = flatten(state)
         name = os.path.basename(self.path)
         stripe_roots = list(config.stripes or [])
-        self.stripe_dirs = [
-            os.path.join(r, f"{name}.{layout.checkpoint_id[:12]}{layout.tag}{STRIPE_SUFFIX}") for r in stripe_roots
-        ]
+        stripe_name = stripe_dir_name(name, layout.checkpoint_id, layout.tag)
+        self.stripe_dirs = [os.path.join(r, stripe_name) for r in stripe_roots]
         self.plan = _core.Plan(
             [b.nbytes for b in flat.blobs], layout.writer_count, max(1, len(stripe_roots)), config.chunk_bytes
         )
-        self.tensor_json = records_to_json(flat.tensors)
+        self.records = flat.tensors  # hold no tensors: kept after the sources are released
         self.tree = flat.spec
         self.blob_lengths = [b.nbytes for b in flat.blobs]
-        self.blob_owner: dict[int, str] = {}
-        for rec in flat.tensors:
-            self.blob_owner.setdefault(rec.blob, rec.key_path)
         # Held for the whole save: memory pinned for the device copies stays pinned while it lives.
         self.pool = self.pool if self.pool is not None else pool_for(self.config)
         self._copiers = _prepare_device_blobs(flat.blobs, self.pool)
@@ -245,6 +261,15 @@ class SaveJob:
         )
         _warn_fallback_once(self.handle.fallback_reason)
 
+    @functools.cached_property
+    def tensor_json(self) -> list[dict[str, Any]]:
+        """The manifest's tensor records, built when the manifest is (off the call's path)."""
+        return records_to_json(self.records)
+
+    def blob_owner(self, index: int) -> str:
+        """The key path of the first tensor stored in blob `index`, for messages."""
+        return next((rec.key_path for rec in self.records if rec.blob == index), f"blob {index}")
+
     @property
     def backend(self) -> str:
         if self.handle is not None:
@@ -269,7 +294,7 @@ class SaveJob:
             if now != blob.version:
                 self.verdict.fail(
                     SaveCancelledError(
-                        f"tensor {self.blob_owner.get(index, f'blob {index}')!r} was modified in place before "
+                        f"tensor {self.blob_owner(index)!r} was modified in place before "
                         f"the save of {self.path} had copied it (version {blob.version} -> {now}); call "
                         "wait_staged() before optimizer.step(). The checkpoint was not committed; the "
                         "previous one is untouched."
@@ -379,7 +404,7 @@ class SaveJob:
 
         def put_in_place() -> None:
             nonlocal exchanged
-            exchanged = _core.replace_atomically(self.layout.tmp_dir, self.path)
+            exchanged = replace_as_last_writer(self.layout.tmp_dir, self.path)
 
         self.verdict.commit(put_in_place)
         if self.config.durable:

@@ -1,5 +1,13 @@
-"""Where a save goes on disk: the target check, the temporary directory's name, the manifest write,
-and the removal of a checkpoint tree (through :mod:`fastpersist.format.confine`).
+"""The target of a save: the names a save creates beside it, how it takes the target's place,
+the manifest write, and the removal of a checkpoint tree (through :mod:`fastpersist.format.confine`).
+
+A save writes into a hidden temporary directory next to the target (``.NAME.fptmp-ID``) and,
+with stripes, into one directory per stripe root (``NAME.ID[.rK|.wK].fpstripe``); at commit
+the temporary directory is renamed onto the target, replacing the checkpoint there.
+
+Example:
+    >>> os.path.basename(tmp_dir_for("/ckpt/step-7", "0123456789abcdef"))
+    '.step-7.fptmp-0123456789ab'
 """
 
 from __future__ import annotations
@@ -11,17 +19,68 @@ from collections.abc import Sequence
 from .. import _core
 from ..format.confine import remove_checkpoint_tree as _remove_confined
 from ..format.manifest import MANIFEST_NAME
+from ..format.stripes import STRIPE_SUFFIX, stripe_dir_id
 
 __all__ = [
+    "COMMIT_ATTEMPTS",
+    "NAME_MAX_BYTES",
     "TMP_MARKER",
+    "check_name_fits",
     "check_stripe_roots",
     "check_target",
     "remove_checkpoint_tree",
+    "replace_as_last_writer",
+    "stripe_dir_name",
     "tmp_dir_for",
     "write_manifest",
 ]
 
 TMP_MARKER = ".fptmp-"
+
+#: The longest file name Linux filesystems accept (NAME_MAX), in bytes of the encoded name.
+NAME_MAX_BYTES = 255
+
+#: Renames a commit tries while other saves keep creating or removing the same target path.
+COMMIT_ATTEMPTS = 8
+
+
+def tmp_dir_for(path: str, checkpoint_id: str) -> str:
+    """The hidden temporary directory a save of `path` writes into before it commits."""
+    parent, name = os.path.split(path)
+    return os.path.join(parent, f".{name}{TMP_MARKER}{checkpoint_id[:12]}")
+
+
+def stripe_dir_name(name: str, checkpoint_id: str, tag: str) -> str:
+    """The name of the directory a save of checkpoint `name` makes under each stripe root."""
+    return f"{name}.{checkpoint_id[:12]}{tag}{STRIPE_SUFFIX}"
+
+
+def check_name_fits(path: str, *, striped: bool, tag: str = "") -> None:
+    """Raises ValueError, before anything is written, if a name a save of `path` creates
+    would exceed NAME_MAX (the kernel's ENAMETOOLONG would name only the hidden directory), or
+    if the loader would refuse the name of its stripe directories.
+
+    `tag` is the longest stripe-directory tag any rank of the save uses (``".r12"``).
+    """
+    name = os.path.basename(path)
+    some_id = "0" * 32
+    made = [os.path.basename(tmp_dir_for(path, some_id))]
+    if striped:
+        made.append(stripe_dir_name(name, some_id, tag))
+    name_bytes = len(os.fsencode(name))
+    extra_bytes = max(len(os.fsencode(m)) for m in made) - name_bytes
+    if name_bytes + extra_bytes > NAME_MAX_BYTES:
+        raise ValueError(
+            f"cannot save {path}: its name is {name_bytes} bytes, and the directories a save makes beside it "
+            f"({', '.join(made)}) add {extra_bytes} bytes to it, past the {NAME_MAX_BYTES}-byte limit on a "
+            f"file name (NAME_MAX). Use a checkpoint name of at most {NAME_MAX_BYTES - extra_bytes} bytes"
+        )
+    if striped and stripe_dir_id(made[-1]) is None:
+        raise ValueError(
+            f"cannot save {path} with stripes: the loader would refuse its stripe directory name {made[-1]!r} "
+            "(fastpersist/format/stripes.py accepts only ASCII letters, digits, '.', '_' and '-' in a striped "
+            "checkpoint's name). Rename the checkpoint"
+        )
 
 
 def check_target(path: str) -> None:
@@ -32,6 +91,30 @@ def check_target(path: str) -> None:
         if os.path.exists(os.path.join(path, MANIFEST_NAME)) or not os.listdir(path):
             return
     raise FileExistsError(errno.EEXIST, "exists and is not a fastpersist checkpoint; refusing to replace it", path)
+
+
+def replace_as_last_writer(tmp_dir: str, path: str) -> bool:
+    """Atomically puts `tmp_dir` at `path`, replacing whatever checkpoint is there by then.
+
+    Two saves of one new path may both find it absent and rename with "no replace": the
+    later one then replaces the checkpoint the other just committed, as if the saves had run
+    one after the other. Returns whether a checkpoint was exchanged out (it is now at `tmp_dir`).
+    """
+    for _ in range(COMMIT_ATTEMPTS):
+        try:
+            return _core.replace_atomically(tmp_dir, path)
+        except FileExistsError:
+            check_target(path)  # another save committed it first: still a checkpoint to replace
+        except FileNotFoundError:
+            if not os.path.isdir(tmp_dir) or os.path.lexists(path):
+                raise
+            # The checkpoint this save was exchanging with was removed meanwhile: try again.
+    raise FileExistsError(
+        errno.EEXIST,
+        f"other processes kept committing or removing this checkpoint during {COMMIT_ATTEMPTS} attempts to "
+        "put this save in its place; nothing was committed by this save. Give concurrent saves distinct paths",
+        path,
+    )
 
 
 def check_stripe_roots(stripes: Sequence[str | os.PathLike[str]] | None) -> None:
@@ -50,11 +133,6 @@ def check_stripe_roots(stripes: Sequence[str | os.PathLike[str]] | None) -> None
                 "before saving; nothing was written",
                 path,
             )
-
-
-def tmp_dir_for(path: str, checkpoint_id: str) -> str:
-    parent, name = os.path.split(path)
-    return os.path.join(parent, f".{name}{TMP_MARKER}{checkpoint_id[:12]}")
 
 
 def write_manifest(directory: str, manifest: bytes, *, durable: bool) -> None:
