@@ -16,6 +16,7 @@ from .errors import CorruptCheckpointError
 from .format.confine import check_data_files, check_shard_dir
 from .format.flatten import dtype_itemsize, materialize, unflatten
 from .format.manifest import Manifest, read_manifest
+from .format.quote import shown
 from .futures import SaveFuture, SaveJobLike
 from .loading.fill import fill_by_key
 from .loading.maplocation import MapLocation, MappedStorages, check_load_flags, map_tensor
@@ -378,12 +379,15 @@ def verify(path: str | os.PathLike[str], *, progress: Callable[[int], object] | 
         try:
             fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
-            raise CorruptCheckpointError(f"data file {file_path} named in the manifest is missing") from None
+            raise CorruptCheckpointError(
+                f"data file {shown(file_path, 300)} named in the manifest is missing"
+            ) from None
         try:
             size = os.fstat(fd).st_size
             if size != f.len_bytes:
                 raise CorruptCheckpointError(
-                    f"{file_path} has the wrong size (truncated?): expected {f.len_bytes} bytes, found {size}"
+                    f"{shown(file_path, 300)} has the wrong size (truncated?): expected {f.len_bytes} bytes, "
+                    f"found {size}"
                 )
             for i, expected in enumerate(f.chunk_crc32c):
                 offset = i * m.chunk_bytes

@@ -32,6 +32,7 @@ from .. import device as _device
 from ..device import copier_for as _copier_for
 from ..errors import UnsupportedValueError
 from .blobs import U8, Blob, byte_view
+from .quote import shown
 from .records import (
     CANONICAL_CACHE,
     ITEMSIZE,
@@ -120,7 +121,7 @@ def flatten(state: object, *, root_name: str = "state") -> FlatState:
         root = walker.node(state, root_name, 0)
         walker.finish()
     except RecursionError:
-        raise UnsupportedValueError(f"at key path {root_name}: the state is nested too deeply to save") from None
+        raise UnsupportedValueError(f"at key path {shown(root_name)}: the state is nested too deeply to save") from None
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -134,11 +135,13 @@ def _type_name(cls: type) -> str:
 def _unsupported(path: str, x: object, why: str = "") -> UnsupportedValueError:
     why = f" ({why})" if why else ""
     return UnsupportedValueError(
-        f"at key path {path}: cannot save value of type {_type_name(type(x))}{why}. {_SUPPORTED}."
+        f"at key path {shown(path)}: cannot save value of type {_type_name(type(x))}{why}. {_SUPPORTED}."
     )
 
 
-def _safe_repr(k: object) -> str:
+def _key_text(k: object) -> str:
+    """A non-str dict key as it appears inside a key path (whole: a key path is data, and
+    messages bound it with :func:`~fastpersist.format.quote.shown`)."""
     try:
         return repr(k)
     except ValueError:  # an int past sys.get_int_max_str_digits()
@@ -253,9 +256,11 @@ class _Walker:
 
     def _enter(self, x: object, path: str, depth: int) -> None:
         if depth >= MAX_DEPTH:
-            raise UnsupportedValueError(f"at key path {path}: containers nested deeper than {MAX_DEPTH} levels")
+            raise UnsupportedValueError(f"at key path {shown(path)}: containers nested deeper than {MAX_DEPTH} levels")
         if id(x) in self._on_path:
-            raise UnsupportedValueError(f"at key path {path}: cyclic reference (a container that contains itself)")
+            raise UnsupportedValueError(
+                f"at key path {shown(path)}: cyclic reference (a container that contains itself)"
+            )
         self._on_path.add(id(x))
 
     def _mapping(self, x: dict[Any, Any], path: str, depth: int, tag: str) -> dict[str, Any]:
@@ -268,7 +273,7 @@ class _Walker:
                 child = f"{path}.{k}" if k.isidentifier() else f"{path}[{k!r}]"
             else:
                 keys.append(self._key(k, path, depth))
-                child = f"{path}[{_safe_repr(k)}]"
+                child = f"{path}[{_key_text(k)}]"
             values.append(self.node(v, child, depth + 1))
         node = {"t": tag, "k": keys, "v": values}
         # Module.state_dict() keeps per-module versions in `_metadata`; load_state_dict uses
@@ -294,11 +299,11 @@ class _Walker:
             return encoder(k)
         if cls is tuple:
             if depth >= MAX_DEPTH:
-                raise UnsupportedValueError(f"at key path {path}: dict key nested too deeply")
+                raise UnsupportedValueError(f"at key path {shown(path)}: dict key nested too deeply")
             return {"t": "tuple", "v": [self._key(e, path, depth + 1) for e in k]}  # type: ignore[attr-defined]
         raise UnsupportedValueError(
-            f"at key path {path}: cannot save a dict key of type {_type_name(cls)} "
-            f"({_safe_repr(k)[:80]}). Dict keys may be str, int, float, bool, None, bytes, "
+            f"at key path {shown(path)}: cannot save a dict key of type {_type_name(cls)} "
+            f"({shown(k)}). Dict keys may be str, int, float, bool, None, bytes, "
             "torch.dtype or tuples of those"
         )
 

@@ -22,7 +22,8 @@ from typing import Any
 
 from .. import _core
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from .records import TensorRecord, dtype_itemsize, records_from_json, shown
+from .quote import shown
+from .records import TensorRecord, dtype_itemsize, records_from_json
 from .stripes import check_stripe_dirs
 
 __all__ = [
@@ -334,17 +335,17 @@ def _parse_files(
         expected = math.ceil(length / chunk_bytes) if checksum == "crc32c" else 0
         if len(crcs) != expected:
             raise CorruptCheckpointError(
-                f"{at} ({name}): {len(crcs)} chunk checksums for {math.ceil(length / chunk_bytes)} chunks"
+                f"{at} ({shown(name)}): {len(crcs)} chunk checksums for {math.ceil(length / chunk_bytes)} chunks"
             )
         if offset % chunk_bytes:
-            raise CorruptCheckpointError(f"{at} ({name}): stream offset {offset} is not chunk-aligned")
+            raise CorruptCheckpointError(f"{at} ({shown(name)}): stream offset {offset} is not chunk-aligned")
         files.append(FileEntry(name, stripe, writer, offset, length, crcs))
     cursor = 0
     for entry in sorted(files, key=lambda f: f.stream_offset_bytes):
         if entry.stream_offset_bytes != cursor:
             kind = "overlaps" if entry.stream_offset_bytes < cursor else "leaves a gap before"
             raise CorruptCheckpointError(
-                f"{where}: file {entry.name} {kind} byte {cursor} of the data stream "
+                f"{where}: file {shown(entry.name)} {kind} byte {cursor} of the data stream "
                 f"(it starts at {entry.stream_offset_bytes})"
             )
         cursor += entry.len_bytes
@@ -375,11 +376,11 @@ def _parse_blobs(items: object, where: str, total_bytes: int) -> list[tuple[int,
 
 def _check_tensors_fit(tensors: list[TensorRecord], blobs: list[tuple[int, int]], where: str) -> None:
     for i, t in enumerate(tensors):
-        at = f"{where}: tensor {i} ({t.key_path})"
+        at = f"{where}: tensor {i} ({shown(t.key_path)})"
         if not 0 <= t.blob < len(blobs):
             raise CorruptCheckpointError(f"{at}: blob index {t.blob} out of range")
         if len(t.stride) != len(t.shape) or any(s < 0 for s in t.stride):
-            raise CorruptCheckpointError(f"{at}: stride {t.stride} does not fit shape {t.shape}")
+            raise CorruptCheckpointError(f"{at}: stride {shown(t.stride)} does not fit shape {shown(t.shape)}")
         itemsize = dtype_itemsize(t.kind, t.dtype)
         if 0 in t.shape:
             span = 0
@@ -388,6 +389,6 @@ def _check_tensors_fit(tensors: list[TensorRecord], blobs: list[tuple[int, int]]
         blob_len = blobs[t.blob][1]
         if t.offset_bytes < 0 or t.offset_bytes + span > blob_len or t.offset_bytes % itemsize:
             raise CorruptCheckpointError(
-                f"{at}: {t.dtype}{list(t.shape)} at byte {t.offset_bytes} needs {span} bytes but blob "
+                f"{at}: {shown(t.dtype)} {shown(t.shape)} at byte {t.offset_bytes} needs {span} bytes but blob "
                 f"{t.blob} has {blob_len}"
             )

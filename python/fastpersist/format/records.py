@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .quote import shown
+
 SPEC_VERSION = 1
 # Python's json encoder and decoder recurse (two levels per container), so a deeper state
 # could be written but not read back; no real training state comes close.
@@ -97,20 +99,6 @@ class TensorRecord:
 
 
 CANONICAL_CACHE: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
-
-
-def shown(value: object, limit: int = 80) -> str:
-    """`repr(value)`, cut to `limit` characters: hostile input must not make error messages huge.
-
-    Example:
-        >>> shown("x" * 1000)[-5:]
-        "xx..."
-    """
-    try:
-        text = repr(value)
-    except ValueError:  # an int past sys.get_int_max_str_digits()
-        return f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def canonical_layout(shape: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -260,7 +248,7 @@ def _record_from_json(i: int, item: object) -> TensorRecord:
     if set(item) != set(_RECORD_FIELDS):
         missing = sorted(set(_RECORD_FIELDS) - set(item))
         extra = sorted(str(k) for k in set(item) - set(_RECORD_FIELDS))
-        raise bad(f"wrong fields (missing {missing}, unexpected {extra})")
+        raise bad(f"wrong fields (missing {missing}, unexpected {shown(extra)})")
     key_path, kind, dtype = item["key_path"], item["kind"], item["dtype"]
     shape, stride, device = item["shape"], item["stride"], item["device"]
     requires_grad, is_parameter = item["requires_grad"], item["is_parameter"]
@@ -277,9 +265,9 @@ def _record_from_json(i: int, item: object) -> TensorRecord:
         if not (isinstance(dims, list) and len(dims) <= MAX_DIMS and all(map(_is_int, dims))):
             raise bad(f"{name} must be a list of at most {MAX_DIMS} non-negative integers")
     if math.prod(shape) >= MAX_EXTENT:
-        raise bad(f"shape {shape} has too many elements")
+        raise bad(f"shape {shown(shape)} has too many elements")
     if len(stride) != len(shape):
-        raise bad(f"stride {stride} and shape {shape} have different lengths")
+        raise bad(f"stride {shown(stride)} and shape {shown(shape)} have different lengths")
     if not _is_int(blob) or not _is_int(offset_bytes):
         raise bad("blob and offset_bytes must be non-negative integers")
     if not (isinstance(device, str) and DEVICE_RE.fullmatch(device) and _known_device(device)):
@@ -290,7 +278,7 @@ def _record_from_json(i: int, item: object) -> TensorRecord:
         if requires_grad or is_parameter or device != "cpu":
             raise bad("a numpy record must be on cpu without requires_grad or is_parameter")
         if stride != canonical_layout(tuple(shape))[1]:
-            raise bad(f"numpy stride {stride} is not C-contiguous for shape {shape}")
+            raise bad(f"numpy stride {shown(stride)} is not C-contiguous for shape {shown(shape)}")
     else:
         if offset_bytes % itemsize:
             raise bad(f"offset_bytes {offset_bytes} is not a multiple of the itemsize {itemsize}")

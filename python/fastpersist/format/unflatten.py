@@ -20,13 +20,13 @@ import base64
 import collections
 import keyword
 import re
-import reprlib
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
 
+from .quote import shown
 from .records import (
     DEVICE_RE,
     MAX_DEPTH,
@@ -37,7 +37,6 @@ from .records import (
     TensorRecord,
     dtype_itemsize,
     numpy_dtype,
-    shown,
     span_elems,
 )
 
@@ -83,19 +82,19 @@ def materialize(records: list[TensorRecord], blob_buffers: list[torch.Tensor]) -
     out: list[object] = []
     for i, r in enumerate(records):
         if not 0 <= r.blob < len(bufs):
-            raise ValueError(f"tensor record {i} ({r.key_path}): blob {r.blob} does not exist")
+            raise ValueError(f"tensor record {i} ({shown(r.key_path)}): blob {r.blob} does not exist")
         buf = bufs[r.blob]
         itemsize = dtype_itemsize(r.kind, r.dtype)
         end = r.offset_bytes + span_elems(r.shape, r.stride) * itemsize
         if end > buf.numel():
             raise ValueError(
-                f"tensor record {i} ({r.key_path}): bytes [{r.offset_bytes}, {end}) run past "
+                f"tensor record {i} ({shown(r.key_path)}): bytes [{r.offset_bytes}, {end}) run past "
                 f"the end of blob {r.blob} ({buf.numel()} bytes)"
             )
         raw = buf[r.offset_bytes : end]
         if r.kind == "numpy":
             if not buf.is_cpu:
-                raise ValueError(f"tensor record {i} ({r.key_path}): a numpy array's blob must be on the CPU")
+                raise ValueError(f"tensor record {i} ({shown(r.key_path)}): a numpy array's blob must be on the CPU")
             out.append(raw.numpy().view(numpy_dtype(r.dtype)).reshape(r.shape))
             continue
         t = raw.view(TORCH_DTYPES[r.dtype]).as_strided(r.shape, r.stride)
@@ -111,14 +110,6 @@ def materialize(records: list[TensorRecord], blob_buffers: list[torch.Tensor]) -
 
 
 _MISSING = object()
-
-
-def _show(v: object) -> str:
-    """A short repr of an untrusted value for an error message."""
-    try:
-        return reprlib.repr(v)
-    except ValueError:  # an int past sys.get_int_max_str_digits()
-        return f"<{type(v).__name__}>"
 
 
 class _SpecError(ValueError):
@@ -148,7 +139,7 @@ def allowed_namedtuples(types: Iterable[type]) -> dict[_NtKey, type]:
             and isinstance(fields, tuple)
             and all(type(f) is str for f in fields)
         ):
-            raise TypeError(f"namedtuple_types must hold namedtuple classes, not {cls!r}")
+            raise TypeError(f"namedtuple_types must hold namedtuple classes, not {shown(cls)}")
         allowed[(cls.__module__, cls.__qualname__, fields)] = cls
     return allowed
 
@@ -172,15 +163,15 @@ def unflatten(spec: dict[str, Any], tensors: list[object], *, namedtuple_types: 
         raise ValueError("spec must be an object with exactly 'spec_version' and 'root'")
     if spec["spec_version"] != SPEC_VERSION or type(spec["spec_version"]) is not int:
         raise ValueError(
-            f"spec_version {_show(spec['spec_version'])} is not supported (this reader knows "
+            f"spec_version {shown(spec['spec_version'])} is not supported (this reader knows "
             f"{SPEC_VERSION}); upgrade fastpersist"
         )
     builder = _Builder(tensors, allowed_namedtuples(namedtuple_types))
     try:
         return builder.node(spec["root"], 0)
     except _SpecError as e:
-        where = "".join(reversed(e.where))
-        raise ValueError(f'invalid spec at ["root"]{where}: {e.why}') from None
+        where = '["root"]' + "".join(reversed(e.where))
+        raise ValueError(f"invalid spec at {shown(where, 300)}: {e.why}") from None
 
 
 def _fields(node: dict[str, Any], *names: str) -> list[Any]:
@@ -198,7 +189,7 @@ def _dec_int(v: object) -> int:
                 raise _SpecError("integer has too many decimal digits") from None
         if _HEX_INT_RE.fullmatch(v):
             return int(v, 16)
-    raise _SpecError(f"malformed integer {_show(v)}")
+    raise _SpecError(f"malformed integer {shown(v)}")
 
 
 def _dec_float(v: object) -> float:
@@ -207,7 +198,7 @@ def _dec_float(v: object) -> float:
             return float.fromhex(v)
         except (ValueError, OverflowError):
             pass
-    raise _SpecError(f"malformed float {_show(v)}")
+    raise _SpecError(f"malformed float {shown(v)}")
 
 
 def _dec_b64(v: object) -> bytes:
@@ -222,7 +213,7 @@ def _dec_b64(v: object) -> bytes:
 def _dec_dtype(v: object) -> torch.dtype:
     d = _ANY_TORCH_DTYPE.get(v) if isinstance(v, str) else None
     if d is None:
-        raise _SpecError(f"unknown torch dtype {_show(v)}")
+        raise _SpecError(f"unknown torch dtype {shown(v)}")
     return d
 
 
@@ -249,7 +240,7 @@ class _Builder:
         if tag == "tensor":
             (i,) = _fields(node, "i")
             if type(i) is not int or not 0 <= i < len(self._tensors):
-                raise _SpecError(f"tensor index {_show(i)} out of range (have {len(self._tensors)})")
+                raise _SpecError(f"tensor index {shown(i)} out of range (have {len(self._tensors)})")
             return self._tensors[i]
         if tag in ("dict", "odict"):
             meta = _MISSING
@@ -347,7 +338,7 @@ class _Builder:
                     return torch.device(v)
                 except (RuntimeError, ValueError):
                     pass
-            raise _SpecError(f"malformed device {_show(v)}")
+            raise _SpecError(f"malformed device {shown(v)}")
         if tag == "np_str":
             (v,) = _fields(node, "v")
             if type(v) is not str:
@@ -363,9 +354,9 @@ class _Builder:
                 raise _SpecError(str(e)) from None
             raw = _dec_b64(v)
             if len(raw) != dt.itemsize:
-                raise _SpecError(f"numpy scalar of dtype {dtype} needs {dt.itemsize} bytes, got {len(raw)}")
+                raise _SpecError(f"numpy scalar of dtype {shown(dtype)} needs {dt.itemsize} bytes, got {len(raw)}")
             return np.frombuffer(raw, dtype=dt)[0]
-        raise _SpecError(f"unknown node tag {_show(tag)}")
+        raise _SpecError(f"unknown node tag {shown(tag)}")
 
     def _ntuple(self, module: object, name: object, fields: object, values: list[Any]) -> object:
         if not (isinstance(module, str) and isinstance(name, str) and len(name) <= 256):
@@ -387,7 +378,7 @@ class _Builder:
         try:
             return cls._make(values)  # type: ignore[attr-defined]
         except (TypeError, ValueError) as e:
-            raise _SpecError(f"namedtuple {name} rejected its values: {e}") from None
+            raise _SpecError(f"namedtuple {shown(name)} rejected its values: {shown(str(e), 200)}") from None
 
 
 def _fresh_namedtuple(qualname: str, fields: tuple[str, ...]) -> type:
@@ -398,4 +389,4 @@ def _fresh_namedtuple(qualname: str, fields: tuple[str, ...]) -> type:
     try:
         return collections.namedtuple(short, fields)
     except (ValueError, TypeError) as e:
-        raise _SpecError(f"cannot build namedtuple {short}: {e}") from None
+        raise _SpecError(f"cannot build namedtuple {shown(short)}: {shown(str(e), 200)}") from None

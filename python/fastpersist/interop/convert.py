@@ -33,6 +33,7 @@ import torch
 from ..errors import FastPersistError
 from ..format.flatten import flatten, materialize, records_from_json, records_to_json, unflatten
 from ..format.manifest import MANIFEST_NAME, read_manifest
+from ..format.quote import shown
 from ..format.records import TORCH_DTYPES, TensorRecord, dtype_itemsize, span_elems
 
 __all__ = ["Format", "convert", "detect_format", "read_any", "read_checkpoint", "write_safetensors"]
@@ -204,13 +205,15 @@ def read_safetensors(path: str | os.PathLike[str]) -> Any:
     try:
         info = json.loads(meta)
         if info.get("version") != META_VERSION:
-            raise ValueError(f"metadata version {info.get('version')} (this reader knows {META_VERSION})")
+            raise ValueError(f"metadata version {shown(info.get('version'))} (this reader knows {META_VERSION})")
         records = records_from_json(info["records"])
         values = [tensors[n] for n in info["names"]]
         buffers = _blob_buffers(records, values)
         return unflatten(info["spec"], materialize(records, buffers))
     except (ValueError, KeyError, TypeError) as e:
-        raise FastPersistError(f"{path}: bad fastpersist metadata in the safetensors header: {e}") from None
+        raise FastPersistError(
+            f"{path}: bad fastpersist metadata in the safetensors header: {shown(str(e), 300)}"
+        ) from None
 
 
 def _blob_buffers(records: list[TensorRecord], values: list[torch.Tensor]) -> list[torch.Tensor]:

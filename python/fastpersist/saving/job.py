@@ -35,6 +35,7 @@ from ..format.blobs import Blob
 from ..format.confine import remove_checkpoint_tree as _remove_confined
 from ..format.flatten import FlatState, flatten, records_to_json
 from ..format.manifest import MANIFEST_NAME, FileEntry, build
+from ..format.quote import shown
 from ..format.stripes import STRIPE_SUFFIX
 from ..logs import log_save
 from .verdict import Verdict
@@ -281,7 +282,7 @@ class SaveJob:
             if now != blob.version:
                 self.verdict.fail(
                     SaveCancelledError(
-                        f"tensor {self.blob_owner.get(index, f'blob {index}')!r} was modified in place before "
+                        f"tensor {shown(self.blob_owner.get(index, f'blob {index}'))} was modified in place before "
                         f"the save of {self.path} had copied it (version {blob.version} -> {now}); call "
                         "wait_staged() before optimizer.step(). The checkpoint was not committed; the "
                         "previous one is untouched."
