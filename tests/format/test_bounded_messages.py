@@ -144,7 +144,7 @@ def test_out_fill_mismatch_under_a_huge_key_is_bounded(workdir: str, config: fp.
     key = "k" * HUGE
     path = os.path.join(workdir, "ck")
     fp.save({key: torch.ones(3)}, path, config=config)
-    with pytest.raises(ValueError, match="out= tensor 'state.kkk") as caught:
+    with pytest.raises(ValueError, match=r"out= tensor 'state\.kkk") as caught:
         fp.load(path, out={key: torch.ones(4)}, config=config)
     assert len(str(caught.value)) < MESSAGE_BOUND
 

@@ -29,6 +29,8 @@ from fastpersist.format.flatten import (
     unflatten,
 )
 
+from budget import examples
+
 Point = collections.namedtuple("Point", ["x", "y"])
 
 
@@ -229,14 +231,14 @@ states = st.recursive(
 # ----------------------------------------------------------------------------- round trips
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(states)
 def test_roundtrip_random_states(state: object) -> None:
     back, _ = roundtrip(state)
     assert_same(state, back)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(torch_tensors(), max_size=4), st.integers(1, 15))
 def test_roundtrip_unaligned_buffers(tensors: list[torch.Tensor], skew: int) -> None:
     back, _ = roundtrip(tensors, skew=skew)
@@ -584,7 +586,7 @@ def check_spec(spec: object, tensors: list[object]) -> None:
         pass
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(json_values, st.integers(0, 3))
 def test_random_json_specs_raise_only_value_error(node: object, n: int) -> None:
     check_spec({"spec_version": 1, "root": node}, [torch.zeros(1)] * n)
@@ -603,7 +605,7 @@ def mutate(node: object, path: list[int], replacement: object) -> object:
     return [child if i == k else x for i, x in enumerate(node)]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(states, st.lists(st.integers(0, 10), max_size=8), json_values)
 def test_mutated_valid_specs_raise_only_value_error(state: object, path: list[int], junk: object) -> None:
     flat = flatten(state)
@@ -763,7 +765,7 @@ def test_records_from_json_rejects_bad_shapes_of_input() -> None:
         records_from_json([{**np_rec, "stride": [1, 2]}])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.dictionaries(st.sampled_from(list(good_record())), json_values, max_size=4))
 def test_random_records_raise_only_value_error(changes: dict[str, object]) -> None:
     try:
