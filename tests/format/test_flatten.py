@@ -206,6 +206,8 @@ leaves = st.one_of(
     st.floats(),
     st.text(),
     st.binary(max_size=8),
+    # Past BYTES_INLINE_MAX_BYTES (4096): a uint8 record in the data stream.
+    st.integers(4095, 9000).map(lambda n: bytes(range(n % 251, n % 251 + 5)) * (n // 5)),
     st.complex_numbers(),
     st.sampled_from([torch.float8_e4m3fn, torch.bool, torch.complex64, torch.qint8]),
     st.lists(st.integers(0, 5), max_size=3).map(torch.Size),
@@ -654,7 +656,7 @@ def test_malformed_spec_nodes(root: object, match: str) -> None:
 
 def test_spec_envelope_is_checked() -> None:
     with pytest.raises(ValueError, match="spec_version"):
-        unflatten({"spec_version": 2, "root": None}, [])
+        unflatten({"spec_version": 3, "root": None}, [])
     with pytest.raises(ValueError, match="spec_version"):
         unflatten({"spec_version": True, "root": None}, [])
     with pytest.raises(ValueError, match="exactly"):

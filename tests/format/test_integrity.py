@@ -166,7 +166,7 @@ def test_format_1_0_manifests_without_a_seal_still_load(workdir: str) -> None:
     fp.save(state, path)
     manifest = os.path.join(path, "manifest.json")
     doc = json.load(open(manifest))
-    assert doc["format_version"] == [1, 1] and len(doc.pop("manifest_sha256")) == 64
+    assert doc["format_version"] == [1, 2] and len(doc.pop("manifest_sha256")) == 64
     doc["format_version"] = [1, 0]
     open(manifest, "w").write(json.dumps(doc, separators=(",", ":")))
     back = fp.load(path)

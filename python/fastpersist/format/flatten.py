@@ -32,18 +32,22 @@ from .. import device as _device
 from ..device import copier_for as _copier_for
 from ..errors import UnsupportedValueError
 from .blobs import U8, Blob, byte_view
+from .limits import MAX_DEPTH, MAX_DIMS, MAX_EXTENT, namedtuple_problem
 from .quote import shown
 from .records import (
+    BYTES_INLINE_MAX_BYTES,
+    BYTES_RECORD_DTYPE,
     CANONICAL_CACHE,
     ITEMSIZE,
-    MAX_DEPTH,
     NUMPY_KINDS,
     SPEC_VERSION,
+    SPEC_VERSION_PLAIN,
     TORCH_DTYPE_NAME,
     TORCH_DTYPES,
     TensorRecord,
     canonical_layout,
     dtype_itemsize,
+    numpy_dtype,
     records_from_json,
     records_to_json,
     span_elems,
@@ -125,7 +129,8 @@ def flatten(state: object, *, root_name: str = "state") -> FlatState:
     finally:
         if gc_was_enabled:
             gc.enable()
-    return FlatState({"spec_version": SPEC_VERSION, "root": root}, walker.records, walker.blobs, walker.leaves)
+    version = SPEC_VERSION if walker.bytes_in_stream else SPEC_VERSION_PLAIN
+    return FlatState({"spec_version": version, "root": root}, walker.records, walker.blobs, walker.leaves)
 
 
 def _type_name(cls: type) -> str:
@@ -181,7 +186,13 @@ def _enc_dtype(x: torch.dtype) -> dict[str, Any]:
     return {"t": "dtype", "v": str(x).removeprefix("torch.")}
 
 
+class _OverLimit(ValueError):
+    """A value a reader would refuse (see fastpersist.format.limits); `node` adds the key path."""
+
+
 def _enc_size(x: torch.Size) -> dict[str, Any]:
+    if len(x) > MAX_DIMS or not all(-MAX_EXTENT <= n < MAX_EXTENT for n in x):
+        raise _OverLimit(f"a torch.Size of at most {MAX_DIMS} dimensions below 2**62 loads back; this one has {len(x)}")
     return {"t": "size", "v": list(x)}
 
 
@@ -214,7 +225,17 @@ class _Walker:
     one covering the storage range of all of them.
     """
 
-    __slots__ = ("_groups", "_host_only", "_index", "_on_path", "_storages", "blobs", "leaves", "records")
+    __slots__ = (
+        "_groups",
+        "_host_only",
+        "_index",
+        "_on_path",
+        "_storages",
+        "blobs",
+        "bytes_in_stream",
+        "leaves",
+        "records",
+    )
 
     def __init__(self) -> None:
         self.records: list[TensorRecord] = []
@@ -226,6 +247,8 @@ class _Walker:
         self._groups: dict[object, list[tuple[int, torch.Tensor, str]]] = {}
         #: No copier is installed (fastpersist.device.use_copier): CPU tensors are read in place.
         self._host_only = _device.installed_copier is None
+        #: Some bytes value went into the data stream (a ``bytes_blob`` node: spec version 2).
+        self.bytes_in_stream = False
 
     def node(self, x: object, path: str, depth: int) -> Any:
         cls = type(x)
@@ -242,9 +265,14 @@ class _Walker:
             return self._mapping(x, path, depth, "dict" if cls is dict else "odict")  # type: ignore[arg-type]
         if cls is list or cls is tuple:
             return {"t": cls.__name__, "v": self._items(x, path, depth)}  # type: ignore[arg-type]
+        if cls is bytes and len(x) > BYTES_INLINE_MAX_BYTES:  # type: ignore[arg-type]
+            return self._bytes(x, path)  # type: ignore[arg-type]
         encoder = _VALUE_ENCODERS.get(cls)
         if encoder is not None:
-            return encoder(x)
+            try:
+                return encoder(x)
+            except _OverLimit as e:
+                raise _unsupported(path, x, str(e)) from None
         if cls is np.ndarray or cls is np.memmap:
             i = self._index.get(id(x))
             if i is None:
@@ -253,6 +281,19 @@ class _Walker:
                 self._array(x, path)  # type: ignore[arg-type]
             return {"t": "tensor", "i": i}
         return self._other(x, path, depth)
+
+    def _bytes(self, x: bytes, path: str) -> dict[str, Any]:
+        """A large bytes value: a uint8 record whose blob views the bytes (immutable: unwatched)."""
+        i = self._index.get(id(x))
+        if i is None:
+            i = self._index[id(x)] = len(self.records)
+            self.leaves.append(x)
+            self.records.append(
+                TensorRecord(path, "numpy", BYTES_RECORD_DTYPE, [len(x)], [1], len(self.blobs), 0, "cpu", False, False)
+            )
+            self.blobs.append(Blob(np.frombuffer(x, dtype=U8), x, None))
+            self.bytes_in_stream = True
+        return {"t": "bytes_blob", "i": i}
 
     def _enter(self, x: object, path: str, depth: int) -> None:
         if depth >= MAX_DEPTH:
@@ -312,6 +353,9 @@ class _Walker:
         if isinstance(x, tuple):
             fields = getattr(cls, "_fields", None)
             if isinstance(fields, tuple) and all(type(f) is str for f in fields):
+                problem = namedtuple_problem(cls.__qualname__, list(fields))
+                if problem is not None:
+                    raise _unsupported(path, x, f"{problem}, else it cannot be loaded back")
                 return {
                     "t": "ntuple",
                     "module": cls.__module__,
@@ -326,7 +370,7 @@ class _Walker:
         if isinstance(x, np.generic):
             a = np.asarray(x)
             dt = a.dtype
-            if dt.kind not in NUMPY_KINDS or dt.hasobject or dt.names is not None:
+            if dt.kind not in NUMPY_KINDS or dt.hasobject or dt.names is not None or not _loadable(dt):
                 raise _unsupported(path, x, f"numpy dtype {dt}")
             return {"t": "np", "dtype": dt.str, "v": base64.b64encode(a.tobytes()).decode("ascii")}
         if isinstance(x, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
@@ -344,7 +388,7 @@ class _Walker:
     def _tensor(self, x: torch.Tensor, path: str, i: int) -> None:
         name = TORCH_DTYPE_NAME.get(x.dtype)
         cpu = x.is_cpu
-        if name is None or x.layout is not _STRIDED or x.is_nested or (not cpu and x.is_meta):
+        if name is None or x.layout is not _STRIDED or x.is_nested or (not cpu and x.is_meta) or x.dim() > MAX_DIMS:
             raise _tensor_error(x, path)
         plain = not (x.is_neg() or x.is_conj())
         # Empty tensors may all report data_ptr 0, and conj/neg views are not their raw
@@ -402,7 +446,7 @@ class _Walker:
 
     def _array(self, a: np.ndarray, path: str) -> None:
         dt = a.dtype
-        if dt.kind not in NUMPY_KINDS or dt.hasobject or dt.names is not None or dt.itemsize == 0:
+        if dt.kind not in NUMPY_KINDS or dt.hasobject or dt.names is not None or dt.itemsize == 0 or not _loadable(dt):
             raise _unsupported(path, a, f"numpy dtype {dt}; use a numeric, bool, datetime or string dtype")
         shape, stride = canonical_layout(a.shape)
         self.records.append(
@@ -458,6 +502,15 @@ class _Walker:
             )
 
 
+def _loadable(dt: np.dtype[Any]) -> bool:
+    """Whether a reader accepts this numpy dtype (records.numpy_dtype: the one rule for both sides)."""
+    try:
+        numpy_dtype(dt.str)
+    except ValueError:
+        return False
+    return True
+
+
 def _tensor_error(t: torch.Tensor, path: str) -> UnsupportedValueError:
     if t.layout is not _STRIDED:
         why = f"layout {t.layout}; convert it with .to_dense()"
@@ -467,6 +520,8 @@ def _tensor_error(t: torch.Tensor, path: str) -> UnsupportedValueError:
         why = "nested tensor; save its components from .unbind()"
     elif t.is_meta:
         why = "a meta tensor has no data"
+    elif t.dim() > MAX_DIMS:
+        why = f"{t.dim()} dimensions; a checkpoint holds at most {MAX_DIMS}, reshape it"
     else:
         why = f"dtype {t.dtype} is not supported"
     return _unsupported(path, t, why)

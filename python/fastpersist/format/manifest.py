@@ -22,6 +22,8 @@ from typing import Any
 
 from .. import _core
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from . import limits
+from .limits import MAX_BYTES, check_manifest_size
 from .quote import shown
 from .records import TensorRecord, dtype_itemsize, records_from_json
 from .stripes import check_stripe_dirs
@@ -39,10 +41,11 @@ __all__ = [
 FORMAT_NAME = "fastpersist"
 #: (major, minor). A reader accepts any minor of its major and rejects other majors.
 #: 1.1 added the ``manifest_sha256`` seal (see :func:`seal`); 1.0 manifests carry none.
-FORMAT_VERSION = (1, 1)
+#: 1.2 added ``bytes_blob`` tree nodes (tree spec_version 2): bytes values over 4 KiB in the data
+#: stream. A 1.1 reader loads 1.2 checkpoints without them and refuses the others by their
+#: spec_version ("upgrade fastpersist").
+FORMAT_VERSION = (1, 2)
 MANIFEST_NAME = "manifest.json"
-#: A manifest larger than this is refused before parsing (a hostile file could be huge).
-MAX_MANIFEST_BYTES = 1 << 30
 
 _SHARD_NAME = re.compile(r"^shard-\d{5}$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
@@ -110,7 +113,12 @@ def build(
     extra: dict[str, Any] | None = None,
     shards: list[str] | None = None,
 ) -> bytes:
-    """Serialises a manifest (the inverse of :func:`parse`)."""
+    """Serialises a manifest (the inverse of :func:`parse`).
+
+    Raises:
+        UnsupportedValueError: the manifest would be larger than a reader accepts
+            (:func:`~fastpersist.format.limits.check_manifest_size`); nothing is written.
+    """
     doc = {
         "format": FORMAT_NAME,
         "format_version": list(FORMAT_VERSION),
@@ -130,7 +138,9 @@ def build(
     }
     if shards:
         doc["shards"] = shards
-    return seal(json.dumps(doc, allow_nan=False, separators=(",", ":")).encode())
+    manifest = seal(json.dumps(doc, allow_nan=False, separators=(",", ":")).encode())
+    check_manifest_size(manifest, tree, tensors)
+    return manifest
 
 
 #: The seal is the last member of the manifest's JSON object, byte for byte.
@@ -206,14 +216,13 @@ def read_manifest(root: str) -> Manifest:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpointError(f"{path} is not a regular file")
-        if st.st_size > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(f"{path}: manifest of {st.st_size} bytes is implausibly large")
+        if st.st_size > limits.MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(
+                f"{path}: manifest of {st.st_size} bytes is over the {limits.MAX_MANIFEST_BYTES}-byte limit "
+                "(MAX_MANIFEST_BYTES); fastpersist never writes one that large, so it is damaged or not its own"
+            )
         raw = f.read(st.st_size + 1)  # bounded by the size checked above; +1 sees growth
     return parse(raw, where=path)
-
-
-#: Offsets and lengths past this are refused (no file system holds an exabyte file).
-MAX_BYTES = 1 << 60
 
 
 def _int(doc: dict[str, Any], key: str, where: str, *, minimum: int = 0) -> int:

@@ -2,7 +2,7 @@
 
 A `TensorRecord` says where one tensor leaf's bytes live inside a blob and how to rebuild it.
 `flatten` makes them on save; `records_from_json` validates them from a possibly hostile file
-on load. Also the spec constants both sides agree on (`SPEC_VERSION`, `MAX_DEPTH`).
+on load. Also the spec version both sides agree on (`SPEC_VERSION`); the limits live in `limits`.
 
 Example:
     >>> rec = TensorRecord("state.w", "torch", "bfloat16", [2, 3], [3, 1], 0, 0, "cpu", False)
@@ -21,14 +21,18 @@ from typing import Any
 import numpy as np
 import torch
 
+from .limits import MAX_DIMS, MAX_EXTENT
 from .quote import shown
 
-SPEC_VERSION = 1
-# Python's json encoder and decoder recurse (two levels per container), so a deeper state
-# could be written but not read back; no real training state comes close.
-MAX_DEPTH = 200
-MAX_DIMS = 64
-MAX_EXTENT = 1 << 62
+#: The newest tree spec. 2 added ``bytes_blob`` nodes (bytes values kept in the data stream); a
+#: tree without them is written as 1, which every reader since the first one reads.
+SPEC_VERSION = 2
+SPEC_VERSION_PLAIN = 1
+#: A bytes value longer than this goes into the data stream as a uint8 record (checksummed like
+#: a tensor, 1 byte per byte) instead of base64 in the manifest (4 characters per 3 bytes).
+BYTES_INLINE_MAX_BYTES = 4096
+#: The numpy dtype of such a record.
+BYTES_RECORD_DTYPE = "|u1"
 
 # Tensor dtypes whose bytes we write; filtered by what this torch build has.
 _TORCH_DTYPE_CANDIDATES = (

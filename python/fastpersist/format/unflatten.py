@@ -26,13 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from .limits import MAX_DEPTH, MAX_DIMS, MAX_EXTENT, namedtuple_problem
 from .quote import shown
 from .records import (
     DEVICE_RE,
-    MAX_DEPTH,
-    MAX_DIMS,
-    MAX_EXTENT,
     SPEC_VERSION,
+    SPEC_VERSION_PLAIN,
     TORCH_DTYPES,
     TensorRecord,
     dtype_itemsize,
@@ -40,7 +39,6 @@ from .records import (
     span_elems,
 )
 
-_MAX_FIELDS = 4096  # namedtuple fields; building a class costs time linear in them
 # Every torch.dtype, for dtype-valued leaves; vars() so no lazy torch submodule is imported.
 _ANY_TORCH_DTYPE: dict[str, torch.dtype] = {n: d for n, d in vars(torch).items() if isinstance(d, torch.dtype)}
 _DEC_INT_RE = re.compile(r"-?(?:0|[1-9][0-9]*)")
@@ -161,12 +159,13 @@ def unflatten(spec: dict[str, Any], tensors: list[object], *, namedtuple_types: 
     """
     if not isinstance(spec, dict) or set(spec) != {"spec_version", "root"}:
         raise ValueError("spec must be an object with exactly 'spec_version' and 'root'")
-    if spec["spec_version"] != SPEC_VERSION or type(spec["spec_version"]) is not int:
+    version = spec["spec_version"]
+    if type(version) is not int or not SPEC_VERSION_PLAIN <= version <= SPEC_VERSION:
         raise ValueError(
-            f"spec_version {shown(spec['spec_version'])} is not supported (this reader knows "
+            f"spec_version {shown(version)} is not supported (this reader knows {SPEC_VERSION_PLAIN} to "
             f"{SPEC_VERSION}); upgrade fastpersist"
         )
-    builder = _Builder(tensors, allowed_namedtuples(namedtuple_types))
+    builder = _Builder(tensors, allowed_namedtuples(namedtuple_types), bytes_in_stream=version >= 2)
     try:
         return builder.node(spec["root"], 0)
     except _SpecError as e:
@@ -225,11 +224,14 @@ def _child(e: _SpecError, where: str) -> _SpecError:
 class _Builder:
     """Recursive spec reader with a depth cap; `tensors` supplies the tensor leaves."""
 
-    __slots__ = ("_ntuples", "_tensors")
+    __slots__ = ("_bytes", "_bytes_in_stream", "_ntuples", "_tensors")
 
-    def __init__(self, tensors: list[object], allowed: dict[_NtKey, type]) -> None:
+    def __init__(self, tensors: list[object], allowed: dict[_NtKey, type], *, bytes_in_stream: bool) -> None:
         self._tensors = tensors
         self._ntuples: dict[_NtKey, type] = dict(allowed)
+        #: Spec version 2: ``bytes_blob`` nodes name a uint8 record holding a bytes value.
+        self._bytes_in_stream = bytes_in_stream
+        self._bytes: dict[int, bytes] = {}  # one bytes object per record, as saved
 
     def node(self, node: object, depth: int) -> object:
         if node is None or type(node) is str or type(node) is bool:
@@ -356,21 +358,29 @@ class _Builder:
             if len(raw) != dt.itemsize:
                 raise _SpecError(f"numpy scalar of dtype {shown(dtype)} needs {dt.itemsize} bytes, got {len(raw)}")
             return np.frombuffer(raw, dtype=dt)[0]
+        if tag == "bytes_blob" and self._bytes_in_stream:
+            return self._bytes_blob(*_fields(node, "i"))
         raise _SpecError(f"unknown node tag {shown(tag)}")
 
+    def _bytes_blob(self, i: object) -> bytes:
+        value = self._tensors[i] if type(i) is int and 0 <= i < len(self._tensors) else None
+        if not (isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1):
+            raise _SpecError(f"bytes_blob {shown(i)} does not name a 1-D uint8 record ({len(self._tensors)} records)")
+        assert type(i) is int
+        found = self._bytes.get(i)
+        if found is None:
+            found = self._bytes[i] = value.tobytes()
+        return found
+
     def _ntuple(self, module: object, name: object, fields: object, values: list[Any]) -> object:
-        if not (isinstance(module, str) and isinstance(name, str) and len(name) <= 256):
+        if not isinstance(module, str):
             raise _SpecError("namedtuple 'module' and 'name' must be strings")
-        if not (
-            type(fields) is list
-            and len(fields) == len(values) <= _MAX_FIELDS
-            and all(
-                type(f) is str and f.isidentifier() and not f.startswith("_") and not keyword.iskeyword(f)
-                for f in fields
-            )
-            and len(set(fields)) == len(fields)
-        ):
-            raise _SpecError(f"namedtuple 'fields' must be at most {_MAX_FIELDS} distinct identifiers, one per value")
+        problem = namedtuple_problem(name, fields)
+        if problem is not None:
+            raise _SpecError(problem)
+        assert isinstance(name, str) and isinstance(fields, list)
+        if len(fields) != len(values):
+            raise _SpecError(f"namedtuple 'fields' must be identifiers, one per value ({len(fields)} != {len(values)})")
         key = (module, name, tuple(fields))
         cls = self._ntuples.get(key)
         if cls is None:

@@ -55,6 +55,8 @@ def _destinations(out: object, m: Manifest, root: str) -> dict[int, object]:
     saved = {t.key_path: i for i, t in enumerate(m.tensors)}
     dests: dict[int, object] = {}
     for rec, leaf in zip(flat.tensors, flat.leaves, strict=True):
+        if type(leaf) is bytes:  # a large bytes value of `out`: values come from the checkpoint
+            continue
         index = saved.get(rec.key_path)
         if index is None:
             raise ValueError(f"out= has tensor {shown(rec.key_path)} but the checkpoint {root} does not")
