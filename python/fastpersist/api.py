@@ -58,8 +58,10 @@ def save(
     `state` is any nesting of dict / OrderedDict / list / tuple / namedtuple whose leaves are
     tensors, numpy arrays or plain values (None, bool, int, float, str, bytes, torch.dtype,
     torch.Size, ...). Nothing is pickled: an unsupported leaf raises
-    :class:`UnsupportedValueError` naming its key path. An existing checkpoint at `path` is
-    replaced atomically: readers see the old one or the new one, never a mix.
+    :class:`UnsupportedValueError` naming its key path, and so does a state whose manifest would
+    exceed what :func:`load` accepts (``fastpersist.format.limits``), before anything is
+    committed. Bytes values over 4 KiB go into the data stream like tensors. An existing
+    checkpoint at `path` is replaced atomically: readers see the old one or the new one, never a mix.
 
     With ``group=`` (a ``torch.distributed`` process group, or ``dist.group.WORLD``) every rank
     of the group must call ``save`` with the same `path`. Replicated state (identical on every
@@ -296,7 +298,8 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Describes a checkpoint from its manifest (reads no tensor data).
 
     Returns a dict with ``format_version``, ``created``, ``checkpoint_id``, ``library_version``,
-    ``tensors`` (count), ``bytes`` (tensor data), ``total_bytes`` (stream incl. alignment),
+    ``tensors`` (count; a bytes value over 4 KiB is a uint8 numpy record of its own), ``bytes``
+    (tensor data), ``total_bytes`` (stream incl. alignment),
     ``files`` (path, bytes, chunks), ``checksum``, ``chunk_bytes`` and ``tensor_list``
     (key path, kind, dtype, shape, device, bytes).
 
