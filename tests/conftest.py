@@ -1,4 +1,8 @@
-"""Shared fixtures: every save/load test runs on each backend this machine offers."""
+"""Shared fixtures: every save/load test runs on each backend this machine offers.
+
+Also loads the hypothesis profile (``HYPOTHESIS_PROFILE=ci``, the default, or ``soak``; see
+tests/budget.py) before any test module is imported.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,9 @@ import pytest
 import fastpersist as fp
 
 from backends import available_backends
+from budget import register_profiles
+
+register_profiles()
 
 
 @pytest.fixture(params=available_backends())

@@ -28,7 +28,7 @@ def bits(a: Any, b: Any) -> bool:
         return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
     if isinstance(a, dict):
         return isinstance(b, dict) and list(a) == list(b) and all(bits(a[k], b[k]) for k in a)
-    return bool(a == b)
+    return type(a) is type(b) and bool(a == b)
 
 
 def count_reads() -> dict[str, int]:
@@ -53,6 +53,7 @@ def save_replicated(workdir: str, backend: str) -> tuple[str, dict[str, Any]]:
     state = make_state(11, tensors=24)
     state["odd"] = torch.tensor([float("nan"), -0.0, float("inf")])
     state["ints"] = torch.arange(1000, dtype=torch.int64)
+    state["tokenizer"] = bytes(range(256)) * 40  # over 4 KiB: a bytes value in the shared stream
     path = os.path.join(workdir, "ckpt")
     fp.save(state, path, config=fp.Config(backend=backend, chunk_bytes=CHUNK_BYTES), group=dist.group.WORLD)
     return path, state

@@ -217,7 +217,7 @@ def test_inspect_and_verify_catch_a_flipped_byte(workdir: str, config: fp.Config
     path = os.path.join(workdir, "iv")
     fp.save({"a": torch.arange(100_000, dtype=torch.int32), "b": torch.ones(10)}, path, config=config)
     info = fp.inspect(path)
-    assert info["tensors"] == 2 and info["bytes"] == 400_040 and info["format_version"] == "1.1"
+    assert info["tensors"] == 2 and info["bytes"] == 400_040 and info["format_version"] == "1.2"
     assert info["checksum"] == "crc32c" and info["files"]
     assert fp.verify(path)["chunks"] == sum(f["chunks"] for f in info["files"])
     data_file = info["files"][0]["path"]

@@ -153,7 +153,7 @@ def test_a_thousand_saves_leak_no_fds_or_threads(workdir: str) -> None:
 
 
 def test_staging_pools_are_reused_and_bounded(workdir: str) -> None:
-    from fastpersist.saving import job as saving
+    from fastpersist.saving import pools as saving
 
     ck = fp.Checkpointer(os.path.join(workdir, "ck"), keep=1)
     ck.save(0, {"w": torch.ones(1000)})

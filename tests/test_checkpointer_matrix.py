@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from matrix_workers import KEEP, MODES, STRIPES, run
 
 from gloo import run_ranks
+from matrix_workers import KEEP, MODES, STRIPES, run
 
 WORLD = 2
 

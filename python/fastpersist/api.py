@@ -16,6 +16,7 @@ from .errors import CorruptCheckpointError
 from .format.confine import check_data_files, check_shard_dir
 from .format.flatten import dtype_itemsize, materialize, unflatten
 from .format.manifest import Manifest, read_manifest
+from .format.quote import shown
 from .futures import SaveFuture, SaveJobLike
 from .loading.fill import fill_by_key
 from .loading.maplocation import MapLocation, MappedStorages, check_load_flags, map_tensor
@@ -57,8 +58,10 @@ def save(
     `state` is any nesting of dict / OrderedDict / list / tuple / namedtuple whose leaves are
     tensors, numpy arrays or plain values (None, bool, int, float, str, bytes, torch.dtype,
     torch.Size, ...). Nothing is pickled: an unsupported leaf raises
-    :class:`UnsupportedValueError` naming its key path. An existing checkpoint at `path` is
-    replaced atomically: readers see the old one or the new one, never a mix.
+    :class:`UnsupportedValueError` naming its key path, and so does a state whose manifest would
+    exceed what :func:`load` accepts (``fastpersist.format.limits``), before anything is
+    committed. Bytes values over 4 KiB go into the data stream like tensors. An existing
+    checkpoint at `path` is replaced atomically: readers see the old one or the new one, never a mix.
 
     With ``group=`` (a ``torch.distributed`` process group, or ``dist.group.WORLD``) every rank
     of the group must call ``save`` with the same `path`. Replicated state (identical on every
@@ -297,7 +300,8 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Describes a checkpoint from its manifest (reads no tensor data).
 
     Returns a dict with ``format_version``, ``created``, ``checkpoint_id``, ``library_version``,
-    ``tensors`` (count), ``bytes`` (tensor data), ``total_bytes`` (stream incl. alignment),
+    ``tensors`` (count; a bytes value over 4 KiB is a uint8 numpy record of its own), ``bytes``
+    (tensor data), ``total_bytes`` (stream incl. alignment),
     ``files`` (path, bytes, chunks), ``checksum``, ``chunk_bytes`` and ``tensor_list``
     (key path, kind, dtype, shape, device, bytes).
 
@@ -380,12 +384,15 @@ def verify(path: str | os.PathLike[str], *, progress: Callable[[int], object] | 
         try:
             fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
-            raise CorruptCheckpointError(f"data file {file_path} named in the manifest is missing") from None
+            raise CorruptCheckpointError(
+                f"data file {shown(file_path, 300)} named in the manifest is missing"
+            ) from None
         try:
             size = os.fstat(fd).st_size
             if size != f.len_bytes:
                 raise CorruptCheckpointError(
-                    f"{file_path} has the wrong size (truncated?): expected {f.len_bytes} bytes, found {size}"
+                    f"{shown(file_path, 300)} has the wrong size (truncated?): expected {f.len_bytes} bytes, "
+                    f"found {size}"
                 )
             for i, expected in enumerate(f.chunk_crc32c):
                 offset = i * m.chunk_bytes

@@ -34,7 +34,8 @@ from .errors import CorruptCheckpointError
 from .format.manifest import MANIFEST_NAME, read_manifest
 from .futures import SaveFuture, SaveJobLike
 from .retention import retire, retired_steps
-from .saving.job import SaveJob, pool_for
+from .saving.job import SaveJob
+from .saving.pools import pool_for
 
 __all__ = ["Checkpointer"]
 

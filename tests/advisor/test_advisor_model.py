@@ -18,6 +18,8 @@ from fastpersist.advisor.model import (
     young_interval_s,
 )
 
+from budget import examples
+
 
 def test_young_and_daly_by_hand() -> None:
     # sqrt(2 * 2 * 3600) = 120; x = sqrt(2 / 7200) = 1/60; 120 * (1 + 1/180 + 1/32400) - 2
@@ -107,7 +109,7 @@ def test_bad_inputs_are_refused_by_name() -> None:
         best_every(Costs(stall_s=1.0, write_s=1.0, step_s=1.0), math.inf)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     stall=st.floats(0.0, 30.0),
     write=st.floats(0.0, 120.0),

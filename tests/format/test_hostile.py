@@ -24,6 +24,8 @@ import fastpersist as fp
 from fastpersist import _core
 from fastpersist.format.manifest import seal
 
+from budget import examples
+
 TRIED = {"generated": 0, "hand_written": 0}
 #: Every input must be answered within this (generous on a shared 2-core machine).
 BOUND_S = 5.0
@@ -111,7 +113,7 @@ def _set(doc: Any, path: tuple[Any, ...], value: object) -> Any:
     return doc
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(500), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_generated_hostile_manifests(base: tuple[str, dict[str, Any]], data: st.DataObject) -> None:
     path, doc = base

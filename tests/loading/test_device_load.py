@@ -166,6 +166,7 @@ def _state() -> dict[str, Any]:
         "u8": torch.randint(0, 255, (70_001,), dtype=torch.uint8),
         "empty": torch.zeros(0, 3),
         "np": np.arange(12.0),
+        "tokenizer": bytes(range(256)) * 20,  # over 4 KiB: a host-only record among device blobs
         "step": 7,
     }
 
@@ -189,7 +190,7 @@ def _assert_equal(loaded: dict[str, Any], expected: dict[str, Any]) -> None:
         elif isinstance(value, np.ndarray):
             assert np.array_equal(loaded[key], value), key
         else:
-            assert loaded[key] == value, key
+            assert type(loaded[key]) is type(value) and loaded[key] == value, key
 
 
 def _assert_every_byte_once() -> None:

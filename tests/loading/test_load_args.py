@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import fastpersist as fp
+from fastpersist.format.manifest import seal
 
 
 def _saved(workdir: str) -> tuple[str, dict[str, Any]]:
@@ -72,3 +74,16 @@ def test_flags_must_be_bools(workdir: str) -> None:
     path, _ = _saved(workdir)
     with pytest.raises(TypeError, match="weights_only"):
         fp.load(path, weights_only="yes")  # type: ignore[arg-type]
+
+
+def test_a_device_this_machine_lacks_is_a_value_error_that_says_what_to_pass(workdir: str) -> None:
+    path = os.path.join(workdir, "ck")
+    fp.save({"w": torch.arange(3.0)}, path)
+    manifest = os.path.join(path, "manifest.json")
+    doc = json.load(open(manifest))
+    doc.pop("manifest_sha256")
+    doc["tensors"][0]["device"] = "cuda:99"  # as if saved on a GPU no machine here has
+    open(manifest, "wb").write(seal(json.dumps(doc).encode()))
+    with pytest.raises(ValueError, match=r"saved on 'cuda:99' cannot go to cuda:99 here .*map_location='cpu'"):
+        fp.load(path)
+    assert torch.equal(fp.load(path, map_location="cpu")["w"], torch.arange(3.0))

@@ -22,6 +22,7 @@ from fastpersist.format.ownership import write_owner
 from fastpersist.tools import cli
 
 import crash_worker
+from budget import iterations
 
 CHILD = textwrap.dedent(
     """
@@ -79,7 +80,9 @@ def test_exit_with_a_save_in_flight_commits_it_whole(workdir: str) -> None:
 
 # ----------------------------------------------------------------------------- the kill -9 campaign
 
-KILLS = int(os.environ.get("FASTPERSIST_CRASH_KILLS", "40"))
+#: Kills per campaign: 40 and 12 in CI, scaled by the soak profile, or set (tests/budget.py).
+KILLS = iterations("FASTPERSIST_CRASH_KILLS", 40)
+PLAIN_KILLS = iterations("FASTPERSIST_CRASH_PLAIN_KILLS", 12)
 SEED = int(os.environ.get("FASTPERSIST_TEST_SEED", random.SystemRandom().randrange(1 << 32)))
 
 
@@ -182,7 +185,7 @@ def test_kill_9_during_plain_saves_then_clean_removes_every_leftover(workdir: st
     fp.save(crash_worker.expected_state(1), path, config=crash_worker.config(stripes))
     rng = random.Random(SEED + 1)
     removed = 0
-    for _ in range(12):
+    for _ in range(PLAIN_KILLS):
         pid = forkserver.ask("run_plain_saves", path, marker, *stripes)
         _kill_at(forkserver, pid, marker, None, rng.uniform(0, 0.25))
         state = fp.load(path)  # the old checkpoint or a new one, whole

@@ -15,7 +15,7 @@ import torch
 import fastpersist as fp
 from fastpersist import _core, device
 from fastpersist.device import DeviceCopier, use_copier
-from fastpersist.saving.job import pool_for
+from fastpersist.saving.pools import pool_for
 
 CHUNK = 64 << 10
 

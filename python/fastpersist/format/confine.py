@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from ..errors import CorruptCheckpointError, FastPersistError
 from .manifest import Manifest, read_manifest
 from .ownership import Owner, checkpoint_key, read_owner, remove_owned_dir
+from .quote import shown
 from .stripes import stripe_dir_id
 
 __all__ = [
@@ -85,23 +86,26 @@ def check_data_files(root: str, m: Manifest, stripe_roots: Sequence[str | os.Pat
         if st is None:
             continue  # its files are reported missing below
         if not stat.S_ISDIR(st.st_mode):
-            raise CorruptCheckpointError(f"stripe directory {d} of {root} is not a plain directory (a link?)")
+            raise CorruptCheckpointError(
+                f"stripe directory {shown(d, 300)} of {root} is not a plain directory (a link?)"
+            )
         if roots is not None and not _under_roots(d, roots):
             raise CorruptCheckpointError(
-                f"stripe directory {d} of {root} is outside the configured stripe roots {sorted(roots)}"
+                f"stripe directory {shown(d, 300)} of {root} is outside the configured stripe roots "
+                f"{shown(sorted(roots), 300)}"
             )
     total = 0
     for f in m.files:
         path = m.file_path(root, f)
         st = _lstat(path)
         if st is None:
-            raise CorruptCheckpointError(f"data file {path} named in {root}/manifest.json is missing")
+            raise CorruptCheckpointError(f"data file {shown(path, 300)} named in {root}/manifest.json is missing")
         if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"data file {path} is not a regular file (a link?)")
+            raise CorruptCheckpointError(f"data file {shown(path, 300)} is not a regular file (a link?)")
         if st.st_size != f.len_bytes:
             how = "truncated" if st.st_size < f.len_bytes else "bytes appended"
             raise CorruptCheckpointError(
-                f"{path} has the wrong size ({how}?): expected {f.len_bytes} bytes, found {st.st_size}"
+                f"{shown(path, 300)} has the wrong size ({how}?): expected {f.len_bytes} bytes, found {st.st_size}"
             )
         total += st.st_size
     return total
@@ -134,7 +138,9 @@ def remove_checkpoint_tree(
         ):
             remove_owned_dir(d)
         else:
-            log.warning("not deleting %s (named by %s): its owner marker does not name that checkpoint", d, key)
+            log.warning(
+                "not deleting %s (named by %s): its owner marker does not name that checkpoint", shown(d, 300), key
+            )
     st = _lstat(root)
     if st is not None and stat.S_ISDIR(st.st_mode):
         shutil.rmtree(root, ignore_errors=True)

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import base64
 import collections
-import math
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,22 +31,28 @@ from ..device import copier_for as _copier_for
 from ..errors import UnsupportedValueError
 from ..gcpause import paused_gc
 from .blobs import U8, Blob, byte_view
+from .limits import MAX_DEPTH, MAX_DIMS, namedtuple_problem
+from .quote import shown
 from .records import (
+    BYTES_INLINE_MAX_BYTES,
+    BYTES_RECORD_DTYPE,
     CANONICAL_CACHE,
     ITEMSIZE,
-    MAX_DEPTH,
     NUMPY_KINDS,
     SPEC_VERSION,
+    SPEC_VERSION_PLAIN,
     TORCH_DTYPE_NAME,
     TORCH_DTYPES,
     TensorRecord,
     canonical_layout,
     dtype_itemsize,
+    numpy_dtype,
     records_from_json,
     records_to_json,
     span_elems,
 )
 from .unflatten import materialize, unflatten
+from .values import KEY_ENCODERS, VALUE_ENCODERS, OverLimit
 
 __all__ = [
     "MAX_DEPTH",
@@ -118,8 +122,9 @@ def flatten(state: object, *, root_name: str = "state") -> FlatState:
             root = walker.node(state, root_name, 0)
             walker.finish()
     except RecursionError:
-        raise UnsupportedValueError(f"at key path {root_name}: the state is nested too deeply to save") from None
-    return FlatState({"spec_version": SPEC_VERSION, "root": root}, walker.records, walker.blobs, walker.leaves)
+        raise UnsupportedValueError(f"at key path {shown(root_name)}: the state is nested too deeply to save") from None
+    version = SPEC_VERSION if walker.bytes_in_stream else SPEC_VERSION_PLAIN
+    return FlatState({"spec_version": version, "root": root}, walker.records, walker.blobs, walker.leaves)
 
 
 def _type_name(cls: type) -> str:
@@ -129,77 +134,17 @@ def _type_name(cls: type) -> str:
 def _unsupported(path: str, x: object, why: str = "") -> UnsupportedValueError:
     why = f" ({why})" if why else ""
     return UnsupportedValueError(
-        f"at key path {path}: cannot save value of type {_type_name(type(x))}{why}. {_SUPPORTED}."
+        f"at key path {shown(path)}: cannot save value of type {_type_name(type(x))}{why}. {_SUPPORTED}."
     )
 
 
-def _safe_repr(k: object) -> str:
+def _key_text(k: object) -> str:
+    """A non-str dict key as it appears inside a key path (whole: a key path is data, and
+    messages bound it with :func:`~fastpersist.format.quote.shown`)."""
     try:
         return repr(k)
     except ValueError:  # an int past sys.get_int_max_str_digits()
         return hex(k) if isinstance(k, int) else f"<{type(k).__name__}>"
-
-
-def _int_text(x: int) -> str:
-    try:
-        return str(x)
-    except ValueError:  # too many digits for decimal conversion; hex has no limit
-        return hex(x)
-
-
-def _float_text(x: float) -> str:
-    if math.isnan(x) and math.copysign(1.0, x) < 0:
-        return "-nan"  # float.hex drops the sign of a NaN
-    return x.hex()
-
-
-def _enc_int(x: int) -> dict[str, Any]:
-    return {"t": "int", "v": _int_text(x)}
-
-
-def _enc_float(x: float) -> dict[str, Any]:
-    return {"t": "float", "v": _float_text(x)}
-
-
-def _enc_complex(x: complex) -> dict[str, Any]:
-    return {"t": "complex", "re": _float_text(x.real), "im": _float_text(x.imag)}
-
-
-def _enc_bytes(x: bytes) -> dict[str, Any]:
-    return {"t": "bytes", "v": base64.b64encode(x).decode("ascii")}
-
-
-def _enc_dtype(x: torch.dtype) -> dict[str, Any]:
-    return {"t": "dtype", "v": str(x).removeprefix("torch.")}
-
-
-def _enc_size(x: torch.Size) -> dict[str, Any]:
-    return {"t": "size", "v": list(x)}
-
-
-def _enc_device(x: torch.device) -> dict[str, Any]:
-    return {"t": "device", "v": str(x)}
-
-
-_VALUE_ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
-    int: _enc_int,
-    float: _enc_float,
-    complex: _enc_complex,
-    bytes: _enc_bytes,
-    torch.dtype: _enc_dtype,
-    torch.Size: _enc_size,
-    torch.device: _enc_device,
-}
-#: Every hashable value leaf may be a dict key too (and tuples of them, below).
-_KEY_ENCODERS: dict[type, Callable[[Any], dict[str, Any]]] = {
-    int: _enc_int,
-    float: _enc_float,
-    complex: _enc_complex,
-    bytes: _enc_bytes,
-    torch.dtype: _enc_dtype,
-    torch.Size: _enc_size,
-    torch.device: _enc_device,
-}
 
 
 class _Walker:
@@ -210,7 +155,17 @@ class _Walker:
     one covering the storage range of all of them.
     """
 
-    __slots__ = ("_groups", "_host_only", "_index", "_on_path", "_storages", "blobs", "leaves", "records")
+    __slots__ = (
+        "_groups",
+        "_host_only",
+        "_index",
+        "_on_path",
+        "_storages",
+        "blobs",
+        "bytes_in_stream",
+        "leaves",
+        "records",
+    )
 
     def __init__(self) -> None:
         self.records: list[TensorRecord] = []
@@ -222,6 +177,8 @@ class _Walker:
         self._groups: dict[object, list[tuple[int, torch.Tensor, str]]] = {}
         #: No copier is installed (fastpersist.device.use_copier): CPU tensors are read in place.
         self._host_only = _device.installed_copier is None
+        #: Some bytes value went into the data stream (a ``bytes_blob`` node: spec version 2).
+        self.bytes_in_stream = False
 
     def node(self, x: object, path: str, depth: int) -> Any:
         cls = type(x)
@@ -238,9 +195,14 @@ class _Walker:
             return self._mapping(x, path, depth, "dict" if cls is dict else "odict")  # type: ignore[arg-type]
         if cls is list or cls is tuple:
             return {"t": cls.__name__, "v": self._items(x, path, depth)}  # type: ignore[arg-type]
-        encoder = _VALUE_ENCODERS.get(cls)
+        if cls is bytes and len(x) > BYTES_INLINE_MAX_BYTES:  # type: ignore[arg-type]
+            return self._bytes(x, path)  # type: ignore[arg-type]
+        encoder = VALUE_ENCODERS.get(cls)
         if encoder is not None:
-            return encoder(x)
+            try:
+                return encoder(x)
+            except OverLimit as e:
+                raise _unsupported(path, x, str(e)) from None
         if cls is np.ndarray or cls is np.memmap:
             i = self._index.get(id(x))
             if i is None:
@@ -250,11 +212,26 @@ class _Walker:
             return {"t": "tensor", "i": i}
         return self._other(x, path, depth)
 
+    def _bytes(self, x: bytes, path: str) -> dict[str, Any]:
+        """A large bytes value: a uint8 record whose blob views the bytes (immutable: unwatched)."""
+        i = self._index.get(id(x))
+        if i is None:
+            i = self._index[id(x)] = len(self.records)
+            self.leaves.append(x)
+            self.records.append(
+                TensorRecord(path, "numpy", BYTES_RECORD_DTYPE, [len(x)], [1], len(self.blobs), 0, "cpu", False, False)
+            )
+            self.blobs.append(Blob(np.frombuffer(x, dtype=U8), x, None))
+            self.bytes_in_stream = True
+        return {"t": "bytes_blob", "i": i}
+
     def _enter(self, x: object, path: str, depth: int) -> None:
         if depth >= MAX_DEPTH:
-            raise UnsupportedValueError(f"at key path {path}: containers nested deeper than {MAX_DEPTH} levels")
+            raise UnsupportedValueError(f"at key path {shown(path)}: containers nested deeper than {MAX_DEPTH} levels")
         if id(x) in self._on_path:
-            raise UnsupportedValueError(f"at key path {path}: cyclic reference (a container that contains itself)")
+            raise UnsupportedValueError(
+                f"at key path {shown(path)}: cyclic reference (a container that contains itself)"
+            )
         self._on_path.add(id(x))
 
     def _mapping(self, x: dict[Any, Any], path: str, depth: int, tag: str) -> dict[str, Any]:
@@ -267,7 +244,7 @@ class _Walker:
                 child = f"{path}.{k}" if k.isidentifier() else f"{path}[{k!r}]"
             else:
                 keys.append(self._key(k, path, depth))
-                child = f"{path}[{_safe_repr(k)}]"
+                child = f"{path}[{_key_text(k)}]"
             values.append(self.node(v, child, depth + 1))
         node = {"t": tag, "k": keys, "v": values}
         # Module.state_dict() keeps per-module versions in `_metadata`; load_state_dict uses
@@ -288,16 +265,16 @@ class _Walker:
         cls = type(k)
         if cls is str or cls is bool or k is None:
             return k
-        encoder = _KEY_ENCODERS.get(cls)
+        encoder = KEY_ENCODERS.get(cls)
         if encoder is not None:
             return encoder(k)
         if cls is tuple:
             if depth >= MAX_DEPTH:
-                raise UnsupportedValueError(f"at key path {path}: dict key nested too deeply")
+                raise UnsupportedValueError(f"at key path {shown(path)}: dict key nested too deeply")
             return {"t": "tuple", "v": [self._key(e, path, depth + 1) for e in k]}  # type: ignore[attr-defined]
         raise UnsupportedValueError(
-            f"at key path {path}: cannot save a dict key of type {_type_name(cls)} "
-            f"({_safe_repr(k)[:80]}). Dict keys may be str, int, float, complex, bool, None, "
+            f"at key path {shown(path)}: cannot save a dict key of type {_type_name(cls)} "
+            f"({shown(k)}). Dict keys may be str, int, float, complex, bool, None, "
             "bytes, torch.dtype, torch.Size, torch.device or tuples of those"
         )
 
@@ -306,6 +283,9 @@ class _Walker:
         if isinstance(x, tuple):
             fields = getattr(cls, "_fields", None)
             if isinstance(fields, tuple) and all(type(f) is str for f in fields):
+                problem = namedtuple_problem(cls.__qualname__, list(fields))
+                if problem is not None:
+                    raise _unsupported(path, x, f"{problem}, else it cannot be loaded back")
                 return {
                     "t": "ntuple",
                     "module": cls.__module__,
@@ -320,7 +300,7 @@ class _Walker:
         if isinstance(x, np.generic):
             a = np.asarray(x)
             dt = a.dtype
-            if dt.kind not in NUMPY_KINDS or dt.hasobject or dt.names is not None:
+            if dt.kind not in NUMPY_KINDS or dt.hasobject or dt.names is not None or not _loadable(dt):
                 raise _unsupported(path, x, f"numpy dtype {dt}")
             return {"t": "np", "dtype": dt.str, "v": base64.b64encode(a.tobytes()).decode("ascii")}
         if isinstance(x, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
@@ -340,7 +320,7 @@ class _Walker:
     def _tensor(self, x: torch.Tensor, path: str, i: int) -> None:
         name = TORCH_DTYPE_NAME.get(x.dtype)
         cpu = x.is_cpu
-        if name is None or x.layout is not _STRIDED or x.is_nested or (not cpu and x.is_meta):
+        if name is None or x.layout is not _STRIDED or x.is_nested or (not cpu and x.is_meta) or x.dim() > MAX_DIMS:
             raise _tensor_error(x, path)
         plain = not (x.is_neg() or x.is_conj())
         # Empty tensors may all report data_ptr 0, and conj/neg views are not their raw
@@ -398,7 +378,7 @@ class _Walker:
 
     def _array(self, a: np.ndarray, path: str) -> None:
         dt = a.dtype
-        if dt.kind not in NUMPY_KINDS or dt.hasobject or dt.names is not None or dt.itemsize == 0:
+        if dt.kind not in NUMPY_KINDS or dt.hasobject or dt.names is not None or dt.itemsize == 0 or not _loadable(dt):
             raise _unsupported(path, a, f"numpy dtype {dt}; use a numeric, bool, datetime or string dtype")
         shape, stride = canonical_layout(a.shape)
         self.records.append(
@@ -469,6 +449,15 @@ def _is_dtensor(x: object) -> bool:
     return isinstance(dtensor, type) and isinstance(x, dtensor)
 
 
+def _loadable(dt: np.dtype[Any]) -> bool:
+    """Whether a reader accepts this numpy dtype (records.numpy_dtype: the one rule for both sides)."""
+    try:
+        numpy_dtype(dt.str)
+    except ValueError:
+        return False
+    return True
+
+
 def _tensor_error(t: torch.Tensor, path: str) -> UnsupportedValueError:
     if t.layout is not _STRIDED:
         why = f"layout {t.layout}; convert it with .to_dense()"
@@ -478,6 +467,8 @@ def _tensor_error(t: torch.Tensor, path: str) -> UnsupportedValueError:
         why = "nested tensor; save its components from .unbind()"
     elif t.is_meta:
         why = "a meta tensor has no data"
+    elif t.dim() > MAX_DIMS:
+        why = f"{t.dim()} dimensions; a checkpoint holds at most {MAX_DIMS}, reshape it"
     else:
         why = f"dtype {t.dtype} is not supported"
     return _unsupported(path, t, why)

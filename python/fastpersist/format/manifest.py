@@ -22,7 +22,10 @@ from typing import Any
 
 from .. import _core
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from .records import TensorRecord, dtype_itemsize, records_from_json, shown
+from . import limits
+from .limits import MAX_BYTES, check_manifest_size
+from .quote import shown
+from .records import TensorRecord, dtype_itemsize, records_from_json
 from .stripes import check_stripe_dirs
 
 __all__ = [
@@ -38,10 +41,11 @@ __all__ = [
 FORMAT_NAME = "fastpersist"
 #: (major, minor). A reader accepts any minor of its major and rejects other majors.
 #: 1.1 added the ``manifest_sha256`` seal (see :func:`seal`); 1.0 manifests carry none.
-FORMAT_VERSION = (1, 1)
+#: 1.2 added ``bytes_blob`` tree nodes (tree spec_version 2): bytes values over 4 KiB in the data
+#: stream. A 1.1 reader loads 1.2 checkpoints without them and refuses the others by their
+#: spec_version ("upgrade fastpersist").
+FORMAT_VERSION = (1, 2)
 MANIFEST_NAME = "manifest.json"
-#: A manifest larger than this is refused before parsing (a hostile file could be huge).
-MAX_MANIFEST_BYTES = 1 << 30
 
 _SHARD_NAME = re.compile(r"^shard-\d{5}$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
@@ -109,7 +113,12 @@ def build(
     extra: dict[str, Any] | None = None,
     shards: list[str] | None = None,
 ) -> bytes:
-    """Serialises a manifest (the inverse of :func:`parse`)."""
+    """Serialises a manifest (the inverse of :func:`parse`).
+
+    Raises:
+        UnsupportedValueError: the manifest would be larger than a reader accepts
+            (:func:`~fastpersist.format.limits.check_manifest_size`); nothing is written.
+    """
     doc = {
         "format": FORMAT_NAME,
         "format_version": list(FORMAT_VERSION),
@@ -129,7 +138,9 @@ def build(
     }
     if shards:
         doc["shards"] = shards
-    return seal(json.dumps(doc, allow_nan=False, separators=(",", ":")).encode())
+    manifest = seal(json.dumps(doc, allow_nan=False, separators=(",", ":")).encode())
+    check_manifest_size(manifest, tree, tensors)
+    return manifest
 
 
 #: The seal is the last member of the manifest's JSON object, byte for byte.
@@ -205,14 +216,13 @@ def read_manifest(root: str) -> Manifest:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpointError(f"{path} is not a regular file")
-        if st.st_size > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(f"{path}: manifest of {st.st_size} bytes is implausibly large")
+        if st.st_size > limits.MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(
+                f"{path}: manifest of {st.st_size} bytes is over the {limits.MAX_MANIFEST_BYTES}-byte limit "
+                "(MAX_MANIFEST_BYTES); fastpersist never writes one that large, so it is damaged or not its own"
+            )
         raw = f.read(st.st_size + 1)  # bounded by the size checked above; +1 sees growth
     return parse(raw, where=path)
-
-
-#: Offsets and lengths past this are refused (no file system holds an exabyte file).
-MAX_BYTES = 1 << 60
 
 
 def _int(doc: dict[str, Any], key: str, where: str, *, minimum: int = 0) -> int:
@@ -334,17 +344,17 @@ def _parse_files(
         expected = math.ceil(length / chunk_bytes) if checksum == "crc32c" else 0
         if len(crcs) != expected:
             raise CorruptCheckpointError(
-                f"{at} ({name}): {len(crcs)} chunk checksums for {math.ceil(length / chunk_bytes)} chunks"
+                f"{at} ({shown(name)}): {len(crcs)} chunk checksums for {math.ceil(length / chunk_bytes)} chunks"
             )
         if offset % chunk_bytes:
-            raise CorruptCheckpointError(f"{at} ({name}): stream offset {offset} is not chunk-aligned")
+            raise CorruptCheckpointError(f"{at} ({shown(name)}): stream offset {offset} is not chunk-aligned")
         files.append(FileEntry(name, stripe, writer, offset, length, crcs))
     cursor = 0
     for entry in sorted(files, key=lambda f: f.stream_offset_bytes):
         if entry.stream_offset_bytes != cursor:
             kind = "overlaps" if entry.stream_offset_bytes < cursor else "leaves a gap before"
             raise CorruptCheckpointError(
-                f"{where}: file {entry.name} {kind} byte {cursor} of the data stream "
+                f"{where}: file {shown(entry.name)} {kind} byte {cursor} of the data stream "
                 f"(it starts at {entry.stream_offset_bytes})"
             )
         cursor += entry.len_bytes
@@ -375,11 +385,11 @@ def _parse_blobs(items: object, where: str, total_bytes: int) -> list[tuple[int,
 
 def _check_tensors_fit(tensors: list[TensorRecord], blobs: list[tuple[int, int]], where: str) -> None:
     for i, t in enumerate(tensors):
-        at = f"{where}: tensor {i} ({t.key_path})"
+        at = f"{where}: tensor {i} ({shown(t.key_path)})"
         if not 0 <= t.blob < len(blobs):
             raise CorruptCheckpointError(f"{at}: blob index {t.blob} out of range")
         if len(t.stride) != len(t.shape) or any(s < 0 for s in t.stride):
-            raise CorruptCheckpointError(f"{at}: stride {t.stride} does not fit shape {t.shape}")
+            raise CorruptCheckpointError(f"{at}: stride {shown(t.stride)} does not fit shape {shown(t.shape)}")
         itemsize = dtype_itemsize(t.kind, t.dtype)
         if 0 in t.shape:
             span = 0
@@ -388,6 +398,6 @@ def _check_tensors_fit(tensors: list[TensorRecord], blobs: list[tuple[int, int]]
         blob_len = blobs[t.blob][1]
         if t.offset_bytes < 0 or t.offset_bytes + span > blob_len or t.offset_bytes % itemsize:
             raise CorruptCheckpointError(
-                f"{at}: {t.dtype}{list(t.shape)} at byte {t.offset_bytes} needs {span} bytes but blob "
+                f"{at}: {shown(t.dtype)} {shown(t.shape)} at byte {t.offset_bytes} needs {span} bytes but blob "
                 f"{t.blob} has {blob_len}"
             )

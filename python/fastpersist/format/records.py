@@ -2,7 +2,7 @@
 
 A `TensorRecord` says where one tensor leaf's bytes live inside a blob and how to rebuild it.
 `flatten` makes them on save; `records_from_json` validates them from a possibly hostile file
-on load. Also the spec constants both sides agree on (`SPEC_VERSION`, `MAX_DEPTH`).
+on load. Also the spec version both sides agree on (`SPEC_VERSION`); the limits live in `limits`.
 
 Example:
     >>> rec = TensorRecord("state.w", "torch", "bfloat16", [2, 3], [3, 1], 0, 0, "cpu", False)
@@ -21,12 +21,18 @@ from typing import Any
 import numpy as np
 import torch
 
-SPEC_VERSION = 1
-# Python's json encoder and decoder recurse (two levels per container), so a deeper state
-# could be written but not read back; no real training state comes close.
-MAX_DEPTH = 200
-MAX_DIMS = 64
-MAX_EXTENT = 1 << 62
+from .limits import MAX_DIMS, MAX_EXTENT
+from .quote import shown
+
+#: The newest tree spec. 2 added ``bytes_blob`` nodes (bytes values kept in the data stream); a
+#: tree without them is written as 1, which every reader since the first one reads.
+SPEC_VERSION = 2
+SPEC_VERSION_PLAIN = 1
+#: A bytes value longer than this goes into the data stream as a uint8 record (checksummed like
+#: a tensor, 1 byte per byte) instead of base64 in the manifest (4 characters per 3 bytes).
+BYTES_INLINE_MAX_BYTES = 4096
+#: The numpy dtype of such a record.
+BYTES_RECORD_DTYPE = "|u1"
 
 # Tensor dtypes whose bytes we write; filtered by what this torch build has.
 _TORCH_DTYPE_CANDIDATES = (
@@ -97,20 +103,6 @@ class TensorRecord:
 
 
 CANONICAL_CACHE: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
-
-
-def shown(value: object, limit: int = 80) -> str:
-    """`repr(value)`, cut to `limit` characters: hostile input must not make error messages huge.
-
-    Example:
-        >>> shown("x" * 1000)[-5:]
-        "xx..."
-    """
-    try:
-        text = repr(value)
-    except ValueError:  # an int past sys.get_int_max_str_digits()
-        return f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def canonical_layout(shape: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -260,7 +252,7 @@ def _record_from_json(i: int, item: object) -> TensorRecord:
     if set(item) != set(_RECORD_FIELDS):
         missing = sorted(set(_RECORD_FIELDS) - set(item))
         extra = sorted(str(k) for k in set(item) - set(_RECORD_FIELDS))
-        raise bad(f"wrong fields (missing {missing}, unexpected {extra})")
+        raise bad(f"wrong fields (missing {missing}, unexpected {shown(extra)})")
     key_path, kind, dtype = item["key_path"], item["kind"], item["dtype"]
     shape, stride, device = item["shape"], item["stride"], item["device"]
     requires_grad, is_parameter = item["requires_grad"], item["is_parameter"]
@@ -277,9 +269,9 @@ def _record_from_json(i: int, item: object) -> TensorRecord:
         if not (isinstance(dims, list) and len(dims) <= MAX_DIMS and all(map(_is_int, dims))):
             raise bad(f"{name} must be a list of at most {MAX_DIMS} non-negative integers")
     if math.prod(shape) >= MAX_EXTENT:
-        raise bad(f"shape {shape} has too many elements")
+        raise bad(f"shape {shown(shape)} has too many elements")
     if len(stride) != len(shape):
-        raise bad(f"stride {stride} and shape {shape} have different lengths")
+        raise bad(f"stride {shown(stride)} and shape {shown(shape)} have different lengths")
     if not _is_int(blob) or not _is_int(offset_bytes):
         raise bad("blob and offset_bytes must be non-negative integers")
     if not (isinstance(device, str) and DEVICE_RE.fullmatch(device) and _known_device(device)):
@@ -290,7 +282,7 @@ def _record_from_json(i: int, item: object) -> TensorRecord:
         if requires_grad or is_parameter or device != "cpu":
             raise bad("a numpy record must be on cpu without requires_grad or is_parameter")
         if stride != canonical_layout(tuple(shape))[1]:
-            raise bad(f"numpy stride {stride} is not C-contiguous for shape {shape}")
+            raise bad(f"numpy stride {shown(stride)} is not C-contiguous for shape {shown(shape)}")
     else:
         if offset_bytes % itemsize:
             raise bad(f"offset_bytes {offset_bytes} is not a multiple of the itemsize {itemsize}")

@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable
 
 from ..errors import CorruptCheckpointError
+from .quote import shown
 
 __all__ = ["STRIPE_SUFFIX", "check_stripe_dirs", "parse_stripe_dir", "stripe_dir_id"]
 
@@ -55,6 +56,6 @@ def check_stripe_dirs(stripes: Iterable[str], checkpoint_id: str, where: str) ->
         )
         if not ok:
             raise CorruptCheckpointError(
-                f"{where}: stripe directory {s[:200]!r} is not a normalised absolute path ending in "
+                f"{where}: stripe directory {shown(s, 200)} is not a normalised absolute path ending in "
                 f"NAME.{checkpoint_id[:12] or 'ID'}{STRIPE_SUFFIX}; fastpersist will not read or delete it"
             )

@@ -20,28 +20,25 @@ import base64
 import collections
 import keyword
 import re
-import reprlib
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import torch
 
+from .limits import MAX_DEPTH, MAX_DIMS, MAX_EXTENT, namedtuple_problem
+from .quote import shown
 from .records import (
     DEVICE_RE,
-    MAX_DEPTH,
-    MAX_DIMS,
-    MAX_EXTENT,
     SPEC_VERSION,
+    SPEC_VERSION_PLAIN,
     TORCH_DTYPES,
     TensorRecord,
     dtype_itemsize,
     numpy_dtype,
-    shown,
     span_elems,
 )
 
-_MAX_FIELDS = 4096  # namedtuple fields; building a class costs time linear in them
 # Every torch.dtype, for dtype-valued leaves; vars() so no lazy torch submodule is imported.
 _ANY_TORCH_DTYPE: dict[str, torch.dtype] = {n: d for n, d in vars(torch).items() if isinstance(d, torch.dtype)}
 _DEC_INT_RE = re.compile(r"-?(?:0|[1-9][0-9]*)")
@@ -83,19 +80,19 @@ def materialize(records: list[TensorRecord], blob_buffers: list[torch.Tensor]) -
     out: list[object] = []
     for i, r in enumerate(records):
         if not 0 <= r.blob < len(bufs):
-            raise ValueError(f"tensor record {i} ({r.key_path}): blob {r.blob} does not exist")
+            raise ValueError(f"tensor record {i} ({shown(r.key_path)}): blob {r.blob} does not exist")
         buf = bufs[r.blob]
         itemsize = dtype_itemsize(r.kind, r.dtype)
         end = r.offset_bytes + span_elems(r.shape, r.stride) * itemsize
         if end > buf.numel():
             raise ValueError(
-                f"tensor record {i} ({r.key_path}): bytes [{r.offset_bytes}, {end}) run past "
+                f"tensor record {i} ({shown(r.key_path)}): bytes [{r.offset_bytes}, {end}) run past "
                 f"the end of blob {r.blob} ({buf.numel()} bytes)"
             )
         raw = buf[r.offset_bytes : end]
         if r.kind == "numpy":
             if not buf.is_cpu:
-                raise ValueError(f"tensor record {i} ({r.key_path}): a numpy array's blob must be on the CPU")
+                raise ValueError(f"tensor record {i} ({shown(r.key_path)}): a numpy array's blob must be on the CPU")
             out.append(raw.numpy().view(numpy_dtype(r.dtype)).reshape(r.shape))
             continue
         t = raw.view(TORCH_DTYPES[r.dtype]).as_strided(r.shape, r.stride)
@@ -111,14 +108,6 @@ def materialize(records: list[TensorRecord], blob_buffers: list[torch.Tensor]) -
 
 
 _MISSING = object()
-
-
-def _show(v: object) -> str:
-    """A short repr of an untrusted value for an error message."""
-    try:
-        return reprlib.repr(v)
-    except ValueError:  # an int past sys.get_int_max_str_digits()
-        return f"<{type(v).__name__}>"
 
 
 class _SpecError(ValueError):
@@ -148,7 +137,7 @@ def allowed_namedtuples(types: Iterable[type]) -> dict[_NtKey, type]:
             and isinstance(fields, tuple)
             and all(type(f) is str for f in fields)
         ):
-            raise TypeError(f"namedtuple_types must hold namedtuple classes, not {cls!r}")
+            raise TypeError(f"namedtuple_types must hold namedtuple classes, not {shown(cls)}")
         allowed[(cls.__module__, cls.__qualname__, fields)] = cls
     return allowed
 
@@ -170,17 +159,18 @@ def unflatten(spec: dict[str, Any], tensors: list[object], *, namedtuple_types: 
     """
     if not isinstance(spec, dict) or set(spec) != {"spec_version", "root"}:
         raise ValueError("spec must be an object with exactly 'spec_version' and 'root'")
-    if spec["spec_version"] != SPEC_VERSION or type(spec["spec_version"]) is not int:
+    version = spec["spec_version"]
+    if type(version) is not int or not SPEC_VERSION_PLAIN <= version <= SPEC_VERSION:
         raise ValueError(
-            f"spec_version {_show(spec['spec_version'])} is not supported (this reader knows "
+            f"spec_version {shown(version)} is not supported (this reader knows {SPEC_VERSION_PLAIN} to "
             f"{SPEC_VERSION}); upgrade fastpersist"
         )
-    builder = _Builder(tensors, allowed_namedtuples(namedtuple_types))
+    builder = _Builder(tensors, allowed_namedtuples(namedtuple_types), bytes_in_stream=version >= 2)
     try:
         return builder.node(spec["root"], 0)
     except _SpecError as e:
-        where = "".join(reversed(e.where))
-        raise ValueError(f'invalid spec at ["root"]{where}: {e.why}') from None
+        where = '["root"]' + "".join(reversed(e.where))
+        raise ValueError(f"invalid spec at {shown(where, 300)}: {e.why}") from None
 
 
 def _fields(node: dict[str, Any], *names: str) -> list[Any]:
@@ -198,7 +188,7 @@ def _dec_int(v: object) -> int:
                 raise _SpecError("integer has too many decimal digits") from None
         if _HEX_INT_RE.fullmatch(v):
             return int(v, 16)
-    raise _SpecError(f"malformed integer {_show(v)}")
+    raise _SpecError(f"malformed integer {shown(v)}")
 
 
 def _dec_float(v: object) -> float:
@@ -207,7 +197,7 @@ def _dec_float(v: object) -> float:
             return float.fromhex(v)
         except (ValueError, OverflowError):
             pass
-    raise _SpecError(f"malformed float {_show(v)}")
+    raise _SpecError(f"malformed float {shown(v)}")
 
 
 def _dec_b64(v: object) -> bytes:
@@ -222,7 +212,7 @@ def _dec_b64(v: object) -> bytes:
 def _dec_dtype(v: object) -> torch.dtype:
     d = _ANY_TORCH_DTYPE.get(v) if isinstance(v, str) else None
     if d is None:
-        raise _SpecError(f"unknown torch dtype {_show(v)}")
+        raise _SpecError(f"unknown torch dtype {shown(v)}")
     return d
 
 
@@ -238,11 +228,14 @@ _KEY_TAGS = ("int", "float", "complex", "bytes", "dtype", "size", "device")
 class _Builder:
     """Recursive spec reader with a depth cap; `tensors` supplies the tensor leaves."""
 
-    __slots__ = ("_ntuples", "_tensors")
+    __slots__ = ("_bytes", "_bytes_in_stream", "_ntuples", "_tensors")
 
-    def __init__(self, tensors: list[object], allowed: dict[_NtKey, type]) -> None:
+    def __init__(self, tensors: list[object], allowed: dict[_NtKey, type], *, bytes_in_stream: bool) -> None:
         self._tensors = tensors
         self._ntuples: dict[_NtKey, type] = dict(allowed)
+        #: Spec version 2: ``bytes_blob`` nodes name a uint8 record holding a bytes value.
+        self._bytes_in_stream = bytes_in_stream
+        self._bytes: dict[int, bytes] = {}  # one bytes object per record, as saved
 
     def node(self, node: object, depth: int) -> object:
         if node is None or type(node) is str or type(node) is bool:
@@ -253,7 +246,7 @@ class _Builder:
         if tag == "tensor":
             (i,) = _fields(node, "i")
             if type(i) is not int or not 0 <= i < len(self._tensors):
-                raise _SpecError(f"tensor index {_show(i)} out of range (have {len(self._tensors)})")
+                raise _SpecError(f"tensor index {shown(i)} out of range (have {len(self._tensors)})")
             return self._tensors[i]
         if tag in ("dict", "odict"):
             meta = _MISSING
@@ -352,7 +345,7 @@ class _Builder:
                     return torch.device(v)
                 except (RuntimeError, ValueError):
                     pass
-            raise _SpecError(f"malformed device {_show(v)}")
+            raise _SpecError(f"malformed device {shown(v)}")
         if tag == "np_str":
             (v,) = _fields(node, "v")
             if type(v) is not str:
@@ -368,23 +361,31 @@ class _Builder:
                 raise _SpecError(str(e)) from None
             raw = _dec_b64(v)
             if len(raw) != dt.itemsize:
-                raise _SpecError(f"numpy scalar of dtype {dtype} needs {dt.itemsize} bytes, got {len(raw)}")
+                raise _SpecError(f"numpy scalar of dtype {shown(dtype)} needs {dt.itemsize} bytes, got {len(raw)}")
             return np.frombuffer(raw, dtype=dt)[0]
-        raise _SpecError(f"unknown node tag {_show(tag)}")
+        if tag == "bytes_blob" and self._bytes_in_stream:
+            return self._bytes_blob(*_fields(node, "i"))
+        raise _SpecError(f"unknown node tag {shown(tag)}")
+
+    def _bytes_blob(self, i: object) -> bytes:
+        value = self._tensors[i] if type(i) is int and 0 <= i < len(self._tensors) else None
+        if not (isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1):
+            raise _SpecError(f"bytes_blob {shown(i)} does not name a 1-D uint8 record ({len(self._tensors)} records)")
+        assert type(i) is int
+        found = self._bytes.get(i)
+        if found is None:
+            found = self._bytes[i] = value.tobytes()
+        return found
 
     def _ntuple(self, module: object, name: object, fields: object, values: list[Any]) -> object:
-        if not (isinstance(module, str) and isinstance(name, str) and len(name) <= 256):
+        if not isinstance(module, str):
             raise _SpecError("namedtuple 'module' and 'name' must be strings")
-        if not (
-            type(fields) is list
-            and len(fields) == len(values) <= _MAX_FIELDS
-            and all(
-                type(f) is str and f.isidentifier() and not f.startswith("_") and not keyword.iskeyword(f)
-                for f in fields
-            )
-            and len(set(fields)) == len(fields)
-        ):
-            raise _SpecError(f"namedtuple 'fields' must be at most {_MAX_FIELDS} distinct identifiers, one per value")
+        problem = namedtuple_problem(name, fields)
+        if problem is not None:
+            raise _SpecError(problem)
+        assert isinstance(name, str) and isinstance(fields, list)
+        if len(fields) != len(values):
+            raise _SpecError(f"namedtuple 'fields' must be identifiers, one per value ({len(fields)} != {len(values)})")
         key = (module, name, tuple(fields))
         cls = self._ntuples.get(key)
         if cls is None:
@@ -392,7 +393,7 @@ class _Builder:
         try:
             return cls._make(values)  # type: ignore[attr-defined]
         except (TypeError, ValueError) as e:
-            raise _SpecError(f"namedtuple {name} rejected its values: {e}") from None
+            raise _SpecError(f"namedtuple {shown(name)} rejected its values: {shown(str(e), 200)}") from None
 
 
 def _fresh_namedtuple(qualname: str, fields: tuple[str, ...]) -> type:
@@ -403,4 +404,4 @@ def _fresh_namedtuple(qualname: str, fields: tuple[str, ...]) -> type:
     try:
         return collections.namedtuple(short, fields)
     except (ValueError, TypeError) as e:
-        raise _SpecError(f"cannot build namedtuple {short}: {e}") from None
+        raise _SpecError(f"cannot build namedtuple {shown(short)}: {shown(str(e), 200)}") from None

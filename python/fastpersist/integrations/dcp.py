@@ -47,6 +47,7 @@ from torch.futures import Future
 from .. import _core
 from ..config import Config
 from ..errors import CorruptCheckpointError
+from ..format.quote import shown
 from ..format.records import TORCH_DTYPES
 
 __all__ = ["FastPersistReader", "FastPersistWriter", "ItemInfo"]
@@ -132,7 +133,7 @@ class FastPersistWriter(StorageWriter):
                 shapes.append((str(t.dtype).removeprefix("torch."), tuple(t.shape)))
         cfg = self.config
         engine_plan = _core.Plan([s.nbytes for s in sources], 1, 1, cfg.chunk_bytes)
-        from ..saving.job import pool_for
+        from ..saving.pools import pool_for
 
         report: Any = {"parts": [], "backend": "none"}
         if engine_plan.total_bytes:  # a rank with nothing (or only empty tensors) to write writes no file
@@ -222,7 +223,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             module != "builtins" or name in self._BUILTINS
         ):
             return super().find_class(module, name)
-        raise CorruptCheckpointError(f"DCP metadata refers to {module}.{name}, which a checkpoint never needs")
+        raise CorruptCheckpointError(
+            f"DCP metadata refers to {shown(f'{module}.{name}')}, which a checkpoint never needs"
+        )
 
 
 class FastPersistReader(StorageReader):
@@ -302,7 +305,9 @@ class FastPersistReader(StorageReader):
                 queue_depth=self.config.queue_depth,
             )
         except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path}, named in {self.path}/{METADATA_NAME}, is missing") from None
+            raise CorruptCheckpointError(
+                f"{shown(path, 300)}, named in {self.path}/{METADATA_NAME}, is missing"
+            ) from None
         return buf[: any_item.file_bytes]
 
     @classmethod
@@ -314,14 +319,15 @@ class FastPersistReader(StorageReader):
 def _copy_item(item: ReadItem, info: ItemInfo, raw: torch.Tensor, planner: LoadPlanner) -> None:
     dtype = TORCH_DTYPES.get(info.dtype or "")
     if dtype is None:
-        raise CorruptCheckpointError(f"DCP item {item.storage_index.fqn}: unknown dtype {info.dtype!r}")
+        raise CorruptCheckpointError(f"DCP item {shown(item.storage_index.fqn)}: unknown dtype {shown(info.dtype)}")
     stored = raw.view(dtype).reshape(info.shape) if raw.numel() else torch.empty(info.shape, dtype=dtype)
     for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
         stored = stored.narrow(dim, offset, length)
     target = planner.resolve_tensor(item).detach()
     if target.shape != stored.shape:
         raise CorruptCheckpointError(
-            f"DCP item {item.storage_index.fqn}: stored region {list(stored.shape)} != requested {list(target.shape)}"
+            f"DCP item {shown(item.storage_index.fqn)}: stored region {list(stored.shape)} != requested "
+            f"{list(target.shape)}"
         )
     target.copy_(stored)
     planner.commit_tensor(item, target)

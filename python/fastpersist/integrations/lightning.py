@@ -34,6 +34,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ..api import load, save
 from ..config import Config
 from ..format.manifest import MANIFEST_NAME
+from ..format.quote import shown
 
 __all__ = ["FastPersistCheckpointIO"]
 
@@ -88,6 +89,6 @@ class FastPersistCheckpointIO(CheckpointIO):
         ):
             return x
         if self.strict:
-            raise TypeError(f"{where}: {type(x).__name__} cannot be stored by fastpersist (strict=True)")
-        log.warning("%s: storing %s as its repr string (fastpersist stores data only)", where, type(x).__name__)
+            raise TypeError(f"{shown(where)}: {type(x).__name__} cannot be stored by fastpersist (strict=True)")
+        log.warning("%s: storing %s as its repr string (fastpersist stores data only)", shown(where), type(x).__name__)
         return repr(x)

@@ -33,6 +33,7 @@ import torch
 from ..errors import FastPersistError
 from ..format.flatten import flatten, materialize, records_from_json, records_to_json, unflatten
 from ..format.manifest import MANIFEST_NAME, read_manifest
+from ..format.quote import shown
 from ..format.records import TORCH_DTYPES, TensorRecord, dtype_itemsize, span_elems
 
 __all__ = ["Format", "convert", "detect_format", "read_any", "read_checkpoint", "write_safetensors"]
@@ -94,6 +95,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Any:
             raw = torch.empty(0, dtype=torch.uint8).set_(leaf.untyped_storage())
             start = leaf.storage_offset() * leaf.element_size() - rec.offset_bytes
             buffers[rec.blob] = raw[start : start + length].clone()
+        elif isinstance(leaf, bytes):  # a large bytes value, kept in the stream as a uint8 record
+            buffers[rec.blob] = _bytes_tensor(leaf)
         else:
             buffers[rec.blob] = torch.from_numpy(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8).copy())
     if len(buffers) != len(m.blobs):
@@ -146,12 +149,14 @@ def _walk(x: object, prefix: str) -> Iterator[tuple[str, object]]:
     elif isinstance(x, (list, tuple)):
         for i, v in enumerate(x):
             yield from _walk(v, join(i))
-    elif isinstance(x, (torch.Tensor, np.ndarray)):
+    elif isinstance(x, (torch.Tensor, np.ndarray, bytes)):  # bytes: only large ones have a record
         yield prefix, x
 
 
 def _storable(leaf: object) -> torch.Tensor:
     """What safetensors stores for a leaf: a contiguous tensor of its own (raw bytes if the dtype is foreign)."""
+    if isinstance(leaf, bytes):
+        return _bytes_tensor(leaf)
     if isinstance(leaf, np.ndarray):
         try:
             t = torch.from_numpy(np.ascontiguousarray(leaf)).clone()
@@ -163,6 +168,11 @@ def _storable(leaf: object) -> torch.Tensor:
     if t.dtype not in _SAFETENSORS_DTYPES:
         return t.reshape(-1).view(torch.uint8).clone() if t.numel() else torch.zeros(0, dtype=torch.uint8)
     return t
+
+
+def _bytes_tensor(value: bytes) -> torch.Tensor:
+    """A uint8 tensor holding a copy of `value` (the record a large bytes value gets)."""
+    return torch.from_numpy(np.frombuffer(value, dtype=np.uint8).copy())
 
 
 def write_safetensors(state: object, path: str | os.PathLike[str]) -> int:
@@ -204,13 +214,15 @@ def read_safetensors(path: str | os.PathLike[str]) -> Any:
     try:
         info = json.loads(meta)
         if info.get("version") != META_VERSION:
-            raise ValueError(f"metadata version {info.get('version')} (this reader knows {META_VERSION})")
+            raise ValueError(f"metadata version {shown(info.get('version'))} (this reader knows {META_VERSION})")
         records = records_from_json(info["records"])
         values = [tensors[n] for n in info["names"]]
         buffers = _blob_buffers(records, values)
         return unflatten(info["spec"], materialize(records, buffers))
     except (ValueError, KeyError, TypeError) as e:
-        raise FastPersistError(f"{path}: bad fastpersist metadata in the safetensors header: {e}") from None
+        raise FastPersistError(
+            f"{path}: bad fastpersist metadata in the safetensors header: {shown(str(e), 300)}"
+        ) from None
 
 
 def _blob_buffers(records: list[TensorRecord], values: list[torch.Tensor]) -> list[torch.Tensor]:

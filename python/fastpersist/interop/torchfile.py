@@ -232,7 +232,7 @@ def torch_save(
     except ValueError as e:
         _fallback(obj, target, pickle_protocol, str(e))
         return _result(target, skel.total_bytes, started, "torch.save")
-    from ..saving.job import pool_for
+    from ..saving.pools import pool_for
 
     tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.fptmp-{uuid.uuid4().hex[:12]}")
     try:

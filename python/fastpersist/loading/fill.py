@@ -40,6 +40,7 @@ from ..config import Config
 from ..device import device_bytes, loader_for
 from ..format.flatten import flatten
 from ..format.manifest import Manifest
+from ..format.quote import shown
 from ..format.records import TensorRecord, canonical_layout
 from ..format.unflatten import materialize, unflatten
 from .reading import WINDOW_BYTES, paged_uint8, read_window, stream_windows
@@ -54,14 +55,16 @@ def _destinations(out: object, m: Manifest, root: str) -> dict[int, object]:
     saved = {t.key_path: i for i, t in enumerate(m.tensors)}
     dests: dict[int, object] = {}
     for rec, leaf in zip(flat.tensors, flat.leaves, strict=True):
+        if type(leaf) is bytes:  # a large bytes value of `out`: values come from the checkpoint
+            continue
         index = saved.get(rec.key_path)
         if index is None:
-            raise ValueError(f"out= has tensor {rec.key_path!r} but the checkpoint {root} does not")
+            raise ValueError(f"out= has tensor {shown(rec.key_path)} but the checkpoint {root} does not")
         have = m.tensors[index]
         if (rec.kind, rec.dtype, list(rec.shape)) != (have.kind, have.dtype, list(have.shape)):
             raise ValueError(
-                f"out= tensor {rec.key_path!r} is {rec.kind} {rec.dtype}{list(rec.shape)} but the checkpoint "
-                f"{root} has {have.kind} {have.dtype}{list(have.shape)}"
+                f"out= tensor {shown(rec.key_path)} is {rec.kind} {rec.dtype}{list(rec.shape)} but the checkpoint "
+                f"{root} has {have.kind} {have.dtype}{shown(have.shape)}"
             )
         dests[index] = leaf
     return dests

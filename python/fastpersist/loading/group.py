@@ -38,6 +38,7 @@ from .. import _core
 from ..config import Config
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, FastPersistError
 from ..format.manifest import Manifest
+from ..format.quote import shown
 from ..saving.group import ControlGroup, control_for, forget_control
 from .reading import direct_padded, read_window
 
@@ -82,7 +83,7 @@ def read_stream_shared(root: str, m: Manifest, verify: bool, config: Config, gro
     mine = (m.checkpoint_id, m.total_bytes, m.chunk_bytes)
     seen = _collective(control, root, "agree on the checkpoint", lambda: control.all_gather(mine))
     if len(set(seen)) > 1:
-        which = ", ".join(f"rank {r}: {s[0]}" for r, s in enumerate(seen))
+        which = ", ".join(f"rank {r}: {shown(s[0])}" for r, s in enumerate(seen))
         raise GroupLoadError(
             f"the ranks are loading different checkpoints at {root} ({which}); every rank of the group must "
             "load the same one"

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ..format.quote import shown
+
 __all__ = ["MapLocation", "MappedStorages", "check_load_flags", "map_tensor", "target_device"]
 
 MapLocation = str | torch.device | Mapping[str, str | torch.device] | Callable[[torch.UntypedStorage, str], Any] | None
@@ -63,14 +65,27 @@ def target_device(location: MapLocation, saved_device: str) -> torch.device | No
 
 
 def map_tensor(location: MapLocation, tensor: torch.Tensor, saved_device: str, cache: MappedStorages) -> torch.Tensor:
-    """`tensor` (on the CPU, as read) moved where `location` says (see the module docstring)."""
+    """`tensor` (on the CPU, as read) moved where `location` says (see the module docstring).
+
+    Raises:
+        ValueError: the target device does not exist here (a checkpoint saved on a GPU loaded
+            without ``map_location`` on a machine without that GPU).
+    """
     target = target_device(location, saved_device)
     if target is None:
         assert callable(location)
         return _call(location, tensor, saved_device, cache)
     if target == tensor.device:
         return tensor
-    return _like(tensor, tensor.to(target))
+    try:
+        moved = tensor.to(target)
+    except (RuntimeError, AssertionError) as e:  # torch asserts when it was built without CUDA
+        raise ValueError(
+            f"a tensor saved on {shown(saved_device)} cannot go to {target} here ({type(e).__name__}: "
+            f"{shown(str(e), 160)}); pass map_location='cpu', a device this machine has, or a "
+            "{saved: target} dict"
+        ) from None
+    return _like(tensor, moved)
 
 
 def _like(source: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from .. import _core
 from ..config import Config
 from ..errors import ChecksumMismatchError, CorruptCheckpointError
 from ..format.manifest import Manifest
+from ..format.quote import shown
 from ..format.records import dtype_itemsize, span_elems
 
 __all__ = [
@@ -75,7 +76,9 @@ def _mapping_errors(root: str, m: Manifest, read: Callable[[], T]) -> T:
     try:
         return read()
     except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"data file {e.filename} named in {root}/manifest.json is missing") from None
+        raise CorruptCheckpointError(
+            f"data file {shown(e.filename, 300)} named in {root}/manifest.json is missing"
+        ) from None
     except ChecksumMismatchError as e:
         assert e.filename is not None and e.offset_bytes is not None and e.len_bytes is not None
         raise checksum_error(m, root, e.filename, e.offset_bytes, e.len_bytes, e.expected or 0, e.found or 0) from None
@@ -204,12 +207,13 @@ def checksum_error(
         if start < hi and lo < end:
             hit.append(t.key_path)
     if hit:
-        shown = ", ".join(hit[:5]) + (f" and {len(hit) - 5} more" if len(hit) > 5 else "")
-        which = f"tensors affected: {shown}"
+        names = ", ".join(map(shown, hit[:5])) + (f" and {len(hit) - 5} more" if len(hit) > 5 else "")
+        which = f"tensors affected: {names}"
     else:
         which = "no tensor data in that range (alignment padding)"
     error = ChecksumMismatchError(
-        f"checksum mismatch in {file_path} bytes [{offset}, {offset + length}): expected crc32c {expected:#010x}, "
+        f"checksum mismatch in {shown(file_path, 300)} bytes [{offset}, {offset + length}): "
+        f"expected crc32c {expected:#010x}, "
         f"found {found:#010x}; {which}"
     )
     error.filename, error.offset_bytes, error.len_bytes = file_path, offset, length

@@ -14,12 +14,10 @@ the rank that owns the temporary directory writes the manifest and commits for a
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import os
 import shutil
-import threading
 import time
 import uuid
 import warnings
@@ -34,8 +32,10 @@ from ..format.blobs import Blob
 from ..format.flatten import FlatState, TensorRecord, flatten, records_to_json
 from ..format.manifest import FileEntry, build
 from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write_owner
+from ..format.quote import shown
 from ..gcpause import paused_gc
 from ..logs import log_save, log_save_call
+from .pools import pool_for
 from .target import (
     check_name_fits,
     check_stripe_roots,
@@ -48,7 +48,7 @@ from .target import (
 )
 from .verdict import Verdict
 
-__all__ = ["Layout", "SaveJob", "pool_for", "single_layout"]
+__all__ = ["Layout", "SaveJob", "single_layout"]
 
 log = logging.getLogger("fastpersist")
 
@@ -58,23 +58,7 @@ log = logging.getLogger("fastpersist")
 COPY_AT_START_MAX_BYTES = 1 << 20
 COPY_AT_START_BUDGET_BYTES = 64 << 20
 
-#: Pools kept alive between saves, most recently used last. Bounded, so a process that saves
-#: states of many sizes does not keep a pool per size (a Checkpointer holds its own).
-_POOLS_KEPT = 2
-_pools: collections.OrderedDict[tuple[int, int], _core.Pool] = collections.OrderedDict()
-_pools_lock = threading.Lock()
 _warned_fallback = False
-
-
-def pool_for(config: Config) -> _core.Pool:
-    """The process-wide staging pool for this chunk size and budget (reused across saves)."""
-    key = (config.chunk_bytes, config.pool_bytes)
-    with _pools_lock:
-        pool = _pools.pop(key, None) or _core.Pool(config.chunk_bytes, config.pool_bytes)
-        _pools[key] = pool
-        while len(_pools) > _POOLS_KEPT:
-            _pools.popitem(last=False)
-        return pool
 
 
 def _warn_fallback_once(reason: str | None) -> None:
@@ -294,7 +278,7 @@ class SaveJob:
             if now != blob.version:
                 self.verdict.fail(
                     SaveCancelledError(
-                        f"tensor {self.blob_owner(index)!r} was modified in place before "
+                        f"tensor {shown(self.blob_owner(index))} was modified in place before "
                         f"the save of {self.path} had copied it (version {blob.version} -> {now}); call "
                         "wait_staged() before optimizer.step(). The checkpoint was not committed; the "
                         "previous one is untouched."

@@ -1,0 +1,28 @@
+"""The staging pools kept between saves: one per (chunk size, pool budget), the most recent few."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+from .. import _core
+from ..config import Config
+
+__all__ = ["pool_for"]
+
+#: Pools kept alive between saves, most recently used last. Bounded, so a process that saves
+#: states of many sizes does not keep a pool per size (a Checkpointer holds its own).
+_POOLS_KEPT = 2
+_pools: collections.OrderedDict[tuple[int, int], _core.Pool] = collections.OrderedDict()
+_pools_lock = threading.Lock()
+
+
+def pool_for(config: Config) -> _core.Pool:
+    """The process-wide staging pool for this chunk size and budget (reused across saves)."""
+    key = (config.chunk_bytes, config.pool_bytes)
+    with _pools_lock:
+        pool = _pools.pop(key, None) or _core.Pool(config.chunk_bytes, config.pool_bytes)
+        _pools[key] = pool
+        while len(_pools) > _POOLS_KEPT:
+            _pools.popitem(last=False)
+        return pool
