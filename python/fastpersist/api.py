@@ -15,12 +15,15 @@ from .config import Config, SaveResult
 from .errors import CorruptCheckpointError
 from .format.confine import check_data_files, check_shard_dir
 from .format.flatten import dtype_itemsize, materialize, unflatten
-from .format.manifest import Manifest, read_manifest
+from .format.manifest import FileEntry, Manifest, read_manifest
+from .format.records import TensorRecord
 from .futures import SaveFuture, SaveJobLike
 from .loading.fill import fill_by_key
-from .loading.maplocation import MapLocation, MappedStorages, check_load_flags, map_tensor
+from .loading.maplocation import MapLocation, MappedStorages, check_load_flags, check_targets_exist, map_tensor
+from .loading.opened import OpenedCheckpoint, opened_checkpoint, opened_shard
 from .loading.phases import PhaseClock
 from .loading.reading import blob_buffers, checksum_error, read_stream, windowable
+from .loading.relocate import check_stripes_present, relocate_stripes
 from .loading.todevice import device_targets, load_blobs
 from .logs import log_load
 from .saving.job import SaveJob
@@ -166,18 +169,26 @@ def load(
     """
     check_load_flags(weights_only, mmap)
     options = _LoadOptions(map_location, verify, config or Config(), namedtuple_types, PhaseClock(phases))
-    root = os.path.abspath(os.fspath(path))
-    m = read_manifest(root)
-    if m.shards:
-        root = check_shard_dir(root, m.shards[_shard_index(root, len(m.shards), group, shard)])
-        m = read_manifest(root)
-        if m.shards:  # fastpersist writes each shard as one rank's plain checkpoint
-            raise CorruptCheckpointError(f"{root}/manifest.json: a shard may not itself be sharded")
-        return _load_one(root, m, out, options, None)
-    if shard is not None:
-        raise ValueError(f"{root} is not sharded; load it without shard=")
-    shared = group is not None and shared_read and out is None and _group_size(group) > 1
-    return _load_one(root, m, out, options, group if shared else None)
+    with opened_checkpoint(path) as ck:
+        m = _manifest(ck, options.config)
+        if m.shards:
+            name = m.shards[_shard_index(ck.root, len(m.shards), group, shard)]
+            check_shard_dir(ck.at, name)
+            with opened_shard(ck, name) as shard_ck:
+                m = _manifest(shard_ck, options.config)
+                if m.shards:  # fastpersist writes each shard as one rank's plain checkpoint
+                    raise CorruptCheckpointError(f"{shard_ck.root}/manifest.json: a shard may not itself be sharded")
+                return _load_one(shard_ck, m, out, options, None)
+        if shard is not None:
+            raise ValueError(f"{ck.root} is not sharded; load it without shard=")
+        shared = group is not None and shared_read and out is None and _group_size(group) > 1
+        return _load_one(ck, m, out, options, group if shared else None)
+
+
+def _manifest(ck: OpenedCheckpoint, config: Config | None) -> Manifest:
+    """The validated manifest of the opened checkpoint `ck`, its stripe directories looked up in
+    ``config.stripes`` when given (:mod:`fastpersist.loading.relocate`)."""
+    return relocate_stripes(read_manifest(ck.at), ck.root, config.stripes if config else None)
 
 
 class _LoadOptions(NamedTuple):
@@ -190,16 +201,19 @@ class _LoadOptions(NamedTuple):
     clock: PhaseClock
 
 
-def _load_one(root: str, m: Manifest, out: object, options: _LoadOptions, shared_group: object) -> Any:
-    """Loads one (unsharded) checkpoint whose manifest `m` is already validated; with
+def _load_one(ck: OpenedCheckpoint, m: Manifest, out: object, options: _LoadOptions, shared_group: object) -> Any:
+    """Loads one (unsharded) opened checkpoint whose manifest `m` is already validated; with
     `shared_group`, the ranks of that group each read a share of the stream."""
-    config = options.config
+    config, root = options.config, ck.at
+    check_stripes_present(m, ck.root)
     check_data_files(root, m, config.stripes)  # before allocating: sizes, links, confinement
     if out is not None and not windowable(m):
         raise CorruptCheckpointError(
-            f"{root}/manifest.json: its files do not start on chunk boundaries (fastpersist never writes "
+            f"{ck.root}/manifest.json: its files do not start on chunk boundaries (fastpersist never writes "
             "such a layout), so out= cannot be filled window by window"
         )
+    if out is None:
+        check_targets_exist(options.map_location, _placed(m.tensors), ck.root)
     options.clock.mark("manifest")
     read_started = time.perf_counter()
     mapped: MappedStorages = {}
@@ -216,13 +230,19 @@ def _load_one(root: str, m: Manifest, out: object, options: _LoadOptions, shared
             config,
             lambda t, rec: place(t, rec.device),
             namedtuple_types=options.namedtuple_types,
+            check_new=lambda records: check_targets_exist(options.map_location, _placed(records), ck.root),
         )
         options.clock.mark("fill")
     else:
         targets = device_targets(m, options.map_location) if shared_group is None and windowable(m) else {}
         state = _load_new(root, m, options, place, shared_group, targets)
-    log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
+    log_load(ck.root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
     return state
+
+
+def _placed(records: Iterable[TensorRecord]) -> list[tuple[str, str]]:
+    """``(key path, saved device)`` of the torch tensors among `records` (what ``map_location`` moves)."""
+    return [(rec.key_path, rec.device) for rec in records if rec.kind == "torch"]
 
 
 def _load_new(
@@ -291,24 +311,33 @@ def _shard_index(root: str, shard_count: int, group: object, shard: int | None) 
     return shard
 
 
-def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
+def inspect(path: str | os.PathLike[str], *, config: Config | None = None) -> dict[str, Any]:
     """Describes a checkpoint from its manifest (reads no tensor data).
 
     Returns a dict with ``format_version``, ``created``, ``checkpoint_id``, ``library_version``,
     ``tensors`` (count), ``bytes`` (tensor data), ``total_bytes`` (stream incl. alignment),
     ``files`` (path, bytes, chunks), ``checksum``, ``chunk_bytes`` and ``tensor_list``
-    (key path, kind, dtype, shape, device, bytes).
+    (key path, kind, dtype, shape, device, bytes). With ``config=Config(stripes=[roots])``, stripe
+    directories are looked up by name in those roots (a checkpoint whose stripes were moved).
 
     Example:
         >>> fp.inspect("/tmp/fp-doc-ckpt")["tensors"]
         2
     """
-    root = os.path.abspath(os.fspath(path))
-    m = read_manifest(root)
+    with opened_checkpoint(path) as ck:
+        return _inspect_opened(ck, config)
+
+
+def _inspect_opened(ck: OpenedCheckpoint, config: Config | None) -> dict[str, Any]:
+    m = _manifest(ck, config)
     if m.shards:
-        shards = [inspect(check_shard_dir(root, name)) for name in m.shards]
+        shards = []
+        for name in m.shards:
+            check_shard_dir(ck.at, name)
+            with opened_shard(ck, name) as shard_ck:
+                shards.append(_inspect_opened(shard_ck, config))
         return {
-            "path": root,
+            "path": ck.root,
             "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
             "created": m.created,
             "checkpoint_id": m.checkpoint_id,
@@ -338,7 +367,7 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
             }
         )
     return {
-        "path": root,
+        "path": ck.root,
         "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
         "created": m.created,
         "checkpoint_id": m.checkpoint_id,
@@ -346,55 +375,81 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
         "tensors": len(m.tensors),
         "bytes": data_bytes,
         "total_bytes": m.total_bytes,
-        "files": [{"path": m.file_path(root, f), "bytes": f.len_bytes, "chunks": len(f.chunk_crc32c)} for f in m.files],
+        "files": [
+            {"path": m.file_path(ck.root, f), "bytes": f.len_bytes, "chunks": len(f.chunk_crc32c)} for f in m.files
+        ],
         "checksum": m.checksum,
         "chunk_bytes": m.chunk_bytes,
         "tensor_list": tensor_list,
     }
 
 
-def verify(path: str | os.PathLike[str], *, progress: Callable[[int], object] | None = None) -> dict[str, Any]:
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    progress: Callable[[int], object] | None = None,
+    config: Config | None = None,
+) -> dict[str, Any]:
     """Checks a checkpoint end to end: manifest, file sizes and every chunk's crc32c.
 
     Uses bounded memory (one chunk at a time). Returns ``{"files", "bytes", "chunks"}``.
-    `progress`, when given, is called with the byte count of each chunk checked.
+    `progress`, when given, is called with the byte count of each chunk checked. With
+    ``config=Config(stripes=[roots])``, stripe directories are looked up by name in those roots
+    (and must be there), as for :func:`load`.
 
     Raises:
         CorruptCheckpointError / ChecksumMismatchError: naming the file, byte range and tensors.
+        CheckpointNotFoundError: nothing at `path`, or it was deleted or replaced during the check.
 
     Example:
         >>> fp.verify("/tmp/fp-doc-ckpt")["files"]
         1
     """
-    root = os.path.abspath(os.fspath(path))
-    m = read_manifest(root)
-    chunks = 0
+    with opened_checkpoint(path) as ck:
+        return _verify_opened(ck, progress, config)
+
+
+def _verify_opened(
+    ck: OpenedCheckpoint, progress: Callable[[int], object] | None, config: Config | None
+) -> dict[str, Any]:
+    m = _manifest(ck, config)
     if m.shards:
-        totals = [verify(check_shard_dir(root, name), progress=progress) for name in m.shards]
+        totals = []
+        for name in m.shards:
+            check_shard_dir(ck.at, name)
+            with opened_shard(ck, name) as shard_ck:
+                totals.append(_verify_opened(shard_ck, progress, config))
         return {key: sum(t[key] for t in totals) for key in ("files", "bytes", "chunks")}
-    check_data_files(root, m)
+    check_stripes_present(m, ck.root)
+    check_data_files(ck.at, m, config.stripes if config else None)
+    chunks = 0
     for f in m.files:
-        file_path = m.file_path(root, f)
-        try:
-            fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"data file {file_path} named in the manifest is missing") from None
-        try:
-            size = os.fstat(fd).st_size
-            if size != f.len_bytes:
-                raise CorruptCheckpointError(
-                    f"{file_path} has the wrong size (truncated?): expected {f.len_bytes} bytes, found {size}"
-                )
-            for i, expected in enumerate(f.chunk_crc32c):
-                offset = i * m.chunk_bytes
-                length = min(m.chunk_bytes, f.len_bytes - offset)
-                data = os.pread(fd, length, offset)
-                found = _core.crc32c(data)
-                if found != expected:
-                    raise checksum_error(m, root, file_path, offset, length, expected, found)
-                chunks += 1
-                if progress is not None:
-                    progress(length)
-        finally:
-            os.close(fd)
+        chunks += _verify_file(ck.at, m, f, progress)
     return {"files": len(m.files), "bytes": m.total_bytes, "chunks": chunks}
+
+
+def _verify_file(root: str, m: Manifest, f: FileEntry, progress: Callable[[int], object] | None) -> int:
+    """Checks every chunk of the data file `f` of the checkpoint at `root`; returns the chunk count."""
+    file_path = m.file_path(root, f)
+    try:
+        fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"data file {file_path} named in the manifest is missing") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != f.len_bytes:
+            raise CorruptCheckpointError(
+                f"{file_path} has the wrong size (truncated?): expected {f.len_bytes} bytes, found {size}"
+            )
+        for i, expected in enumerate(f.chunk_crc32c):
+            offset = i * m.chunk_bytes
+            length = min(m.chunk_bytes, f.len_bytes - offset)
+            data = os.pread(fd, length, offset)
+            found = _core.crc32c(data)
+            if found != expected:
+                raise checksum_error(m, root, file_path, offset, length, expected, found)
+            if progress is not None:
+                progress(length)
+    finally:
+        os.close(fd)
+    return len(f.chunk_crc32c)

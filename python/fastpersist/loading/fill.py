@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
@@ -181,15 +181,19 @@ def fill_by_key(
     place: Any,
     *,
     namedtuple_types: Iterable[type] = (),
+    check_new: Callable[[list[TensorRecord]], None] | None = None,
 ) -> object:
     """Fills `out` from the checkpoint at `root` (manifest `m`) and returns the loaded state.
 
-    `place(tensor, record)` moves a new tensor to its target device (``map_location``).
+    `place(tensor, record)` moves a new tensor to its target device (``map_location``);
+    `check_new(records)` is called with the records of those new tensors before anything is read.
     """
     dests = _destinations(out, m, root)
     by_blob: dict[int, list[int]] = {}
     for i, rec in enumerate(m.tensors):
         by_blob.setdefault(rec.blob, []).append(i)
+    if check_new is not None:
+        check_new([rec for i, rec in enumerate(m.tensors) if i not in dests])
     values: list[object] = [None] * len(m.tensors)
     on_device = _fill_on_devices(root, m, verify, config, dests, by_blob)
     for b in on_device:

@@ -79,9 +79,18 @@ def _warn_fallback_once(reason: str | None) -> None:
 
 
 def check_target(path: str) -> None:
-    """Refuses to replace anything but a fastpersist checkpoint (or an empty directory)."""
+    """Refuses to replace anything but a fastpersist checkpoint (or an empty directory); never
+    saves through a symbolic link (loads read through one: docs/format.md)."""
     if not os.path.lexists(path):
         return
+    if os.path.islink(path):
+        raise FileExistsError(
+            errno.EEXIST,
+            f"is a symbolic link to {os.readlink(path)!r}; a save replaces its target directory as a whole (an "
+            "atomic exchange), which would replace the link, not the checkpoint it points to. Save to the real "
+            f"path ({os.path.realpath(path)}) and re-point the link afterwards, or remove the link",
+            path,
+        )
     if os.path.isdir(path) and not os.path.islink(path):
         if os.path.exists(os.path.join(path, MANIFEST_NAME)) or not os.listdir(path):
             return
