@@ -139,7 +139,12 @@ def load(
             checkpoint's structure and non-tensor values, holding `out`'s tensors; tensors
             `out` lacks come back new. Reads 64 MiB windows, a few ahead, through at most
             256 MiB of buffers (or one window of the largest tensor), never a buffer of the
-            state's size.
+            state's size. All or nothing: `out` is touched only after every byte was read and
+            (with `verify`) checked, so a damaged chunk or a missing, truncated or resized file
+            raises and leaves every tensor of `out` as it was. A stream within those 256 MiB
+            is read whole, then copied; a larger one is checked in a first streamed pass, then
+            read again and copied (about twice the reads). With ``verify=False`` a larger
+            stream is filled as it is read, so only an I/O error can stop it half-way.
         group: for a sharded checkpoint, each rank of `group` gets its own shard back. For a
             replicated one, every rank gets the whole state; with `shared_read` each rank reads
             only ~1/N of it from disk and the ranks exchange the rest over gloo (every rank of
@@ -147,7 +152,10 @@ def load(
             :mod:`fastpersist.group_load`).
         shard: read this shard of a sharded checkpoint (without a group).
         config: backend knobs for the read; its ``stripes``, when set, also confine the read:
-            stripe directories outside those roots are refused.
+            stripe directories outside those roots are refused. A checkpoint whose stripe
+            directories were copied or moved to other drives loads with
+            ``Config(stripes=[new roots])`` (in the order the save had them): each recorded
+            stripe directory is looked up by its name directly inside those roots.
         namedtuple_types: namedtuple classes the checkpoint may rebuild (an allow-list). A
             saved namedtuple whose module, qualified name and fields match one of them comes
             back as that class (its ``_make`` is called); any other comes back as a plain
@@ -157,10 +165,17 @@ def load(
             (``True``) or everything (``False``; also with `out`, and in groups of one).
         phases: a dict filled with seconds per phase (:mod:`fastpersist.loading.phases`).
 
+    `path` may be a symbolic link to a checkpoint: it is followed once, when the checkpoint
+    directory is opened, and everything is read through that open directory, so a load sees
+    exactly one checkpoint even while a save replaces the one at `path`.
+
     Raises:
-        CheckpointNotFoundError: there is no committed checkpoint at `path` (a ``FileNotFoundError``).
+        CheckpointNotFoundError: there is no committed checkpoint at `path` (a ``FileNotFoundError``),
+            or it was deleted or replaced while being loaded (nothing of it is returned).
         CorruptCheckpointError: the manifest or data is damaged (the message names the file,
             tensor and byte range).
+        FastPersistError: `map_location` (or the saved device) names a CUDA device this
+            machine lacks; raised before any read.
 
     Example:
         >>> state = fp.load("/tmp/fp-doc-ckpt")

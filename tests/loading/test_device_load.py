@@ -363,6 +363,26 @@ def test_out_fills_device_tensors_in_place_through_the_loader(
     assert len(FakeLoader.registered) == 2
 
 
+def test_a_failed_out_load_through_the_loader_leaves_out_as_it_was(
+    workdir: str, backend: str, fake_cpu: type[FakeLoader]
+) -> None:
+    """The ring copies straight into `out`'s device tensors, so every checksum is checked in a
+    first pass, before the first copy is queued."""
+    path = _saved(workdir, backend, None)
+    damaged = _damage_last_window(path)
+    out = {k: torch.full_like(v, 7) for k, v in _state().items() if isinstance(v, torch.Tensor) and k != "view"}
+    out.pop("head")
+    for t in out.values():
+        FakeLoader.allocated[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    before = {k: t.clone() for k, t in out.items()}
+    with pytest.raises(fp.ChecksumMismatchError) as info:
+        fp.load(path, out=out)
+    assert info.value.filename == damaged
+    assert FakeLoader.reads == [] and FakeLoader.copies == 0  # the ring never started
+    for key, t in out.items():
+        assert torch.equal(t, before[key]), f"out[{key!r}] was modified"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_load_round_trip(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(todevice, "DEVICE_WINDOW_BYTES", 1 << 20)  # several windows
