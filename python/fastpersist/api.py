@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -14,16 +13,17 @@ from . import _core
 from .config import Config, SaveResult
 from .errors import CorruptCheckpointError
 from .format.confine import check_data_files, check_shard_dir
-from .format.flatten import dtype_itemsize, materialize, unflatten
-from .format.manifest import FileEntry, Manifest, read_manifest
+from .format.flatten import materialize, unflatten
+from .format.manifest import Manifest
 from .format.records import TensorRecord
 from .futures import SaveFuture, SaveJobLike
+from .loading.examine import check_chunks, describe
 from .loading.fill import fill_by_key
 from .loading.maplocation import MapLocation, MappedStorages, check_load_flags, check_targets_exist, map_tensor
 from .loading.opened import OpenedCheckpoint, opened_checkpoint, opened_shard
 from .loading.phases import PhaseClock
-from .loading.reading import blob_buffers, checksum_error, read_stream, windowable
-from .loading.relocate import check_stripes_present, relocate_stripes
+from .loading.reading import blob_buffers, read_stream, windowable
+from .loading.relocate import check_stripes_present, read_opened
 from .loading.todevice import device_targets, load_blobs
 from .logs import log_load
 from .saving.job import SaveJob
@@ -123,7 +123,8 @@ def load(
     The manifest is validated strictly before any data is read, and with ``verify=True`` every
     chunk's crc32c is checked as it arrives. Loading never executes code from the file. Each
     tensor over 1 MiB keeps only its own pages of the O_DIRECT read (dropping it frees them),
-    smaller ones are copied. Tensors that shared storage when saved share it again.
+    smaller ones are copied. Tensors that shared storage when saved share it again. A link at
+    `path` is followed once; a save replacing the checkpoint is never mixed in (loading.opened).
 
     Args:
         map_location: as in ``torch.load`` (also positional): ``None`` (the device each tensor
@@ -139,12 +140,8 @@ def load(
             checkpoint's structure and non-tensor values, holding `out`'s tensors; tensors
             `out` lacks come back new. Reads 64 MiB windows, a few ahead, through at most
             256 MiB of buffers (or one window of the largest tensor), never a buffer of the
-            state's size. All or nothing: `out` is touched only after every byte was read and
-            (with `verify`) checked, so a damaged chunk or a missing, truncated or resized file
-            raises and leaves every tensor of `out` as it was. A stream within those 256 MiB
-            is read whole, then copied; a larger one is checked in a first streamed pass, then
-            read again and copied (about twice the reads). With ``verify=False`` a larger
-            stream is filled as it is read, so only an I/O error can stop it half-way.
+            state's size. All or nothing: a damaged chunk or a missing, truncated or resized
+            file raises and leaves `out` as it was (:mod:`fastpersist.loading.fill`).
         group: for a sharded checkpoint, each rank of `group` gets its own shard back. For a
             replicated one, every rank gets the whole state; with `shared_read` each rank reads
             only ~1/N of it from disk and the ranks exchange the rest over gloo (every rank of
@@ -152,10 +149,8 @@ def load(
             :mod:`fastpersist.group_load`).
         shard: read this shard of a sharded checkpoint (without a group).
         config: backend knobs for the read; its ``stripes``, when set, also confine the read:
-            stripe directories outside those roots are refused. A checkpoint whose stripe
-            directories were copied or moved to other drives loads with
-            ``Config(stripes=[new roots])`` (in the order the save had them): each recorded
-            stripe directory is looked up by its name directly inside those roots.
+            stripe directories outside those roots are refused; stripe directories moved to
+            other drives are found there by name (:mod:`fastpersist.loading.relocate`).
         namedtuple_types: namedtuple classes the checkpoint may rebuild (an allow-list). A
             saved namedtuple whose module, qualified name and fields match one of them comes
             back as that class (its ``_make`` is called); any other comes back as a plain
@@ -165,17 +160,11 @@ def load(
             (``True``) or everything (``False``; also with `out`, and in groups of one).
         phases: a dict filled with seconds per phase (:mod:`fastpersist.loading.phases`).
 
-    `path` may be a symbolic link to a checkpoint: it is followed once, when the checkpoint
-    directory is opened, and everything is read through that open directory, so a load sees
-    exactly one checkpoint even while a save replaces the one at `path`.
-
     Raises:
         CheckpointNotFoundError: there is no committed checkpoint at `path` (a ``FileNotFoundError``),
             or it was deleted or replaced while being loaded (nothing of it is returned).
-        CorruptCheckpointError: the manifest or data is damaged (the message names the file,
-            tensor and byte range).
-        FastPersistError: `map_location` (or the saved device) names a CUDA device this
-            machine lacks; raised before any read.
+        CorruptCheckpointError: the manifest or data is damaged (naming file, tensor, byte range).
+        FastPersistError: a CUDA device this machine lacks is a target (before any read).
 
     Example:
         >>> state = fp.load("/tmp/fp-doc-ckpt")
@@ -185,25 +174,23 @@ def load(
     check_load_flags(weights_only, mmap)
     options = _LoadOptions(map_location, verify, config or Config(), namedtuple_types, PhaseClock(phases))
     with opened_checkpoint(path) as ck:
-        m = _manifest(ck, options.config)
+        m = read_opened(ck, options.config.stripes)
         if m.shards:
-            name = m.shards[_shard_index(ck.root, len(m.shards), group, shard)]
-            check_shard_dir(ck.at, name)
-            with opened_shard(ck, name) as shard_ck:
-                m = _manifest(shard_ck, options.config)
-                if m.shards:  # fastpersist writes each shard as one rank's plain checkpoint
-                    raise CorruptCheckpointError(f"{shard_ck.root}/manifest.json: a shard may not itself be sharded")
-                return _load_one(shard_ck, m, out, options, None)
+            return _load_shard(ck, m.shards[_shard_index(ck.root, len(m.shards), group, shard)], out, options)
         if shard is not None:
             raise ValueError(f"{ck.root} is not sharded; load it without shard=")
         shared = group is not None and shared_read and out is None and _group_size(group) > 1
         return _load_one(ck, m, out, options, group if shared else None)
 
 
-def _manifest(ck: OpenedCheckpoint, config: Config | None) -> Manifest:
-    """The validated manifest of the opened checkpoint `ck`, its stripe directories looked up in
-    ``config.stripes`` when given (:mod:`fastpersist.loading.relocate`)."""
-    return relocate_stripes(read_manifest(ck.at), ck.root, config.stripes if config else None)
+def _load_shard(ck: OpenedCheckpoint, name: str, out: object, options: _LoadOptions) -> Any:
+    """Loads the shard directory `name` of the sharded checkpoint `ck`."""
+    check_shard_dir(ck.at, name)
+    with opened_shard(ck, name) as shard_ck:
+        m = read_opened(shard_ck, options.config.stripes)
+        if m.shards:  # fastpersist writes each shard as one rank's plain checkpoint
+            raise CorruptCheckpointError(f"{shard_ck.root}/manifest.json: a shard may not itself be sharded")
+        return _load_one(shard_ck, m, out, options, None)
 
 
 class _LoadOptions(NamedTuple):
@@ -340,63 +327,7 @@ def inspect(path: str | os.PathLike[str], *, config: Config | None = None) -> di
         2
     """
     with opened_checkpoint(path) as ck:
-        return _inspect_opened(ck, config)
-
-
-def _inspect_opened(ck: OpenedCheckpoint, config: Config | None) -> dict[str, Any]:
-    m = _manifest(ck, config)
-    if m.shards:
-        shards = []
-        for name in m.shards:
-            check_shard_dir(ck.at, name)
-            with opened_shard(ck, name) as shard_ck:
-                shards.append(_inspect_opened(shard_ck, config))
-        return {
-            "path": ck.root,
-            "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
-            "created": m.created,
-            "checkpoint_id": m.checkpoint_id,
-            "library_version": m.library_version,
-            "shards": shards,
-            "tensors": sum(s["tensors"] for s in shards),
-            "bytes": sum(s["bytes"] for s in shards),
-            "total_bytes": sum(s["total_bytes"] for s in shards),
-            "files": [f for s in shards for f in s["files"]],
-            "checksum": m.checksum,
-            "chunk_bytes": m.chunk_bytes,
-            "tensor_list": [t for s in shards for t in s["tensor_list"]],
-        }
-    tensor_list = []
-    data_bytes = 0
-    for t in m.tensors:
-        nbytes = math.prod(t.shape) * dtype_itemsize(t.kind, t.dtype)
-        data_bytes += nbytes
-        tensor_list.append(
-            {
-                "key": t.key_path,
-                "kind": t.kind,
-                "dtype": t.dtype,
-                "shape": list(t.shape),
-                "device": t.device,
-                "bytes": nbytes,
-            }
-        )
-    return {
-        "path": ck.root,
-        "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
-        "created": m.created,
-        "checkpoint_id": m.checkpoint_id,
-        "library_version": m.library_version,
-        "tensors": len(m.tensors),
-        "bytes": data_bytes,
-        "total_bytes": m.total_bytes,
-        "files": [
-            {"path": m.file_path(ck.root, f), "bytes": f.len_bytes, "chunks": len(f.chunk_crc32c)} for f in m.files
-        ],
-        "checksum": m.checksum,
-        "chunk_bytes": m.chunk_bytes,
-        "tensor_list": tensor_list,
-    }
+        return describe(ck, config.stripes if config else None)
 
 
 def verify(
@@ -421,50 +352,4 @@ def verify(
         1
     """
     with opened_checkpoint(path) as ck:
-        return _verify_opened(ck, progress, config)
-
-
-def _verify_opened(
-    ck: OpenedCheckpoint, progress: Callable[[int], object] | None, config: Config | None
-) -> dict[str, Any]:
-    m = _manifest(ck, config)
-    if m.shards:
-        totals = []
-        for name in m.shards:
-            check_shard_dir(ck.at, name)
-            with opened_shard(ck, name) as shard_ck:
-                totals.append(_verify_opened(shard_ck, progress, config))
-        return {key: sum(t[key] for t in totals) for key in ("files", "bytes", "chunks")}
-    check_stripes_present(m, ck.root)
-    check_data_files(ck.at, m, config.stripes if config else None)
-    chunks = 0
-    for f in m.files:
-        chunks += _verify_file(ck.at, m, f, progress)
-    return {"files": len(m.files), "bytes": m.total_bytes, "chunks": chunks}
-
-
-def _verify_file(root: str, m: Manifest, f: FileEntry, progress: Callable[[int], object] | None) -> int:
-    """Checks every chunk of the data file `f` of the checkpoint at `root`; returns the chunk count."""
-    file_path = m.file_path(root, f)
-    try:
-        fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"data file {file_path} named in the manifest is missing") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size != f.len_bytes:
-            raise CorruptCheckpointError(
-                f"{file_path} has the wrong size (truncated?): expected {f.len_bytes} bytes, found {size}"
-            )
-        for i, expected in enumerate(f.chunk_crc32c):
-            offset = i * m.chunk_bytes
-            length = min(m.chunk_bytes, f.len_bytes - offset)
-            data = os.pread(fd, length, offset)
-            found = _core.crc32c(data)
-            if found != expected:
-                raise checksum_error(m, root, file_path, offset, length, expected, found)
-            if progress is not None:
-                progress(length)
-    finally:
-        os.close(fd)
-    return len(f.chunk_crc32c)
+        return check_chunks(ck, progress, config.stripes if config else None)

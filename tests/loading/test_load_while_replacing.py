@@ -21,7 +21,7 @@ import torch
 
 import fastpersist as fp
 from fastpersist import api
-from fastpersist.loading import reading
+from fastpersist.loading import examine, reading
 
 from gloo import TESTS_DIR
 from replace_workers import TENSORS, replace_in_a_loop, stepped_state
@@ -111,7 +111,8 @@ def test_a_checkpoint_deleted_under_a_read_is_not_found(
         shutil.rmtree(path)
         return total
 
-    monkeypatch.setattr(api, "check_data_files", check_then_delete)
+    monkeypatch.setattr(api, "check_data_files", check_then_delete)  # load's check
+    monkeypatch.setattr(examine, "check_data_files", check_then_delete)  # verify's
     with pytest.raises(fp.CheckpointNotFoundError, match="deleted or replaced") as info:
         fp.load(path, config=config) if operation == "load" else fp.verify(path)
     assert info.value.filename == path and not os.path.exists(path)

@@ -5,7 +5,10 @@ before any byte is read, so a mismatch leaves `out` untouched). The stream is re
 chunk-aligned window at a time (:data:`~fastpersist.loading.reading.WINDOW_BYTES`, or one blob
 if it is larger) into reused buffers, several windows ahead within :data:`FILL_BUFFER_BYTES`,
 and each window's bytes are copied into the destination tensors while the next ones are read:
-no buffer of the state's size is allocated.
+no buffer of the state's size is allocated. Tensors of the checkpoint that `out` lacks (for
+example optimizer state created by the first ``step()``) come back as new tensors, and
+non-tensor values (step, learning rate, RNG state) come from the checkpoint: the returned state
+has the checkpoint's structure, holding `out`'s tensor objects where it has them.
 
 All or nothing: `out` is not touched until every byte the load reads has been read and, with
 ``verify=True``, checked against its checksum, so a damaged chunk, a truncated, missing or
@@ -15,12 +18,9 @@ buffers first, then copied; a larger one (or one filling device tensors) is firs
 streamed pass over all its windows, then read again and copied: about twice the reads, and no
 more memory. With ``verify=False`` nothing is checked while reading, so a larger stream is
 filled as it is read (one pass), and only a failing read (an I/O error) can stop it half-way.
-The files are reopened by the second pass: if the checkpoint is deleted or replaced between the
-two passes, the load raises :class:`~fastpersist.CheckpointNotFoundError` and `out` may hold
-part of the checkpoint. Tensors of the checkpoint that `out` lacks (for
-example optimizer state created by the first ``step()``) come back as new tensors, and
-non-tensor values (step, learning rate, RNG state) come from the checkpoint: the returned state
-has the checkpoint's structure, holding `out`'s tensor objects where it has them.
+One race stays open for a stream over the budget: the engine reopens the data files for each
+window, so if the checkpoint is deleted or replaced while the fill pass runs, the load raises
+:class:`~fastpersist.CheckpointNotFoundError` and `out` may hold part of the checkpoint.
 
 Device tensors of `out` (contiguous, on a device with a :class:`~fastpersist.device.DeviceLoader`,
 e.g. CUDA) whose storage's bytes all go to such tensors are filled first, without a host copy:

@@ -28,12 +28,22 @@ import os
 from collections.abc import Sequence
 
 from ..errors import CorruptCheckpointError
-from ..format.manifest import Manifest
+from ..format.manifest import Manifest, read_manifest
+from .opened import OpenedCheckpoint
 
-__all__ = ["check_stripes_present", "relocate_stripes"]
+__all__ = ["StripeRoots", "check_stripes_present", "read_opened", "relocate_stripes"]
+
+#: The stripe roots a caller gave (``Config.stripes``), or None.
+StripeRoots = Sequence[str | os.PathLike[str]] | None
 
 
-def relocate_stripes(m: Manifest, root: str, stripe_roots: Sequence[str | os.PathLike[str]] | None) -> Manifest:
+def read_opened(ck: OpenedCheckpoint, stripe_roots: StripeRoots = None) -> Manifest:
+    """The validated manifest of the opened checkpoint `ck`, its stripe directories looked up
+    in `stripe_roots` when given (:func:`relocate_stripes`)."""
+    return relocate_stripes(read_manifest(ck.at), ck.root, stripe_roots)
+
+
+def relocate_stripes(m: Manifest, root: str, stripe_roots: StripeRoots) -> Manifest:
     """`m` with each stripe directory found by its name directly inside `stripe_roots` (the
     checkpoint `root` names it in messages); `m` itself when no roots are given.
 
@@ -109,6 +119,6 @@ def check_stripes_present(m: Manifest, root: str) -> None:
                 f"stripe directory {directory} of {root} is missing (it held {held} of the checkpoint's data "
                 "files). If the checkpoint was copied or moved with its stripe directories to other drives, pass "
                 "their new roots, in the order the save had them: fp.load(path, config=fp.Config(stripes=[...])) "
-                "(also fp.verify and fp.inspect); each stripe directory is then looked up by its name, "
-                f"{os.path.basename(directory)}, directly inside those roots"
+                "(also fp.verify and fp.inspect, or --stripes DIR... on the command line); each stripe directory "
+                f"is then looked up by its name, {os.path.basename(directory)}, directly inside those roots"
             )

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from ..config import Config, SaveResult
 from ..errors import FastPersistError
 from ..format.manifest import FileEntry, build
-from .job import Layout, SaveJob, Written, check_target, tmp_dir_for, write_manifest
+from .job import Layout, SaveJob, Written, tmp_dir_for, write_manifest
+from .target import check_target
 
 __all__ = [
     "CommitOutcome",

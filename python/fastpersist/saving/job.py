@@ -15,7 +15,6 @@ the rank that owns the temporary directory writes the manifest and commits for a
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import os
 import shutil
@@ -37,6 +36,7 @@ from ..format.flatten import FlatState, flatten, records_to_json
 from ..format.manifest import MANIFEST_NAME, FileEntry, build
 from ..format.stripes import STRIPE_SUFFIX
 from ..logs import log_save
+from .target import check_target
 from .verdict import Verdict
 
 __all__ = ["Layout", "SaveJob", "pool_for", "remove_checkpoint_tree", "single_layout"]
@@ -76,25 +76,6 @@ def _warn_fallback_once(reason: str | None) -> None:
         _warned_fallback = True
         log.warning("%s", reason)
         warnings.warn(reason, RuntimeWarning, stacklevel=4)
-
-
-def check_target(path: str) -> None:
-    """Refuses to replace anything but a fastpersist checkpoint (or an empty directory); never
-    saves through a symbolic link (loads read through one: docs/format.md)."""
-    if not os.path.lexists(path):
-        return
-    if os.path.islink(path):
-        raise FileExistsError(
-            errno.EEXIST,
-            f"is a symbolic link to {os.readlink(path)!r}; a save replaces its target directory as a whole (an "
-            "atomic exchange), which would replace the link, not the checkpoint it points to. Save to the real "
-            f"path ({os.path.realpath(path)}) and re-point the link afterwards, or remove the link",
-            path,
-        )
-    if os.path.isdir(path) and not os.path.islink(path):
-        if os.path.exists(os.path.join(path, MANIFEST_NAME)) or not os.listdir(path):
-            return
-    raise FileExistsError(errno.EEXIST, "exists and is not a fastpersist checkpoint; refusing to replace it", path)
 
 
 def tmp_dir_for(path: str, checkpoint_id: str) -> str:
