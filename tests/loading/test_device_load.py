@@ -418,3 +418,20 @@ def test_cuda_out_is_filled_in_place(workdir: str, monkeypatch: pytest.MonkeyPat
     for key, value in expected.items():
         assert state["model"][key] is out["model"][key]
         assert torch.equal(model.state_dict()[key], value), key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_failed_cuda_out_load_leaves_the_model_as_it_was(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(todevice, "DEVICE_WINDOW_BYTES", 1 << 20)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)).cuda()
+    path = os.path.join(workdir, "gpu-out-damaged")
+    fp.save({"model": model.state_dict()}, path)
+    _damage_last_window(path)
+    for p in model.parameters():
+        p.data.fill_(3.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(fp.ChecksumMismatchError):
+        fp.load(path, out={"model": model.state_dict()})
+    torch.cuda.synchronize()
+    for key, value in before.items():
+        assert torch.equal(model.state_dict()[key], value), key
