@@ -158,9 +158,8 @@ def test_out_reads_through_a_bounded_window(workdir: str, monkeypatch: pytest.Mo
         return real(nbytes)
 
     monkeypatch.setattr(fill._core, "PagedBuffer", recording)
-    monkeypatch.setattr(fill, "stream_windows", lambda m: fill_windows(m, 3 << 20))
+    monkeypatch.setattr(fill, "WINDOW_BYTES", 3 << 20)
     monkeypatch.setattr(fill, "FILL_BUFFER_BYTES", 6 << 20)  # two windows in flight at most
-    from fastpersist.loading.reading import stream_windows as fill_windows
 
     out = {k: torch.zeros_like(v) for k, v in saved.items() if k != "tied"}
     state = fp.load(path, out=out)

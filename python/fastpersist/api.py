@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -14,14 +13,17 @@ from . import _core
 from .config import Config, SaveResult
 from .errors import CorruptCheckpointError
 from .format.confine import check_data_files, check_shard_dir
-from .format.flatten import dtype_itemsize, materialize, unflatten
-from .format.manifest import Manifest, read_manifest
-from .format.quote import shown
+from .format.flatten import materialize, unflatten
+from .format.manifest import Manifest
+from .format.records import TensorRecord
 from .futures import SaveFuture, SaveJobLike
+from .loading.examine import check_chunks, describe
 from .loading.fill import fill_by_key
-from .loading.maplocation import MapLocation, MappedStorages, check_load_flags, map_tensor
+from .loading.maplocation import MapLocation, MappedStorages, check_load_flags, check_targets_exist, map_tensor
+from .loading.opened import OpenedCheckpoint, opened_checkpoint, opened_shard
 from .loading.phases import PhaseClock
-from .loading.reading import blob_buffers, checksum_error, read_stream, windowable
+from .loading.reading import blob_buffers, read_stream, windowable
+from .loading.relocate import check_stripes_present, read_opened
 from .loading.todevice import device_targets, load_blobs
 from .logs import log_load
 from .saving.job import SaveJob
@@ -125,7 +127,8 @@ def load(
     The manifest is validated strictly before any data is read, and with ``verify=True`` every
     chunk's crc32c is checked as it arrives. Loading never executes code from the file. Each
     tensor over 1 MiB keeps only its own pages of the O_DIRECT read (dropping it frees them),
-    smaller ones are copied. Tensors that shared storage when saved share it again.
+    smaller ones are copied. Tensors that shared storage when saved share it again. A link at
+    `path` is followed once; a save replacing the checkpoint is never mixed in (loading.opened).
 
     Args:
         map_location: as in ``torch.load`` (also positional): ``None`` (the device each tensor
@@ -141,7 +144,8 @@ def load(
             checkpoint's structure and non-tensor values, holding `out`'s tensors; tensors
             `out` lacks come back new. Reads 64 MiB windows, a few ahead, through at most
             256 MiB of buffers (or one window of the largest tensor), never a buffer of the
-            state's size.
+            state's size. All or nothing: a damaged chunk or a missing, truncated or resized
+            file raises and leaves `out` as it was (:mod:`fastpersist.loading.fill`).
         group: for a sharded checkpoint, each rank of `group` gets its own shard back. For a
             replicated one, every rank gets the whole state; with `shared_read` each rank reads
             only ~1/N of it from disk and the ranks exchange the rest over gloo (every rank of
@@ -149,7 +153,8 @@ def load(
             :mod:`fastpersist.group_load`).
         shard: read this shard of a sharded checkpoint (without a group).
         config: backend knobs for the read; its ``stripes``, when set, also confine the read:
-            stripe directories outside those roots are refused.
+            stripe directories outside those roots are refused; stripe directories moved to
+            other drives are found there by name (:mod:`fastpersist.loading.relocate`).
         namedtuple_types: namedtuple classes the checkpoint may rebuild (an allow-list). A
             saved namedtuple whose module, qualified name and fields match one of them comes
             back as that class (its ``_make`` is called); any other comes back as a plain
@@ -160,9 +165,10 @@ def load(
         phases: a dict filled with seconds per phase (:mod:`fastpersist.loading.phases`).
 
     Raises:
-        CheckpointNotFoundError: there is no committed checkpoint at `path` (a ``FileNotFoundError``).
-        CorruptCheckpointError: the manifest or data is damaged (the message names the file,
-            tensor and byte range).
+        CheckpointNotFoundError: there is no committed checkpoint at `path` (a ``FileNotFoundError``),
+            or it was deleted or replaced while being loaded (nothing of it is returned).
+        CorruptCheckpointError: the manifest or data is damaged (naming file, tensor, byte range).
+        FastPersistError: a CUDA device this machine lacks is a target (before any read).
 
     Example:
         >>> state = fp.load("/tmp/fp-doc-ckpt")
@@ -171,18 +177,24 @@ def load(
     """
     check_load_flags(weights_only, mmap)
     options = _LoadOptions(map_location, verify, config or Config(), namedtuple_types, PhaseClock(phases))
-    root = os.path.abspath(os.fspath(path))
-    m = read_manifest(root)
-    if m.shards:
-        root = check_shard_dir(root, m.shards[_shard_index(root, len(m.shards), group, shard)])
-        m = read_manifest(root)
+    with opened_checkpoint(path) as ck:
+        m = read_opened(ck, options.config.stripes)
+        if m.shards:
+            return _load_shard(ck, m.shards[_shard_index(ck.root, len(m.shards), group, shard)], out, options)
+        if shard is not None:
+            raise ValueError(f"{ck.root} is not sharded; load it without shard=")
+        shared = group is not None and shared_read and out is None and _group_size(group) > 1
+        return _load_one(ck, m, out, options, group if shared else None)
+
+
+def _load_shard(ck: OpenedCheckpoint, name: str, out: object, options: _LoadOptions) -> Any:
+    """Loads the shard directory `name` of the sharded checkpoint `ck`."""
+    check_shard_dir(ck.at, name)
+    with opened_shard(ck, name) as shard_ck:
+        m = read_opened(shard_ck, options.config.stripes)
         if m.shards:  # fastpersist writes each shard as one rank's plain checkpoint
-            raise CorruptCheckpointError(f"{root}/manifest.json: a shard may not itself be sharded")
-        return _load_one(root, m, out, options, None)
-    if shard is not None:
-        raise ValueError(f"{root} is not sharded; load it without shard=")
-    shared = group is not None and shared_read and out is None and _group_size(group) > 1
-    return _load_one(root, m, out, options, group if shared else None)
+            raise CorruptCheckpointError(f"{shard_ck.root}/manifest.json: a shard may not itself be sharded")
+        return _load_one(shard_ck, m, out, options, None)
 
 
 class _LoadOptions(NamedTuple):
@@ -195,16 +207,19 @@ class _LoadOptions(NamedTuple):
     clock: PhaseClock
 
 
-def _load_one(root: str, m: Manifest, out: object, options: _LoadOptions, shared_group: object) -> Any:
-    """Loads one (unsharded) checkpoint whose manifest `m` is already validated; with
+def _load_one(ck: OpenedCheckpoint, m: Manifest, out: object, options: _LoadOptions, shared_group: object) -> Any:
+    """Loads one (unsharded) opened checkpoint whose manifest `m` is already validated; with
     `shared_group`, the ranks of that group each read a share of the stream."""
-    config = options.config
+    config, root = options.config, ck.at
+    check_stripes_present(m, ck.root)
     check_data_files(root, m, config.stripes)  # before allocating: sizes, links, confinement
     if out is not None and not windowable(m):
         raise CorruptCheckpointError(
-            f"{root}/manifest.json: its files do not start on chunk boundaries (fastpersist never writes "
+            f"{ck.root}/manifest.json: its files do not start on chunk boundaries (fastpersist never writes "
             "such a layout), so out= cannot be filled window by window"
         )
+    if out is None:
+        check_targets_exist(options.map_location, _placed(m.tensors), ck.root)
     options.clock.mark("manifest")
     read_started = time.perf_counter()
     mapped: MappedStorages = {}
@@ -221,13 +236,19 @@ def _load_one(root: str, m: Manifest, out: object, options: _LoadOptions, shared
             config,
             lambda t, rec: place(t, rec.device),
             namedtuple_types=options.namedtuple_types,
+            check_new=lambda records: check_targets_exist(options.map_location, _placed(records), ck.root),
         )
         options.clock.mark("fill")
     else:
         targets = device_targets(m, options.map_location) if shared_group is None and windowable(m) else {}
         state = _load_new(root, m, options, place, shared_group, targets)
-    log_load(root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
+    log_load(ck.root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
     return state
+
+
+def _placed(records: Iterable[TensorRecord]) -> list[tuple[str, str]]:
+    """``(key path, saved device)`` of the torch tensors among `records` (what ``map_location`` moves)."""
+    return [(rec.key_path, rec.device) for rec in records if rec.kind == "torch"]
 
 
 def _load_new(
@@ -296,114 +317,44 @@ def _shard_index(root: str, shard_count: int, group: object, shard: int | None) 
     return shard
 
 
-def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
+def inspect(path: str | os.PathLike[str], *, config: Config | None = None) -> dict[str, Any]:
     """Describes a checkpoint from its manifest (reads no tensor data).
 
     Returns a dict with ``format_version``, ``created``, ``checkpoint_id``, ``library_version``,
     ``tensors`` (count; a bytes value over 4 KiB is a uint8 numpy record of its own), ``bytes``
     (tensor data), ``total_bytes`` (stream incl. alignment),
     ``files`` (path, bytes, chunks), ``checksum``, ``chunk_bytes`` and ``tensor_list``
-    (key path, kind, dtype, shape, device, bytes).
+    (key path, kind, dtype, shape, device, bytes). With ``config=Config(stripes=[roots])``, stripe
+    directories are looked up by name in those roots (a checkpoint whose stripes were moved).
 
     Example:
         >>> fp.inspect("/tmp/fp-doc-ckpt")["tensors"]
         2
     """
-    root = os.path.abspath(os.fspath(path))
-    m = read_manifest(root)
-    if m.shards:
-        shards = [inspect(check_shard_dir(root, name)) for name in m.shards]
-        return {
-            "path": root,
-            "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
-            "created": m.created,
-            "checkpoint_id": m.checkpoint_id,
-            "library_version": m.library_version,
-            "shards": shards,
-            "tensors": sum(s["tensors"] for s in shards),
-            "bytes": sum(s["bytes"] for s in shards),
-            "total_bytes": sum(s["total_bytes"] for s in shards),
-            "files": [f for s in shards for f in s["files"]],
-            "checksum": m.checksum,
-            "chunk_bytes": m.chunk_bytes,
-            "tensor_list": [t for s in shards for t in s["tensor_list"]],
-        }
-    tensor_list = []
-    data_bytes = 0
-    for t in m.tensors:
-        nbytes = math.prod(t.shape) * dtype_itemsize(t.kind, t.dtype)
-        data_bytes += nbytes
-        tensor_list.append(
-            {
-                "key": t.key_path,
-                "kind": t.kind,
-                "dtype": t.dtype,
-                "shape": list(t.shape),
-                "device": t.device,
-                "bytes": nbytes,
-            }
-        )
-    return {
-        "path": root,
-        "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
-        "created": m.created,
-        "checkpoint_id": m.checkpoint_id,
-        "library_version": m.library_version,
-        "tensors": len(m.tensors),
-        "bytes": data_bytes,
-        "total_bytes": m.total_bytes,
-        "files": [{"path": m.file_path(root, f), "bytes": f.len_bytes, "chunks": len(f.chunk_crc32c)} for f in m.files],
-        "checksum": m.checksum,
-        "chunk_bytes": m.chunk_bytes,
-        "tensor_list": tensor_list,
-    }
+    with opened_checkpoint(path) as ck:
+        return describe(ck, config.stripes if config else None)
 
 
-def verify(path: str | os.PathLike[str], *, progress: Callable[[int], object] | None = None) -> dict[str, Any]:
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    progress: Callable[[int], object] | None = None,
+    config: Config | None = None,
+) -> dict[str, Any]:
     """Checks a checkpoint end to end: manifest, file sizes and every chunk's crc32c.
 
     Uses bounded memory (one chunk at a time). Returns ``{"files", "bytes", "chunks"}``.
-    `progress`, when given, is called with the byte count of each chunk checked.
+    `progress`, when given, is called with the byte count of each chunk checked. With
+    ``config=Config(stripes=[roots])``, stripe directories are looked up by name in those roots
+    (and must be there), as for :func:`load`.
 
     Raises:
         CorruptCheckpointError / ChecksumMismatchError: naming the file, byte range and tensors.
+        CheckpointNotFoundError: nothing at `path`, or it was deleted or replaced during the check.
 
     Example:
         >>> fp.verify("/tmp/fp-doc-ckpt")["files"]
         1
     """
-    root = os.path.abspath(os.fspath(path))
-    m = read_manifest(root)
-    chunks = 0
-    if m.shards:
-        totals = [verify(check_shard_dir(root, name), progress=progress) for name in m.shards]
-        return {key: sum(t[key] for t in totals) for key in ("files", "bytes", "chunks")}
-    check_data_files(root, m)
-    for f in m.files:
-        file_path = m.file_path(root, f)
-        try:
-            fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"data file {shown(file_path, 300)} named in the manifest is missing"
-            ) from None
-        try:
-            size = os.fstat(fd).st_size
-            if size != f.len_bytes:
-                raise CorruptCheckpointError(
-                    f"{shown(file_path, 300)} has the wrong size (truncated?): expected {f.len_bytes} bytes, "
-                    f"found {size}"
-                )
-            for i, expected in enumerate(f.chunk_crc32c):
-                offset = i * m.chunk_bytes
-                length = min(m.chunk_bytes, f.len_bytes - offset)
-                data = os.pread(fd, length, offset)
-                found = _core.crc32c(data)
-                if found != expected:
-                    raise checksum_error(m, root, file_path, offset, length, expected, found)
-                chunks += 1
-                if progress is not None:
-                    progress(length)
-        finally:
-            os.close(fd)
-    return {"files": len(m.files), "bytes": m.total_bytes, "chunks": chunks}
+    with opened_checkpoint(path) as ck:
+        return check_chunks(ck, progress, config.stripes if config else None)

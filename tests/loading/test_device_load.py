@@ -364,6 +364,26 @@ def test_out_fills_device_tensors_in_place_through_the_loader(
     assert len(FakeLoader.registered) == 2
 
 
+def test_a_failed_out_load_through_the_loader_leaves_out_as_it_was(
+    workdir: str, backend: str, fake_cpu: type[FakeLoader]
+) -> None:
+    """The ring copies straight into `out`'s device tensors, so every checksum is checked in a
+    first pass, before the first copy is queued."""
+    path = _saved(workdir, backend, None)
+    damaged = _damage_last_window(path)
+    out = {k: torch.full_like(v, 7) for k, v in _state().items() if isinstance(v, torch.Tensor) and k != "view"}
+    out.pop("head")
+    for t in out.values():
+        FakeLoader.allocated[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    before = {k: t.clone() for k, t in out.items()}
+    with pytest.raises(fp.ChecksumMismatchError) as info:
+        fp.load(path, out=out)
+    assert info.value.filename == damaged
+    assert FakeLoader.reads == [] and FakeLoader.copies == 0  # the ring never started
+    for key, t in out.items():
+        assert torch.equal(t, before[key]), f"out[{key!r}] was modified"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_load_round_trip(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(todevice, "DEVICE_WINDOW_BYTES", 1 << 20)  # several windows
@@ -398,4 +418,21 @@ def test_cuda_out_is_filled_in_place(workdir: str, monkeypatch: pytest.MonkeyPat
     state = fp.load(path, out=out)
     for key, value in expected.items():
         assert state["model"][key] is out["model"][key]
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_failed_cuda_out_load_leaves_the_model_as_it_was(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(todevice, "DEVICE_WINDOW_BYTES", 1 << 20)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)).cuda()
+    path = os.path.join(workdir, "gpu-out-damaged")
+    fp.save({"model": model.state_dict()}, path)
+    _damage_last_window(path)
+    for p in model.parameters():
+        p.data.fill_(3.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(fp.ChecksumMismatchError):
+        fp.load(path, out={"model": model.state_dict()})
+    torch.cuda.synchronize()
+    for key, value in before.items():
         assert torch.equal(model.state_dict()[key], value), key

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -113,3 +114,19 @@ def test_module_entry_point_and_quiet_progress_off_a_terminal(workdir: str) -> N
         [sys.executable, "-m", "fastpersist", "verify", path], capture_output=True, text=True, check=True
     )
     assert done.stdout.startswith("ok:") and done.stderr == ""  # no progress bar when not a terminal
+
+
+def test_verify_and_inspect_take_moved_stripe_roots(workdir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    old, new = os.path.join(workdir, "old"), os.path.join(workdir, "new")
+    os.makedirs(old)
+    os.makedirs(new)
+    path = os.path.join(workdir, "striped")
+    fp.save({"w": torch.ones(1000)}, path, config=fp.Config(stripes=[old]))
+    for name in os.listdir(old):
+        shutil.move(os.path.join(old, name), new)
+    assert cli.main(["verify", path]) == 1
+    assert "--stripes" in capsys.readouterr().err
+    assert cli.main(["verify", path, "--stripes", new]) == 0
+    assert capsys.readouterr().out.startswith("ok: 1 file(s)")
+    assert cli.main(["inspect", path, "--json", "--stripes", new]) == 0
+    assert json.loads(capsys.readouterr().out)["files"][0]["path"].startswith(new + os.sep)

@@ -10,6 +10,18 @@ example optimizer state created by the first ``step()``) come back as new tensor
 non-tensor values (step, learning rate, RNG state) come from the checkpoint: the returned state
 has the checkpoint's structure, holding `out`'s tensor objects where it has them.
 
+All or nothing: `out` is not touched until every byte the load reads has been read and, with
+``verify=True``, checked against its checksum, so a damaged chunk, a truncated, missing or
+resized file leaves every tensor of `out` bit-identical to before. A stream that fits in
+:data:`FILL_BUFFER_BYTES` (with no device tensors to fill) is read whole into the window
+buffers first, then copied; a larger one (or one filling device tensors) is first checked in a
+streamed pass over all its windows, then read again and copied: about twice the reads, and no
+more memory. With ``verify=False`` nothing is checked while reading, so a larger stream is
+filled as it is read (one pass), and only a failing read (an I/O error) can stop it half-way.
+One race stays open for a stream over the budget: the engine reopens the data files for each
+window, so if the checkpoint is deleted or replaced while the fill pass runs, the load raises
+:class:`~fastpersist.CheckpointNotFoundError` and `out` may hold part of the checkpoint.
+
 Device tensors of `out` (contiguous, on a device with a :class:`~fastpersist.device.DeviceLoader`,
 e.g. CUDA) whose storage's bytes all go to such tensors are filled first, without a host copy:
 the windows holding them are read into the load's ring of two pinned buffers and copied on a
@@ -28,7 +40,7 @@ Example:
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
@@ -47,6 +59,9 @@ from .reading import WINDOW_BYTES, paged_uint8, read_window, stream_windows
 from .todevice import DeviceCopies, Extent, copy_extents
 
 __all__ = ["fill_by_key"]
+
+#: A chunk-aligned window of the stream: ``(lo, hi, blob indices)``.
+Window = tuple[int, int, list[int]]
 
 
 def _destinations(out: object, m: Manifest, root: str) -> dict[int, object]:
@@ -88,12 +103,12 @@ def _device_dest(dest: object, rec: TensorRecord) -> torch.device | None:
     return dest.device
 
 
-def _fill_on_devices(
-    root: str, m: Manifest, verify: bool, config: Config, dests: dict[int, object], by_blob: dict[int, list[int]]
-) -> set[int]:
-    """Fills the device tensors of `out` whose blobs go only to such tensors straight through the
-    ring of pinned windows and their device's loader (:mod:`~fastpersist.loading.todevice`);
-    returns those blobs."""
+def _device_extents(
+    m: Manifest, dests: dict[int, object], by_blob: dict[int, list[int]]
+) -> tuple[set[int], list[Extent]]:
+    """The blobs whose tensors all go to device tensors of `out` that a
+    :class:`~fastpersist.device.DeviceLoader` fills (:mod:`~fastpersist.loading.todevice`),
+    and the extents of those tensors in the stream."""
     extents: list[Extent] = []
     blobs: set[int] = set()
     for b, indices in by_blob.items():
@@ -103,10 +118,7 @@ def _fill_on_devices(
         blobs.add(b)
         for i, device in zip(indices, devices, strict=True):
             extents.append(Extent(m.blobs[b][0] + m.tensors[i].offset_bytes, device_bytes(_tensor(dests[i])), device))
-    if extents:
-        copies = DeviceCopies(root, {e.device for e in extents if e.device is not None})
-        copy_extents(root, m, verify, config, copies, extents)
-    return blobs
+    return blobs, extents
 
 
 def _tensor(x: object) -> torch.Tensor:
@@ -140,6 +152,34 @@ class _WindowReader:
         """Stream bytes ``[lo, hi)`` into `held` (run on the read-ahead threads)."""
         read_window(self.root, self.m, lo, hi, held[0], self.verify, self.config)
         return held[1]
+
+    def each(self, windows: list[Window], budget: int) -> Iterator[tuple[int, list[int], torch.Tensor]]:
+        """Yields ``(lo, blobs, bytes)`` for each of `windows` in order, reading ahead while the
+        buffers fit in `budget` bytes (the engine releases the GIL). With a budget that holds
+        every window, all are read (and their checksums checked) before the first is yielded."""
+        every_ahead = sum(hi - lo for lo, hi, _ in windows) <= budget
+        with ThreadPoolExecutor(
+            max(1, FILL_BUFFER_BYTES // WINDOW_BYTES), thread_name_prefix="fastpersist-fill"
+        ) as ahead:
+            pending: collections.deque[tuple[Future[torch.Tensor], tuple[_core.PagedBuffer, torch.Tensor]]]
+            pending = collections.deque()
+            held_bytes, submitted = 0, 0
+            for lo, hi, blobs in windows:
+                while submitted < len(windows):
+                    nlo, nhi, _ = windows[submitted]
+                    if pending and held_bytes + (nhi - nlo) > budget:
+                        break
+                    held = self.take(nhi - nlo)
+                    held_bytes += nhi - nlo
+                    pending.append((ahead.submit(self.read, held, nlo, nhi), held))
+                    submitted += 1
+                if every_ahead:
+                    for read, _ in pending:
+                        read.result()
+                read, held = pending.popleft()
+                yield lo, blobs, read.result()
+                held_bytes -= hi - lo
+                self.free.append(held)
 
 
 def _copy_window(
@@ -184,39 +224,39 @@ def fill_by_key(
     place: Any,
     *,
     namedtuple_types: Iterable[type] = (),
+    check_new: Callable[[list[TensorRecord]], None] | None = None,
 ) -> object:
     """Fills `out` from the checkpoint at `root` (manifest `m`) and returns the loaded state.
 
-    `place(tensor, record)` moves a new tensor to its target device (``map_location``).
+    `place(tensor, record)` moves a new tensor to its target device (``map_location``);
+    `check_new(records)` is called with the records of those new tensors before anything is read.
+    All or nothing: an error while reading leaves `out` as it was (see the module docstring).
     """
     dests = _destinations(out, m, root)
     by_blob: dict[int, list[int]] = {}
     for i, rec in enumerate(m.tensors):
         by_blob.setdefault(rec.blob, []).append(i)
+    if check_new is not None:
+        check_new([rec for i, rec in enumerate(m.tensors) if i not in dests])
     values: list[object] = [None] * len(m.tensors)
-    on_device = _fill_on_devices(root, m, verify, config, dests, by_blob)
+    on_device, extents = _device_extents(m, dests, by_blob)
+    windows = [
+        (lo, hi, bs)
+        for lo, hi, blobs in stream_windows(m, WINDOW_BYTES)
+        if (bs := [b for b in blobs if b not in on_device])
+    ]
+    reader = _WindowReader(root, m, verify, config)
+    budget = max([FILL_BUFFER_BYTES] + [hi - lo for lo, hi, _ in windows])
+    if verify and (extents or sum(hi - lo for lo, hi, _ in windows) > budget):
+        # `out` is touched only once every checksum held: a first pass checks them all.
+        for _ in reader.each(list(stream_windows(m, WINDOW_BYTES)), budget):
+            pass
+    if extents:
+        copies = DeviceCopies(root, {e.device for e in extents if e.device is not None})
+        copy_extents(root, m, verify, config, copies, extents)
     for b in on_device:
         for i in by_blob[b]:
             values[i] = dests[i]
-    windows = [(lo, hi, bs) for lo, hi, blobs in stream_windows(m) if (bs := [b for b in blobs if b not in on_device])]
-    reader = _WindowReader(root, m, verify, config)
-    budget = max([FILL_BUFFER_BYTES] + [hi - lo for lo, hi, _ in windows])
-    with ThreadPoolExecutor(max(1, FILL_BUFFER_BYTES // WINDOW_BYTES), thread_name_prefix="fastpersist-fill") as ahead:
-        pending: collections.deque[tuple[Future[torch.Tensor], tuple[_core.PagedBuffer, torch.Tensor]]]
-        pending = collections.deque()
-        held_bytes, submitted = 0, 0
-        for lo, hi, blobs in windows:
-            # Read ahead while the buffers fit in the budget (the engine releases the GIL).
-            while submitted < len(windows):
-                nlo, nhi, _ = windows[submitted]
-                if pending and held_bytes + (nhi - nlo) > budget:
-                    break
-                held = reader.take(nhi - nlo)
-                held_bytes += nhi - nlo
-                pending.append((ahead.submit(reader.read, held, nlo, nhi), held))
-                submitted += 1
-            read, held = pending.popleft()
-            _copy_window(m, lo, read.result(), blobs, by_blob, dests, values, place)
-            held_bytes -= hi - lo
-            reader.free.append(held)
+    for lo, blobs, window in reader.each(windows, budget):
+        _copy_window(m, lo, window, blobs, by_blob, dests, values, place)
     return unflatten(m.tree, values, namedtuple_types=namedtuple_types)

@@ -40,6 +40,7 @@ from ..errors import ChecksumMismatchError, CorruptCheckpointError, FastPersistE
 from ..format.manifest import Manifest
 from ..format.quote import shown
 from ..saving.group import ControlGroup, control_for, forget_control
+from .opened import real_paths
 from .reading import direct_padded, read_window
 
 __all__ = ["PIECE_BYTES", "GroupLoadError", "read_pieces", "read_shares", "read_stream_shared"]
@@ -146,7 +147,11 @@ def _error_status(rank: int, error: BaseException) -> tuple[Any, ...]:
     else:
         kind = "other"
     fields = {name: getattr(error, name, None) for name in _CHECKSUM_FIELDS} if kind == "checksum" else {}
-    return ("error", rank, kind, f"{type(error).__name__}: {error}", fields)
+    filename = fields.get("filename")
+    if isinstance(filename, str):
+        fields["filename"] = real_paths(filename)
+    # Paths go to the other ranks as the caller named them, not as this process's handle on them.
+    return ("error", rank, kind, real_paths(f"{type(error).__name__}: {error}"), fields)
 
 
 def _raise_failures(root: str, statuses: list[tuple[Any, ...]], own_error: BaseException | None) -> None:

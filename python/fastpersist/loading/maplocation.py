@@ -19,14 +19,16 @@ verified against its checksums (a memory-mapped file could change under a verifi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
+from ..device import CudaLoader, loader_for
+from ..errors import FastPersistError
 from ..format.quote import shown
 
-__all__ = ["MapLocation", "MappedStorages", "check_load_flags", "map_tensor", "target_device"]
+__all__ = ["MapLocation", "MappedStorages", "check_load_flags", "check_targets_exist", "map_tensor", "target_device"]
 
 MapLocation = str | torch.device | Mapping[str, str | torch.device] | Callable[[torch.UntypedStorage, str], Any] | None
 #: Mapped storages by the data pointer of their source storage (so shared storages stay shared).
@@ -62,6 +64,34 @@ def target_device(location: MapLocation, saved_device: str) -> torch.device | No
             f"not {type(location).__name__}"
         )
     return torch.device(target)
+
+
+def check_targets_exist(location: MapLocation, saved: Iterable[tuple[str, str]], where: str) -> None:
+    """Refuses, before anything is read, a CUDA target this machine lacks (no CUDA, or an index
+    past ``torch.cuda.device_count()``). `saved` holds ``(key path, saved device)`` of the
+    tensors to be placed; `where` names the checkpoint. A callable `location` is not checked
+    (only its calls can say where a storage goes).
+
+    Raises:
+        FastPersistError: naming the device, the first tensor bound for it and `location`.
+    """
+    checked: set[str] = set()
+    for key_path, saved_device in saved:
+        if saved_device in checked:
+            continue
+        checked.add(saved_device)
+        target = target_device(location, saved_device)
+        if target is None or target.type != "cuda" or loader_for(target) not in (None, CudaLoader):
+            continue  # a loader installed for the device (use_loader) knows where it is
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count and (target.index is None or target.index < count):
+            continue
+        have = f"only {count} CUDA device(s) (cuda:0..cuda:{count - 1})" if count else "no CUDA device"
+        raise FastPersistError(
+            f"{where}: tensor {key_path!r} (saved on {saved_device}) would be loaded to {target} "
+            f"(map_location={location!r}), but this machine has {have}; pass map_location='cpu', or a dict "
+            f"such as {{'{saved_device}': 'cuda:0'}} naming a device that exists"
+        )
 
 
 def map_tensor(location: MapLocation, tensor: torch.Tensor, saved_device: str, cache: MappedStorages) -> torch.Tensor:

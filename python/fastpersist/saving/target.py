@@ -84,10 +84,23 @@ def check_name_fits(path: str, *, striped: bool, tag: str = "") -> None:
 
 
 def check_target(path: str) -> None:
-    """Refuses to replace anything but a fastpersist checkpoint (or an empty directory)."""
+    """Refuses to replace anything but a fastpersist checkpoint (or an empty directory), and a
+    symbolic link whatever it points to.
+
+    Raises:
+        FileExistsError: naming `path`, what is there and what to do.
+    """
     if not os.path.lexists(path):
         return
-    if os.path.isdir(path) and not os.path.islink(path):
+    if os.path.islink(path):
+        raise FileExistsError(
+            errno.EEXIST,
+            f"is a symbolic link to {os.readlink(path)!r}; a save replaces its target directory as a whole (an "
+            "atomic exchange), which would replace the link, not the checkpoint it points to. Save to the real "
+            f"path ({os.path.realpath(path)}) and re-point the link afterwards, or remove the link",
+            path,
+        )
+    if os.path.isdir(path):
         if os.path.exists(os.path.join(path, MANIFEST_NAME)) or not os.listdir(path):
             return
     raise FileExistsError(errno.EEXIST, "exists and is not a fastpersist checkpoint; refusing to replace it", path)

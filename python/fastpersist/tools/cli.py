@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from .bench.state import build_state
-from .clitools import Progress, add_convert_parser, add_inspect_parser
+from .clitools import STRIPES_HELP, Progress, add_convert_parser, add_inspect_parser
 from .units import parse_size
 
 __all__ = ["main", "parse_size"]
@@ -101,7 +101,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     try:
         with Progress(total=None, desc="verify", unit="B", unit_scale=True) as bar:
-            summary = fp.verify(args.path, progress=bar.update)
+            config = fp.Config(stripes=args.stripes) if args.stripes else None
+            summary = fp.verify(args.path, progress=bar.update, config=config)
     except (fp.CorruptCheckpointError, FileNotFoundError) as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
@@ -171,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Checks a checkpoint end to end: manifest, file sizes and every chunk's crc32c.",
     )
     ver.add_argument("path", help="checkpoint directory")
+    ver.add_argument("--stripes", nargs="+", metavar="DIR", help=STRIPES_HELP)
     ver.set_defaults(func=cmd_verify)
     add_convert_parser(sub)
     from . import advise as advise_cli

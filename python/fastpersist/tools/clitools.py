@@ -14,7 +14,15 @@ import time
 from types import TracebackType
 from typing import Any
 
-__all__ = ["Progress", "add_convert_parser", "add_inspect_parser", "cmd_convert", "cmd_inspect", "group_tensors"]
+__all__ = [
+    "STRIPES_HELP",
+    "Progress",
+    "add_convert_parser",
+    "add_inspect_parser",
+    "cmd_convert",
+    "cmd_inspect",
+    "group_tensors",
+]
 
 
 class Progress:
@@ -94,7 +102,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import fastpersist as fp
 
     try:
-        info = fp.inspect(args.path)
+        info = fp.inspect(args.path, config=fp.Config(stripes=args.stripes) if args.stripes else None)
     except (fp.CorruptCheckpointError, FileNotFoundError) as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
@@ -126,6 +134,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Help of ``--stripes`` for the commands that read a checkpoint.
+STRIPES_HELP = (
+    "the roots that now hold the checkpoint's stripe directories, in the order the save had them "
+    "(Config.stripes), when they were copied or moved to other drives"
+)
+
+
 def add_inspect_parser(sub: Any) -> None:
     """Registers ``inspect`` on the CLI's subparsers."""
     insp = sub.add_parser(
@@ -138,6 +153,7 @@ def add_inspect_parser(sub: Any) -> None:
     insp.add_argument("--json", action="store_true", help="print everything (every tensor, the groups) as JSON")
     insp.add_argument("--all", action="store_true", help="list every tensor")
     insp.add_argument("--limit", type=int, default=0, help="list the first N tensors (default 0)")
+    insp.add_argument("--stripes", nargs="+", metavar="DIR", help=STRIPES_HELP)
     insp.set_defaults(func=cmd_inspect)
 
 

@@ -1,0 +1,138 @@
+"""Describing and checking a checkpoint without building its state: what ``fp.inspect`` and
+``fp.verify`` do once :mod:`~fastpersist.loading.opened` has opened it.
+
+``describe`` reads the manifest only; ``check_chunks`` reads every data file a chunk at a time
+(bounded memory) and checks each chunk's crc32c, through the checkpoint's directory handle.
+
+Example:
+    >>> import fastpersist as fp, torch
+    >>> from fastpersist.loading.opened import opened_checkpoint
+    >>> _ = fp.save({"w": torch.ones(2)}, "/tmp/fp-doc-examine")
+    >>> with opened_checkpoint("/tmp/fp-doc-examine") as ck:
+    ...     describe(ck)["tensors"], check_chunks(ck)["files"]
+    (1, 1)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+from .. import _core
+from ..errors import CorruptCheckpointError
+from ..format.confine import check_data_files, check_shard_dir
+from ..format.manifest import FileEntry, Manifest
+from ..format.quote import shown
+from ..format.records import dtype_itemsize
+from .opened import OpenedCheckpoint, opened_shard
+from .reading import checksum_error
+from .relocate import StripeRoots, check_stripes_present, read_opened
+
+__all__ = ["check_chunks", "describe"]
+
+
+def describe(ck: OpenedCheckpoint, stripe_roots: StripeRoots = None) -> dict[str, Any]:
+    """What :func:`fastpersist.inspect` returns for the opened checkpoint `ck` (its manifest only)."""
+    m = read_opened(ck, stripe_roots)
+    if m.shards:
+        shards = []
+        for name in m.shards:
+            check_shard_dir(ck.at, name)
+            with opened_shard(ck, name) as shard_ck:
+                shards.append(describe(shard_ck, stripe_roots))
+        return {
+            "path": ck.root,
+            "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
+            "created": m.created,
+            "checkpoint_id": m.checkpoint_id,
+            "library_version": m.library_version,
+            "shards": shards,
+            "tensors": sum(s["tensors"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards),
+            "total_bytes": sum(s["total_bytes"] for s in shards),
+            "files": [f for s in shards for f in s["files"]],
+            "checksum": m.checksum,
+            "chunk_bytes": m.chunk_bytes,
+            "tensor_list": [t for s in shards for t in s["tensor_list"]],
+        }
+    tensor_list = []
+    data_bytes = 0
+    for t in m.tensors:
+        nbytes = math.prod(t.shape) * dtype_itemsize(t.kind, t.dtype)
+        data_bytes += nbytes
+        tensor_list.append(
+            {
+                "key": t.key_path,
+                "kind": t.kind,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "device": t.device,
+                "bytes": nbytes,
+            }
+        )
+    return {
+        "path": ck.root,
+        "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
+        "created": m.created,
+        "checkpoint_id": m.checkpoint_id,
+        "library_version": m.library_version,
+        "tensors": len(m.tensors),
+        "bytes": data_bytes,
+        "total_bytes": m.total_bytes,
+        "files": [
+            {"path": m.file_path(ck.root, f), "bytes": f.len_bytes, "chunks": len(f.chunk_crc32c)} for f in m.files
+        ],
+        "checksum": m.checksum,
+        "chunk_bytes": m.chunk_bytes,
+        "tensor_list": tensor_list,
+    }
+
+
+def check_chunks(
+    ck: OpenedCheckpoint, progress: Callable[[int], object] | None = None, stripe_roots: StripeRoots = None
+) -> dict[str, Any]:
+    """What :func:`fastpersist.verify` does for the opened checkpoint `ck`; returns
+    ``{"files", "bytes", "chunks"}``."""
+    m = read_opened(ck, stripe_roots)
+    if m.shards:
+        totals = []
+        for name in m.shards:
+            check_shard_dir(ck.at, name)
+            with opened_shard(ck, name) as shard_ck:
+                totals.append(check_chunks(shard_ck, progress, stripe_roots))
+        return {key: sum(t[key] for t in totals) for key in ("files", "bytes", "chunks")}
+    check_stripes_present(m, ck.root)
+    check_data_files(ck.at, m, stripe_roots)
+    chunks = 0
+    for f in m.files:
+        chunks += _verify_file(ck.at, m, f, progress)
+    return {"files": len(m.files), "bytes": m.total_bytes, "chunks": chunks}
+
+
+def _verify_file(root: str, m: Manifest, f: FileEntry, progress: Callable[[int], object] | None) -> int:
+    """Checks every chunk of the data file `f` of the checkpoint at `root`; returns the chunk count."""
+    file_path = m.file_path(root, f)
+    try:
+        fd = os.open(file_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"data file {shown(file_path, 300)} named in the manifest is missing") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != f.len_bytes:
+            raise CorruptCheckpointError(
+                f"{shown(file_path, 300)} has the wrong size (truncated?): expected {f.len_bytes} bytes, found {size}"
+            )
+        for i, expected in enumerate(f.chunk_crc32c):
+            offset = i * m.chunk_bytes
+            length = min(m.chunk_bytes, f.len_bytes - offset)
+            data = os.pread(fd, length, offset)
+            found = _core.crc32c(data)
+            if found != expected:
+                raise checksum_error(m, root, file_path, offset, length, expected, found)
+            if progress is not None:
+                progress(length)
+    finally:
+        os.close(fd)
+    return len(f.chunk_crc32c)
