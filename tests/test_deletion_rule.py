@@ -186,3 +186,24 @@ def test_another_process_cleaning_never_breaks_a_save_in_flight(workdir: str) ->
     ok, *errors = open(out).read().split("\n")
     assert errors == [""] or errors == [], errors
     assert int(ok) >= 3 and cleaned == [], cleaned
+
+
+def test_a_file_system_without_locks_saves_and_clean_keeps_its_temporary_directories(
+    workdir: str, config: fp.Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import fcntl
+
+    from fastpersist.format import ownership
+
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(ownership, "_warned_no_locks", False)
+    path = os.path.join(workdir, "ck")
+    fp.save(_state(1), path, config=config)
+    assert _same(fp.load(path), _state(1))
+    tmp = os.path.join(workdir, ".ck.fptmp-0123456789ab")  # a dead save's, or a live one: no way to tell
+    os.makedirs(tmp)
+    assert fp.clean(workdir) == [] and os.path.isdir(tmp)

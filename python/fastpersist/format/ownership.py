@@ -28,6 +28,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -53,6 +54,8 @@ __all__ = [
 
 #: The marker file inside each stripe directory. Data file names start with a letter or digit,
 #: so it can never be mistaken for one.
+log = logging.getLogger("fastpersist")
+
 OWNER_MARKER = ".fpowner.json"
 #: A stripe directory whose removal has started is renamed to a name this pattern matches
 #: (see :func:`remove_owned_dir`); short, so it fits wherever the stripe directory's name did.
@@ -134,6 +137,35 @@ def remove_owned_dir(stripe_dir: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+#: errnos of a file system without flock support (some network file systems).
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+_warned_no_locks = False
+
+
+def _flock(fd: int, operation: int, path: str) -> bool:
+    """``flock`` that returns False, warning once, where the file system has no locks.
+
+    Raises:
+        BlockingIOError: with ``LOCK_NB``, another open file holds the lock.
+    """
+    global _warned_no_locks
+    try:
+        fcntl.flock(fd, operation)
+    except OSError as e:
+        if e.errno not in _NO_LOCKS:
+            raise
+        if not _warned_no_locks:
+            _warned_no_locks = True
+            log.warning(
+                "%s: this file system does not support flock (%s); saves there cannot be told live from dead, "
+                "so fastpersist.clean keeps every temporary directory on it",
+                path,
+                e.strerror,
+            )
+        return False
+    return True
+
+
 class DirLock:
     """An exclusive ``flock`` held on a directory while a save is alive; :meth:`release` drops it."""
 
@@ -141,7 +173,7 @@ class DirLock:
         self.path = path
         self._fd: int | None = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, path)
         except BaseException:
             self.release()
             raise
@@ -157,7 +189,7 @@ class DirLock:
 def _locked_parent(parent: str, operation: int) -> Iterator[None]:
     fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fcntl.flock(fd, operation)
+        _flock(fd, operation, parent)
         yield
     finally:
         os.close(fd)
@@ -188,7 +220,8 @@ def cleaning(root: str) -> Iterator[None]:
 def is_live(tmp_dir: str) -> bool:
     """Whether a live save holds `tmp_dir` (call inside :func:`cleaning` of its parent).
 
-    A directory that is missing, or whose lock can be taken, belongs to no live save.
+    A directory that is missing, or whose lock can be taken, belongs to no live save; one on a
+    file system without locks counts as live (nothing proves it dead).
     """
     return lock_state(tmp_dir) == "live"
 
@@ -206,8 +239,10 @@ def lock_state(tmp_dir: str) -> str:
             return "gone"
         raise
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        locked = _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, tmp_dir)
     except BlockingIOError:
+        locked = False
+    if not locked:
         os.close(fd)
         return "live"
     try:
