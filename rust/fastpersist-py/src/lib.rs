@@ -153,18 +153,7 @@ fn start_write(
     copy_budget_bytes: u64,
     device_copy: Option<Py<PyAny>>,
 ) -> PyResult<WriteHandle> {
-    let guard = match (watched, on_staged) {
-        (Some(watched), Some(callback)) => Some(Guard {
-            watched,
-            copy_max_extent_bytes,
-            copy_budget_bytes,
-            observer: Box::new(PyStagingObserver::new(callback)),
-        }),
-        (None, None) => None,
-        _ => {
-            return Err(PyValueError::new_err("watched= and on_staged= go together"));
-        }
-    };
+    let guard = guard_from(watched, on_staged, copy_max_extent_bytes, copy_budget_bytes)?;
     let selection =
         probe::select(BackendChoice::parse(backend).into_py_result(py)?).into_py_result(py)?;
     let options = WriteOptions {
@@ -174,7 +163,78 @@ fn start_write(
         checksum,
         durable,
     };
-    let parts: Vec<_> = plan.inner.parts_of_writer(writer).copied().collect();
+    let targets = writer_targets(&plan.inner, writer, paths)?;
+    let extents = &plan.inner.extent_bytes;
+    let (held, regions) = source_regions(&sources, extents)?;
+    if guard
+        .as_ref()
+        .is_some_and(|g| g.watched.len() != extents.len())
+    {
+        return Err(PyValueError::new_err(format!(
+            "watched= has an entry per source, and the plan has {} extents",
+            extents.len()
+        )));
+    }
+    let hooks = JobHooks {
+        guard,
+        device: device_copy.map(|callback| {
+            Box::new(PyDeviceCopier::new(callback)) as Box<dyn fastpersist_core::job::DeviceCopier>
+        }),
+    };
+    let shared = Shared::new();
+    let (job_plan, job_pool, job_shared) = (
+        Arc::clone(&plan.inner),
+        pool.inner.clone(),
+        Arc::clone(&shared),
+    );
+    let job = move || {
+        let outcome = write_parts_with(
+            &job_plan,
+            &targets,
+            regions,
+            &job_pool,
+            &options,
+            &job_shared.progress,
+            hooks,
+        );
+        job_shared.finish(outcome);
+    };
+    let thread = run_job(py, job, background, &shared)?;
+    Ok(WriteHandle {
+        shared,
+        sources: Mutex::new(Some(held)),
+        backend: selection.kind.name(),
+        fallback_reason: selection.fallback_reason,
+        thread: Mutex::new(thread),
+    })
+}
+
+/// The mutation guard that `watched=` and `on_staged=` describe (both or neither).
+fn guard_from(
+    watched: Option<Vec<bool>>,
+    on_staged: Option<Py<PyAny>>,
+    copy_max_extent_bytes: u64,
+    copy_budget_bytes: u64,
+) -> PyResult<Option<Guard>> {
+    match (watched, on_staged) {
+        (Some(watched), Some(callback)) => Ok(Some(Guard {
+            watched,
+            copy_max_extent_bytes,
+            copy_budget_bytes,
+            observer: Box::new(PyStagingObserver::new(callback)),
+        })),
+        (None, None) => Ok(None),
+        _ => Err(PyValueError::new_err("watched= and on_staged= go together")),
+    }
+}
+
+/// `writer`'s parts of `plan`, each with the path it is written to.
+fn writer_targets(
+    plan: &plan::Plan,
+    writer: usize,
+    paths: Vec<PathBuf>,
+) -> PyResult<Vec<WriteTarget>> {
+    let parts: Vec<_> = plan.parts_of_writer(writer).copied().collect();
     if parts.len() != paths.len() {
         return Err(PyValueError::new_err(format!(
             "writer {writer} has {} parts but {} paths were given",
@@ -182,12 +242,19 @@ fn start_write(
             paths.len()
         )));
     }
-    let targets: Vec<WriteTarget> = parts
+    Ok(parts
         .into_iter()
         .zip(paths)
         .map(|(part, path)| WriteTarget { part, path })
-        .collect();
-    let extents = &plan.inner.extent_bytes;
+        .collect())
+}
+
+/// The exported buffers of `sources` (held until the job releases them) and a region per
+/// extent; None stands for a device-resident extent.
+fn source_regions(
+    sources: &[Option<Bound<'_, PyAny>>],
+    extents: &[u64],
+) -> PyResult<(Vec<HeldBuffer>, Vec<SourceRegion>)> {
     if sources.len() != extents.len() {
         return Err(PyValueError::new_err(format!(
             "source regions do not match the plan's extents: {} sources for {} extents",
@@ -207,75 +274,44 @@ fn start_write(
             None => regions.push(SourceRegion::device(len as usize)),
         }
     }
-    if regions.len() != extents.len()
-        || regions
-            .iter()
-            .zip(extents)
-            .any(|(r, &n)| r.len_bytes() as u64 != n)
+    if regions
+        .iter()
+        .zip(extents)
+        .any(|(r, &n)| r.len_bytes() as u64 != n)
     {
         return Err(PyValueError::new_err(format!(
             "source regions do not match the plan's extents: a source's length differs from its extent's ({} extents)",
             extents.len()
         )));
     }
-    if guard
-        .as_ref()
-        .is_some_and(|g| g.watched.len() != extents.len())
-    {
-        return Err(PyValueError::new_err(format!(
-            "watched= has an entry per source, and the plan has {} extents",
-            extents.len()
-        )));
-    }
-    let shared = Shared::new();
-    let (job_plan, job_pool, job_shared) = (
-        Arc::clone(&plan.inner),
-        pool.inner.clone(),
-        Arc::clone(&shared),
-    );
-    let hooks = JobHooks {
-        guard,
-        device: device_copy.map(|callback| {
-            Box::new(PyDeviceCopier::new(callback)) as Box<dyn fastpersist_core::job::DeviceCopier>
-        }),
-    };
-    let job = move || {
-        let outcome = write_parts_with(
-            &job_plan,
-            &targets,
-            regions,
-            &job_pool,
-            &options,
-            &job_shared.progress,
-            hooks,
-        );
-        job_shared.finish(outcome);
-    };
-    let thread = if background {
-        let spawned = std::thread::Builder::new()
-            .name("fastpersist-save".into())
-            .spawn(job);
-        let thread = spawned.map_err(|e| {
-            pyo3::exceptions::PyOSError::new_err(format!("cannot start the save thread: {e}"))
-        })?;
-        // Small watched sources are copied before the caller may touch them again.
-        py.detach(|| {
-            shared
-                .progress
-                .wait_copied_early(std::time::Duration::from_secs(u64::MAX / 4))
-        });
-        Some(thread)
-    } else {
+    Ok((held, regions))
+}
+
+/// Runs `job` on a thread of its own (returned once the small watched sources are copied) or,
+/// without `background`, here with the GIL released.
+fn run_job(
+    py: Python<'_>,
+    job: impl FnOnce() + Send + 'static,
+    background: bool,
+    shared: &Shared,
+) -> PyResult<Option<std::thread::JoinHandle<()>>> {
+    if !background {
         py.detach(job);
-        None
-    };
-    Ok(WriteHandle {
-        shared,
-        sources: Mutex::new(Some(held)),
-        backend: selection.kind.name(),
-        fallback_reason: selection.fallback_reason,
-        thread: Mutex::new(thread),
-    })
+        return Ok(None);
+    }
+    let spawned = std::thread::Builder::new()
+        .name("fastpersist-save".into())
+        .spawn(job);
+    let thread = spawned.map_err(|e| {
+        pyo3::exceptions::PyOSError::new_err(format!("cannot start the save thread: {e}"))
+    })?;
+    // Small watched sources are copied before the caller may touch them again.
+    py.detach(|| {
+        shared
+            .progress
+            .wait_copied_early(std::time::Duration::from_secs(u64::MAX / 4))
+    });
+    Ok(Some(thread))
 }
 
 /// Reads part files into `dest` (a writable C-contiguous buffer), verifying chunk checksums.
