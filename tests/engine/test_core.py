@@ -305,6 +305,33 @@ def test_truncated_file_is_corrupt(tmp_path: Path, backend: Backend) -> None:
     assert str(nbytes) in str(caught.value) and str(CHUNK + 1) in str(caught.value)
 
 
+class CallbackFailed(Exception):
+    """An error of the caller's own, raised inside a job's callback."""
+
+
+@pytest.mark.parametrize("callback", ["on_staged", "device_copy"])
+def test_a_callbacks_exception_reaches_the_caller_as_itself(tmp_path: Path, backend: Backend, callback: str) -> None:
+    raised = CallbackFailed(f"{callback} broke")
+
+    def fail(*args: object) -> bool:
+        raise raised
+
+    plan = _core.Plan([3 * CHUNK], chunk_bytes=CHUNK)
+    hooks: dict[str, Any] = (
+        {"watched": [True], "on_staged": fail} if callback == "on_staged" else {"device_copy": fail}
+    )
+    sources = [np.ones(3 * CHUNK, np.uint8) if callback == "on_staged" else None]
+    handle = _core.start_write(
+        plan, 0, [tmp_path / "f"], sources, _core.Pool(CHUNK, 2 * CHUNK), backend=backend, background=True, **hooks
+    )
+    with pytest.raises(CallbackFailed) as caught:
+        handle.wait()
+    assert caught.value is raised
+    with pytest.raises(CallbackFailed) as again:  # every wait() raises the same error
+        handle.wait()
+    assert again.value is raised
+
+
 def test_crc32c_matches_reference() -> None:
     assert _core.crc32c(b"") == 0
     assert _core.crc32c(b"123456789") == 0xE3069283
