@@ -10,7 +10,7 @@ mod write;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use fastpersist_core::probe::{self, BackendChoice};
+use fastpersist_core::probe::{self, BackendChoice, DirectMode};
 use fastpersist_core::{checksum, durable, plan, pool};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -163,9 +163,24 @@ fn chunk_runs(
 #[pyfunction]
 #[pyo3(signature = (choice="auto"))]
 fn select_backend(py: Python<'_>, choice: &str) -> PyResult<(&'static str, Option<String>)> {
-    let selection =
-        probe::select(BackendChoice::parse(choice).into_py_result(py)?).into_py_result(py)?;
+    let selection = selected_backend(py, choice)?;
     Ok((selection.kind.name(), selection.fallback_reason))
+}
+
+/// The backend that the `backend=` string of a bindings call selects here.
+fn selected_backend(py: Python<'_>, choice: &str) -> PyResult<probe::Selection> {
+    probe::select(BackendChoice::parse(choice).into_py_result(py)?).into_py_result(py)
+}
+
+/// What a job's `backend=` and `direct_io=` strings ask for: the selected backend and the
+/// O_DIRECT policy.
+fn io_choices(
+    py: Python<'_>,
+    backend: &str,
+    direct_io: &str,
+) -> PyResult<(probe::Selection, DirectMode)> {
+    let selection = selected_backend(py, backend)?;
+    Ok((selection, DirectMode::parse(direct_io).into_py_result(py)?))
 }
 
 /// Probes io_uring now (uncached): None if usable, else why not. `simulate_errno` is a test hook.

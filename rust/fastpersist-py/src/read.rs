@@ -3,7 +3,6 @@
 
 use std::path::PathBuf;
 
-use fastpersist_core::probe::{self, BackendChoice, DirectMode};
 use fastpersist_core::read::{ReadOptions, ReadPart, read_parts};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -48,11 +47,10 @@ pub(crate) fn read_ranges_into(
             },
         )
         .collect();
-    let selection =
-        probe::select(BackendChoice::parse(backend).into_py_result(py)?).into_py_result(py)?;
+    let (selection, direct) = crate::io_choices(py, backend, direct_io)?;
     let options = ReadOptions {
         backend: selection.kind,
-        direct: DirectMode::parse(direct_io).into_py_result(py)?,
+        direct,
         queue_depth,
         chunk_bytes,
     };

@@ -8,12 +8,10 @@ use fastpersist_core::job::{
     Guard, JobHooks, SourceRegion, WriteOptions, WriteTarget, write_parts_with,
 };
 use fastpersist_core::plan;
-use fastpersist_core::probe::{self, BackendChoice, DirectMode};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::buffers::HeldBuffer;
-use crate::errors::IntoPyResult;
 use crate::handle::{PyDeviceCopier, PyStagingObserver, Shared, WriteHandle};
 use crate::{Plan, Pool};
 
@@ -54,11 +52,10 @@ pub(crate) fn start_write(
     device_copy: Option<Py<PyAny>>,
 ) -> PyResult<WriteHandle> {
     let guard = guard_from(watched, on_staged, copy_max_extent_bytes, copy_budget_bytes)?;
-    let selection =
-        probe::select(BackendChoice::parse(backend).into_py_result(py)?).into_py_result(py)?;
+    let (selection, direct) = crate::io_choices(py, backend, direct_io)?;
     let options = WriteOptions {
         backend: selection.kind,
-        direct: DirectMode::parse(direct_io).into_py_result(py)?,
+        direct,
         queue_depth,
         checksum,
         durable,
