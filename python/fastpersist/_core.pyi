@@ -5,7 +5,8 @@ Hand-written; checked against the compiled module by
 
 Every function that touches a file or a large buffer releases the GIL while it works.
 Operating-system failures raise real ``OSError`` subclasses with ``errno`` and ``filename`` set;
-engine failures raise the classes of :mod:`fastpersist.errors`.
+engine failures raise the classes of :mod:`fastpersist.errors`, and an exception that a callback
+(``on_staged``, ``device_copy``) raised inside a job is raised again as itself.
 """
 
 import os
@@ -24,12 +25,15 @@ __all__ = [
     "Pool",
     "WriteHandle",
     "__version__",
+    "check_chunk_bytes",
+    "chunk_count",
+    "chunk_runs",
+    "chunk_spans",
     "crc32c",
     "direct_io_supported",
     "fsync_dir",
     "fsync_path",
     "probe_uring",
-    "read_into",
     "replace_atomically",
     "select_backend",
     "start_write",
@@ -208,8 +212,9 @@ def read_ranges_into(
     """Reads ranges of part files into ``dest``, verifying each chunk's crc32c.
 
     ``ranges`` holds ``(path, file_len_bytes, file_offset_bytes, len_bytes, dest_offset_bytes,
-    chunk_crc32c)``: a range starts at a chunk boundary of its file and ``chunk_crc32c`` lists
-    its chunks' checksums (empty: unchecked). Returns the bytes read; ``bytes`` and ``crc32c_s``
+    chunk_crc32c)``: a range starts at a chunk boundary of its file (a whole file of ``n`` bytes
+    is ``(path, n, 0, n, dest_offset_bytes, crcs)``) and ``chunk_crc32c`` lists its chunks'
+    checksums (empty: unchecked). Returns the bytes read; ``bytes`` and ``crc32c_s``
     (time spent verifying checksums) are added to a ``stats`` dict, so one dict can total reads.
     """
 
@@ -226,22 +231,25 @@ class PagedBuffer:
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
 
-def read_into(
-    parts: Sequence[tuple[_StrPath, int, int, Sequence[int]]],
-    dest: _Buffer,
-    *,
-    chunk_bytes: int,
-    backend: _BackendChoice = "auto",
-    direct_io: _DirectIO = "auto",
-    queue_depth: int = 8,
-    stats: dict[str, float] | None = None,
-) -> int:
-    """Reads part files into the writable buffer ``dest``, verifying chunk checksums; returns bytes read.
+def check_chunk_bytes(chunk_bytes: int) -> None:
+    """Raises ``ValueError`` unless ``chunk_bytes`` is a chunk size the engine writes and reads:
+    a positive multiple of :data:`DIRECT_ALIGN_BYTES` up to :data:`MAX_CHUNK_BYTES`."""
 
-    ``parts`` holds ``(path, len_bytes, dest_offset_bytes, chunk_crc32c)``; an empty checksum
-    list skips verification. ``bytes`` and ``crc32c_s`` (time spent verifying
-    checksums) are added to a ``stats`` dict, so one dict can total several reads.
+def chunk_count(len_bytes: int, chunk_bytes: int) -> int:
+    """Number of chunks of ``chunk_bytes`` that a range of ``len_bytes`` is cut into."""
+
+def chunk_spans(len_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``(offset_bytes, len_bytes)`` of each chunk of a range of ``len_bytes``, from its start;
+    every chunk is ``chunk_bytes`` long but the last.
+
+    >>> chunk_spans(10000, 4096)
+    [(0, 4096), (4096, 4096), (8192, 1808)]
     """
+
+def chunk_runs(start_bytes: int, end_bytes: int, chunk_bytes: int, count: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of ``count`` near-equal runs of whole chunks cutting bytes
+    ``[start_bytes, end_bytes)`` (``start_bytes`` chunk-aligned), as the plan shares chunks
+    among writers; a run is empty when there are fewer chunks than runs."""
 
 def select_backend(choice: _BackendChoice = "auto") -> tuple[_BackendName, str | None]:
     """``(backend, fallback_reason)`` that ``choice`` resolves to here (honours ``FASTPERSIST_BACKEND``)."""

@@ -55,6 +55,12 @@ def backend(request: pytest.FixtureRequest) -> Backend:
 # --- helpers -------------------------------------------------------------------------------
 
 
+def read_whole(parts: Sequence[ReadPart], dest: Any, **options: Any) -> int:
+    """Reads whole files, given as ``(path, len_bytes, dest_offset_bytes, chunk_crc32c)``."""
+    ranges = [(path, n, 0, n, offset, crcs) for path, n, offset, crcs in parts]
+    return _core.read_ranges_into(ranges, dest, **options)
+
+
 def round_up(value: int, align: int = ALIGN) -> int:
     return (value + align - 1) // align * align
 
@@ -94,7 +100,7 @@ def write_all(
     pool: _core.Pool,
     **options: Any,
 ) -> tuple[list[ReadPart], list[_core.WriteReport]]:
-    """Writes every writer's parts (writer by writer); returns read_into parts and the reports."""
+    """Writes every writer's parts (writer by writer); returns read_whole parts and the reports."""
     writer_count = max((w for w, _, _, _ in plan.parts), default=0) + 1
     read_parts: list[ReadPart] = []
     reports = []
@@ -172,6 +178,31 @@ def test_plan_layout_and_validation() -> None:
         _core.Plan([-1])
 
 
+def test_the_chunk_rule_comes_from_the_core() -> None:
+    """The plan, the reads, the manifest check and the group load all use these helpers."""
+    for bad in (0, 1000, ALIGN + 512, _core.MAX_CHUNK_BYTES + ALIGN):
+        with pytest.raises(ValueError, match=rf"chunk_bytes \({bad}\) must be a positive multiple of {ALIGN}"):
+            _core.check_chunk_bytes(bad)
+        with pytest.raises(ValueError, match="chunk_bytes"):
+            _core.chunk_count(10, bad)
+    _core.check_chunk_bytes(_core.MAX_CHUNK_BYTES)
+    assert _core.chunk_count(0, ALIGN) == 0
+    assert _core.chunk_count(2 * ALIGN + 1, ALIGN) == 3
+    assert _core.chunk_spans(2 * ALIGN + 1, ALIGN) == [(0, ALIGN), (ALIGN, ALIGN), (2 * ALIGN, 1)]
+    assert _core.chunk_spans(0, ALIGN) == []
+    # Writers share whole chunks exactly as chunk_runs cuts the stream.
+    total = 10 * CHUNK + 5
+    plan = _core.Plan([total], writer_count=3, stripe_count=1, chunk_bytes=CHUNK)
+    runs = _core.chunk_runs(0, total, CHUNK, 3)
+    assert [(offset, offset + length) for _, _, offset, length in plan.parts] == runs
+    assert runs == [(0, 3 * CHUNK), (3 * CHUNK, 7 * CHUNK), (7 * CHUNK, total)]  # 11 chunks: 3, 4, 4
+    assert _core.chunk_runs(CHUNK, 2 * CHUNK, CHUNK, 3) == [(CHUNK, CHUNK), (CHUNK, CHUNK), (CHUNK, 2 * CHUNK)]
+    with pytest.raises(ValueError, match="chunk-aligned start_bytes"):
+        _core.chunk_runs(1, 2 * CHUNK, CHUNK, 2)
+    with pytest.raises(ValueError, match="count >= 1"):
+        _core.chunk_runs(0, CHUNK, CHUNK, 0)
+
+
 def test_pool_is_bounded_and_lazy() -> None:
     pool = _core.Pool(5000, 100_000)
     assert pool.slot_bytes == 8192  # rounded up to the O_DIRECT alignment
@@ -227,11 +258,11 @@ def test_write_read_round_trip(
 
     dest = read_dest(plan.total_bytes)
     stats: dict[str, float] = {}
-    got = _core.read_into(parts, dest, chunk_bytes=CHUNK, backend=backend, direct_io=direct_io, stats=stats)
+    got = read_whole(parts, dest, chunk_bytes=CHUNK, backend=backend, direct_io=direct_io, stats=stats)
     assert got == plan.total_bytes
     np.testing.assert_array_equal(dest[: plan.total_bytes], expected_stream(plan, extents))
     # The engine adds to the dict it is given, so one dict totals several reads.
-    _core.read_into(parts, dest, chunk_bytes=CHUNK, backend=backend, direct_io=direct_io, stats=stats)
+    read_whole(parts, dest, chunk_bytes=CHUNK, backend=backend, direct_io=direct_io, stats=stats)
     assert stats["bytes"] == 2 * plan.total_bytes and stats["crc32c_s"] >= 0, stats
 
 
@@ -264,9 +295,9 @@ def test_bad_arguments_raise_value_error(tmp_path: Path) -> None:
         _core.start_write(plan, 0, [tmp_path / "f"], [data], pool, direct_io="yes")  # type: ignore[arg-type]
     _core.start_write(plan, 0, [tmp_path / "f"], [data], pool).wait()
     with pytest.raises(ValueError, match="writable"):
-        _core.read_into([(tmp_path / "f", 8192, 0, [])], bytes(8192), chunk_bytes=4096)
+        read_whole([(tmp_path / "f", 8192, 0, [])], bytes(8192), chunk_bytes=4096)
     with pytest.raises(ValueError, match="do not fit"):
-        _core.read_into([(tmp_path / "f", 8192, 0, [])], bytearray(100), chunk_bytes=4096)
+        read_whole([(tmp_path / "f", 8192, 0, [])], bytearray(100), chunk_bytes=4096)
 
 
 # --- checksums -----------------------------------------------------------------------------
@@ -283,14 +314,14 @@ def test_flipped_byte_raises_checksum_mismatch(tmp_path: Path, backend: Backend)
         f.seek(position)
         f.write(bytes([old[0] ^ 0x01]))
     with pytest.raises(fastpersist.ChecksumMismatchError) as caught:
-        _core.read_into(parts, read_dest(nbytes), chunk_bytes=CHUNK, backend=backend)
+        read_whole(parts, read_dest(nbytes), chunk_bytes=CHUNK, backend=backend)
     assert isinstance(caught.value, fastpersist.CorruptCheckpointError)
     message = str(caught.value)
     assert path in message
     assert f"[{3 * CHUNK}, {4 * CHUNK})" in message
     # Without recorded checksums the same read succeeds (verification is opt-in per part).
     unchecked: list[ReadPart] = [(p, n, o, []) for p, n, o, _ in parts]
-    assert _core.read_into(unchecked, read_dest(nbytes), chunk_bytes=CHUNK, backend=backend) == nbytes
+    assert read_whole(unchecked, read_dest(nbytes), chunk_bytes=CHUNK, backend=backend) == nbytes
 
 
 def test_truncated_file_is_corrupt(tmp_path: Path, backend: Backend) -> None:
@@ -299,10 +330,35 @@ def test_truncated_file_is_corrupt(tmp_path: Path, backend: Backend) -> None:
     path = parts[0][0]
     os.truncate(path, CHUNK + 1)
     with pytest.raises(fastpersist.CorruptCheckpointError) as caught:
-        _core.read_into(parts, read_dest(nbytes), chunk_bytes=CHUNK, backend=backend)
+        read_whole(parts, read_dest(nbytes), chunk_bytes=CHUNK, backend=backend)
     assert not isinstance(caught.value, fastpersist.ChecksumMismatchError)
     assert path in str(caught.value)
     assert str(nbytes) in str(caught.value) and str(CHUNK + 1) in str(caught.value)
+
+
+class CallbackFailed(Exception):
+    """An error of the caller's own, raised inside a job's callback."""
+
+
+@pytest.mark.parametrize("callback", ["on_staged", "device_copy"])
+def test_a_callbacks_exception_reaches_the_caller_as_itself(tmp_path: Path, backend: Backend, callback: str) -> None:
+    raised = CallbackFailed(f"{callback} broke")
+
+    def fail(*args: object) -> bool:
+        raise raised
+
+    plan = _core.Plan([3 * CHUNK], chunk_bytes=CHUNK)
+    hooks: dict[str, Any] = {"watched": [True], "on_staged": fail} if callback == "on_staged" else {"device_copy": fail}
+    sources = [np.ones(3 * CHUNK, np.uint8) if callback == "on_staged" else None]
+    handle = _core.start_write(
+        plan, 0, [tmp_path / "f"], sources, _core.Pool(CHUNK, 2 * CHUNK), backend=backend, background=True, **hooks
+    )
+    with pytest.raises(CallbackFailed) as caught:
+        handle.wait()
+    assert caught.value is raised
+    with pytest.raises(CallbackFailed) as again:  # every wait() raises the same error
+        handle.wait()
+    assert again.value is raised
 
 
 def test_crc32c_matches_reference() -> None:
@@ -385,7 +441,7 @@ def test_gil_released_during_blocking_write_and_read(tmp_path: Path, backend: Ba
         assert os.path.getsize(path) == nbytes
 
         dest = read_dest(nbytes)
-        read = lambda: _core.read_into([(path, nbytes, 0, [])], dest, chunk_bytes=8 * MIB, backend=backend)  # noqa: E731
+        read = lambda: read_whole([(path, nbytes, 0, [])], dest, chunk_bytes=8 * MIB, backend=backend)  # noqa: E731
         share, increments, seconds = counter_share(read)
         assert increments > 1000 and share > 0.25, (share, increments, seconds)
         assert dest[0] == 7 and dest[nbytes - 1] == 7
@@ -458,7 +514,7 @@ def test_snapshot_pool_releases_sources_before_the_disk_is_done(slow_path: Path,
     assert report["staged_seconds"] < 0.5 * report["seconds"], report
     assert pool.allocated_bytes > 3 * CHUNK  # staged ahead of the two writes in flight
     dest = read_dest(nbytes)
-    _core.read_into([(slow_path, nbytes, 0, report["parts"][0]["chunk_crc32c"])], dest, chunk_bytes=CHUNK)
+    read_whole([(slow_path, nbytes, 0, report["parts"][0]["chunk_crc32c"])], dest, chunk_bytes=CHUNK)
     np.testing.assert_array_equal(dest[:nbytes], data)
 
 
@@ -494,7 +550,7 @@ def test_missing_directory_is_file_not_found(tmp_path: Path, backend: Backend, d
     assert caught.value.errno == errno.ENOENT
     assert caught.value.filename is not None and caught.value.filename.startswith(str(missing))
     with pytest.raises(FileNotFoundError) as read_caught:
-        _core.read_into([(missing / "f.bin", 10, 0, [])], bytearray(10), chunk_bytes=4096, backend=backend)
+        read_whole([(missing / "f.bin", 10, 0, [])], bytearray(10), chunk_bytes=4096, backend=backend)
     assert read_caught.value.filename == str(missing / "f.bin")
 
 
@@ -514,10 +570,10 @@ def test_direct_io_require_where_refused(tmp_path: Path, backend: Backend) -> No
         data, parts, report = one_file(mem, 10_000, backend, direct_io="auto")
         assert [p["direct"] for p in report["parts"]] == [False]
         dest = read_dest(10_000)
-        _core.read_into(parts, dest, chunk_bytes=CHUNK, backend=backend)
+        read_whole(parts, dest, chunk_bytes=CHUNK, backend=backend)
         np.testing.assert_array_equal(dest[:10_000], data)
         with pytest.raises(fastpersist.BackendUnavailableError):
-            _core.read_into(parts, dest, chunk_bytes=CHUNK, backend=backend, direct_io="require")
+            read_whole(parts, dest, chunk_bytes=CHUNK, backend=backend, direct_io="require")
 
 
 def test_full_disk_is_enospc(tmp_path: Path, backend: Backend) -> None:

@@ -46,7 +46,6 @@ def no_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("data was read before the device was checked")
 
-    monkeypatch.setattr(reading._core, "read_into", refuse)
     monkeypatch.setattr(reading._core, "read_ranges_into", refuse)
 
 

@@ -74,15 +74,15 @@ def _replace_before_reading(monkeypatch: pytest.MonkeyPatch, path: str, config: 
     """Makes the next read of data replace the checkpoint at `path` first (a save, which deletes
     the old tree); returns the list of replacements done."""
     done: list[int] = []
-    read_into = reading._core.read_into
+    read_ranges_into = reading._core.read_ranges_into
 
     def replace_then_read(*args: Any, **kwargs: Any) -> Any:
         if not done:
             fp.save(stepped_state(2), path, config=config)
             done.append(1)
-        return read_into(*args, **kwargs)
+        return read_ranges_into(*args, **kwargs)
 
-    monkeypatch.setattr(reading._core, "read_into", replace_then_read)
+    monkeypatch.setattr(reading._core, "read_ranges_into", replace_then_read)
     return done
 
 

@@ -13,7 +13,6 @@ import datetime
 import errno
 import hashlib
 import json
-import math
 import os
 import re
 import stat
@@ -259,12 +258,11 @@ def parse(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
             f"{where}: format {version[0]}.{version[1]} manifests end with a {SEAL_FIELD} seal and this one has "
             "none (damaged or truncated)"
         )
-    align, max_chunk = _core.DIRECT_ALIGN_BYTES, _core.MAX_CHUNK_BYTES
-    chunk_bytes = _int(doc, "chunk_bytes", where, minimum=align)
-    if chunk_bytes % align or chunk_bytes > max_chunk:
-        raise CorruptCheckpointError(
-            f"{where}: chunk_bytes {chunk_bytes} is not a multiple of {align} up to {max_chunk}"
-        )
+    chunk_bytes = _int(doc, "chunk_bytes", where, minimum=_core.DIRECT_ALIGN_BYTES)
+    try:
+        _core.check_chunk_bytes(chunk_bytes)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{where}: {e}") from None
     total_bytes = _int(doc, "total_bytes", where)
     checksum = doc.get("checksum")
     if checksum not in ("crc32c", "off"):
@@ -341,11 +339,9 @@ def _parse_files(
         crcs = item.get("chunk_crc32c")
         if not isinstance(crcs, list) or not all(type(c) is int and 0 <= c < 1 << 32 for c in crcs):
             raise CorruptCheckpointError(f"{at}: chunk_crc32c must be a list of 32-bit integers")
-        expected = math.ceil(length / chunk_bytes) if checksum == "crc32c" else 0
-        if len(crcs) != expected:
-            raise CorruptCheckpointError(
-                f"{at} ({shown(name)}): {len(crcs)} chunk checksums for {math.ceil(length / chunk_bytes)} chunks"
-            )
+        chunks = _core.chunk_count(length, chunk_bytes)
+        if len(crcs) != (chunks if checksum == "crc32c" else 0):
+            raise CorruptCheckpointError(f"{at} ({shown(name)}): {len(crcs)} chunk checksums for {chunks} chunks")
         if offset % chunk_bytes:
             raise CorruptCheckpointError(f"{at} ({shown(name)}): stream offset {offset} is not chunk-aligned")
         files.append(FileEntry(name, stripe, writer, offset, length, crcs))

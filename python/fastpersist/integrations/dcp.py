@@ -296,8 +296,8 @@ class FastPersistReader(StorageReader):
         crcs = list(first.chunk_crc32c or ()) if first else []
         path = os.path.join(self.path, name)
         try:
-            _core.read_into(
-                [(path, any_item.file_bytes, 0, crcs)],
+            _core.read_ranges_into(
+                [(path, any_item.file_bytes, 0, any_item.file_bytes, 0, crcs)],
                 buf.numpy(),
                 chunk_bytes=any_item.chunk_bytes,
                 backend=self.config.backend,

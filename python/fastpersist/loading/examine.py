@@ -124,9 +124,8 @@ def _verify_file(root: str, m: Manifest, f: FileEntry, progress: Callable[[int],
             raise CorruptCheckpointError(
                 f"{shown(file_path, 300)} has the wrong size (truncated?): expected {f.len_bytes} bytes, found {size}"
             )
-        for i, expected in enumerate(f.chunk_crc32c):
-            offset = i * m.chunk_bytes
-            length = min(m.chunk_bytes, f.len_bytes - offset)
+        spans = _core.chunk_spans(f.len_bytes, m.chunk_bytes) if f.chunk_crc32c else []  # checksums off
+        for (offset, length), expected in zip(spans, f.chunk_crc32c, strict=True):
             data = os.pread(fd, length, offset)
             found = _core.crc32c(data)
             if found != expected:

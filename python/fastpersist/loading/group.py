@@ -63,12 +63,7 @@ class GroupLoadError(FastPersistError):
 def read_shares(total_bytes: int, chunk_bytes: int, rank_count: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` of the stream that each of `rank_count` ranks reads: near-equal runs of whole
     chunks (a rank gets an empty run when there are fewer chunks than ranks)."""
-    chunks = -(-total_bytes // chunk_bytes)
-
-    def at(rank: int) -> int:
-        return min(chunks * rank // rank_count * chunk_bytes, total_bytes)
-
-    return [(at(r), at(r + 1)) for r in range(rank_count)]
+    return _core.chunk_runs(0, total_bytes, chunk_bytes, rank_count)
 
 
 def read_pieces(lo: int, hi: int, chunk_bytes: int, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:

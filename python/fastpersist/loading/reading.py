@@ -90,14 +90,15 @@ def read_stream(
     """Reads the whole logical stream (O_DIRECT, checksums checked) into page-aligned memory;
     the engine adds its measures (``bytes``, ``crc32c_s``) to `stats`."""
     stream = _core.PagedBuffer(direct_padded(m.total_bytes))
-    parts = [
-        (m.file_path(root, f), f.len_bytes, f.stream_offset_bytes, f.chunk_crc32c if verify else []) for f in m.files
+    ranges = [
+        (m.file_path(root, f), f.len_bytes, 0, f.len_bytes, f.stream_offset_bytes, f.chunk_crc32c if verify else [])
+        for f in m.files
     ]
     _mapping_errors(
         root,
         m,
-        lambda: _core.read_into(
-            parts,
+        lambda: _core.read_ranges_into(
+            ranges,
             stream,
             chunk_bytes=m.chunk_bytes,
             backend=config.backend,
@@ -141,7 +142,7 @@ def stream_windows(m: Manifest, window_bytes: int = WINDOW_BYTES) -> Iterator[tu
     def window() -> tuple[int, int, list[int]]:
         end = m.blobs[group[-1]][0] + m.blobs[group[-1]][1]
         lo = start // chunk * chunk
-        return lo, min(-(-end // chunk) * chunk, m.total_bytes), group
+        return lo, min(_core.chunk_count(end, chunk) * chunk, m.total_bytes), group
 
     for index, (offset, nbytes) in enumerate(m.blobs):
         if group and offset + nbytes - start > window_bytes:
@@ -173,8 +174,8 @@ def read_window(
         a, b = max(lo, start), min(hi, end)
         if a >= b:
             continue
-        first, stop = (a - start) // chunk, -(-(b - start) // chunk)
-        crcs = f.chunk_crc32c[first:stop] if verify else []
+        first = (a - start) // chunk
+        crcs = f.chunk_crc32c[first : first + _core.chunk_count(b - a, chunk)] if verify else []
         ranges.append((m.file_path(root, f), f.len_bytes, a - start, b - a, a - lo, crcs))
     _mapping_errors(
         root,

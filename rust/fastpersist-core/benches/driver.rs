@@ -67,7 +67,7 @@ impl<'a> OpSource<'a> for Cycle<'a> {
             len_bytes: self.op_bytes,
             min_bytes: self.op_bytes,
             done_bytes: 0,
-            tag: 0,
+            chunk_index: 0,
         }))
     }
 

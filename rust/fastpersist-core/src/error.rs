@@ -55,6 +55,14 @@ pub enum Error {
         /// The OS error (errno is kept).
         source: io::Error,
     },
+    /// A participant the caller plugged into a job (a staging observer, a device copier)
+    /// failed with an error of its own, kept whole so that the caller gets it back as it was.
+    Hook {
+        /// What the job was doing when the participant failed.
+        what: String,
+        /// The participant's own error.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// An invariant of the engine itself was broken: a bug, not bad input.
     Internal(String),
 }
@@ -108,6 +116,7 @@ impl fmt::Display for Error {
             | Error::InvalidArgument(msg)
             | Error::Cancelled(msg) => f.write_str(msg),
             Error::Sys { op, source } => write!(f, "{op} failed: {source}"),
+            Error::Hook { what, source } => write!(f, "{what}: {source}"),
             Error::Internal(msg) => write!(
                 f,
                 "fastpersist internal error (a bug; please report it): {msg}"
@@ -120,6 +129,7 @@ impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Error::Io { source, .. } | Error::Sys { source, .. } => Some(source),
+            Error::Hook { source, .. } => Some(source.as_ref()),
             _ => None,
         }
     }

@@ -1,7 +1,8 @@
 //! fastpersist-core: the Python-free engine behind `fastpersist`.
 //!
 //! * [`plan`] lays tensors into one logical byte stream and cuts it into aligned parts and chunks.
-//! * [`pool`] owns the page-aligned staging memory (the only allocator `unsafe` is in [`align`]).
+//! * [`pool`] owns the page-aligned staging memory (its allocator `unsafe` is in [`align`]);
+//!   [`pages`] maps the memory a load reads into and returns it to the OS piece by piece.
 //! * [`backend`] moves chunks between memory and files: io_uring, or a thread pool of
 //!   `pwrite`/`pread` where io_uring is blocked.
 //! * [`job`] stages source bytes into the pool (checksumming while the bytes are hot) and drives
@@ -17,6 +18,7 @@ pub mod checksum;
 pub mod durable;
 pub mod error;
 pub mod job;
+pub mod pages;
 pub mod plan;
 pub mod pool;
 pub mod probe;

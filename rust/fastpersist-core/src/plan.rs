@@ -7,6 +7,11 @@
 //! holding a contiguous range of the stream, written from file offset 0 in chunk-sized aligned
 //! writes; only the final chunk of a part may be short (it is padded for O_DIRECT and the file
 //! is truncated to the logical length afterwards).
+//!
+//! The chunk rule lives here once: [`check_chunk_bytes`] (what a chunk size may be),
+//! [`chunk_count`] and [`chunk_spans`] (how a range is cut into chunks, for writes and reads
+//! alike) and [`chunk_runs`] (how whole chunks are shared out). The bindings export them, so
+//! the Python side derives nothing itself.
 
 use crate::DIRECT_ALIGN_BYTES;
 use crate::align::round_up_u64;
@@ -45,21 +50,69 @@ pub struct Chunk {
 impl Part {
     /// Chunks of this part, in file order.
     pub fn chunks(&self, chunk_bytes: u64) -> impl Iterator<Item = Chunk> + '_ {
-        let count = self.len_bytes.div_ceil(chunk_bytes);
-        (0..count).map(move |i| {
-            let file_offset_bytes = i * chunk_bytes;
-            Chunk {
-                file_offset_bytes,
-                stream_offset_bytes: self.stream_offset_bytes + file_offset_bytes,
-                len_bytes: chunk_bytes.min(self.len_bytes - file_offset_bytes),
-            }
+        chunk_spans(self.len_bytes, chunk_bytes).map(move |span| Chunk {
+            file_offset_bytes: span.offset_bytes,
+            stream_offset_bytes: self.stream_offset_bytes + span.offset_bytes,
+            len_bytes: span.len_bytes,
         })
     }
+}
 
-    /// Number of chunks.
-    pub fn chunk_count(&self, chunk_bytes: u64) -> u64 {
-        self.len_bytes.div_ceil(chunk_bytes)
+/// One chunk of a range, relative to the range's first byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkSpan {
+    /// Offset from the start of the range (a multiple of the chunk size).
+    pub offset_bytes: u64,
+    /// Bytes of the chunk (only the last chunk of a range may be shorter).
+    pub len_bytes: u64,
+}
+
+/// Checks that `chunk_bytes` is a chunk size the engine can write and read: a positive
+/// multiple of [`DIRECT_ALIGN_BYTES`] up to [`MAX_CHUNK_BYTES`].
+pub fn check_chunk_bytes(chunk_bytes: u64) -> Result<()> {
+    if chunk_bytes == 0
+        || !chunk_bytes.is_multiple_of(DIRECT_ALIGN_BYTES as u64)
+        || chunk_bytes > MAX_CHUNK_BYTES
+    {
+        return Err(Error::InvalidArgument(format!(
+            "chunk_bytes ({chunk_bytes}) must be a positive multiple of {DIRECT_ALIGN_BYTES} up to {MAX_CHUNK_BYTES}"
+        )));
     }
+    Ok(())
+}
+
+/// Number of chunks of `chunk_bytes` that a range of `len_bytes` is cut into.
+pub fn chunk_count(len_bytes: u64, chunk_bytes: u64) -> u64 {
+    len_bytes.div_ceil(chunk_bytes)
+}
+
+/// The chunks of a range of `len_bytes`, in order: every one `chunk_bytes` long but the last.
+pub fn chunk_spans(len_bytes: u64, chunk_bytes: u64) -> impl Iterator<Item = ChunkSpan> {
+    (0..chunk_count(len_bytes, chunk_bytes)).map(move |i| {
+        let offset_bytes = i * chunk_bytes;
+        ChunkSpan {
+            offset_bytes,
+            len_bytes: chunk_bytes.min(len_bytes - offset_bytes),
+        }
+    })
+}
+
+/// Bytes `[start_bytes, end_bytes)` (`start_bytes` chunk-aligned) cut into `count` near-equal
+/// runs of whole chunks, `[start, end)` each, in order; a run is empty when there are fewer
+/// chunks than runs. Writers, their stripes and the ranks of a group load share chunks so.
+pub fn chunk_runs(
+    start_bytes: u64,
+    end_bytes: u64,
+    chunk_bytes: u64,
+    count: usize,
+) -> impl Iterator<Item = (u64, u64)> {
+    let len_bytes = end_bytes - start_bytes;
+    let chunks = u128::from(chunk_count(len_bytes, chunk_bytes));
+    let at = move |i: usize| {
+        let first_chunk = (chunks * i as u128 / count as u128) as u64;
+        start_bytes + (first_chunk * chunk_bytes).min(len_bytes)
+    };
+    (0..count).map(move |i| (at(i), at(i + 1)))
 }
 
 /// The layout of one checkpoint.
@@ -91,14 +144,7 @@ impl Plan {
                 "writer_count ({writer_count}) and stripe_count ({stripe_count}) must be at least 1"
             )));
         }
-        if chunk_bytes == 0
-            || !chunk_bytes.is_multiple_of(DIRECT_ALIGN_BYTES as u64)
-            || chunk_bytes > MAX_CHUNK_BYTES
-        {
-            return Err(Error::InvalidArgument(format!(
-                "chunk_bytes ({chunk_bytes}) must be a positive multiple of {DIRECT_ALIGN_BYTES} up to {MAX_CHUNK_BYTES}"
-            )));
-        }
+        check_chunk_bytes(chunk_bytes)?;
         let mut extent_offsets = Vec::with_capacity(extent_bytes.len());
         let mut cursor = 0u64;
         for &len in extent_bytes {
@@ -113,24 +159,21 @@ impl Plan {
             cursor = start.checked_add(len).ok_or_else(overflow)?;
         }
         let total_bytes = cursor;
-        let chunk_total = total_bytes.div_ceil(chunk_bytes);
-        let chunk_to_byte = |chunk: u64| (chunk * chunk_bytes).min(total_bytes);
         let mut parts = Vec::new();
-        for writer in 0..writer_count {
-            let (w_first, w_end) = split(chunk_total, writer_count, writer);
-            for stripe in 0..stripe_count {
-                let (s_first, s_end) = split(w_end - w_first, stripe_count, stripe);
-                let (first, end) = (w_first + s_first, w_first + s_end);
-                if first == end {
-                    continue;
+        for (writer, (w_start, w_end)) in
+            chunk_runs(0, total_bytes, chunk_bytes, writer_count).enumerate()
+        {
+            for (stripe, (start, end)) in
+                chunk_runs(w_start, w_end, chunk_bytes, stripe_count).enumerate()
+            {
+                if start < end {
+                    parts.push(Part {
+                        writer,
+                        stripe,
+                        stream_offset_bytes: start,
+                        len_bytes: end - start,
+                    });
                 }
-                let start = chunk_to_byte(first);
-                parts.push(Part {
-                    writer,
-                    stripe,
-                    stream_offset_bytes: start,
-                    len_bytes: chunk_to_byte(end) - start,
-                });
             }
         }
         Ok(Plan {
@@ -146,13 +189,6 @@ impl Plan {
     pub fn parts_of_writer(&self, writer: usize) -> impl Iterator<Item = &Part> {
         self.parts.iter().filter(move |p| p.writer == writer)
     }
-}
-
-/// The `index`-th of `count` near-equal runs of `0..total`: `[start, end)`.
-fn split(total: u64, count: usize, index: usize) -> (u64, u64) {
-    let (count, index) = (count as u128, index as u128);
-    let at = |i: u128| ((total as u128 * i) / count) as u64;
-    (at(index), at(index + 1))
 }
 
 #[cfg(test)]
@@ -198,7 +234,53 @@ mod tests {
         assert!(Plan::new(&[u64::MAX, 1], 1, 1, CHUNK).is_err());
     }
 
+    #[test]
+    fn chunk_sizes_are_checked_in_one_place() {
+        assert!(check_chunk_bytes(4096).is_ok());
+        assert!(check_chunk_bytes(MAX_CHUNK_BYTES).is_ok());
+        for bad in [0, 1000, 4096 + 512, MAX_CHUNK_BYTES + 4096] {
+            let message = check_chunk_bytes(bad).unwrap_err().to_string();
+            assert!(
+                message.contains(&format!("chunk_bytes ({bad})")),
+                "{message}"
+            );
+        }
+    }
+
+    #[test]
+    fn spans_cut_a_range_into_whole_chunks_and_a_short_tail() {
+        let spans: Vec<_> = chunk_spans(10_000, 4096)
+            .map(|s| (s.offset_bytes, s.len_bytes))
+            .collect();
+        assert_eq!(spans, vec![(0, 4096), (4096, 4096), (8192, 1808)]);
+        assert_eq!(chunk_count(10_000, 4096), 3);
+        assert_eq!(chunk_spans(0, 4096).count(), 0);
+    }
+
     proptest! {
+        #[test]
+        fn runs_share_whole_chunks_contiguously_and_evenly(
+            first_chunk in 0u64..50,
+            len_bytes in 0u64..200_000,
+            count in 1usize..9,
+        ) {
+            let start = first_chunk * CHUNK;
+            let end = start + len_bytes;
+            let runs: Vec<_> = chunk_runs(start, end, CHUNK, count).collect();
+            prop_assert_eq!(runs.len(), count);
+            prop_assert_eq!(runs[0].0, start);
+            prop_assert_eq!(runs[count - 1].1, end);
+            for pair in runs.windows(2) {
+                prop_assert_eq!(pair[0].1, pair[1].0);
+            }
+            let sizes: Vec<u64> = runs.iter().map(|(a, b)| chunk_count(b - a, CHUNK)).collect();
+            prop_assert_eq!(sizes.iter().sum::<u64>(), chunk_count(len_bytes, CHUNK));
+            prop_assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1);
+            for (a, b) in &runs {
+                prop_assert!(*a % CHUNK == 0 && (*b % CHUNK == 0 || *b == end));
+            }
+        }
+
         #[test]
         fn covers_every_byte_once_aligned_and_balanced(
             extents in proptest::collection::vec(0u64..100_000, 0..40),
@@ -229,7 +311,7 @@ mod tests {
             }
             // Writers get within one chunk of each other.
             let per_writer: Vec<u64> = (0..writers)
-                .map(|w| plan.parts_of_writer(w).map(|p| p.chunk_count(chunk)).sum())
+                .map(|w| plan.parts_of_writer(w).map(|p| chunk_count(p.len_bytes, chunk)).sum())
                 .collect();
             let (lo, hi) = (per_writer.iter().min().unwrap(), per_writer.iter().max().unwrap());
             prop_assert!(hi - lo <= 1);

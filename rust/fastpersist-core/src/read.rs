@@ -9,10 +9,12 @@ use std::sync::{Arc, mpsc};
 use std::time::Instant;
 
 use crate::DIRECT_ALIGN_BYTES;
-use crate::align::{populate_write, round_up};
+use crate::align::round_up;
 use crate::backend::{self, Direction, IoBuf, IoOp, Next, OpSource, OpenFile};
 use crate::checksum::crc32c;
 use crate::error::{Error, Result};
+use crate::pages::populate_write;
+use crate::plan::{check_chunk_bytes, chunk_count, chunk_spans};
 use crate::probe::{BackendKind, DirectMode};
 
 /// One range of a file to read into the destination (usually the whole file).
@@ -85,87 +87,108 @@ struct ReadChunk {
 
 /// Reads every part into `dest`. Parts must not overlap in `dest` and must fit in it.
 pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) -> Result<ReadStats> {
-    let chunk_bytes = options.chunk_bytes;
-    if chunk_bytes == 0
-        || !chunk_bytes.is_multiple_of(DIRECT_ALIGN_BYTES as u64)
-        || chunk_bytes > crate::plan::MAX_CHUNK_BYTES
-    {
-        return Err(Error::InvalidArgument(format!(
-            "chunk_bytes ({chunk_bytes}) must be a positive multiple of {DIRECT_ALIGN_BYTES} up to {}",
-            crate::plan::MAX_CHUNK_BYTES
-        )));
-    }
+    check_chunk_bytes(options.chunk_bytes)?;
     let dest_len = dest.len() as u64;
     let dest_aligned = (dest.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN_BYTES);
     let mut files = Vec::with_capacity(parts.len());
     let mut chunks = Vec::new();
     for (index, part) in parts.iter().enumerate() {
-        let end = part.dest_offset_bytes.checked_add(part.len_bytes);
-        if end.is_none_or(|e| e > dest_len) {
-            return Err(Error::InvalidArgument(format!(
-                "{}: {} bytes at destination offset {} do not fit in {dest_len} bytes",
-                part.path.display(),
-                part.len_bytes,
-                part.dest_offset_bytes
-            )));
-        }
-        let range_end = part.file_offset_bytes.checked_add(part.len_bytes);
-        if !part.file_offset_bytes.is_multiple_of(chunk_bytes)
-            || range_end.is_none_or(|e| e > part.file_len_bytes)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "{}: range [{}, +{}) is not chunk-aligned or runs past the file's {} bytes",
-                part.path.display(),
-                part.file_offset_bytes,
-                part.len_bytes,
-                part.file_len_bytes
-            )));
-        }
-        let chunk_count = part.len_bytes.div_ceil(chunk_bytes);
-        if !part.chunk_crc32c.is_empty() && part.chunk_crc32c.len() as u64 != chunk_count {
-            return Err(Error::InvalidArgument(format!(
-                "{}: {} checksums recorded for {chunk_count} chunks",
-                part.path.display(),
-                part.chunk_crc32c.len()
-            )));
-        }
+        check_part(part, dest_len, options.chunk_bytes)?;
         // O_DIRECT needs every destination address aligned and room for the padded tail.
         let padded_end = round_up(
             (part.dest_offset_bytes + part.len_bytes) as usize,
             DIRECT_ALIGN_BYTES,
         );
         let can_direct = dest_aligned
-            && part.dest_offset_bytes % DIRECT_ALIGN_BYTES as u64 == 0
+            && part
+                .dest_offset_bytes
+                .is_multiple_of(DIRECT_ALIGN_BYTES as u64)
             && padded_end as u64 <= dest_len;
-        let (file, use_direct) = open_for_read_as(&part.path, options.direct, can_direct)?;
-        let found = file
-            .metadata()
-            .map_err(|e| Error::io("stat", &part.path, e))?
-            .len();
-        if found != part.file_len_bytes {
-            return Err(Error::SizeMismatch {
-                path: part.path.clone(),
-                expected_bytes: part.file_len_bytes,
-                found_bytes: found,
-            });
-        }
-        files.push(OpenFile {
-            file,
-            path: part.path.clone(),
-            direct: use_direct,
-        });
-        for i in 0..chunk_count {
-            let range_offset_bytes = i * chunk_bytes;
-            chunks.push(ReadChunk {
-                file: index,
-                file_offset_bytes: part.file_offset_bytes + range_offset_bytes,
-                dest_offset_bytes: (part.dest_offset_bytes + range_offset_bytes) as usize,
-                len_bytes: chunk_bytes.min(part.len_bytes - range_offset_bytes) as usize,
-                expected_crc: part.chunk_crc32c.get(i as usize).copied(),
-            });
-        }
+        files.push(open_part(part, options.direct, can_direct)?);
+        chunks.extend(
+            chunk_spans(part.len_bytes, options.chunk_bytes)
+                .enumerate()
+                .map(|(i, span)| ReadChunk {
+                    file: index,
+                    file_offset_bytes: part.file_offset_bytes + span.offset_bytes,
+                    dest_offset_bytes: (part.dest_offset_bytes + span.offset_bytes) as usize,
+                    len_bytes: span.len_bytes as usize,
+                    expected_crc: part.chunk_crc32c.get(i).copied(),
+                }),
+        );
     }
     chunks.sort_by_key(|c| c.dest_offset_bytes);
+    let crc32c_ns = drive_reads(dest, chunks, &files, options)?;
+    Ok(ReadStats {
+        bytes: parts.iter().map(|p| p.len_bytes).sum(),
+        crc32c_ns,
+    })
+}
+
+/// Checks that `part` fits in a destination of `dest_len` bytes, is a chunk-aligned range of
+/// its file, and has one checksum per chunk (or none).
+fn check_part(part: &ReadPart, dest_len: u64, chunk_bytes: u64) -> Result<()> {
+    let end = part.dest_offset_bytes.checked_add(part.len_bytes);
+    if end.is_none_or(|e| e > dest_len) {
+        return Err(Error::InvalidArgument(format!(
+            "{}: {} bytes at destination offset {} do not fit in {dest_len} bytes",
+            part.path.display(),
+            part.len_bytes,
+            part.dest_offset_bytes
+        )));
+    }
+    let range_end = part.file_offset_bytes.checked_add(part.len_bytes);
+    if !part.file_offset_bytes.is_multiple_of(chunk_bytes)
+        || range_end.is_none_or(|e| e > part.file_len_bytes)
+    {
+        return Err(Error::InvalidArgument(format!(
+            "{}: range [{}, +{}) is not chunk-aligned or runs past the file's {} bytes",
+            part.path.display(),
+            part.file_offset_bytes,
+            part.len_bytes,
+            part.file_len_bytes
+        )));
+    }
+    let chunks = chunk_count(part.len_bytes, chunk_bytes);
+    if !part.chunk_crc32c.is_empty() && part.chunk_crc32c.len() as u64 != chunks {
+        return Err(Error::InvalidArgument(format!(
+            "{}: {} checksums recorded for {chunks} chunks",
+            part.path.display(),
+            part.chunk_crc32c.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Opens `part`'s file (with O_DIRECT where `mode` and `can_direct` allow) and checks its size.
+fn open_part(part: &ReadPart, mode: DirectMode, can_direct: bool) -> Result<OpenFile> {
+    let (file, direct) = open_for_read_as(&part.path, mode, can_direct)?;
+    let found = file
+        .metadata()
+        .map_err(|e| Error::io("stat", &part.path, e))?
+        .len();
+    if found != part.file_len_bytes {
+        return Err(Error::SizeMismatch {
+            path: part.path.clone(),
+            expected_bytes: part.file_len_bytes,
+            found_bytes: found,
+        });
+    }
+    Ok(OpenFile {
+        file,
+        path: part.path.clone(),
+        direct,
+    })
+}
+
+/// Reads `chunks` (sorted by destination offset) of `files` into `dest`, with helper threads
+/// for prefaulting and verifying when the read is large. Returns the time spent verifying.
+fn drive_reads(
+    dest: &mut [u8],
+    chunks: Vec<ReadChunk>,
+    files: &[OpenFile],
+    options: &ReadOptions,
+) -> Result<u64> {
     let dest_addr = dest.as_mut_ptr() as usize;
     // The first `queue_depth` chunks are submitted at once, faulting their own pages; the
     // prefaulter starts after them.
@@ -179,9 +202,8 @@ pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) ->
         .filter(|c| c.expected_crc.is_some())
         .map(|c| c.len_bytes)
         .sum();
-    let mut source = ReadSource::new(dest, chunks, &files)?;
+    let mut source = ReadSource::new(dest, chunks, files)?;
     let done = AtomicBool::new(false);
-    let files = &files;
     std::thread::scope(|scope| {
         if ahead.iter().map(|r| r.1).sum::<usize>() >= HELPER_THREAD_MIN_BYTES {
             scope.spawn(|| prefault(&ahead, &done));
@@ -211,10 +233,7 @@ pub fn read_parts(parts: &[ReadPart], dest: &mut [u8], options: &ReadOptions) ->
         }
         result
     })?;
-    Ok(ReadStats {
-        bytes: parts.iter().map(|p| p.len_bytes).sum(),
-        crc32c_ns: source.crc32c_ns,
-    })
+    Ok(source.crc32c_ns)
 }
 
 /// A read job hands work to a thread of its own (faulting the destination in, checking the
@@ -409,14 +428,14 @@ impl<'a> OpSource<'a> for ReadSource<'a, '_> {
             min_bytes: chunk.len_bytes,
             buf: IoBuf::Slice(slice),
             done_bytes: 0,
-            tag: self.next,
+            chunk_index: self.next,
         };
         self.next += 1;
         Ok(Next::Op(op))
     }
 
     fn completed(&mut self, op: IoOp<'a>) -> Result<()> {
-        let chunk = &self.chunks[op.tag];
+        let chunk = &self.chunks[op.chunk_index];
         let Some(expected) = chunk.expected_crc else {
             return Ok(());
         };

@@ -96,7 +96,7 @@ fn write_all(
             );
             assert_eq!(
                 part.chunk_crc32c.len() as u64,
-                target.part.chunk_count(CHUNK)
+                fastpersist_core::plan::chunk_count(target.part.len_bytes, CHUNK)
             );
             if direct == DirectMode::Off {
                 assert!(!part.direct);

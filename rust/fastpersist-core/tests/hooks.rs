@@ -377,3 +377,62 @@ fn device_extents_without_a_copier_are_refused() {
     .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
 }
+
+/// A device whose copy fails with an error type of its own.
+struct BrokenDevice;
+
+#[derive(Debug)]
+struct DeviceGone;
+
+impl std::fmt::Display for DeviceGone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the device fell off the bus")
+    }
+}
+
+impl std::error::Error for DeviceGone {}
+
+impl DeviceCopier for BrokenDevice {
+    fn copy_to_host(
+        &mut self,
+        extent: usize,
+        _offset_bytes: u64,
+        _slot: &mut [u8],
+        _range: std::ops::Range<usize>,
+    ) -> Result<()> {
+        Err(Error::Hook {
+            what: format!("copying extent {extent}"),
+            source: Box::new(DeviceGone),
+        })
+    }
+}
+
+#[test]
+fn a_hooks_own_error_reaches_the_caller_whole() {
+    let s = setup(&[100], 1, 0);
+    let pool = Pool::new(CHUNK as usize, 2 * CHUNK as usize);
+    let progress = JobProgress::default();
+    let err = write_parts_with(
+        &s.plan,
+        &s.targets,
+        vec![SourceRegion::device(100)],
+        &pool,
+        &options(),
+        &progress,
+        JobHooks {
+            guard: None,
+            device: Some(Box::new(BrokenDevice)),
+        },
+    )
+    .unwrap_err();
+    let Error::Hook { what, source } = &err else {
+        panic!("expected the copier's error, got {err:?}");
+    };
+    assert_eq!(what, "copying extent 0");
+    assert!(source.downcast_ref::<DeviceGone>().is_some(), "{source:?}");
+    assert_eq!(
+        err.to_string(),
+        "copying extent 0: the device fell off the bus"
+    );
+    assert!(progress.sources_released_after().is_some());
+}

@@ -2,8 +2,8 @@
 
 use std::os::raw::c_int;
 
-use fastpersist_core::align::{PageSpan, SharedPages};
 use fastpersist_core::job::SourceRegion;
+use fastpersist_core::pages::{PageSpan, SharedPages};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyMemoryError, PyValueError};
 use pyo3::ffi;

@@ -97,14 +97,16 @@ impl StagingObserver for PyStagingObserver {
             self.callback
                 .call1(py, (extents.to_vec(),))
                 .and_then(|ok| ok.bind(py).is_truthy())
-                .map_err(|e| e.to_string())
         });
         match verdict {
             Some(Ok(true)) => Ok(()),
             Some(Ok(false)) => Err(Error::Cancelled(
                 "a source was modified before its bytes were staged".into(),
             )),
-            Some(Err(e)) => Err(Error::Cancelled(format!("the staging check failed: {e}"))),
+            Some(Err(raised)) => Err(Error::Hook {
+                what: "the staging check failed".into(),
+                source: Box::new(raised),
+            }),
             None => Err(Error::Cancelled(
                 "the interpreter is shutting down; the save cannot be checked".into(),
             )),
@@ -154,9 +156,10 @@ impl DeviceCopier for PyDeviceCopier {
         });
         match outcome {
             Some(Ok(())) => Ok(()),
-            Some(Err(e)) => Err(Error::Cancelled(format!(
-                "the device-to-host copy of extent {extent} failed: {e}"
-            ))),
+            Some(Err(raised)) => Err(Error::Hook {
+                what: format!("the device-to-host copy of extent {extent} failed"),
+                source: Box::new(raised),
+            }),
             None => Err(Error::Cancelled(
                 "the interpreter is shutting down; device memory cannot be staged".into(),
             )),

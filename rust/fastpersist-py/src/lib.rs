@@ -4,23 +4,20 @@
 mod buffers;
 mod errors;
 mod handle;
+mod read;
+mod write;
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use fastpersist_core::job::{
-    Guard, JobHooks, SourceRegion, WriteOptions, WriteTarget, write_parts_with,
-};
 use fastpersist_core::probe::{self, BackendChoice, DirectMode};
-use fastpersist_core::read::{ReadOptions, ReadPart, read_parts};
 use fastpersist_core::{checksum, durable, plan, pool};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
 
 use buffers::{HeldBuffer, PagedBuffer};
 use errors::IntoPyResult;
-use handle::{PyDeviceCopier, PyStagingObserver, Shared, WriteHandle};
+use handle::WriteHandle;
 
 /// The layout of a checkpoint: where each extent sits in the stream and which parts exist.
 #[pyclass(frozen, module = "fastpersist._core")]
@@ -117,297 +114,73 @@ impl Pool {
     }
 }
 
-/// Starts writing `writer`'s parts of `plan` to `paths` from `sources` (one buffer per extent).
-/// With `background=False` the write runs on this thread (GIL released) and the returned
-/// handle is already finished.
-///
-/// The mutation guard: `watched[i]` says extent `i`'s source may be modified while the job
-/// runs. Watched extents of at most `copy_max_extent_bytes` are copied (smallest first, up to
-/// `copy_budget_bytes`) before this returns; `on_staged(extents)` is called (from the job's
-/// thread, with the GIL) once each other watched extent is staged whole, and a false result
-/// (or an exception) fails the job.
-///
-/// A source given as None lives in device memory: `device_copy(extent, offset_bytes, slot,
-/// start, end)` is called (job's thread, GIL held) to copy that extent's bytes from
-/// `offset_bytes` into `slot[start:end]`; `slot` is a writable memoryview over a whole staging
-/// slot, valid only during the call.
+/// Raises ValueError unless `chunk_bytes` is a chunk size the engine writes and reads: a
+/// positive multiple of `DIRECT_ALIGN_BYTES` up to `MAX_CHUNK_BYTES`.
 #[pyfunction]
-#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0, device_copy=None))]
-#[allow(clippy::too_many_arguments)]
-fn start_write(
-    py: Python<'_>,
-    plan: &Plan,
-    writer: usize,
-    paths: Vec<PathBuf>,
-    sources: Vec<Option<Bound<'_, PyAny>>>,
-    pool: &Pool,
-    backend: &str,
-    direct_io: &str,
-    queue_depth: usize,
-    checksum: bool,
-    durable: bool,
-    background: bool,
-    watched: Option<Vec<bool>>,
-    on_staged: Option<Py<PyAny>>,
-    copy_max_extent_bytes: u64,
-    copy_budget_bytes: u64,
-    device_copy: Option<Py<PyAny>>,
-) -> PyResult<WriteHandle> {
-    let guard = match (watched, on_staged) {
-        (Some(watched), Some(callback)) => Some(Guard {
-            watched,
-            copy_max_extent_bytes,
-            copy_budget_bytes,
-            observer: Box::new(PyStagingObserver::new(callback)),
-        }),
-        (None, None) => None,
-        _ => {
-            return Err(PyValueError::new_err("watched= and on_staged= go together"));
-        }
-    };
-    let selection =
-        probe::select(BackendChoice::parse(backend).into_py_result(py)?).into_py_result(py)?;
-    let options = WriteOptions {
-        backend: selection.kind,
-        direct: DirectMode::parse(direct_io).into_py_result(py)?,
-        queue_depth,
-        checksum,
-        durable,
-    };
-    let parts: Vec<_> = plan.inner.parts_of_writer(writer).copied().collect();
-    if parts.len() != paths.len() {
-        return Err(PyValueError::new_err(format!(
-            "writer {writer} has {} parts but {} paths were given",
-            parts.len(),
-            paths.len()
-        )));
-    }
-    let targets: Vec<WriteTarget> = parts
-        .into_iter()
-        .zip(paths)
-        .map(|(part, path)| WriteTarget { part, path })
-        .collect();
-    let extents = &plan.inner.extent_bytes;
-    if sources.len() != extents.len() {
-        return Err(PyValueError::new_err(format!(
-            "source regions do not match the plan's extents: {} sources for {} extents",
-            sources.len(),
-            extents.len()
-        )));
-    }
-    let mut held = Vec::with_capacity(sources.len());
-    let mut regions = Vec::with_capacity(sources.len());
-    for (i, (source, &len)) in sources.iter().zip(extents).enumerate() {
-        match source {
-            Some(obj) => {
-                let buffer = HeldBuffer::get(obj, false, &format!("source {i}"))?;
-                regions.push(buffer.region());
-                held.push(buffer);
-            }
-            None => regions.push(SourceRegion::device(len as usize)),
-        }
-    }
-    if regions.len() != extents.len()
-        || regions
-            .iter()
-            .zip(extents)
-            .any(|(r, &n)| r.len_bytes() as u64 != n)
-    {
-        return Err(PyValueError::new_err(format!(
-            "source regions do not match the plan's extents: a source's length differs from its extent's ({} extents)",
-            extents.len()
-        )));
-    }
-    if guard
-        .as_ref()
-        .is_some_and(|g| g.watched.len() != extents.len())
-    {
-        return Err(PyValueError::new_err(format!(
-            "watched= has an entry per source, and the plan has {} extents",
-            extents.len()
-        )));
-    }
-    let shared = Shared::new();
-    let (job_plan, job_pool, job_shared) = (
-        Arc::clone(&plan.inner),
-        pool.inner.clone(),
-        Arc::clone(&shared),
-    );
-    let hooks = JobHooks {
-        guard,
-        device: device_copy.map(|callback| {
-            Box::new(PyDeviceCopier::new(callback)) as Box<dyn fastpersist_core::job::DeviceCopier>
-        }),
-    };
-    let job = move || {
-        let outcome = write_parts_with(
-            &job_plan,
-            &targets,
-            regions,
-            &job_pool,
-            &options,
-            &job_shared.progress,
-            hooks,
-        );
-        job_shared.finish(outcome);
-    };
-    let thread = if background {
-        let spawned = std::thread::Builder::new()
-            .name("fastpersist-save".into())
-            .spawn(job);
-        let thread = spawned.map_err(|e| {
-            pyo3::exceptions::PyOSError::new_err(format!("cannot start the save thread: {e}"))
-        })?;
-        // Small watched sources are copied before the caller may touch them again.
-        py.detach(|| {
-            shared
-                .progress
-                .wait_copied_early(std::time::Duration::from_secs(u64::MAX / 4))
-        });
-        Some(thread)
-    } else {
-        py.detach(job);
-        None
-    };
-    Ok(WriteHandle {
-        shared,
-        sources: Mutex::new(Some(held)),
-        backend: selection.kind.name(),
-        fallback_reason: selection.fallback_reason,
-        thread: Mutex::new(thread),
-    })
+fn check_chunk_bytes(py: Python<'_>, chunk_bytes: u64) -> PyResult<()> {
+    plan::check_chunk_bytes(chunk_bytes).into_py_result(py)
 }
 
-/// Reads part files into `dest` (a writable C-contiguous buffer), verifying chunk checksums.
-/// `parts` holds `(path, len_bytes, dest_offset_bytes, chunk_crc32c)`; an empty checksum list
-/// skips verification. Returns the bytes read.
+/// Number of chunks of `chunk_bytes` that a range of `len_bytes` is cut into.
 #[pyfunction]
-#[pyo3(signature = (parts, dest, *, chunk_bytes, backend="auto", direct_io="auto", queue_depth=8, stats=None))]
-#[allow(clippy::too_many_arguments)]
-fn read_into(
-    py: Python<'_>,
-    parts: Vec<(PathBuf, u64, u64, Vec<u32>)>,
-    dest: &Bound<'_, PyAny>,
-    chunk_bytes: u64,
-    backend: &str,
-    direct_io: &str,
-    queue_depth: usize,
-    stats: Option<&Bound<'_, PyDict>>,
-) -> PyResult<u64> {
-    let parts = parts
-        .into_iter()
-        .map(|(path, len, dest_offset, crcs)| ReadPart::whole(path, len, dest_offset, crcs))
-        .collect();
-    read_parts_into(
-        py,
-        parts,
-        dest,
-        chunk_bytes,
-        backend,
-        direct_io,
-        queue_depth,
-        stats,
-    )
+fn chunk_count(py: Python<'_>, len_bytes: u64, chunk_bytes: u64) -> PyResult<u64> {
+    plan::check_chunk_bytes(chunk_bytes).into_py_result(py)?;
+    Ok(plan::chunk_count(len_bytes, chunk_bytes))
 }
 
-/// Reads ranges of part files into `dest`, verifying chunk checksums. `ranges` holds
-/// `(path, file_len_bytes, file_offset_bytes, len_bytes, dest_offset_bytes, chunk_crc32c)`: a
-/// range starts at a chunk boundary and `chunk_crc32c` lists its chunks' checksums (or is
-/// empty). Returns the bytes read.
+/// `(offset_bytes, len_bytes)` of each chunk of a range of `len_bytes`, from the range's start:
+/// every chunk is `chunk_bytes` long but the last.
 #[pyfunction]
-#[pyo3(signature = (ranges, dest, *, chunk_bytes, backend="auto", direct_io="auto", queue_depth=8, stats=None))]
-#[allow(clippy::type_complexity, clippy::too_many_arguments)]
-fn read_ranges_into(
-    py: Python<'_>,
-    ranges: Vec<(PathBuf, u64, u64, u64, u64, Vec<u32>)>,
-    dest: &Bound<'_, PyAny>,
-    chunk_bytes: u64,
-    backend: &str,
-    direct_io: &str,
-    queue_depth: usize,
-    stats: Option<&Bound<'_, PyDict>>,
-) -> PyResult<u64> {
-    let parts = ranges
-        .into_iter()
-        .map(
-            |(
-                path,
-                file_len_bytes,
-                file_offset_bytes,
-                len_bytes,
-                dest_offset_bytes,
-                chunk_crc32c,
-            )| ReadPart {
-                path,
-                file_len_bytes,
-                file_offset_bytes,
-                len_bytes,
-                dest_offset_bytes,
-                chunk_crc32c,
-            },
-        )
-        .collect();
-    read_parts_into(
-        py,
-        parts,
-        dest,
-        chunk_bytes,
-        backend,
-        direct_io,
-        queue_depth,
-        stats,
-    )
+fn chunk_spans(py: Python<'_>, len_bytes: u64, chunk_bytes: u64) -> PyResult<Vec<(u64, u64)>> {
+    plan::check_chunk_bytes(chunk_bytes).into_py_result(py)?;
+    Ok(plan::chunk_spans(len_bytes, chunk_bytes)
+        .map(|span| (span.offset_bytes, span.len_bytes))
+        .collect())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn read_parts_into(
+/// `[start, end)` of each of `count` near-equal runs of whole chunks that cut bytes
+/// `[start_bytes, end_bytes)` (`start_bytes` chunk-aligned), as the plan shares chunks among
+/// writers; a run is empty when there are fewer chunks than runs.
+#[pyfunction]
+fn chunk_runs(
     py: Python<'_>,
-    parts: Vec<ReadPart>,
-    dest: &Bound<'_, PyAny>,
+    start_bytes: u64,
+    end_bytes: u64,
     chunk_bytes: u64,
-    backend: &str,
-    direct_io: &str,
-    queue_depth: usize,
-    stats: Option<&Bound<'_, PyDict>>,
-) -> PyResult<u64> {
-    let selection =
-        probe::select(BackendChoice::parse(backend).into_py_result(py)?).into_py_result(py)?;
-    let options = ReadOptions {
-        backend: selection.kind,
-        direct: DirectMode::parse(direct_io).into_py_result(py)?,
-        queue_depth,
-        chunk_bytes,
-    };
-    let held = HeldBuffer::get(dest, true, "dest")?;
-    // SAFETY: `held` was obtained writable, stays alive for this call, and nothing else in this
-    // process touches it meanwhile (the caller handed it over for the read).
-    let dest_slice = unsafe { held.as_mut_slice() };
-    let measured = py
-        .detach(|| read_parts(&parts, dest_slice, &options))
-        .into_py_result(py)?;
-    if let Some(stats) = stats {
-        // Added to what the dict holds, so that one dict can total several reads.
-        add_stat(stats, "bytes", measured.bytes as f64)?;
-        add_stat(stats, "crc32c_s", measured.crc32c_ns as f64 * 1e-9)?;
+    count: usize,
+) -> PyResult<Vec<(u64, u64)>> {
+    plan::check_chunk_bytes(chunk_bytes).into_py_result(py)?;
+    if count == 0 || end_bytes < start_bytes || !start_bytes.is_multiple_of(chunk_bytes) {
+        return Err(PyValueError::new_err(format!(
+            "chunk_runs needs count >= 1 and a chunk-aligned start_bytes <= end_bytes \
+             (got count={count}, [{start_bytes}, {end_bytes}), chunk_bytes={chunk_bytes})"
+        )));
     }
-    Ok(measured.bytes)
-}
-
-fn add_stat(stats: &Bound<'_, PyDict>, key: &str, value: f64) -> PyResult<()> {
-    let before: f64 = match stats.get_item(key)? {
-        Some(held) => held.extract()?,
-        None => 0.0,
-    };
-    stats.set_item(key, before + value)
+    Ok(plan::chunk_runs(start_bytes, end_bytes, chunk_bytes, count).collect())
 }
 
 /// `(backend, fallback_reason)` that `choice` resolves to here (honours FASTPERSIST_BACKEND).
 #[pyfunction]
 #[pyo3(signature = (choice="auto"))]
 fn select_backend(py: Python<'_>, choice: &str) -> PyResult<(&'static str, Option<String>)> {
-    let selection =
-        probe::select(BackendChoice::parse(choice).into_py_result(py)?).into_py_result(py)?;
+    let selection = selected_backend(py, choice)?;
     Ok((selection.kind.name(), selection.fallback_reason))
+}
+
+/// The backend that the `backend=` string of a bindings call selects here.
+fn selected_backend(py: Python<'_>, choice: &str) -> PyResult<probe::Selection> {
+    probe::select(BackendChoice::parse(choice).into_py_result(py)?).into_py_result(py)
+}
+
+/// What a job's `backend=` and `direct_io=` strings ask for: the selected backend and the
+/// O_DIRECT policy.
+fn io_choices(
+    py: Python<'_>,
+    backend: &str,
+    direct_io: &str,
+) -> PyResult<(probe::Selection, DirectMode)> {
+    let selection = selected_backend(py, backend)?;
+    Ok((selection, DirectMode::parse(direct_io).into_py_result(py)?))
 }
 
 /// Probes io_uring now (uncached): None if usable, else why not. `simulate_errno` is a test hook.
@@ -465,9 +238,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Pool>()?;
     m.add_class::<WriteHandle>()?;
     m.add_class::<PagedBuffer>()?;
-    m.add_function(wrap_pyfunction!(start_write, m)?)?;
-    m.add_function(wrap_pyfunction!(read_into, m)?)?;
-    m.add_function(wrap_pyfunction!(read_ranges_into, m)?)?;
+    m.add_function(wrap_pyfunction!(write::start_write, m)?)?;
+    m.add_function(wrap_pyfunction!(read::read_ranges_into, m)?)?;
+    m.add_function(wrap_pyfunction!(check_chunk_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(chunk_count, m)?)?;
+    m.add_function(wrap_pyfunction!(chunk_spans, m)?)?;
+    m.add_function(wrap_pyfunction!(chunk_runs, m)?)?;
     m.add_function(wrap_pyfunction!(select_backend, m)?)?;
     m.add_function(wrap_pyfunction!(probe_uring, m)?)?;
     m.add_function(wrap_pyfunction!(direct_io_supported, m)?)?;

@@ -32,14 +32,14 @@ def _add_engine_reads(bench: Bench) -> None:
     args = bench.args
     backend = bench.backends[0] if bench.backends else "threads"
     raw_key = bench.add_row("read_limit_engine", f"O_DIRECT read into warm memory (engine, {backend})", "load", "limit")
-    parts: list[tuple[str, int, int, list[int]]] = [
-        (p, n, off, []) for p, (_w, _s, off, n) in zip(bench.raw_paths, bench.raw_plan.parts, strict=True)
+    ranges: list[tuple[str, int, int, int, int, list[int]]] = [
+        (p, n, 0, n, off, []) for p, (_w, _s, off, n) in zip(bench.raw_paths, bench.raw_plan.parts, strict=True)
     ]
 
     def raw_read() -> dict[str, float]:
         start = time.perf_counter()
-        got = _core.read_into(
-            parts,
+        got = _core.read_ranges_into(
+            ranges,
             bench.raw_buffer,
             chunk_bytes=args.chunk_bytes,
             backend=backend,
@@ -60,8 +60,8 @@ def _add_engine_reads(bench: Bench) -> None:
         # Allocated by torch like fastpersist.load's buffer (numpy would madvise huge pages).
         start = time.perf_counter()
         dest = aligned_uint8(bench.nbytes)
-        _core.read_into(
-            parts,
+        _core.read_ranges_into(
+            ranges,
             dest.numpy(),
             chunk_bytes=args.chunk_bytes,
             backend=backend,

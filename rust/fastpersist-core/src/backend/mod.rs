@@ -63,6 +63,14 @@ impl IoBuf<'_> {
         }
     }
 
+    /// The buffer's bytes, to transfer into.
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            IoBuf::Slot(slot) => &mut slot.buf_mut()[..],
+            IoBuf::Slice(slice) => slice,
+        }
+    }
+
     fn capacity_bytes(&self) -> usize {
         match self {
             IoBuf::Slot(slot) => slot.buf().len_bytes(),
@@ -95,8 +103,9 @@ pub struct IoOp<'a> {
     pub min_bytes: usize,
     /// Bytes transferred so far (short transfers are resubmitted from here).
     pub done_bytes: usize,
-    /// The job's identifier for this op.
-    pub tag: usize,
+    /// Which of its chunks the source made this op for (its index in the source's own list),
+    /// handed back in [`OpSource::completed`].
+    pub chunk_index: usize,
 }
 
 /// What a source has next.
@@ -335,7 +344,7 @@ mod tests {
             len_bytes: len,
             min_bytes: min,
             done_bytes: 0,
-            tag: 0,
+            chunk_index: 0,
         }
     }
 
@@ -385,7 +394,7 @@ mod tests {
                 min_bytes: buf.len(),
                 buf: IoBuf::Slice(buf),
                 done_bytes: 0,
-                tag: 0,
+                chunk_index: 0,
             }
         }
     }

@@ -60,10 +60,7 @@ fn transfer(direction: Direction, file: &OpenFile, op: &mut IoOp<'_>) -> Result<
         let range = op.done_bytes..op.len_bytes;
         let outcome = match direction {
             Direction::Write => file.file.write_at(&op.buf.bytes()[range], offset),
-            Direction::Read => match &mut op.buf {
-                super::IoBuf::Slice(slice) => file.file.read_at(&mut slice[range], offset),
-                super::IoBuf::Slot(slot) => file.file.read_at(&mut slot.buf_mut()[range], offset),
-            },
+            Direction::Read => file.file.read_at(&mut op.buf.bytes_mut()[range], offset),
         };
         let transferred = match outcome {
             Ok(n) => n,

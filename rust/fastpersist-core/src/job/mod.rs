@@ -1,0 +1,230 @@
+//! A write job: stage source bytes into pool slots (checksumming each chunk while it is hot)
+//! and drive a backend until every part file holds its range of the logical stream.
+//!
+//! * [`source`](SourceRegion): what the job reads, and the walk over the extents of a range;
+//! * [`progress`](JobProgress): counters, cancellation and the moments callers wait for;
+//! * [`guard`](Guard): the mutation guard's early copies and staging reports;
+//! * `staging`: the [`OpSource`](crate::backend::OpSource) that fills slots and makes writes;
+//! * here: the job itself (open the files, drive the backend, finish the files, report).
+
+mod guard;
+mod progress;
+mod source;
+mod staging;
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use crate::DIRECT_ALIGN_BYTES;
+use crate::backend::{self, Direction, OpenFile};
+use crate::error::{Error, Result};
+use crate::plan::{Part, Plan};
+use crate::pool::Pool;
+use crate::probe::{BackendKind, DirectMode};
+
+pub use guard::{Guard, StagingObserver};
+pub use progress::JobProgress;
+pub use source::{DeviceCopier, SourceRegion};
+use staging::Staging;
+
+/// Knobs of one write job.
+#[derive(Debug, Clone)]
+pub struct WriteOptions {
+    /// The backend (already resolved by [`crate::probe::select`]).
+    pub backend: BackendKind,
+    /// O_DIRECT policy.
+    pub direct: DirectMode,
+    /// Writes in flight.
+    pub queue_depth: usize,
+    /// Compute per-chunk crc32c.
+    pub checksum: bool,
+    /// fsync every data file before returning.
+    pub durable: bool,
+}
+
+/// One file to write: a part of the plan and where it goes.
+#[derive(Debug, Clone)]
+pub struct WriteTarget {
+    /// The part.
+    pub part: Part,
+    /// The file to create (its directory must exist).
+    pub path: PathBuf,
+}
+
+/// What was written to one file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartReport {
+    /// The file.
+    pub path: PathBuf,
+    /// Its logical length.
+    pub len_bytes: u64,
+    /// crc32c of each chunk (empty when checksums are off).
+    pub chunk_crc32c: Vec<u32>,
+    /// Whether it was written with O_DIRECT.
+    pub direct: bool,
+}
+
+/// What a job wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteReport {
+    /// Per file, in target order.
+    pub parts: Vec<PartReport>,
+    /// Logical bytes written.
+    pub bytes_written: u64,
+}
+
+/// Optional participants in a write job.
+#[derive(Default)]
+pub struct JobHooks {
+    /// The mutation guard.
+    pub guard: Option<Guard>,
+    /// Stages [`SourceRegion::device`] extents; required when there are any.
+    pub device: Option<Box<dyn DeviceCopier>>,
+}
+
+impl std::fmt::Debug for JobHooks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobHooks")
+            .field("guard", &self.guard)
+            .field("device", &self.device.is_some())
+            .finish()
+    }
+}
+
+/// Writes `targets` (parts of `plan`) from `sources` (one region per plan extent).
+///
+/// The sources are read only until `progress` reports them released, which happens as soon as
+/// the last chunk is staged (or the job fails); the rest of the job touches only pool memory.
+pub fn write_parts(
+    plan: &Plan,
+    targets: &[WriteTarget],
+    sources: Vec<SourceRegion>,
+    pool: &Pool,
+    options: &WriteOptions,
+    progress: &JobProgress,
+) -> Result<WriteReport> {
+    write_parts_with(
+        plan,
+        targets,
+        sources,
+        pool,
+        options,
+        progress,
+        JobHooks::default(),
+    )
+}
+
+/// [`write_parts`] with [`JobHooks`]. A mutation [`Guard`]: small watched extents are copied
+/// first, and the guard's observer hears when each other watched extent is staged whole, so it
+/// can check that its source had not changed before then (and fail the job if it had). A
+/// [`DeviceCopier`]: stages the [`SourceRegion::device`] extents, chunk by chunk, while earlier
+/// chunks are being written.
+pub fn write_parts_with(
+    plan: &Plan,
+    targets: &[WriteTarget],
+    sources: Vec<SourceRegion>,
+    pool: &Pool,
+    options: &WriteOptions,
+    progress: &JobProgress,
+    hooks: JobHooks,
+) -> Result<WriteReport> {
+    let staging = Staging::new(plan, targets, sources, pool, options, progress, hooks);
+    progress.mark_copied_early();
+    let mut staging = staging?;
+    let result = (|| {
+        let files = open_targets(targets, options.direct)?;
+        staging.direct = files.iter().map(|f| f.direct).collect();
+        backend::drive(
+            options.backend,
+            Direction::Write,
+            &files,
+            options.queue_depth,
+            &mut staging,
+        )?;
+        finish_files(&files, targets, options.durable)?;
+        // Every chunk may be on disk already, but a cancelled job must not report success.
+        progress.check_cancelled("after its data was written")?;
+        Ok(files.iter().map(|f| f.direct).collect::<Vec<_>>())
+    })();
+    staging.release_sources();
+    let direct = result?;
+    let parts = targets
+        .iter()
+        .zip(std::mem::take(&mut staging.crcs))
+        .zip(direct)
+        .map(|((target, chunk_crc32c), direct)| PartReport {
+            path: target.path.clone(),
+            len_bytes: target.part.len_bytes,
+            chunk_crc32c: if options.checksum {
+                chunk_crc32c
+            } else {
+                Vec::new()
+            },
+            direct,
+        })
+        .collect();
+    Ok(WriteReport {
+        parts,
+        bytes_written: targets.iter().map(|t| t.part.len_bytes).sum(),
+    })
+}
+
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
+}
+
+fn open_targets(targets: &[WriteTarget], direct: DirectMode) -> Result<Vec<OpenFile>> {
+    let mut decided: Vec<(PathBuf, bool)> = Vec::new();
+    let mut files = Vec::with_capacity(targets.len());
+    for target in targets {
+        let dir = parent_dir(&target.path);
+        let use_direct = match decided.iter().find(|(d, _)| d == dir) {
+            Some((_, yes)) => *yes,
+            None => {
+                let yes = direct.resolve(dir)?;
+                decided.push((dir.to_path_buf(), yes));
+                yes
+            }
+        };
+        let flags = libc::O_CLOEXEC | if use_direct { libc::O_DIRECT } else { 0 };
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o644)
+            .custom_flags(flags)
+            .open(&target.path)
+            .map_err(|e| Error::io("create", &target.path, e))?;
+        // Writes inside the file's size run in parallel on ext4; a full disk fails here.
+        crate::durable::preallocate(&file, target.part.len_bytes)
+            .map_err(|e| Error::io("preallocate", &target.path, e))?;
+        files.push(OpenFile {
+            file,
+            path: target.path.clone(),
+            direct: use_direct,
+        });
+    }
+    Ok(files)
+}
+
+fn finish_files(files: &[OpenFile], targets: &[WriteTarget], durable: bool) -> Result<()> {
+    for (file, target) in files.iter().zip(targets) {
+        let len = target.part.len_bytes;
+        // O_DIRECT wrote the tail padded to the alignment: cut it back to the logical length.
+        if file.direct && len % DIRECT_ALIGN_BYTES as u64 != 0 {
+            file.file
+                .set_len(len)
+                .map_err(|e| Error::io("truncate", &file.path, e))?;
+        }
+        if durable {
+            file.file
+                .sync_all()
+                .map_err(|e| Error::io("fsync", &file.path, e))?;
+        }
+    }
+    Ok(())
+}

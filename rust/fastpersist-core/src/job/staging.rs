@@ -1,0 +1,288 @@
+//! The write job's [`OpSource`]: copies the stream's bytes into pool slots chunk by chunk
+//! (checksumming each while it is hot), round-robin across the files, and hands them to the
+//! backend as writes.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use super::guard::GuardState;
+use super::source::{DeviceCopier, ExtentMap, SourceRegion};
+use super::{JobHooks, JobProgress, WriteOptions, WriteTarget};
+use crate::DIRECT_ALIGN_BYTES;
+use crate::align::round_up;
+use crate::backend::{IoBuf, IoOp, Next, OpSource};
+use crate::checksum::Crc32c;
+use crate::error::{Error, Result};
+use crate::plan::{Chunk, Plan};
+use crate::pool::{Pool, Slot};
+
+/// Bytes copied between checksum updates: small enough to still be in L2 when hashed.
+const CRC_PIECE_BYTES: usize = 256 << 10;
+
+pub(super) struct Staging<'p> {
+    extents: ExtentMap,
+    sources: Option<Vec<SourceRegion>>,
+    /// (file index, chunk index within its part, chunk), round-robin across files so that every
+    /// stripe is busy at once.
+    chunks: Vec<(usize, usize, Chunk)>,
+    next: usize,
+    pool: &'p Pool,
+    checksum: bool,
+    /// Per file: whether it was opened with O_DIRECT (set once the files are open).
+    pub direct: Vec<bool>,
+    /// Per file, the crc32c of each chunk.
+    pub crcs: Vec<Vec<u32>>,
+    progress: &'p JobProgress,
+    /// Chunks staged while the queue was full, in order, waiting for a queue slot.
+    ahead: VecDeque<StagedChunk>,
+    guard: Option<GuardState>,
+    device: Option<Box<dyn DeviceCopier>>,
+}
+
+/// A chunk copied into a pool slot, not yet submitted.
+struct StagedChunk {
+    /// Its index in [`Staging::chunks`].
+    index: usize,
+    slot: Slot,
+}
+
+impl<'p> Staging<'p> {
+    pub fn new(
+        plan: &Plan,
+        targets: &[WriteTarget],
+        sources: Vec<SourceRegion>,
+        pool: &'p Pool,
+        options: &WriteOptions,
+        progress: &'p JobProgress,
+        hooks: JobHooks,
+    ) -> Result<Self> {
+        // From here an early return drops `staging`, whose Drop releases the sources.
+        let mut staging = Staging {
+            extents: ExtentMap::new(plan),
+            sources: Some(sources),
+            chunks: Vec::new(),
+            next: 0,
+            pool,
+            checksum: options.checksum,
+            direct: vec![false; targets.len()],
+            crcs: Vec::new(),
+            progress,
+            ahead: VecDeque::new(),
+            guard: None,
+            device: hooks.device,
+        };
+        let sources = staging.sources.as_mut().expect("just set");
+        check_sources(plan, sources, pool, staging.device.is_some())?;
+        let per_file: Vec<Vec<Chunk>> = targets
+            .iter()
+            .map(|t| t.part.chunks(plan.chunk_bytes).collect())
+            .collect();
+        staging.crcs = per_file.iter().map(|c| vec![0; c.len()]).collect();
+        let rounds = per_file.iter().map(Vec::len).max().unwrap_or(0);
+        for round in 0..rounds {
+            for (file, chunks) in per_file.iter().enumerate() {
+                if let Some(chunk) = chunks.get(round) {
+                    staging.chunks.push((file, round, *chunk));
+                }
+            }
+        }
+        if let Some(guard) = hooks.guard {
+            let sources = staging.sources.as_mut().expect("just set");
+            let state = GuardState::start(guard, plan, &staging.extents, targets, sources)?;
+            staging.guard = Some(state);
+        }
+        Ok(staging)
+    }
+
+    pub fn release_sources(&mut self) {
+        self.sources = None;
+        self.progress.mark_sources_released();
+    }
+
+    /// Copies stream bytes `[start, start + dst.len())` into `dst`, zero-filling gaps.
+    fn fill(&self, dst: &mut [u8], start: u64) {
+        let sources = self.sources.as_ref().expect("sources held while staging");
+        let mut cursor = start;
+        for overlap in self.extents.overlapping(start, start + dst.len() as u64) {
+            dst[(cursor - start) as usize..(overlap.from - start) as usize].fill(0);
+            cursor = overlap.to;
+            let region = &sources[overlap.index];
+            if region.device {
+                continue; // put there by the device copier before the chunk's pieces are filled
+            }
+            let target = &mut dst[(overlap.from - start) as usize..(overlap.to - start) as usize];
+            // SAFETY: `from - extent_start + len <= region.len_bytes` (the region's length
+            // equals the extent's, checked in `new`), the region is readable until sources are
+            // released (SourceRegion::new's contract; we still hold them), and `target` is our
+            // own slot memory, so the two cannot overlap.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    region
+                        .ptr
+                        .add((overlap.from - overlap.extent_start) as usize),
+                    target.as_mut_ptr(),
+                    target.len(),
+                );
+            }
+        }
+        dst[(cursor - start) as usize..].fill(0);
+    }
+
+    /// Copies the device-resident extents overlapping `chunk` into `slot`, one call each.
+    fn copy_from_device(&mut self, slot: &mut Slot, chunk: &Chunk) -> Result<()> {
+        let Some(device) = self.device.as_mut() else {
+            return Ok(());
+        };
+        let sources = self.sources.as_ref().expect("sources held while staging");
+        let start = chunk.stream_offset_bytes;
+        for overlap in self.extents.overlapping(start, start + chunk.len_bytes) {
+            if sources[overlap.index].device {
+                let range = (overlap.from - start) as usize..(overlap.to - start) as usize;
+                let offset_bytes = overlap.from - overlap.extent_start;
+                device.copy_to_host(overlap.index, offset_bytes, slot.buf_mut(), range)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn stage(&mut self, slot: &mut Slot, chunk: &Chunk) -> Result<u32> {
+        self.copy_from_device(slot, chunk)?;
+        let len = chunk.len_bytes as usize;
+        let mut crc = Crc32c::default();
+        let mut done = 0;
+        while done < len {
+            let piece = CRC_PIECE_BYTES.min(len - done);
+            let dst = &mut slot.buf_mut()[done..done + piece];
+            self.fill(dst, chunk.stream_offset_bytes + done as u64);
+            if self.checksum {
+                crc.update(dst);
+            }
+            done += piece;
+            self.progress.add_staged_bytes(piece as u64);
+        }
+        Ok(crc.finish())
+    }
+
+    fn check_cancelled(&self) -> Result<()> {
+        self.progress.check_cancelled("while staging")
+    }
+
+    /// Stages the next chunk into `slot`.
+    fn stage_next(&mut self, mut slot: Slot) -> Result<StagedChunk> {
+        let index = self.next;
+        let (file, chunk_in_file, chunk) = self.chunks[index];
+        self.next += 1;
+        let crc = self.stage(&mut slot, &chunk)?;
+        self.crcs[file][chunk_in_file] = crc;
+        if let Some(guard) = self.guard.as_mut() {
+            guard.note_staged(&self.extents, chunk.stream_offset_bytes, chunk.len_bytes)?;
+        }
+        if self.next == self.chunks.len() {
+            // Everything is in the pool: the caller may modify its tensors from here on.
+            self.release_sources();
+        }
+        Ok(StagedChunk { index, slot })
+    }
+
+    fn op_for<'a>(&self, staged: StagedChunk) -> IoOp<'a> {
+        let (file, _, chunk) = self.chunks[staged.index];
+        let logical_bytes = chunk.len_bytes as usize;
+        let len_bytes = if self.direct[file] {
+            round_up(logical_bytes, DIRECT_ALIGN_BYTES)
+        } else {
+            logical_bytes
+        };
+        IoOp {
+            file,
+            offset_bytes: chunk.file_offset_bytes,
+            buf: IoBuf::Slot(staged.slot),
+            len_bytes,
+            min_bytes: len_bytes,
+            done_bytes: 0,
+            chunk_index: staged.index,
+        }
+    }
+}
+
+/// Checks that the sources match the plan's extents, the chunks fit the pool's slots, and a
+/// device copier is there for device-resident sources.
+fn check_sources(
+    plan: &Plan,
+    sources: &[SourceRegion],
+    pool: &Pool,
+    has_copier: bool,
+) -> Result<()> {
+    if sources.len() != plan.extent_bytes.len()
+        || sources
+            .iter()
+            .zip(&plan.extent_bytes)
+            .any(|(s, &l)| s.len_bytes as u64 != l)
+    {
+        return Err(Error::Internal(
+            "source regions do not match the plan's extents".into(),
+        ));
+    }
+    if plan.chunk_bytes as usize > pool.slot_bytes() {
+        return Err(Error::InvalidArgument(format!(
+            "chunk_bytes ({}) is larger than the pool's slots ({})",
+            plan.chunk_bytes,
+            pool.slot_bytes()
+        )));
+    }
+    if sources.iter().any(|r| r.device) && !has_copier {
+        return Err(Error::InvalidArgument(
+            "device-resident sources need a device copier".into(),
+        ));
+    }
+    Ok(())
+}
+
+impl Drop for Staging<'_> {
+    fn drop(&mut self) {
+        self.release_sources();
+    }
+}
+
+impl<'a> OpSource<'a> for Staging<'_> {
+    fn next_op(&mut self, may_block: bool) -> Result<Next<'a>> {
+        if self.ahead.is_empty() && self.next == self.chunks.len() {
+            self.release_sources();
+            return Ok(Next::Done);
+        }
+        self.check_cancelled()?;
+        if let Some(staged) = self.ahead.pop_front() {
+            return Ok(Next::Op(self.op_for(staged)));
+        }
+        let slot = match self.pool.try_acquire() {
+            Some(slot) => slot,
+            None if !may_block => return Ok(Next::NotYet),
+            None => loop {
+                if let Some(slot) = self.pool.acquire_timeout(Duration::from_millis(50)) {
+                    break slot;
+                }
+                self.check_cancelled()?;
+            },
+        };
+        let staged = self.stage_next(slot)?;
+        Ok(Next::Op(self.op_for(staged)))
+    }
+
+    fn prepare_ahead(&mut self) -> Result<bool> {
+        if self.next == self.chunks.len() {
+            return Ok(false);
+        }
+        self.check_cancelled()?;
+        let Some(slot) = self.pool.try_acquire() else {
+            return Ok(false);
+        };
+        let staged = self.stage_next(slot)?;
+        self.ahead.push_back(staged);
+        Ok(true)
+    }
+
+    fn completed(&mut self, op: IoOp<'a>) -> Result<()> {
+        let (_, _, chunk) = self.chunks[op.chunk_index];
+        self.progress.add_written_bytes(chunk.len_bytes);
+        Ok(())
+    }
+}
