@@ -71,9 +71,13 @@ class Config:
         def bad(name: str, value: object, expected: str) -> ValueError:
             return ValueError(f"Config.{name}={value!r}: expected {expected}")
 
-        align, max_chunk, max_depth = _core.DIRECT_ALIGN_BYTES, _core.MAX_CHUNK_BYTES, _core.MAX_QUEUE_DEPTH
-        if type(self.chunk_bytes) is not int or not align <= self.chunk_bytes <= max_chunk or self.chunk_bytes % align:
-            raise bad("chunk_bytes", self.chunk_bytes, f"a multiple of {align} between {align} and {max_chunk}")
+        if type(self.chunk_bytes) is not int or not 0 < self.chunk_bytes < 1 << 63:
+            raise bad("chunk_bytes", self.chunk_bytes, f"a positive integer (a multiple of {_core.DIRECT_ALIGN_BYTES})")
+        try:
+            _core.check_chunk_bytes(self.chunk_bytes)  # the engine's one rule
+        except ValueError as e:
+            raise ValueError(f"Config.chunk_bytes={self.chunk_bytes!r}: {e}") from None
+        max_depth = _core.MAX_QUEUE_DEPTH
         if type(self.queue_depth) is not int or not 1 <= self.queue_depth <= max_depth:
             raise bad("queue_depth", self.queue_depth, f"an integer in 1..{max_depth}")
         if type(self.pool_bytes) is not int or self.pool_bytes < 0:
