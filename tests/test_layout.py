@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import fastpersist
 
@@ -100,3 +101,61 @@ def test_files_and_functions_stay_small() -> None:
                 if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{path.name}:{node.name}: {length} lines")
     assert too_long == []
+
+
+FORMAT = "fastpersist.format"
+#: Pieces of on-disk names and their patterns; only format/ may spell them (format/layout.py owns them).
+ON_DISK_NAMES = (
+    ".fptmp",
+    ".fpstripe",
+    ".fpowner",
+    ".fpremoving",
+    ".fpdcp",
+    "manifest.json",
+    "latest.json",
+    "history.json",
+    ".metadata",
+    "data-w",
+    ".tmp-",
+    "shard-",
+)
+#: A step directory ("step-00000120", f"step-{step:08d}", r"^step-(\d{8,})$"), not a CLI flag like --step-seconds.
+STEP_DIR = re.compile(r"(?<![\w-])step-(?:\d|\(|$)")
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def _spelled_names(source: str) -> list[str]:
+    """The string literals (f-string pieces included, docstrings and comments not) that spell an on-disk name."""
+    tree = ast.parse(source)
+    docstrings = _docstrings(tree)
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if any(name in node.value for name in ON_DISK_NAMES) or STEP_DIR.search(node.value):
+                hits.append(f"line {node.lineno}: {node.value!r}")
+    return hits
+
+
+def test_the_check_sees_names_in_literals_fstrings_and_regexes_but_not_docstrings() -> None:
+    source = (
+        '"""Writes manifest.json."""\nA = f"step-{s:08d}"\nB = re.compile(r"^\\.(.+)\\.fptmp-")\nC = "--step-seconds"\n'
+    )
+    assert [hit.split(":")[0] for hit in _spelled_names(source)] == ["line 2", "line 3"]
+
+
+def test_only_format_spells_an_on_disk_name() -> None:
+    spelled = {
+        mod: hits
+        for mod, path in _modules().items()
+        if not mod.startswith(FORMAT) and (hits := _spelled_names(path.read_text()))
+    }
+    assert spelled == {}

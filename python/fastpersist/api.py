@@ -14,6 +14,7 @@ from .config import Config, SaveResult
 from .errors import CorruptCheckpointError
 from .format.confine import check_data_files, check_shard_dir
 from .format.flatten import materialize, unflatten
+from .format.layout import MANIFEST_NAME
 from .format.manifest import Manifest
 from .format.records import TensorRecord
 from .futures import SaveFuture, SaveJobLike
@@ -193,7 +194,7 @@ def _load_shard(ck: OpenedCheckpoint, name: str, out: object, options: _LoadOpti
     with opened_shard(ck, name) as shard_ck:
         m = read_opened(shard_ck, options.config.stripes)
         if m.shards:  # fastpersist writes each shard as one rank's plain checkpoint
-            raise CorruptCheckpointError(f"{shard_ck.root}/manifest.json: a shard may not itself be sharded")
+            raise CorruptCheckpointError(f"{shard_ck.root}/{MANIFEST_NAME}: a shard may not itself be sharded")
         return _load_one(shard_ck, m, out, options, None)
 
 
@@ -215,7 +216,7 @@ def _load_one(ck: OpenedCheckpoint, m: Manifest, out: object, options: _LoadOpti
     check_data_files(root, m, config.stripes)  # before allocating: sizes, links, confinement
     if out is not None and not windowable(m):
         raise CorruptCheckpointError(
-            f"{ck.root}/manifest.json: its files do not start on chunk boundaries (fastpersist never writes "
+            f"{ck.root}/{MANIFEST_NAME}: its files do not start on chunk boundaries (fastpersist never writes "
             "such a layout), so out= cannot be filled window by window"
         )
     if out is None:
@@ -278,7 +279,7 @@ def _load_new(
     try:
         tensors = materialize(m.tensors, buffers)
     except ValueError as e:
-        raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
+        raise CorruptCheckpointError(f"{root}/{MANIFEST_NAME}: {e}") from None
     del buffers
     clock.mark("build")
     on_device = targets or {}
@@ -290,7 +291,7 @@ def _load_new(
     try:
         state = unflatten(m.tree, tensors, namedtuple_types=options.namedtuple_types)
     except ValueError as e:
-        raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
+        raise CorruptCheckpointError(f"{root}/{MANIFEST_NAME}: {e}") from None
     clock.mark("unflatten")
     return state
 

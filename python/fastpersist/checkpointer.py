@@ -20,18 +20,17 @@ import functools
 import json
 import logging
 import os
-import re
 import threading
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from . import _core
 from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
 from .api import load, verify
 from .cleanup import clean, stripe_leftovers
 from .config import Config, SaveResult
 from .errors import CorruptCheckpointError
-from .format.manifest import MANIFEST_NAME, read_manifest
+from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name, write_small_file
+from .format.manifest import read_manifest
 from .futures import SaveFuture, SaveJobLike
 from .retention import retire, retired_steps
 from .saving.job import SaveJob
@@ -40,9 +39,6 @@ from .saving.pools import pool_for
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger("fastpersist")
-
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
-INDEX_NAME = "latest.json"
 
 
 class Checkpointer:
@@ -124,15 +120,15 @@ class Checkpointer:
 
     def path(self, step: int) -> str:
         """The directory of `step`'s checkpoint."""
-        return os.path.join(self.root, f"step-{step:08d}")
+        return os.path.join(self.root, step_dir_name(step))
 
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint (a manifest), oldest first. Does not verify data."""
         found = []
         for name in os.listdir(self.root):
-            match = _STEP_DIR.match(name)
-            if match and os.path.exists(os.path.join(self.root, name, MANIFEST_NAME)):
-                found.append(int(match.group(1)))
+            step = parse_step_dir(name)
+            if step is not None and os.path.exists(os.path.join(self.root, name, MANIFEST_NAME)):
+                found.append(step)
         return sorted(found)
 
     def clean(self) -> list[str]:
@@ -267,14 +263,7 @@ class Checkpointer:
             "path": os.path.basename(self.path(step)),
             "updated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
-        tmp = os.path.join(self.root, f".{INDEX_NAME}.tmp-{os.getpid()}-{threading.get_ident()}")
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(self.root, INDEX_NAME))
-        _core.fsync_dir(self.root)
+        write_small_file(os.path.join(self.root, INDEX_NAME), (json.dumps(doc, indent=2) + "\n").encode(), durable=True)
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Blocks until the in-flight save (if any) no longer reads the state's tensors."""

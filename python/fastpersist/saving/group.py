@@ -3,8 +3,8 @@
 **Replicated** state (DDP, or the data-parallel copies of a model-parallel shard): the logical
 byte stream is split at chunk granularity into near-equal ranges, one per writer rank; each
 writer stages and writes only its range, into its own stripe directories. **Sharded** state
-(FSDP/ZeRO: each rank's state differs): each rank writes its whole state as shard
-``shard-{rank:05d}`` of the checkpoint.
+(FSDP/ZeRO: each rank's state differs): each rank writes its whole state as one shard
+directory of the checkpoint (named by :func:`fastpersist.format.layout.shard_name`).
 
 The commit protocol runs over a private gloo group whose operations time out after
 ``Config.timeout_s``:
@@ -36,10 +36,11 @@ import torch.distributed as dist
 from ..cleanup import stripe_leftovers
 from ..config import Config, SaveResult
 from ..errors import FastPersistError
+from ..format.layout import shard_name, stripe_tag, tmp_dir_for
 from ..format.manifest import FileEntry, build
 from ..format.ownership import DirLock, make_locked_dir
 from .job import Layout, SaveJob, Written
-from .target import check_name_fits, check_stripe_roots, check_target, tmp_dir_for, write_manifest
+from .target import check_name_fits, check_stripe_roots, check_target, write_manifest
 
 __all__ = [
     "CommitOutcome",
@@ -213,8 +214,8 @@ class GroupSaveJob:
         if self.rank == 0:
             try:
                 check_stripe_roots(self.config.stripes)
-                # The longest tag any rank's stripe directories get (".r{rank}" or ".w{writer}").
-                worst_tag = f".r{self.control.size - 1}"
+                # The longest tag any rank's stripe directories get: a rank's tag is never shorter than a writer's.
+                worst_tag = stripe_tag(rank=self.control.size - 1)
                 check_name_fits(self.path, striped=bool(self.config.stripes), tag=worst_tag)
                 check_target(self.path)
                 checkpoint_id = uuid.uuid4().hex
@@ -251,11 +252,11 @@ class GroupSaveJob:
             return Layout(
                 checkpoint_id=message.checkpoint_id,
                 tmp_dir=tmp,
-                data_dir=os.path.join(tmp, self.shard_name(self.rank)),
+                data_dir=os.path.join(tmp, shard_name(self.rank)),
                 writer=0,
                 writer_count=1,
                 owner=owner,
-                tag=f".r{self.rank}",
+                tag=stripe_tag(rank=self.rank),
             )
         writers = writer_map(self.control.hosts, self.config.writers)
         self.writer = writers.get(self.rank)
@@ -266,12 +267,8 @@ class GroupSaveJob:
             writer=self.writer,
             writer_count=len(writers),
             owner=owner,
-            tag=f".w{self.writer}" if self.writer is not None else "",
+            tag=stripe_tag(writer=self.writer),
         )
-
-    @staticmethod
-    def shard_name(rank: int) -> str:
-        return f"shard-{rank:05d}"
 
     def _collective(self, what: str, op: Callable[[], T]) -> T:
         try:
@@ -397,7 +394,7 @@ class GroupSaveJob:
                 stripes=[],
                 tensors=[],
                 tree={"spec_version": 1, "root": None},
-                shards=[self.shard_name(s.rank) for s in statuses],
+                shards=[shard_name(s.rank) for s in statuses],
             )
             self.job.publish(doc)
             return

@@ -30,6 +30,7 @@ from ..device import DeviceCopier, device_bytes
 from ..errors import SaveCancelledError
 from ..format.blobs import Blob
 from ..format.flatten import FlatState, TensorRecord, flatten, records_to_json
+from ..format.layout import data_file_name, stripe_dir_name, tmp_dir_for
 from ..format.manifest import FileEntry, build
 from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write_owner
 from ..format.quote import shown
@@ -42,8 +43,6 @@ from .target import (
     check_target,
     remove_checkpoint_tree,
     replace_as_last_writer,
-    stripe_dir_name,
-    tmp_dir_for,
     write_manifest,
 )
 from .verdict import Verdict
@@ -198,7 +197,7 @@ class SaveJob:
         used = {self.stripe_dirs[part.stripe] for part in self.my_parts} if stripe_roots else set()
         self.stripe_dirs_used = sorted(used)
         for part in self.my_parts:
-            fname = f"data-w{part.writer}-s{part.stripe}.bin"
+            fname = data_file_name(writer=part.writer, stripe=part.stripe)
             self.part_names.append((part.stripe if stripe_roots else None, fname))
 
     def _make_directories(self) -> list[str]:
