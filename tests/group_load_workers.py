@@ -115,13 +115,15 @@ def hung_reader(rank: int, world: int, workdir: str, backend: str) -> dict[str, 
 
         fastpersist.loading.group.read_window = stalled  # type: ignore[assignment]
     started = time.monotonic()
+    group_error = False
     try:
         fp.load(path, group=dist.group.WORLD, config=fp.Config(backend=backend, timeout_s=3.0))
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
+        group_error = isinstance(e, fp.GroupLoadError) and isinstance(e, fp.FastPersistError)
     else:
         error = ""
-    return {"error": error, "elapsed": time.monotonic() - started}
+    return {"error": error, "group_error": group_error, "elapsed": time.monotonic() - started}
 
 
 def run(rank: int, world: int, init_file: str, scenario: str, workdir: str, backend: str) -> None:

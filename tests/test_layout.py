@@ -159,3 +159,11 @@ def test_only_format_spells_an_on_disk_name() -> None:
         if not mod.startswith(FORMAT) and (hits := _spelled_names(path.read_text()))
     }
     assert spelled == {}
+
+
+def test_the_control_plane_sits_below_saving_and_loading() -> None:
+    edges = _imports(_modules())
+    control = "fastpersist.distributed.control"
+    assert control in edges["fastpersist.saving.group"] and control in edges["fastpersist.loading.group"]
+    above = ("fastpersist.saving", "fastpersist.loading", "fastpersist.api", "fastpersist.checkpointer")
+    assert sorted(t for t in edges[control] if t.startswith(above)) == []

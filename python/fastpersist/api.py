@@ -297,7 +297,7 @@ def _load_new(
 
 
 def _group_size(group: object) -> int:
-    from .saving.group import group_rank_and_size
+    from .distributed.control import group_rank_and_size
 
     return group_rank_and_size(group)[1]
 
@@ -308,7 +308,7 @@ def _shard_index(root: str, shard_count: int, group: object, shard: int | None) 
             raise ValueError(
                 f"{root} is sharded over {shard_count} ranks: load it with group= (a group of that size) or shard=k"
             )
-        from .saving.group import group_rank_and_size
+        from .distributed.control import group_rank_and_size
 
         shard, size = group_rank_and_size(group)
         if size != shard_count:

@@ -98,7 +98,7 @@ class Checkpointer:
         self.sharded = sharded
         self.rank = 0
         if group is not None:
-            from .saving.group import group_rank_and_size
+            from .distributed.control import group_rank_and_size
 
             self.rank = group_rank_and_size(group)[0]
         self._future: SaveFuture | None = None
@@ -237,7 +237,7 @@ class Checkpointer:
             self.history.committed(result, stripes=stripes, group=self.group is not None)  # costs and wear
 
     def _retire_in_group(self, step: int, candidates: list[str]) -> None:
-        from .saving.group import control_for, forget_control
+        from .distributed.control import control_for, forget_control
 
         assert self.config is not None
         control = control_for(self.group, self.config.timeout_s)
