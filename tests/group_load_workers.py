@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import fastpersist as fp
-import fastpersist.api
 import fastpersist.loading.group
+import fastpersist.loading.pipeline
 from fastpersist.format.manifest import read_manifest
 
 from dist_workers import SCENARIOS, make_state
@@ -34,7 +34,7 @@ def bits(a: Any, b: Any) -> bool:
 def count_reads() -> dict[str, int]:
     """Counts the stream bytes this process reads, on the shared path and on the old one."""
     counts = {"shared": 0, "whole": 0}
-    read_window, read_stream = fastpersist.loading.group.read_window, fastpersist.api.read_stream
+    read_window, read_stream = fastpersist.loading.group.read_window, fastpersist.loading.pipeline.read_stream
 
     def counted_window(root: str, m: Any, lo: int, hi: int, *args: Any) -> None:
         counts["shared"] += hi - lo
@@ -45,7 +45,7 @@ def count_reads() -> dict[str, int]:
         return read_stream(root, m, *args)
 
     fastpersist.loading.group.read_window = counted_window  # type: ignore[assignment]
-    fastpersist.api.read_stream = counted_stream  # type: ignore[assignment]
+    fastpersist.loading.pipeline.read_stream = counted_stream  # type: ignore[assignment]
     return counts
 
 

@@ -167,3 +167,15 @@ def test_the_control_plane_sits_below_saving_and_loading() -> None:
     assert control in edges["fastpersist.saving.group"] and control in edges["fastpersist.loading.group"]
     above = ("fastpersist.saving", "fastpersist.loading", "fastpersist.api", "fastpersist.checkpointer")
     assert sorted(t for t in edges[control] if t.startswith(above)) == []
+
+
+def test_api_holds_only_the_public_entry_points() -> None:
+    tree = ast.parse((PACKAGE / "api.py").read_text())
+    defined = sorted(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
+    assert defined == sorted(fastpersist.api.__all__)
+
+
+def test_the_checkpointer_imports_nothing_above_it() -> None:
+    edges = _imports(_modules())
+    above = ("fastpersist.integrations", "fastpersist.interop", "fastpersist.tools")
+    assert sorted(t for t in edges["fastpersist.checkpointer"] if t.startswith(above)) == []

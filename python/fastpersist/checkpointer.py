@@ -31,10 +31,11 @@ from .config import Config, SaveResult
 from .errors import CorruptCheckpointError
 from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name, write_small_file
 from .format.manifest import read_manifest
-from .futures import SaveFuture, SaveJobLike
+from .futures import SaveFuture
 from .retention import retire, retired_steps
-from .saving.job import SaveJob
+from .saving.optimizer_guard import guard_optimizer
 from .saving.pools import pool_for
+from .saving.start import start_save
 
 __all__ = ["Checkpointer"]
 
@@ -195,14 +196,7 @@ class Checkpointer:
                 self._before_first_save(step)
             if self._pool is None:
                 self._pool = pool_for(config)  # held for this Checkpointer's life, reused by every save
-            job: SaveJobLike
-            if self.group is None:
-                job = SaveJob(self.path(step), config, pool=self._pool).start(state)
-            else:
-                from .saving.group import GroupSaveJob
-
-                job = GroupSaveJob(self.path(step), config, self.group, sharded=self.sharded, pool=self._pool)
-                job.start(state)
+            job = start_save(state, self.path(step), config, group=self.group, sharded=self.sharded, pool=self._pool)
             self._future = SaveFuture(job, on_commit=functools.partial(self._after_commit, step))
             return self._future
 
@@ -369,8 +363,6 @@ class Checkpointer:
 
     def guard(self, optimizer: Any) -> Any:
         """Makes ``optimizer.step()`` call :meth:`wait_staged` first; returns the hook handle."""
-        from .integrations import guard_optimizer
-
         return guard_optimizer(optimizer, self)
 
     def __repr__(self) -> str:

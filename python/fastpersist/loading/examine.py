@@ -22,15 +22,29 @@ from typing import Any
 
 from .. import _core
 from ..errors import CorruptCheckpointError
-from ..format.confine import check_data_files, check_shard_dir
+from ..format.confine import check_data_files
 from ..format.manifest import FileEntry, Manifest
 from ..format.quote import shown
 from ..format.records import dtype_itemsize
-from .opened import OpenedCheckpoint, opened_shard
+from .opened import OpenedCheckpoint, opened_checkpoint, opened_shard
 from .reading import checksum_error
 from .relocate import StripeRoots, check_stripes_present, read_opened
 
-__all__ = ["check_chunks", "describe"]
+__all__ = ["check_chunks", "describe", "inspect_checkpoint", "verify_checkpoint"]
+
+
+def inspect_checkpoint(path: str | os.PathLike[str], stripe_roots: StripeRoots = None) -> dict[str, Any]:
+    """:func:`fastpersist.inspect`: opens the checkpoint at `path` once and describes it."""
+    with opened_checkpoint(path) as ck:
+        return describe(ck, stripe_roots)
+
+
+def verify_checkpoint(
+    path: str | os.PathLike[str], progress: Callable[[int], object] | None = None, stripe_roots: StripeRoots = None
+) -> dict[str, Any]:
+    """:func:`fastpersist.verify`: opens the checkpoint at `path` once and checks every chunk."""
+    with opened_checkpoint(path) as ck:
+        return check_chunks(ck, progress, stripe_roots)
 
 
 def describe(ck: OpenedCheckpoint, stripe_roots: StripeRoots = None) -> dict[str, Any]:
@@ -39,7 +53,6 @@ def describe(ck: OpenedCheckpoint, stripe_roots: StripeRoots = None) -> dict[str
     if m.shards:
         shards = []
         for name in m.shards:
-            check_shard_dir(ck.at, name)
             with opened_shard(ck, name) as shard_ck:
                 shards.append(describe(shard_ck, stripe_roots))
         return {
@@ -99,7 +112,6 @@ def check_chunks(
     if m.shards:
         totals = []
         for name in m.shards:
-            check_shard_dir(ck.at, name)
             with opened_shard(ck, name) as shard_ck:
                 totals.append(check_chunks(shard_ck, progress, stripe_roots))
         return {key: sum(t[key] for t in totals) for key in ("files", "bytes", "chunks")}
