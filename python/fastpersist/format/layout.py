@@ -64,6 +64,7 @@ __all__ = [
     "stripe_dir_name",
     "stripe_tag",
     "tmp_dir_for",
+    "write_new_file",
     "write_small_file",
 ]
 
@@ -199,6 +200,24 @@ def atomic_file(path: str, *, durable: bool) -> Iterator[str]:
         raise
     if durable:
         _core.fsync_dir(parent)
+
+
+def write_new_file(path: str, data: bytes, *, durable: bool) -> None:
+    """Creates the file `path`, which must not exist, holding `data` (fsynced when `durable`;
+    its directory entry is the caller's to make durable).
+
+    Raises:
+        FileExistsError: `path` exists already.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_small_file(path: str, data: bytes, *, durable: bool) -> None:

@@ -55,26 +55,19 @@ def describe(ck: OpenedCheckpoint, stripe_roots: StripeRoots = None) -> dict[str
         for name in m.shards:
             with opened_shard(ck, name) as shard_ck:
                 shards.append(describe(shard_ck, stripe_roots))
-        return {
-            "path": ck.root,
-            "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
-            "created": m.created,
-            "checkpoint_id": m.checkpoint_id,
-            "library_version": m.library_version,
-            "shards": shards,
-            "tensors": sum(s["tensors"] for s in shards),
-            "bytes": sum(s["bytes"] for s in shards),
-            "total_bytes": sum(s["total_bytes"] for s in shards),
-            "files": [f for s in shards for f in s["files"]],
-            "checksum": m.checksum,
-            "chunk_bytes": m.chunk_bytes,
-            "tensor_list": [t for s in shards for t in s["tensor_list"]],
-        }
+        return _description(
+            ck,
+            m,
+            shards=shards,
+            tensors=sum(s["tensors"] for s in shards),
+            bytes=sum(s["bytes"] for s in shards),
+            total_bytes=sum(s["total_bytes"] for s in shards),
+            files=[f for s in shards for f in s["files"]],
+            tensor_list=[t for s in shards for t in s["tensor_list"]],
+        )
     tensor_list = []
-    data_bytes = 0
     for t in m.tensors:
         nbytes = math.prod(t.shape) * dtype_itemsize(t.kind, t.dtype)
-        data_bytes += nbytes
         tensor_list.append(
             {
                 "key": t.key_path,
@@ -85,18 +78,28 @@ def describe(ck: OpenedCheckpoint, stripe_roots: StripeRoots = None) -> dict[str
                 "bytes": nbytes,
             }
         )
+    return _description(
+        ck,
+        m,
+        tensors=len(m.tensors),
+        bytes=sum(t["bytes"] for t in tensor_list),
+        total_bytes=m.total_bytes,
+        files=[{"path": m.file_path(ck.root, f), "bytes": f.len_bytes, "chunks": len(f.chunk_crc32c)} for f in m.files],
+        tensor_list=tensor_list,
+    )
+
+
+def _description(
+    ck: OpenedCheckpoint, m: Manifest, *, tensor_list: list[dict[str, Any]], **sizes: Any
+) -> dict[str, Any]:
+    """The inspect dict: what the manifest says of itself, then `sizes` (the shards' sums, or its own)."""
     return {
         "path": ck.root,
         "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
         "created": m.created,
         "checkpoint_id": m.checkpoint_id,
         "library_version": m.library_version,
-        "tensors": len(m.tensors),
-        "bytes": data_bytes,
-        "total_bytes": m.total_bytes,
-        "files": [
-            {"path": m.file_path(ck.root, f), "bytes": f.len_bytes, "chunks": len(f.chunk_crc32c)} for f in m.files
-        ],
+        **sizes,
         "checksum": m.checksum,
         "chunk_bytes": m.chunk_bytes,
         "tensor_list": tensor_list,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from .. import _core
 from ..format.confine import remove_checkpoint_tree as _remove_confined
-from ..format.layout import MANIFEST_NAME, stripe_dir_id, stripe_dir_name, tmp_dir_for
+from ..format.layout import MANIFEST_NAME, stripe_dir_id, stripe_dir_name, tmp_dir_for, write_new_file
 
 __all__ = [
     "COMMIT_ATTEMPTS",
@@ -133,15 +133,7 @@ def check_stripe_roots(stripes: Sequence[str | os.PathLike[str]] | None) -> None
 
 def write_manifest(directory: str, manifest: bytes, *, durable: bool) -> None:
     """Writes `manifest` as ``directory/manifest.json`` (new file), fsyncing it and the directory."""
-    fd = os.open(os.path.join(directory, MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(manifest)
-        while view:
-            view = view[os.write(fd, view) :]
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_new_file(os.path.join(directory, MANIFEST_NAME), manifest, durable=durable)
     if durable:
         _core.fsync_dir(directory)
 
