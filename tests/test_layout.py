@@ -179,3 +179,32 @@ def test_the_checkpointer_imports_nothing_above_it() -> None:
     edges = _imports(_modules())
     above = ("fastpersist.integrations", "fastpersist.interop", "fastpersist.tools")
     assert sorted(t for t in edges["fastpersist.checkpointer"] if t.startswith(above)) == []
+
+
+README = PACKAGE.parent.parent / "README.md"
+#: The folders whose every module the README's Layout section names (tools/bench/ is one entry).
+LISTED_FOLDERS = ("", "format", "saving", "loading", "distributed", "interop", "integrations", "advisor", "tools")
+
+
+def _layout_entries() -> dict[str, str]:
+    """The README's Layout block under python/fastpersist/: folder ("" for the top) -> its text."""
+    block = README.read_text().split("## Layout", 1)[1].split("```")[1]
+    package = block.split("python/fastpersist/\n", 1)[1].split("\ntests/", 1)[0]
+    entries: dict[str, str] = {}
+    folder = ""
+    for line in package.splitlines():
+        label = line[2:].split(" ", 1)[0] if line.startswith("  ") and not line.startswith("   ") else ""
+        if label.endswith("/"):
+            folder = label.rstrip("/")
+        entries[folder] = entries.get(folder, "") + " " + line
+    return entries
+
+
+def test_the_readme_layout_names_every_module() -> None:
+    entries = _layout_entries()
+    missing = []
+    for folder in LISTED_FOLDERS:
+        for path in sorted((PACKAGE / folder).glob("*.py")):
+            if path.stem not in ("__init__", "__main__") and not re.search(rf"\b{path.stem}\b", entries[folder]):
+                missing.append(f"{folder or 'fastpersist'}/{path.name}")
+    assert missing == []
