@@ -89,11 +89,9 @@ class Blob:
         if self.copier_factory is not None:
             raise RuntimeError("a device-resident blob has no host bytes; its copier stages it")
         if self._data is None:
-            # Only left unset for a non-empty contiguous plain CPU tensor (_Walker._tensor).
-            source = self.source
-            if not isinstance(source, torch.Tensor):
-                raise TypeError(f"a blob without bytes has a {type(source).__name__} source, not a tensor")
-            data = byte_view(source)
+            # Only left unset for a non-empty contiguous plain CPU tensor (_Walker._tensor); no
+            # isinstance here: this runs once per tensor of the state, on the save call's path.
+            data = byte_view(self.source)  # type: ignore[arg-type]
             if data.nbytes != self.nbytes:
                 raise RuntimeError(
                     f"a tensor of {data.nbytes} bytes was resized from {self.nbytes} bytes between "

@@ -276,7 +276,8 @@ class SaveJob:
             return True
         for index in blobs:
             blob = flat.blobs[index]
-            now = blob.source_tensor._version  # only torch sources are watched
+            # Only torch sources are watched; a plain attribute read, as this runs once per tensor.
+            now = blob.source._version  # type: ignore[union-attr]
             if now != blob.version:
                 self.verdict.fail(
                     SaveCancelledError(
