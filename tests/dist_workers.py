@@ -99,14 +99,17 @@ def _previous_then(
     path = os.path.join(workdir, "ckpt")
     fp.save(make_state(1), path, config=fp.Config(chunk_bytes=64 << 10), group=dist.group.WORLD)
     started = time.monotonic()
+    group_error = False
     try:
         fp.save(bad(rank), path, config=cfg, group=dist.group.WORLD)
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
+        group_error = isinstance(e, fp.GroupSaveError) and isinstance(e, fp.FastPersistError)
     else:
         error = ""
     elapsed = time.monotonic() - started
-    return {"error": error, "elapsed": elapsed, "previous_ok": same(make_state(1), fp.load(path))}
+    previous_ok = same(make_state(1), fp.load(path))
+    return {"error": error, "group_error": group_error, "elapsed": elapsed, "previous_ok": previous_ok}
 
 
 def failing_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import fastpersist as fp
-import fastpersist.api
 import fastpersist.loading.group
+import fastpersist.loading.pipeline
 from fastpersist.format.manifest import read_manifest
 
 from dist_workers import SCENARIOS, make_state
@@ -34,7 +34,7 @@ def bits(a: Any, b: Any) -> bool:
 def count_reads() -> dict[str, int]:
     """Counts the stream bytes this process reads, on the shared path and on the old one."""
     counts = {"shared": 0, "whole": 0}
-    read_window, read_stream = fastpersist.loading.group.read_window, fastpersist.api.read_stream
+    read_window, read_stream = fastpersist.loading.group.read_window, fastpersist.loading.pipeline.read_stream
 
     def counted_window(root: str, m: Any, lo: int, hi: int, *args: Any) -> None:
         counts["shared"] += hi - lo
@@ -45,7 +45,7 @@ def count_reads() -> dict[str, int]:
         return read_stream(root, m, *args)
 
     fastpersist.loading.group.read_window = counted_window  # type: ignore[assignment]
-    fastpersist.api.read_stream = counted_stream  # type: ignore[assignment]
+    fastpersist.loading.pipeline.read_stream = counted_stream  # type: ignore[assignment]
     return counts
 
 
@@ -115,13 +115,15 @@ def hung_reader(rank: int, world: int, workdir: str, backend: str) -> dict[str, 
 
         fastpersist.loading.group.read_window = stalled  # type: ignore[assignment]
     started = time.monotonic()
+    group_error = False
     try:
         fp.load(path, group=dist.group.WORLD, config=fp.Config(backend=backend, timeout_s=3.0))
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
+        group_error = isinstance(e, fp.GroupLoadError) and isinstance(e, fp.FastPersistError)
     else:
         error = ""
-    return {"error": error, "elapsed": time.monotonic() - started}
+    return {"error": error, "group_error": group_error, "elapsed": time.monotonic() - started}
 
 
 def run(rank: int, world: int, init_file: str, scenario: str, workdir: str, backend: str) -> None:

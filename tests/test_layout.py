@@ -155,3 +155,110 @@ def test_rust_files_and_functions_stay_small() -> None:
             if length > MAX_FUNCTION_LINES
         ]
     assert too_long == []
+
+
+FORMAT = "fastpersist.format"
+#: Pieces of on-disk names and their patterns; only format/ may spell them (format/layout.py owns them).
+ON_DISK_NAMES = (
+    ".fptmp",
+    ".fpstripe",
+    ".fpowner",
+    ".fpremoving",
+    ".fpdcp",
+    "manifest.json",
+    "latest.json",
+    "history.json",
+    ".metadata",
+    "data-w",
+    ".tmp-",
+    "shard-",
+)
+#: A step directory ("step-00000120", f"step-{step:08d}", r"^step-(\d{8,})$"), not a CLI flag like --step-seconds.
+STEP_DIR = re.compile(r"(?<![\w-])step-(?:\d|\(|$)")
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def _spelled_names(source: str) -> list[str]:
+    """The string literals (f-string pieces included, docstrings and comments not) that spell an on-disk name."""
+    tree = ast.parse(source)
+    docstrings = _docstrings(tree)
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if any(name in node.value for name in ON_DISK_NAMES) or STEP_DIR.search(node.value):
+                hits.append(f"line {node.lineno}: {node.value!r}")
+    return hits
+
+
+def test_the_check_sees_names_in_literals_fstrings_and_regexes_but_not_docstrings() -> None:
+    source = (
+        '"""Writes manifest.json."""\nA = f"step-{s:08d}"\nB = re.compile(r"^\\.(.+)\\.fptmp-")\nC = "--step-seconds"\n'
+    )
+    assert [hit.split(":")[0] for hit in _spelled_names(source)] == ["line 2", "line 3"]
+
+
+def test_only_format_spells_an_on_disk_name() -> None:
+    spelled = {
+        mod: hits
+        for mod, path in _modules().items()
+        if not mod.startswith(FORMAT) and (hits := _spelled_names(path.read_text()))
+    }
+    assert spelled == {}
+
+
+def test_the_control_plane_sits_below_saving_and_loading() -> None:
+    edges = _imports(_modules())
+    control = "fastpersist.distributed.control"
+    assert control in edges["fastpersist.saving.group"] and control in edges["fastpersist.loading.group"]
+    above = ("fastpersist.saving", "fastpersist.loading", "fastpersist.api", "fastpersist.checkpointer")
+    assert sorted(t for t in edges[control] if t.startswith(above)) == []
+
+
+def test_api_holds_only_the_public_entry_points() -> None:
+    tree = ast.parse((PACKAGE / "api.py").read_text())
+    defined = sorted(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
+    assert defined == sorted(fastpersist.api.__all__)
+
+
+def test_the_checkpointer_imports_nothing_above_it() -> None:
+    edges = _imports(_modules())
+    above = ("fastpersist.integrations", "fastpersist.interop", "fastpersist.tools")
+    assert sorted(t for t in edges["fastpersist.checkpointer"] if t.startswith(above)) == []
+
+
+README = PACKAGE.parent.parent / "README.md"
+#: The folders whose every module the README's Layout section names (tools/bench/ is one entry).
+LISTED_FOLDERS = ("", "format", "saving", "loading", "distributed", "interop", "integrations", "advisor", "tools")
+
+
+def _layout_entries() -> dict[str, str]:
+    """The README's Layout block under python/fastpersist/: folder ("" for the top) -> its text."""
+    block = README.read_text().split("## Layout", 1)[1].split("```")[1]
+    package = block.split("python/fastpersist/\n", 1)[1].split("\ntests/", 1)[0]
+    entries: dict[str, str] = {}
+    folder = ""
+    for line in package.splitlines():
+        label = line[2:].split(" ", 1)[0] if line.startswith("  ") and not line.startswith("   ") else ""
+        if label.endswith("/"):
+            folder = label.rstrip("/")
+        entries[folder] = entries.get(folder, "") + " " + line
+    return entries
+
+
+def test_the_readme_layout_names_every_module() -> None:
+    entries = _layout_entries()
+    missing = []
+    for folder in LISTED_FOLDERS:
+        for path in sorted((PACKAGE / folder).glob("*.py")):
+            if path.stem not in ("__init__", "__main__") and not re.search(rf"\b{path.stem}\b", entries[folder]):
+                missing.append(f"{folder or 'fastpersist'}/{path.name}")
+    assert missing == []

@@ -70,7 +70,7 @@ def test_a_save_call_says_where_its_time_went(
     assert [level for level, _ in calls] == ["DEBUG", "INFO"]
     pattern = (
         rf"the save of {re.escape(os.path.abspath(path))} took [0-9.]+ s before returning: [0-9.]+ s walking the "
-        r"state \(5000 tensors\) and laying it out, .*; [0-9.]+ s starting the engine, which copies the small "
-        r"tensors before returning .*\(docs/overlap\.md\)(; [0-9.]+ s until every byte was staged .*)?"
+        r"state \(5000 tensors\) and laying it out, .*; [0-9.]+ s starting the engine, which makes the early copy "
+        r"of the small tensors before returning .*\(docs/overlap\.md\)(; [0-9.]+ s until every byte was staged .*)?"
     )
     assert all(re.fullmatch(pattern, message) for _, message in calls), calls

@@ -17,6 +17,8 @@ from .errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     FastPersistError,
+    GroupLoadError,
+    GroupSaveError,
     SaveCancelledError,
     UnsupportedValueError,
 )
@@ -33,6 +35,8 @@ __all__ = [
     "Config",
     "CorruptCheckpointError",
     "FastPersistError",
+    "GroupLoadError",
+    "GroupSaveError",
     "SaveCancelledError",
     "SaveFuture",
     "SaveResult",

@@ -80,7 +80,7 @@ class WriteReport(TypedDict):
     backend: _BackendName
     #: From :func:`start_write` until every byte was written (and fsynced when durable).
     seconds: float
-    #: From :func:`start_write` until the sources were released.
+    #: From :func:`start_write` until the job was staged (the sources are no longer read).
     staged_seconds: float | None
 
 @final
@@ -160,7 +160,7 @@ class WriteHandle:
         """Why ``backend="auto"`` fell back to threads, if it did."""
     @property
     def staged_seconds(self) -> float | None:
-        """Seconds from the start until the sources were released, once they are."""
+        """Seconds from the start until the job was staged, once it is."""
 
 def start_write(
     plan: Plan,

@@ -1,50 +1,25 @@
-"""The public entry points: save, save_async, load, inspect, verify."""
+"""The public entry points: save, save_async, load, inspect, verify.
+
+Each is its documented signature and docstring over one call: saves start in
+:mod:`fastpersist.saving.start`, loads run :mod:`fastpersist.loading.pipeline`, inspect and
+verify :mod:`fastpersist.loading.examine`.
+"""
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
-
-from . import _core
 from .config import Config, SaveResult
-from .errors import CorruptCheckpointError
-from .format.confine import check_data_files, check_shard_dir
-from .format.flatten import materialize, unflatten
-from .format.manifest import Manifest
-from .format.records import TensorRecord
-from .futures import SaveFuture, SaveJobLike
-from .loading.examine import check_chunks, describe
-from .loading.fill import fill_by_key
-from .loading.maplocation import MapLocation, MappedStorages, check_load_flags, check_targets_exist, map_tensor
-from .loading.opened import OpenedCheckpoint, opened_checkpoint, opened_shard
+from .futures import SaveFuture
+from .loading.examine import inspect_checkpoint, verify_checkpoint
+from .loading.maplocation import MapLocation, check_load_flags
 from .loading.phases import PhaseClock
-from .loading.reading import blob_buffers, read_stream, windowable
-from .loading.relocate import check_stripes_present, read_opened
-from .loading.todevice import device_targets, load_blobs
-from .logs import log_load
-from .saving.job import SaveJob
+from .loading.pipeline import LoadOptions, load_checkpoint
+from .saving.start import start_save
 
 __all__ = ["inspect", "load", "save", "save_async", "verify"]
-
-
-def _start(
-    state: object,
-    path: str | os.PathLike[str],
-    config: Config | None,
-    group: object,
-    sharded: bool,
-) -> SaveJobLike:
-    config = config or Config()
-    # The engine always runs on its own thread, so that waiting for it can be interrupted.
-    if group is None and not sharded:
-        return SaveJob(path, config).start(state)
-    from .saving.group import GroupSaveJob
-
-    return GroupSaveJob(path, config, group, sharded=sharded).start(state)
 
 
 def save(
@@ -78,7 +53,7 @@ def save(
         >>> res.nbytes > 0
         True
     """
-    return _start(state, path, config, group, sharded).finish()
+    return start_save(state, path, config or Config(), group=group, sharded=sharded).finish()
 
 
 def save_async(
@@ -104,7 +79,7 @@ def save_async(
         >>> fut.wait().path.endswith("fp-doc-async")
         True
     """
-    return SaveFuture(_start(state, path, config, group, sharded))
+    return SaveFuture(start_save(state, path, config or Config(), group=group, sharded=sharded))
 
 
 def load(
@@ -150,7 +125,7 @@ def load(
             replicated one, every rank gets the whole state; with `shared_read` each rank reads
             only ~1/N of it from disk and the ranks exchange the rest over gloo (every rank of
             `group` must call ``load`` with the same arguments; see
-            :mod:`fastpersist.group_load`).
+            :mod:`fastpersist.loading.group`).
         shard: read this shard of a sharded checkpoint (without a group).
         config: backend knobs for the read; its ``stripes``, when set, also confine the read:
             stripe directories outside those roots are refused; stripe directories moved to
@@ -176,145 +151,8 @@ def load(
         ['model', 'step']
     """
     check_load_flags(weights_only, mmap)
-    options = _LoadOptions(map_location, verify, config or Config(), namedtuple_types, PhaseClock(phases))
-    with opened_checkpoint(path) as ck:
-        m = read_opened(ck, options.config.stripes)
-        if m.shards:
-            return _load_shard(ck, m.shards[_shard_index(ck.root, len(m.shards), group, shard)], out, options)
-        if shard is not None:
-            raise ValueError(f"{ck.root} is not sharded; load it without shard=")
-        shared = group is not None and shared_read and out is None and _group_size(group) > 1
-        return _load_one(ck, m, out, options, group if shared else None)
-
-
-def _load_shard(ck: OpenedCheckpoint, name: str, out: object, options: _LoadOptions) -> Any:
-    """Loads the shard directory `name` of the sharded checkpoint `ck`."""
-    check_shard_dir(ck.at, name)
-    with opened_shard(ck, name) as shard_ck:
-        m = read_opened(shard_ck, options.config.stripes)
-        if m.shards:  # fastpersist writes each shard as one rank's plain checkpoint
-            raise CorruptCheckpointError(f"{shard_ck.root}/manifest.json: a shard may not itself be sharded")
-        return _load_one(shard_ck, m, out, options, None)
-
-
-class _LoadOptions(NamedTuple):
-    """What one load was asked for, handed down its steps."""
-
-    map_location: MapLocation
-    verify: bool
-    config: Config
-    namedtuple_types: Iterable[type]
-    clock: PhaseClock
-
-
-def _load_one(ck: OpenedCheckpoint, m: Manifest, out: object, options: _LoadOptions, shared_group: object) -> Any:
-    """Loads one (unsharded) opened checkpoint whose manifest `m` is already validated; with
-    `shared_group`, the ranks of that group each read a share of the stream."""
-    config, root = options.config, ck.at
-    check_stripes_present(m, ck.root)
-    check_data_files(root, m, config.stripes)  # before allocating: sizes, links, confinement
-    if out is not None and not windowable(m):
-        raise CorruptCheckpointError(
-            f"{ck.root}/manifest.json: its files do not start on chunk boundaries (fastpersist never writes "
-            "such a layout), so out= cannot be filled window by window"
-        )
-    if out is None:
-        check_targets_exist(options.map_location, _placed(m.tensors), ck.root)
-    options.clock.mark("manifest")
-    read_started = time.perf_counter()
-    mapped: MappedStorages = {}
-
-    def place(t: torch.Tensor, device: str) -> torch.Tensor:
-        return map_tensor(options.map_location, t, device, mapped)
-
-    if out is not None:
-        state = fill_by_key(
-            out,
-            root,
-            m,
-            options.verify,
-            config,
-            lambda t, rec: place(t, rec.device),
-            namedtuple_types=options.namedtuple_types,
-            check_new=lambda records: check_targets_exist(options.map_location, _placed(records), ck.root),
-        )
-        options.clock.mark("fill")
-    else:
-        targets = device_targets(m, options.map_location) if shared_group is None and windowable(m) else {}
-        state = _load_new(root, m, options, place, shared_group, targets)
-    log_load(ck.root, m.total_bytes, time.perf_counter() - read_started, _core.select_backend(config.backend)[0])
-    return state
-
-
-def _placed(records: Iterable[TensorRecord]) -> list[tuple[str, str]]:
-    """``(key path, saved device)`` of the torch tensors among `records` (what ``map_location`` moves)."""
-    return [(rec.key_path, rec.device) for rec in records if rec.kind == "torch"]
-
-
-def _load_new(
-    root: str,
-    m: Manifest,
-    options: _LoadOptions,
-    place: Callable[[torch.Tensor, str], torch.Tensor],
-    shared_group: object = None,
-    targets: dict[int, torch.device] | None = None,
-) -> Any:
-    """Reads the stream and builds a new state (each large tensor owning its pages). Blobs in
-    `targets` are loaded straight to their device through a ring of pinned windows
-    (:mod:`fastpersist.loading.todevice`); their tensors are already placed."""
-    clock, verify, config = options.clock, options.verify, options.config
-    stream = None
-    with clock.reading() as stats:  # on a device: the host-to-device copies are inside `read`
-        if targets:
-            buffers = load_blobs(root, m, verify, config, targets, stats)
-        elif shared_group is not None and windowable(m):
-            from .loading.group import read_stream_shared
-
-            stream = read_stream_shared(root, m, verify, config, shared_group)
-        else:
-            stream = read_stream(root, m, verify, config, stats)
-    if stream is not None:
-        buffers = blob_buffers(stream, m)
-    try:
-        tensors = materialize(m.tensors, buffers)
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
-    del buffers
-    clock.mark("build")
-    on_device = targets or {}
-    tensors = [
-        place(t, rec.device) if isinstance(t, torch.Tensor) and rec.blob not in on_device else t
-        for t, rec in zip(tensors, m.tensors, strict=True)
-    ]
-    clock.mark("place")
-    try:
-        state = unflatten(m.tree, tensors, namedtuple_types=options.namedtuple_types)
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{root}/manifest.json: {e}") from None
-    clock.mark("unflatten")
-    return state
-
-
-def _group_size(group: object) -> int:
-    from .saving.group import group_rank_and_size
-
-    return group_rank_and_size(group)[1]
-
-
-def _shard_index(root: str, shard_count: int, group: object, shard: int | None) -> int:
-    if shard is None:
-        if group is None:
-            raise ValueError(
-                f"{root} is sharded over {shard_count} ranks: load it with group= (a group of that size) or shard=k"
-            )
-        from .saving.group import group_rank_and_size
-
-        shard, size = group_rank_and_size(group)
-        if size != shard_count:
-            raise ValueError(f"{root} has {shard_count} shards but the group has {size} ranks")
-    if not 0 <= shard < shard_count:
-        raise ValueError(f"shard={shard} out of range: {root} has {shard_count} shards")
-    return shard
+    options = LoadOptions(map_location, verify, config or Config(), namedtuple_types, PhaseClock(phases))
+    return load_checkpoint(path, options, out=out, group=group, shard=shard, shared_read=shared_read)
 
 
 def inspect(path: str | os.PathLike[str], *, config: Config | None = None) -> dict[str, Any]:
@@ -331,8 +169,7 @@ def inspect(path: str | os.PathLike[str], *, config: Config | None = None) -> di
         >>> fp.inspect("/tmp/fp-doc-ckpt")["tensors"]
         2
     """
-    with opened_checkpoint(path) as ck:
-        return describe(ck, config.stripes if config else None)
+    return inspect_checkpoint(path, config.stripes if config else None)
 
 
 def verify(
@@ -356,5 +193,4 @@ def verify(
         >>> fp.verify("/tmp/fp-doc-ckpt")["files"]
         1
     """
-    with opened_checkpoint(path) as ck:
-        return check_chunks(ck, progress, config.stripes if config else None)
+    return verify_checkpoint(path, progress, config.stripes if config else None)

@@ -20,29 +20,26 @@ import functools
 import json
 import logging
 import os
-import re
 import threading
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from . import _core
 from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
 from .api import load, verify
 from .cleanup import clean, stripe_leftovers
 from .config import Config, SaveResult
 from .errors import CorruptCheckpointError
-from .format.manifest import MANIFEST_NAME, read_manifest
-from .futures import SaveFuture, SaveJobLike
+from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name, write_small_file
+from .format.manifest import read_manifest
+from .futures import SaveFuture
 from .retention import retire, retired_steps
-from .saving.job import SaveJob
+from .saving.optimizer_guard import guard_optimizer
 from .saving.pools import pool_for
+from .saving.start import start_save
 
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger("fastpersist")
-
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
-INDEX_NAME = "latest.json"
 
 
 class Checkpointer:
@@ -102,7 +99,7 @@ class Checkpointer:
         self.sharded = sharded
         self.rank = 0
         if group is not None:
-            from .saving.group import group_rank_and_size
+            from .distributed.control import group_rank_and_size
 
             self.rank = group_rank_and_size(group)[0]
         self._future: SaveFuture | None = None
@@ -124,15 +121,15 @@ class Checkpointer:
 
     def path(self, step: int) -> str:
         """The directory of `step`'s checkpoint."""
-        return os.path.join(self.root, f"step-{step:08d}")
+        return os.path.join(self.root, step_dir_name(step))
 
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint (a manifest), oldest first. Does not verify data."""
         found = []
         for name in os.listdir(self.root):
-            match = _STEP_DIR.match(name)
-            if match and os.path.exists(os.path.join(self.root, name, MANIFEST_NAME)):
-                found.append(int(match.group(1)))
+            step = parse_step_dir(name)
+            if step is not None and os.path.exists(os.path.join(self.root, name, MANIFEST_NAME)):
+                found.append(step)
         return sorted(found)
 
     def clean(self) -> list[str]:
@@ -199,14 +196,7 @@ class Checkpointer:
                 self._before_first_save(step)
             if self._pool is None:
                 self._pool = pool_for(config)  # held for this Checkpointer's life, reused by every save
-            job: SaveJobLike
-            if self.group is None:
-                job = SaveJob(self.path(step), config, pool=self._pool).start(state)
-            else:
-                from .saving.group import GroupSaveJob
-
-                job = GroupSaveJob(self.path(step), config, self.group, sharded=self.sharded, pool=self._pool)
-                job.start(state)
+            job = start_save(state, self.path(step), config, group=self.group, sharded=self.sharded, pool=self._pool)
             self._future = SaveFuture(job, on_commit=functools.partial(self._after_commit, step))
             return self._future
 
@@ -241,7 +231,7 @@ class Checkpointer:
             self.history.committed(result, stripes=stripes, group=self.group is not None)  # costs and wear
 
     def _retire_in_group(self, step: int, candidates: list[str]) -> None:
-        from .saving.group import control_for, forget_control
+        from .distributed.control import control_for, forget_control
 
         assert self.config is not None
         control = control_for(self.group, self.config.timeout_s)
@@ -267,14 +257,7 @@ class Checkpointer:
             "path": os.path.basename(self.path(step)),
             "updated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
-        tmp = os.path.join(self.root, f".{INDEX_NAME}.tmp-{os.getpid()}-{threading.get_ident()}")
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(self.root, INDEX_NAME))
-        _core.fsync_dir(self.root)
+        write_small_file(os.path.join(self.root, INDEX_NAME), (json.dumps(doc, indent=2) + "\n").encode(), durable=True)
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Blocks until the in-flight save (if any) no longer reads the state's tensors."""
@@ -380,8 +363,6 @@ class Checkpointer:
 
     def guard(self, optimizer: Any) -> Any:
         """Makes ``optimizer.step()`` call :meth:`wait_staged` first; returns the hook handle."""
-        from .integrations import guard_optimizer
-
         return guard_optimizer(optimizer, self)
 
     def __repr__(self) -> str:

@@ -1,6 +1,7 @@
 """Removing the leftovers of interrupted saves: ``fastpersist.clean(root)`` / ``fastpersist clean ROOT``.
 
-A save that dies (``kill -9``, power loss) before it commits leaves, beside its target:
+A save that dies (``kill -9``, power loss) before it commits leaves, beside its target (the
+names are :mod:`fastpersist.format.layout`'s):
 
 * ``.{name}.fptmp-{id}``: the temporary checkpoint directory (partial data, maybe a manifest), or,
   when it died just after an atomic exchange, the replaced old checkpoint;
@@ -32,24 +33,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import shutil
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .errors import FastPersistError
-from .format.manifest import MANIFEST_NAME, read_manifest
+from .format.layout import INDEX_TMP, MANIFEST_NAME, parse_stripe_dir, parse_tmp_dir, tmp_dir_for
+from .format.manifest import read_manifest
 from .format.ownership import REMOVING, cleaning, is_live, lock_state, read_owner, remove_owned_dir
-from .format.stripes import parse_stripe_dir
 
-__all__ = ["INDEX_TMP", "clean", "stripe_leftovers"]
+__all__ = ["clean", "stripe_leftovers"]
 
 log = logging.getLogger("fastpersist")
-
-_TMP_DIR = re.compile(r"^\.(.+)\.fptmp-([0-9a-f]{12})$")
-#: A Checkpointer's index (latest.json) or cost history (history.json) being replaced.
-INDEX_TMP = re.compile(r"^\.(?:latest|history)\.json\.tmp-(\d+)-\d+$")
 
 _UNREADABLE = "unreadable"
 
@@ -88,10 +84,10 @@ def _is(path: str, kind: int) -> bool:
 
 def _dead_tmp_dirs(view: _RootView) -> None:
     for name in sorted(os.listdir(view.root)):
-        match = _TMP_DIR.match(name)
+        parsed = parse_tmp_dir(name)
         path = os.path.join(view.root, name)
-        if match and _is(path, stat.S_IFDIR) and lock_state(path) == "dead":
-            view.dead_tmp[(match.group(1), match.group(2))] = path
+        if parsed and _is(path, stat.S_IFDIR) and lock_state(path) == "dead":
+            view.dead_tmp[parsed] = path
 
 
 def _is_leftover(view: _RootView, path: str, name: str, id12: str) -> bool:
@@ -105,7 +101,7 @@ def _is_leftover(view: _RootView, path: str, name: str, id12: str) -> bool:
         return False  # another root's (a shared drive), or a marker that does not match its name
     if view.committed_id(owner_name) in (owner.checkpoint_id, _UNREADABLE):
         return False
-    if is_live(os.path.join(view.root, f".{owner_name}.fptmp-{id12}")):
+    if is_live(tmp_dir_for(os.path.join(view.root, owner_name), id12)):
         return False
     # The save may have committed between the two looks above (its rename is atomic): look again.
     return view.committed_id(owner_name, fresh=True) not in (owner.checkpoint_id, _UNREADABLE)

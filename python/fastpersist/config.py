@@ -115,7 +115,7 @@ class SaveResult:
         backend: ``"io_uring"`` or ``"threads"``.
         files: the data files written by this process.
         phases: where the time went, in seconds: ``flatten_plan`` (walk the state, lay out
-            the stream), ``staging`` (from the engine's start until the sources were released:
+            the stream), ``staging`` (from the engine's start until the save was staged:
             copy and crc32c, paced by the pool), ``write_fsync`` (from the engine's start until
             every data file was written and fsynced; overlaps ``staging``), ``commit``
             (manifest, fsync, atomic rename, directory fsync; in a group also the exchange).

@@ -38,6 +38,7 @@ from typing import Any, Protocol
 import torch
 
 __all__ = [
+    "CopierFactory",
     "CudaCopier",
     "CudaLoader",
     "DeviceCopier",
@@ -161,10 +162,13 @@ class CudaCopier:
 
 #: The copier installed by :func:`use_copier` (the predicate choosing its tensors, its factory),
 #: or None. flatten reads it per tensor, so it is a plain module attribute.
-installed_copier: tuple[Callable[[torch.Tensor], bool], Callable[[torch.device], DeviceCopier]] | None = None
+#: Makes the copier that stages a save's blobs resident on one device.
+CopierFactory = Callable[[torch.device], DeviceCopier]
+
+installed_copier: tuple[Callable[[torch.Tensor], bool], CopierFactory] | None = None
 
 
-def copier_for(tensor: torch.Tensor) -> Callable[[torch.device], DeviceCopier] | None:
+def copier_for(tensor: torch.Tensor) -> CopierFactory | None:
     """The factory of the copier that stages `tensor`, or None if the save reads it in place
     (CPU) or copies it to the host at once (devices without a copier)."""
     if installed_copier is not None and installed_copier[0](tensor):
@@ -175,9 +179,7 @@ def copier_for(tensor: torch.Tensor) -> Callable[[torch.device], DeviceCopier] |
 
 
 @contextmanager
-def use_copier(
-    selects: Callable[[torch.Tensor], bool], factory: Callable[[torch.device], DeviceCopier]
-) -> Iterator[None]:
+def use_copier(selects: Callable[[torch.Tensor], bool], factory: CopierFactory) -> Iterator[None]:
     """Within the block, tensors for which ``selects(t)`` is true are staged by
     ``factory(t.device)`` (the seam the CPU tests drive the device path through)."""
     global installed_copier

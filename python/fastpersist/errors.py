@@ -15,6 +15,8 @@ __all__ = [
     "ChecksumMismatchError",
     "CorruptCheckpointError",
     "FastPersistError",
+    "GroupLoadError",
+    "GroupSaveError",
     "SaveCancelledError",
     "UnsupportedValueError",
 ]
@@ -66,3 +68,13 @@ class UnsupportedValueError(FastPersistError, TypeError):
 class SaveCancelledError(FastPersistError, concurrent.futures.CancelledError):
     """A save stopped before it committed: cancelled, or a source tensor was modified in place
     before its bytes were staged. Nothing was committed; the previous checkpoint is untouched."""
+
+
+class GroupSaveError(FastPersistError):
+    """A save in a process group failed on some rank, or a rank stopped answering within
+    ``Config.timeout_s``; nothing was committed. The message names the rank and what failed."""
+
+
+class GroupLoadError(FastPersistError):
+    """A load in a process group failed on another rank (not because of damage to the
+    checkpoint), or a rank stopped answering within ``Config.timeout_s``."""

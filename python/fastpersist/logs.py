@@ -58,7 +58,7 @@ def log_save_call(path: str, tensor_count: int, started: float, laid_out: float,
     """Where the time went before a save call returned (``time.perf_counter()`` marks): at INFO
     from SLOW_CALL_S on, else at DEBUG.
 
-    The walk of the state and the copy of small tensors happen at the call by design (the
+    The walk of the state and the early copy of small tensors happen at the call by design (the
     overlap contract, docs/overlap.md); this line says how much each cost.
     """
     now = time.perf_counter()
@@ -70,7 +70,7 @@ def log_save_call(path: str, tensor_count: int, started: float, laid_out: float,
         level,
         "the save of %s took %.3f s before returning: %.3f s walking the state (%d tensors) and laying it "
         "out, which must happen at the call to capture its structure; %.3f s starting the engine, which "
-        "copies the small tensors before returning so that the next forward pass cannot race them "
+        "makes the early copy of the small tensors before returning so that the next forward pass cannot race them "
         "(docs/overlap.md)%s",
         path,
         now - started,

@@ -13,8 +13,9 @@ import torch
 
 import fastpersist as fp
 from fastpersist.advisor import history as history_module
-from fastpersist.advisor.history import HISTORY_NAME, SaveHistory
+from fastpersist.advisor.history import SaveHistory
 from fastpersist.advisor.model import Costs, best_every
+from fastpersist.format.layout import HISTORY_NAME
 
 
 class FakeClock:

@@ -21,10 +21,9 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist import api
 from fastpersist.device import DeviceLoader, use_loader
 from fastpersist.format.manifest import seal, unseal
-from fastpersist.loading import todevice
+from fastpersist.loading import pipeline, todevice
 from fastpersist.loading.reading import direct_padded
 
 CHUNK = 64 << 10
@@ -208,7 +207,7 @@ def test_round_trip_to_the_saved_device(
     workdir: str, backend: str, fake_cuda: type[FakeLoader], monkeypatch: Any
 ) -> None:
     path = _saved(workdir, backend)
-    monkeypatch.setattr(api, "read_stream", None)  # the device path never reads the whole stream
+    monkeypatch.setattr(pipeline, "read_stream", None)  # the device path never reads the whole stream
     phases: dict[str, float] = {}
     loaded = fp.load(path, phases=phases)  # map_location=None: each tensor back to "cuda:0"
     _assert_equal(loaded, _state())
@@ -318,7 +317,7 @@ def test_a_file_missing_at_read_time_is_a_corrupt_checkpoint(
     fp.save(_state(), path, config=fp.Config(backend=backend, chunk_bytes=CHUNK, stripes=stripes))
     _record_device(path, "cuda:0")
     last = max(fp.inspect(path)["files"], key=lambda f: f["path"])["path"]
-    monkeypatch.setattr(api, "check_data_files", lambda *args: None)  # it would catch this first
+    monkeypatch.setattr(pipeline, "check_data_files", lambda *args: None)  # it would catch this first
     os.unlink(last)
     with pytest.raises(fp.CorruptCheckpointError, match="missing") as info:
         fp.load(path)

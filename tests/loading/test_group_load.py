@@ -57,6 +57,7 @@ def test_a_hung_rank_makes_the_others_raise_after_the_timeout(workdir: str) -> N
     assert "GroupLoadError" in results[0]["error"] and "timeout_s=3.0" in results[0]["error"], results[0]
     assert results[0]["elapsed"] < 3.0 + 8, results[0]
     assert "GroupLoadError" in results[1]["error"], results[1]  # the stalled rank raises too, once it wakes
+    assert results[0]["group_error"] and results[1]["group_error"]  # fp.GroupLoadError, a FastPersistError
 
 
 def test_read_shares_are_whole_chunks_covering_the_stream() -> None:

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist import api
-from fastpersist.loading import examine, reading
+from fastpersist.loading import examine, pipeline, reading
 
 from gloo import TESTS_DIR
 from replace_workers import TENSORS, replace_in_a_loop, stepped_state
@@ -104,14 +103,14 @@ def test_a_checkpoint_deleted_under_a_read_is_not_found(
 ) -> None:
     path = os.path.join(workdir, "ck")
     fp.save(stepped_state(1), path, config=config)
-    check_data_files = api.check_data_files
+    check_data_files = pipeline.check_data_files
 
     def check_then_delete(*args: Any) -> int:
         total = check_data_files(*args)
         shutil.rmtree(path)
         return total
 
-    monkeypatch.setattr(api, "check_data_files", check_then_delete)  # load's check
+    monkeypatch.setattr(pipeline, "check_data_files", check_then_delete)  # load's check
     monkeypatch.setattr(examine, "check_data_files", check_then_delete)  # verify's
     with pytest.raises(fp.CheckpointNotFoundError, match="deleted or replaced") as info:
         fp.load(path, config=config) if operation == "load" else fp.verify(path)

@@ -71,6 +71,7 @@ def test_a_failing_rank_fails_every_rank_and_commits_nothing(workdir: str) -> No
     results = run_group(2, "failing_rank", workdir, "threads")
     assert "UnsupportedValueError" in results[1]["error"]
     assert "GroupSaveError" in results[0]["error"] and "rank 1" in results[0]["error"]
+    assert results[0]["group_error"]  # fp.GroupSaveError, a FastPersistError
     assert all(r["previous_ok"] and r["elapsed"] < 30 for r in results), results
     assert not [n for n in os.listdir(workdir) if ".fptmp-" in n]
 
@@ -117,7 +118,7 @@ def test_enospc_on_one_rank(workdir: str) -> None:
 
 
 def test_writer_map() -> None:
-    from fastpersist.saving.group import writer_map
+    from fastpersist.distributed.control import writer_map
 
     assert writer_map(["a", "a", "b", "b"], "rank") == {0: 0, 1: 1, 2: 2, 3: 3}
     assert writer_map(["a", "a", "b", "b"], "node") == {0: 0, 2: 1}

@@ -5,7 +5,7 @@
 * :mod:`.wear`: bytes written per target and drive endurance;
 * :mod:`.devinfo`: the filesystem, write cache and FUA under a directory;
 * :mod:`.sources`: reading measurements from a ``Checkpointer``, its root, or a bench JSON;
-* :mod:`.advise`: :func:`advise` puts them together; :mod:`.report` prints it; :mod:`.cli` is
+* :mod:`.advise`: :func:`advise` puts them together; :mod:`.report` prints it; :mod:`fastpersist.tools.advise` is
   ``fastpersist advise``.
 
 See docs/advisor.md.

@@ -29,15 +29,15 @@ from typing import Any, Literal
 
 from ..config import SaveResult
 from ..errors import CorruptCheckpointError
+from ..format.layout import HISTORY_NAME, write_small_file
 from ..format.manifest import read_manifest
 from .model import Costs, best_every
 from .wear import WearLog
 
-__all__ = ["HISTORY_NAME", "SaveHistory", "read_history"]
+__all__ = ["SaveHistory", "read_history"]
 
 log = logging.getLogger("fastpersist")
 
-HISTORY_NAME = "history.json"
 HISTORY_VERSION = 1
 WINDOW = 64
 RETUNE_SAVES = 4
@@ -272,16 +272,10 @@ class SaveHistory:
 
     def _write(self, doc: dict[str, Any]) -> None:
         path = os.path.join(self.root, HISTORY_NAME)
-        tmp = os.path.join(self.root, f".{HISTORY_NAME}.tmp-{os.getpid()}-{threading.get_ident()}")
         try:
-            with open(tmp, "w") as f:
-                json.dump(doc, f, indent=1)
-                f.write("\n")
-            os.replace(tmp, path)
+            write_small_file(path, (json.dumps(doc, indent=1) + "\n").encode(), durable=False)
         except OSError as e:  # a statistic: never fail a committed save over it
             log.warning("could not update %s: %s", path, e)
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
 
 
 def read_history(root: str) -> dict[str, Any] | None:

@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .history import HISTORY_NAME, SaveHistory, read_history
+from ..format.layout import HISTORY_NAME
+from .history import SaveHistory, read_history
 from .wear import WearLog
 
 __all__ = ["Measured", "from_bench", "from_history", "from_root"]

@@ -1,1 +1,11 @@
-"""format"""
+"""The on-disk format, and the only code that knows it (docs/format.md).
+
+* :mod:`.layout`: every name fastpersist gives a file or directory, the patterns that
+  recognise them, and the atomic small-file write;
+* :mod:`.ownership`: stripe directories' owner markers and live saves' locks;
+* :mod:`.flatten` / :mod:`.unflatten`: a state to and from a tree spec, records and blobs
+  (:mod:`.records`, :mod:`.blobs`, :mod:`.values` for plain leaves);
+* :mod:`.manifest`: writing and strictly validating the manifest, within :mod:`.limits`;
+* :mod:`.confine`: what a manifest may make a reader open or a remover delete;
+* :mod:`.quote`: bounded quoting of untrusted values in messages.
+"""

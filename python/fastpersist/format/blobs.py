@@ -12,60 +12,60 @@ Example:
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
-# Dtypes for which Tensor.numpy() works: about twice as fast as a uint8 torch view.
-_NUMPY_VIEWABLE = frozenset(
-    getattr(torch, n)
-    for n in (
-        "bool",
-        "uint8",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    )
-)
+from ..device import CopierFactory
+from .records import TORCH_DTYPES
+
+
+def _numpy_views(dtype: torch.dtype) -> bool:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
+        try:
+            torch.empty(1, dtype=dtype).numpy()
+        except (TypeError, RuntimeError):
+            return False
+    return True
+
+
+# Dtypes for which Tensor.numpy() works (asked of this torch build): about twice as fast as a
+# uint8 torch view.
+_NUMPY_VIEWABLE = frozenset(d for d in TORCH_DTYPES.values() if _numpy_views(d))
 U8 = np.dtype(np.uint8)
 
 
 class Blob:
     """One contiguous run of bytes to write: a storage range or one tensor's values.
 
-    `data` is a 1-D C-contiguous uint8 CPU array; it views the source memory when it can
-    (contiguous CPU tensors and arrays), else it holds a copy. `source` keeps that memory alive
-    and `version` (torch's `_version` at flatten time; None for numpy arrays, inference tensors
-    and copies, which nothing can modify under a save) lets a save detect that the source was
-    modified before its bytes were staged. A GPU tensor's blob stays on its device (`device`).
+        `data` is a 1-D C-contiguous uint8 CPU array; it views the source memory when it can
+        (contiguous CPU tensors and arrays), else it holds a copy. `source` keeps that memory alive
+        and `version` (torch's `_version` at flatten time; None for numpy arrays, inference tensors
+        and copies, which nothing can modify under a save) lets a save detect that the source was
+        modified before its bytes were staged. A GPU tensor's blob stays on its device, and
+    `copier_factory` makes the copier that stages it.
 
-    A zero-copy view of a tensor is only built when `data` is first read (about 1 us per
-    tensor, a third of flatten's cost on many small tensors): planning needs `nbytes` alone.
+        A zero-copy view of a tensor is only built when `data` is first read (about 1 us per
+        tensor, a third of flatten's cost on many small tensors): planning needs `nbytes` alone.
 
-    Example:
-        >>> from fastpersist.format.flatten import flatten
-        >>> blob = flatten(torch.zeros(3)).blobs[0]
-        >>> blob.nbytes, blob.data.dtype
-        (12, dtype('uint8'))
+        Example:
+            >>> from fastpersist.format.flatten import flatten
+            >>> blob = flatten(torch.zeros(3)).blobs[0]
+            >>> blob.nbytes, blob.data.dtype
+            (12, dtype('uint8'))
     """
 
-    __slots__ = ("_data", "device", "nbytes", "source", "version")
+    __slots__ = ("_data", "copier_factory", "nbytes", "source", "version")
 
     def __init__(
         self,
         data: np.ndarray | None,
-        source: object,
+        source: torch.Tensor | np.ndarray | bytes,
         version: int | None,
         nbytes: int = -1,
-        device: object = None,
+        copier_factory: CopierFactory | None = None,
     ) -> None:
         self._data = data
         self.source = source
@@ -73,14 +73,24 @@ class Blob:
         self.nbytes = data.nbytes if data is not None else nbytes
         #: For a device-resident blob (`source` a contiguous device tensor): the factory of the
         #: copier that stages it (see fastpersist.device); its bytes are never read on the host.
-        self.device = device
+        self.copier_factory = copier_factory
+
+    @property
+    def source_tensor(self) -> torch.Tensor:
+        """`source` where it is a tensor (every blob of a torch tensor, device-resident ones included)."""
+        source = self.source
+        if not isinstance(source, torch.Tensor):
+            raise TypeError(f"this blob's source is a {type(source).__name__}, not a tensor")
+        return source
 
     @property
     def data(self) -> np.ndarray:
-        if self.device is not None:
+        """The blob's bytes on the host (a view of the source where it can be)."""
+        if self.copier_factory is not None:
             raise RuntimeError("a device-resident blob has no host bytes; its copier stages it")
         if self._data is None:
-            # Only left unset for a non-empty contiguous plain CPU tensor (_Walker._tensor).
+            # Only left unset for a non-empty contiguous plain CPU tensor (_Walker._tensor); no
+            # isinstance here: this runs once per tensor of the state, on the save call's path.
             data = byte_view(self.source)  # type: ignore[arg-type]
             if data.nbytes != self.nbytes:
                 raise RuntimeError(

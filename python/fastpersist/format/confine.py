@@ -6,7 +6,7 @@ A manifest is hostile input. The paths it can make fastpersist touch are:
   inside one of its stripe directories (``manifest.py`` checks the names);
 * stripe directories: absolute, normalised paths (no ``..``, no ``//``, no NUL) whose last
   component is ``{name}.{id}[.rN|.wN].fpstripe`` where ``id`` is the first 12 hex digits of the
-  manifest's own ``checkpoint_id`` (:func:`fastpersist.format.stripes.check_stripe_dirs`).
+  manifest's own ``checkpoint_id`` (:func:`fastpersist.format.layout.check_stripe_dirs`).
 
 On top of those name rules, at use time (:func:`check_data_files`): every data file must be a
 regular file, not a symbolic link, of exactly its recorded length; every stripe directory and
@@ -27,10 +27,10 @@ import stat
 from collections.abc import Sequence
 
 from ..errors import CorruptCheckpointError, FastPersistError
+from .layout import stripe_dir_id
 from .manifest import Manifest, read_manifest
 from .ownership import Owner, checkpoint_key, read_owner, remove_owned_dir
 from .quote import shown
-from .stripes import stripe_dir_id
 
 __all__ = [
     "check_data_files",

@@ -336,7 +336,7 @@ class _Walker:
                 group = self._groups.get(key)
                 if group is None:
                     rec = self.records[first]
-                    owner: torch.Tensor = self.blobs[rec.blob].source  # type: ignore[assignment]
+                    owner = self.blobs[rec.blob].source_tensor
                     group = self._groups[key] = [(first, owner, rec.key_path)]
                 group.append((i, x, path))
                 self.records.append(None)  # type: ignore[arg-type]  # filled by finish()

@@ -22,15 +22,14 @@ from typing import Any
 from .. import _core
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from . import limits
+from .layout import DATA_FILE, MANIFEST_NAME, SHARD_DIR, check_stripe_dirs
 from .limits import MAX_BYTES, check_manifest_size
 from .quote import shown
 from .records import TensorRecord, dtype_itemsize, records_from_json
-from .stripes import check_stripe_dirs
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "MANIFEST_NAME",
     "FileEntry",
     "Manifest",
     "read_manifest",
@@ -44,10 +43,6 @@ FORMAT_NAME = "fastpersist"
 #: stream. A 1.1 reader loads 1.2 checkpoints without them and refuses the others by their
 #: spec_version ("upgrade fastpersist").
 FORMAT_VERSION = (1, 2)
-MANIFEST_NAME = "manifest.json"
-
-_SHARD_NAME = re.compile(r"^shard-\d{5}$")
-_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 
 @dataclass(frozen=True)
@@ -286,7 +281,7 @@ def parse(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
     if not isinstance(extra, dict):
         raise CorruptCheckpointError(f"{where}: extra must be an object")
     shards = doc.get("shards", [])
-    if not isinstance(shards, list) or not all(isinstance(n, str) and _SHARD_NAME.match(n) for n in shards):
+    if not isinstance(shards, list) or not all(isinstance(n, str) and SHARD_DIR.match(n) for n in shards):
         raise CorruptCheckpointError(f"{where}: shards must be a list of names like 'shard-00000'")
     if len(set(shards)) != len(shards):
         raise CorruptCheckpointError(f"{where}: a shard is listed twice")
@@ -323,7 +318,7 @@ def _parse_files(
         if not isinstance(item, dict):
             raise CorruptCheckpointError(f"{at} must be an object")
         name = item.get("name")
-        if not isinstance(name, str) or not _FILE_NAME.match(name) or name == MANIFEST_NAME or ".." in name:
+        if not isinstance(name, str) or not DATA_FILE.match(name) or name == MANIFEST_NAME or ".." in name:
             raise CorruptCheckpointError(
                 f"{at}: file name {shown(name)} is not a plain file name inside the checkpoint"
             )

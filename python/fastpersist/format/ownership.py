@@ -36,6 +36,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .layout import write_new_file
+
 __all__ = [
     "OWNER_MARKER",
     "REMOVING",
@@ -89,15 +91,7 @@ def write_owner(stripe_dir: str, checkpoint_path: str, checkpoint_id: str, *, du
     stripe directory before it commits).
     """
     doc = {"fastpersist_owner": 1, "checkpoint": checkpoint_key(checkpoint_path), "checkpoint_id": checkpoint_id}
-    fd = os.open(os.path.join(stripe_dir, OWNER_MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(json.dumps(doc).encode())
-        while view:
-            view = view[os.write(fd, view) :]
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_new_file(os.path.join(stripe_dir, OWNER_MARKER), json.dumps(doc).encode(), durable=durable)
 
 
 def read_owner(stripe_dir: str) -> Owner | None:

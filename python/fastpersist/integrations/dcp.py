@@ -47,15 +47,13 @@ from torch.futures import Future
 from .. import _core
 from ..config import Config
 from ..errors import CorruptCheckpointError
+from ..format.layout import DCP_DATA_SUFFIX, DCP_METADATA_NAME, dcp_data_file_name, write_small_file
 from ..format.quote import shown
 from ..format.records import TORCH_DTYPES
 
 __all__ = ["FastPersistReader", "FastPersistWriter", "ItemInfo"]
 
 log = logging.getLogger("fastpersist")
-
-METADATA_NAME = ".metadata"
-DATA_SUFFIX = ".fpdcp"
 
 
 @dataclass(frozen=True)
@@ -112,12 +110,12 @@ class FastPersistWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Gives every rank a file name unique to this save (an interrupted save never clobbers a committed one)."""
         save_id = uuid.uuid4().hex[:12]
-        return [dataclasses.replace(p, storage_data=f"__{i}_{save_id}{DATA_SUFFIX}") for i, p in enumerate(plans)]
+        return [dataclasses.replace(p, storage_data=dcp_data_file_name(i, save_id)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Writes this rank's items as one engine write; the future holds their WriteResults."""
         started = time.perf_counter()
-        name = str(plan.storage_data or f"__{self.rank}_{uuid.uuid4().hex[:12]}{DATA_SUFFIX}")
+        name = str(plan.storage_data or dcp_data_file_name(self.rank, uuid.uuid4().hex[:12]))
         sources: list[np.ndarray] = []
         shapes: list[tuple[str | None, tuple[int, ...]]] = []
         for item in plan.items:
@@ -184,18 +182,12 @@ class FastPersistWriter(StorageWriter):
             for r in rank_results:
                 storage[r.index] = r.storage_data
         metadata.storage_data = storage
-        tmp = os.path.join(self.path, f"{METADATA_NAME}.fptmp-{uuid.uuid4().hex[:12]}")
-        with open(tmp, "wb") as f:
-            pickle.dump(metadata, f)
-            f.flush()
-            if self.config.durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(self.path, METADATA_NAME))
-        if self.config.durable:
-            _core.fsync_dir(self.path)
+        write_small_file(
+            os.path.join(self.path, DCP_METADATA_NAME), pickle.dumps(metadata), durable=self.config.durable
+        )
         live = {info.relative_path for info in storage.values()}
         for name in os.listdir(self.path):
-            if name.endswith(DATA_SUFFIX) and name not in live:
+            if name.endswith(DCP_DATA_SUFFIX) and name not in live:
                 os.remove(os.path.join(self.path, name))
 
     @classmethod
@@ -248,7 +240,7 @@ class FastPersistReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Reads ``.metadata`` (a restricted unpickler: no code from the file runs)."""
-        path = os.path.join(self.path, METADATA_NAME)
+        path = os.path.join(self.path, DCP_METADATA_NAME)
         with open(path, "rb") as f:
             try:
                 metadata = _MetadataUnpickler(f).load()
@@ -306,7 +298,7 @@ class FastPersistReader(StorageReader):
             )
         except FileNotFoundError:
             raise CorruptCheckpointError(
-                f"{shown(path, 300)}, named in {self.path}/{METADATA_NAME}, is missing"
+                f"{shown(path, 300)}, named in {self.path}/{DCP_METADATA_NAME}, is missing"
             ) from None
         return buf[: any_item.file_bytes]
 

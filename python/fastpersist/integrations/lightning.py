@@ -33,7 +33,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from ..api import load, save
 from ..config import Config
-from ..format.manifest import MANIFEST_NAME
+from ..format.layout import MANIFEST_NAME
 from ..format.quote import shown
 
 __all__ = ["FastPersistCheckpointIO"]

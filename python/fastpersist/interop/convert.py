@@ -32,7 +32,8 @@ import torch
 
 from ..errors import FastPersistError
 from ..format.flatten import flatten, materialize, records_from_json, records_to_json, unflatten
-from ..format.manifest import MANIFEST_NAME, read_manifest
+from ..format.layout import MANIFEST_NAME, atomic_file
+from ..format.manifest import read_manifest
 from ..format.quote import shown
 from ..format.records import TORCH_DTYPES, TensorRecord, dtype_itemsize, span_elems
 
@@ -192,13 +193,8 @@ def write_safetensors(state: object, path: str | os.PathLike[str]) -> int:
         tensors[name] = t
     meta = {"version": META_VERSION, "spec": flat.spec, "records": records_to_json(flat.tensors), "names": names}
     target = os.fspath(path)
-    tmp = f"{target}.fptmp"
-    safetensors.torch.save_file(tensors, tmp, metadata={"format": "pt", META_KEY: json.dumps(meta)})
-    from .. import _core
-
-    _core.fsync_path(tmp)
-    os.replace(tmp, target)
-    _core.fsync_dir(os.path.dirname(os.path.abspath(target)))
+    with atomic_file(target, durable=True) as tmp:
+        safetensors.torch.save_file(tensors, tmp, metadata={"format": "pt", META_KEY: json.dumps(meta)})
     return len(tensors)
 
 

@@ -28,7 +28,6 @@ import pickle
 import threading
 import time
 import types
-import uuid
 from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
@@ -37,6 +36,7 @@ import torch
 
 from .. import _core
 from ..config import Config, SaveResult
+from ..format.layout import atomic_file
 
 __all__ = ["torch_save"]
 
@@ -234,8 +234,7 @@ def torch_save(
         return _result(target, skel.total_bytes, started, "torch.save")
     from ..saving.pools import pool_for
 
-    tmp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.fptmp-{uuid.uuid4().hex[:12]}")
-    try:
+    with atomic_file(target, durable=config.durable) as tmp:
         handle = _core.start_write(
             plan,
             0,
@@ -251,13 +250,6 @@ def torch_save(
         report = handle.wait()
         if handle.fallback_reason:
             log.warning("%s", handle.fallback_reason)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    if config.durable:
-        _core.fsync_dir(os.path.dirname(target))
     return _result(target, skel.total_bytes, started, str(report["backend"]))
 
 

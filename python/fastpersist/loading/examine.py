@@ -22,15 +22,29 @@ from typing import Any
 
 from .. import _core
 from ..errors import CorruptCheckpointError
-from ..format.confine import check_data_files, check_shard_dir
+from ..format.confine import check_data_files
 from ..format.manifest import FileEntry, Manifest
 from ..format.quote import shown
 from ..format.records import dtype_itemsize
-from .opened import OpenedCheckpoint, opened_shard
+from .opened import OpenedCheckpoint, opened_checkpoint, opened_shard
 from .reading import checksum_error
 from .relocate import StripeRoots, check_stripes_present, read_opened
 
-__all__ = ["check_chunks", "describe"]
+__all__ = ["check_chunks", "describe", "inspect_checkpoint", "verify_checkpoint"]
+
+
+def inspect_checkpoint(path: str | os.PathLike[str], stripe_roots: StripeRoots = None) -> dict[str, Any]:
+    """:func:`fastpersist.inspect`: opens the checkpoint at `path` once and describes it."""
+    with opened_checkpoint(path) as ck:
+        return describe(ck, stripe_roots)
+
+
+def verify_checkpoint(
+    path: str | os.PathLike[str], progress: Callable[[int], object] | None = None, stripe_roots: StripeRoots = None
+) -> dict[str, Any]:
+    """:func:`fastpersist.verify`: opens the checkpoint at `path` once and checks every chunk."""
+    with opened_checkpoint(path) as ck:
+        return check_chunks(ck, progress, stripe_roots)
 
 
 def describe(ck: OpenedCheckpoint, stripe_roots: StripeRoots = None) -> dict[str, Any]:
@@ -39,29 +53,21 @@ def describe(ck: OpenedCheckpoint, stripe_roots: StripeRoots = None) -> dict[str
     if m.shards:
         shards = []
         for name in m.shards:
-            check_shard_dir(ck.at, name)
             with opened_shard(ck, name) as shard_ck:
                 shards.append(describe(shard_ck, stripe_roots))
-        return {
-            "path": ck.root,
-            "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
-            "created": m.created,
-            "checkpoint_id": m.checkpoint_id,
-            "library_version": m.library_version,
-            "shards": shards,
-            "tensors": sum(s["tensors"] for s in shards),
-            "bytes": sum(s["bytes"] for s in shards),
-            "total_bytes": sum(s["total_bytes"] for s in shards),
-            "files": [f for s in shards for f in s["files"]],
-            "checksum": m.checksum,
-            "chunk_bytes": m.chunk_bytes,
-            "tensor_list": [t for s in shards for t in s["tensor_list"]],
-        }
+        return _description(
+            ck,
+            m,
+            shards=shards,
+            tensors=sum(s["tensors"] for s in shards),
+            bytes=sum(s["bytes"] for s in shards),
+            total_bytes=sum(s["total_bytes"] for s in shards),
+            files=[f for s in shards for f in s["files"]],
+            tensor_list=[t for s in shards for t in s["tensor_list"]],
+        )
     tensor_list = []
-    data_bytes = 0
     for t in m.tensors:
         nbytes = math.prod(t.shape) * dtype_itemsize(t.kind, t.dtype)
-        data_bytes += nbytes
         tensor_list.append(
             {
                 "key": t.key_path,
@@ -72,18 +78,28 @@ def describe(ck: OpenedCheckpoint, stripe_roots: StripeRoots = None) -> dict[str
                 "bytes": nbytes,
             }
         )
+    return _description(
+        ck,
+        m,
+        tensors=len(m.tensors),
+        bytes=sum(t["bytes"] for t in tensor_list),
+        total_bytes=m.total_bytes,
+        files=[{"path": m.file_path(ck.root, f), "bytes": f.len_bytes, "chunks": len(f.chunk_crc32c)} for f in m.files],
+        tensor_list=tensor_list,
+    )
+
+
+def _description(
+    ck: OpenedCheckpoint, m: Manifest, *, tensor_list: list[dict[str, Any]], **sizes: Any
+) -> dict[str, Any]:
+    """The inspect dict: what the manifest says of itself, then `sizes` (the shards' sums, or its own)."""
     return {
         "path": ck.root,
         "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
         "created": m.created,
         "checkpoint_id": m.checkpoint_id,
         "library_version": m.library_version,
-        "tensors": len(m.tensors),
-        "bytes": data_bytes,
-        "total_bytes": m.total_bytes,
-        "files": [
-            {"path": m.file_path(ck.root, f), "bytes": f.len_bytes, "chunks": len(f.chunk_crc32c)} for f in m.files
-        ],
+        **sizes,
         "checksum": m.checksum,
         "chunk_bytes": m.chunk_bytes,
         "tensor_list": tensor_list,
@@ -99,7 +115,6 @@ def check_chunks(
     if m.shards:
         totals = []
         for name in m.shards:
-            check_shard_dir(ck.at, name)
             with opened_shard(ck, name) as shard_ck:
                 totals.append(check_chunks(shard_ck, progress, stripe_roots))
         return {key: sum(t[key] for t in totals) for key in ("files", "bytes", "chunks")}

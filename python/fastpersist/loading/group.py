@@ -5,7 +5,7 @@ every rank. With it (the default), the stream is cut into near-equal runs of who
 per rank (the split the writer uses); each rank reads only its run with the engine (O_DIRECT,
 the chunks' crc32c checked) into its place in one page-aligned buffer of the whole stream, and
 each run is broadcast from its reader over the group's private gloo control group (see
-:mod:`fastpersist.saving.group`), so every rank ends with the same bytes a single-process load
+:mod:`fastpersist.distributed.control`), so every rank ends with the same bytes a single-process load
 reads. Each rank reads about ``1/N`` of the stream from disk. Runs are read in pieces of
 :data:`PIECE_BYTES`, one piece ahead in a background thread, so reading overlaps broadcasting.
 
@@ -14,7 +14,7 @@ status (every collective under ``Config.timeout_s``): if a rank's read failed (a
 mismatch, a missing file) every rank raises. The rank that failed raises its own error; the
 others raise the same class of error for checkpoint damage
 (:class:`~fastpersist.ChecksumMismatchError` with the file and byte range, or
-:class:`~fastpersist.CorruptCheckpointError`), else :class:`GroupLoadError`, naming that rank.
+:class:`~fastpersist.CorruptCheckpointError`), else :class:`~fastpersist.GroupLoadError`, naming that rank.
 A rank whose read failed still takes part in the remaining broadcasts, so nobody waits for it.
 
 Every rank of the group must call ``load`` with the same path and arguments.
@@ -36,14 +36,14 @@ import torch.distributed as dist
 
 from .. import _core
 from ..config import Config
-from ..errors import ChecksumMismatchError, CorruptCheckpointError, FastPersistError
+from ..distributed.control import ControlGroup, collective, control_for
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, FastPersistError, GroupLoadError
 from ..format.manifest import Manifest
 from ..format.quote import shown
-from ..saving.group import ControlGroup, control_for, forget_control
 from .opened import real_paths
 from .reading import direct_padded, read_window
 
-__all__ = ["PIECE_BYTES", "GroupLoadError", "read_pieces", "read_shares", "read_stream_shared"]
+__all__ = ["PIECE_BYTES", "read_pieces", "read_shares", "read_stream_shared"]
 
 T = TypeVar("T")
 
@@ -53,11 +53,6 @@ PIECE_BYTES = 64 << 20
 
 #: The attributes of a ChecksumMismatchError that travel to the other ranks.
 _CHECKSUM_FIELDS = ("filename", "offset_bytes", "len_bytes", "expected", "found", "tensors")
-
-
-class GroupLoadError(FastPersistError):
-    """A load in a process group failed on another rank (not because of damage to the
-    checkpoint), or a rank stopped answering within ``Config.timeout_s``."""
 
 
 def read_shares(total_bytes: int, chunk_bytes: int, rank_count: int) -> list[tuple[int, int]]:
@@ -170,11 +165,4 @@ def _raise_failures(root: str, statuses: list[tuple[Any, ...]], own_error: BaseE
 
 
 def _collective(control: ControlGroup, root: str, what: str, op: Callable[[], T]) -> T:
-    try:
-        return op()
-    except Exception as e:
-        forget_control(control)
-        raise GroupLoadError(
-            f"rank {control.rank}: the process group stopped answering while trying to {what} of {root} "
-            f"(a rank failed, was killed, or took longer than timeout_s={control.timeout_s}): {e}"
-        ) from e
+    return collective(control, f"{what} of {root}", op, GroupLoadError)

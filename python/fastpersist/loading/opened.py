@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..format.confine import check_shard_dir
 
 __all__ = ["OpenedCheckpoint", "opened_checkpoint", "opened_shard", "real_paths"]
 
@@ -168,7 +169,12 @@ def opened_checkpoint(path: str | os.PathLike[str]) -> Iterator[OpenedCheckpoint
 
 @contextlib.contextmanager
 def opened_shard(parent: OpenedCheckpoint, name: str) -> Iterator[OpenedCheckpoint]:
-    """Opens the shard directory `name` of `parent` through the parent's handle (never a link)."""
+    """Opens the shard directory `name` of `parent` through the parent's handle (never a link).
+
+    Raises:
+        CorruptCheckpointError: the shard directory is missing or not a plain directory.
+    """
+    check_shard_dir(parent.at, name)
     root = os.path.join(parent.root, name)
     with _held(root, _open_directory(root, parent.fd if parent.fd >= 0 else None, name)) as ck:
         yield ck

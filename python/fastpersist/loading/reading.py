@@ -20,6 +20,7 @@ import torch
 from .. import _core
 from ..config import Config
 from ..errors import ChecksumMismatchError, CorruptCheckpointError
+from ..format.layout import MANIFEST_NAME
 from ..format.manifest import Manifest
 from ..format.quote import shown
 from ..format.records import dtype_itemsize, span_elems
@@ -77,7 +78,7 @@ def _mapping_errors(root: str, m: Manifest, read: Callable[[], T]) -> T:
         return read()
     except FileNotFoundError as e:
         raise CorruptCheckpointError(
-            f"data file {shown(e.filename, 300)} named in {root}/manifest.json is missing"
+            f"data file {shown(e.filename, 300)} named in {root}/{MANIFEST_NAME} is missing"
         ) from None
     except ChecksumMismatchError as e:
         assert e.filename is not None and e.offset_bytes is not None and e.len_bytes is not None

@@ -3,11 +3,11 @@
 **Replicated** state (DDP, or the data-parallel copies of a model-parallel shard): the logical
 byte stream is split at chunk granularity into near-equal ranges, one per writer rank; each
 writer stages and writes only its range, into its own stripe directories. **Sharded** state
-(FSDP/ZeRO: each rank's state differs): each rank writes its whole state as shard
-``shard-{rank:05d}`` of the checkpoint.
+(FSDP/ZeRO: each rank's state differs): each rank writes its whole state as one shard
+directory of the checkpoint (named by :func:`fastpersist.format.layout.shard_name`).
 
-The commit protocol runs over a private gloo group whose operations time out after
-``Config.timeout_s``:
+The commit protocol runs over the group's control plane (:mod:`fastpersist.distributed.control`), whose
+operations time out after ``Config.timeout_s``:
 
 A. rank 0 checks the target, creates the temporary directory and broadcasts the save's id (or
    its error, so every rank fails at once);
@@ -23,126 +23,24 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, TypeVar, cast
-
-import torch.distributed as dist
+from typing import Any, TypeVar
 
 from ..cleanup import stripe_leftovers
 from ..config import Config, SaveResult
-from ..errors import FastPersistError
+from ..distributed.control import collective, control_for, writer_map
+from ..errors import GroupSaveError
+from ..format.layout import shard_name, stripe_tag, tmp_dir_for
 from ..format.manifest import FileEntry, build
 from ..format.ownership import DirLock, make_locked_dir
 from .job import Layout, SaveJob, Written
-from .target import check_name_fits, check_stripe_roots, check_target, tmp_dir_for, write_manifest
+from .target import check_name_fits, check_stripe_roots, check_target, write_manifest
 
-__all__ = [
-    "CommitOutcome",
-    "ControlGroup",
-    "GroupSaveError",
-    "GroupSaveJob",
-    "RankStatus",
-    "StartMessage",
-    "control_for",
-    "forget_control",
-    "group_rank_and_size",
-    "writer_map",
-]
+__all__ = ["CommitOutcome", "GroupSaveJob", "RankStatus", "StartMessage"]
 
 T = TypeVar("T")
-
-
-class GroupSaveError(FastPersistError):
-    """A save in a process group failed on some rank, or a rank stopped answering; nothing was committed."""
-
-
-class ControlGroup:
-    """A private gloo group with the save's timeout, for the protocol's small messages."""
-
-    def __init__(self, group: Any, timeout_s: float) -> None:
-        ranks = dist.get_process_group_ranks(group)
-        self.pg: Any = cast(
-            Any,
-            dist.new_group(
-                ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
-            ),
-        )
-        self.rank = dist.get_rank(self.pg)
-        self.size = dist.get_world_size(self.pg)
-        self.timeout_s = timeout_s
-        self.hosts: list[str] = self.all_gather(socket.gethostname())
-
-    def all_gather(self, obj: T) -> list[T]:
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.pg)
-        return out
-
-    def broadcast(self, obj: T) -> T:
-        box = [obj]
-        dist.broadcast_object_list(box, group=self.pg, group_src=0)
-        return box[0]
-
-
-_controls: dict[tuple[int, float], ControlGroup] = {}
-_controls_lock = threading.Lock()
-
-
-def control_for(group: Any, timeout_s: float) -> ControlGroup:
-    """The private gloo group (operations time out after `timeout_s`) over `group`'s ranks,
-    created on first use and kept for later saves and loads through the same group."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("group= needs an initialised torch.distributed process group (dist.init_process_group)")
-    group = dist.group.WORLD if group is None else group
-    key = (id(group), float(timeout_s))
-    with _controls_lock:
-        control = _controls.get(key)
-    if control is None:
-        control = ControlGroup(group, timeout_s)
-        with _controls_lock:
-            _controls[key] = control
-    return control
-
-
-def forget_control(control: ControlGroup) -> None:
-    """Drops a control group after a failed collective (its state is no longer trustworthy)."""
-    with _controls_lock:
-        for key, value in list(_controls.items()):
-            if value is control:
-                del _controls[key]
-
-
-def group_rank_and_size(group: Any) -> tuple[int, int]:
-    """This process's rank in `group` (None = the default group) and the group's size."""
-    pg: Any = dist.group.WORLD if group is None else group
-    return dist.get_rank(pg), dist.get_world_size(pg)
-
-
-def writer_map(hosts: list[str], writers: str | int) -> dict[int, int]:
-    """Maps group rank -> writer index for ``Config.writers``, given each rank's host name.
-
-    ``"rank"``: every rank writes; ``"node"``: the lowest rank of each host; ``k``: the ``k``
-    lowest ranks of each host. Writer indices follow rank order.
-
-    Example:
-        >>> writer_map(["a", "a", "b", "b"], "node")
-        {0: 0, 2: 1}
-    """
-    if writers == "rank":
-        chosen = list(range(len(hosts)))
-    else:
-        per_host = 1 if writers == "node" else int(writers)
-        seen: dict[str, int] = {}
-        chosen = []
-        for rank, host in enumerate(hosts):
-            if seen.get(host, 0) < per_host:
-                seen[host] = seen.get(host, 0) + 1
-                chosen.append(rank)
-    return {rank: index for index, rank in enumerate(chosen)}
 
 
 def _describe(error: BaseException) -> str:
@@ -213,8 +111,8 @@ class GroupSaveJob:
         if self.rank == 0:
             try:
                 check_stripe_roots(self.config.stripes)
-                # The longest tag any rank's stripe directories get (".r{rank}" or ".w{writer}").
-                worst_tag = f".r{self.control.size - 1}"
+                # The longest tag any rank's stripe directories get: a rank's tag is never shorter than a writer's.
+                worst_tag = stripe_tag(rank=self.control.size - 1)
                 check_name_fits(self.path, striped=bool(self.config.stripes), tag=worst_tag)
                 check_target(self.path)
                 checkpoint_id = uuid.uuid4().hex
@@ -251,11 +149,11 @@ class GroupSaveJob:
             return Layout(
                 checkpoint_id=message.checkpoint_id,
                 tmp_dir=tmp,
-                data_dir=os.path.join(tmp, self.shard_name(self.rank)),
+                data_dir=os.path.join(tmp, shard_name(self.rank)),
                 writer=0,
                 writer_count=1,
                 owner=owner,
-                tag=f".r{self.rank}",
+                tag=stripe_tag(rank=self.rank),
             )
         writers = writer_map(self.control.hosts, self.config.writers)
         self.writer = writers.get(self.rank)
@@ -266,23 +164,13 @@ class GroupSaveJob:
             writer=self.writer,
             writer_count=len(writers),
             owner=owner,
-            tag=f".w{self.writer}" if self.writer is not None else "",
+            tag=stripe_tag(writer=self.writer),
         )
 
-    @staticmethod
-    def shard_name(rank: int) -> str:
-        return f"shard-{rank:05d}"
-
     def _collective(self, what: str, op: Callable[[], T]) -> T:
-        try:
-            return op()
-        except Exception as e:
-            forget_control(self.control)
-            raise GroupSaveError(
-                f"rank {self.rank}: the process group stopped answering while trying to {what} for {self.path} "
-                f"(a rank failed, was killed, or took longer than timeout_s={self.config.timeout_s}): {e}. "
-                "Nothing was committed by this rank."
-            ) from e
+        return collective(
+            self.control, f"{what} for {self.path}", op, GroupSaveError, ". Nothing was committed by this rank."
+        )
 
     def wait_staged(self, timeout: float | None = None) -> None:
         if self.start_error is not None:
@@ -397,7 +285,7 @@ class GroupSaveJob:
                 stripes=[],
                 tensors=[],
                 tree={"spec_version": 1, "root": None},
-                shards=[self.shard_name(s.rank) for s in statuses],
+                shards=[shard_name(s.rank) for s in statuses],
             )
             self.job.publish(doc)
             return

@@ -8,8 +8,8 @@ checkpoint or the new one, never a mix; a crash at any point leaves the old one 
 ``.NAME.fptmp-*`` leftover that carries no manifest at the target path.
 
 A single-process save is one :class:`SaveJob` that owns the temporary directory and commits.
-In a process group (``save/group.py``) every rank runs a :class:`SaveJob` for its share, and
-the rank that owns the temporary directory writes the manifest and commits for all.
+In a process group (:mod:`fastpersist.saving.group`) every rank runs a :class:`SaveJob` for its
+share, and the rank that owns the temporary directory writes the manifest and commits for all.
 """
 
 from __future__ import annotations
@@ -24,12 +24,15 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import torch
+
 from .. import _core
 from ..config import Config, SaveResult
-from ..device import DeviceCopier, device_bytes
+from ..device import CopierFactory, DeviceCopier, device_bytes
 from ..errors import SaveCancelledError
 from ..format.blobs import Blob
 from ..format.flatten import FlatState, TensorRecord, flatten, records_to_json
+from ..format.layout import data_file_name, stripe_dir_name, tmp_dir_for
 from ..format.manifest import FileEntry, build
 from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write_owner
 from ..format.quote import shown
@@ -42,8 +45,6 @@ from .target import (
     check_target,
     remove_checkpoint_tree,
     replace_as_last_writer,
-    stripe_dir_name,
-    tmp_dir_for,
     write_manifest,
 )
 from .verdict import Verdict
@@ -52,11 +53,12 @@ __all__ = ["Layout", "SaveJob", "single_layout"]
 
 log = logging.getLogger("fastpersist")
 
-#: Watched tensors of at most this size are copied when the save starts, smallest first and up
-#: to COPY_AT_START_BUDGET_BYTES in all, so that nothing the next forward pass updates in place
-#: (BatchNorm statistics, step counters, other small buffers) can race their staging.
-COPY_AT_START_MAX_BYTES = 1 << 20
-COPY_AT_START_BUDGET_BYTES = 64 << 20
+#: The early copy: watched tensors of at most EARLY_COPY_MAX_BYTES are copied before the save
+#: call returns, smallest first and up to EARLY_COPY_BUDGET_BYTES in all, so that nothing the
+#: next forward pass updates in place (BatchNorm statistics, step counters, other small
+#: buffers) can race their staging (docs/overlap.md).
+EARLY_COPY_MAX_BYTES = 1 << 20
+EARLY_COPY_BUDGET_BYTES = 64 << 20
 
 _warned_fallback = False
 
@@ -145,7 +147,7 @@ class SaveJob:
         self.verdict = Verdict()
         self._created: list[str] = []
         self._flat: FlatState | None = None
-        self._copiers: dict[tuple[object, Any], DeviceCopier] = {}
+        self._copiers: dict[tuple[CopierFactory, torch.device], DeviceCopier] = {}
         self.stripe_dirs: list[str] = []
         self.stripe_dirs_used: list[str] = []
         self.my_parts: list[PlanPart] = []
@@ -188,7 +190,7 @@ class SaveJob:
         self.plan = _core.Plan(
             [b.nbytes for b in flat.blobs], layout.writer_count, max(1, len(stripe_roots)), config.chunk_bytes
         )
-        self.records = flat.tensors  # hold no tensors: kept after the sources are released
+        self.records = flat.tensors  # hold no tensors: kept after the save is staged
         self.tree = flat.spec
         self.blob_lengths = [b.nbytes for b in flat.blobs]
         # Held for the whole save: memory pinned for the device copies stays pinned while it lives.
@@ -198,7 +200,7 @@ class SaveJob:
         used = {self.stripe_dirs[part.stripe] for part in self.my_parts} if stripe_roots else set()
         self.stripe_dirs_used = sorted(used)
         for part in self.my_parts:
-            fname = f"data-w{part.writer}-s{part.stripe}.bin"
+            fname = data_file_name(writer=part.writer, stripe=part.stripe)
             self.part_names.append((part.stripe if stripe_roots else None, fname))
 
     def _make_directories(self) -> list[str]:
@@ -229,7 +231,7 @@ class SaveJob:
             self.plan,
             self.layout.writer,
             paths,
-            [None if b.device is not None else b.data for b in flat.blobs],
+            [None if b.copier_factory is not None else b.data for b in flat.blobs],
             pool,
             backend=config.backend,
             direct_io=config.direct_io,
@@ -239,8 +241,8 @@ class SaveJob:
             background=background,
             watched=[b.version is not None for b in flat.blobs],
             on_staged=self._check_staged,
-            copy_max_extent_bytes=COPY_AT_START_MAX_BYTES,
-            copy_budget_bytes=COPY_AT_START_BUDGET_BYTES,
+            copy_max_extent_bytes=EARLY_COPY_MAX_BYTES,
+            copy_budget_bytes=EARLY_COPY_BUDGET_BYTES,
             device_copy=self._copy_from_device if self._copiers else None,
         )
         _warn_fallback_once(self.handle.fallback_reason)
@@ -274,7 +276,8 @@ class SaveJob:
             return True
         for index in blobs:
             blob = flat.blobs[index]
-            now = blob.source._version  # type: ignore[attr-defined]
+            # Only torch sources are watched; a plain attribute read, as this runs once per tensor.
+            now = blob.source._version  # type: ignore[union-attr]
             if now != blob.version:
                 self.verdict.fail(
                     SaveCancelledError(
@@ -292,17 +295,17 @@ class SaveJob:
         flat = self._flat
         assert flat is not None
         blob = flat.blobs[blob_index]
-        source: Any = blob.source
         try:
-            copier = self._copiers[(blob.device, source.device)]
-            src = device_bytes(source)[offset_bytes : offset_bytes + end - start]
+            copier = self._copiers[_copier_key(blob)]
+            src = device_bytes(blob.source_tensor)[offset_bytes : offset_bytes + end - start]
             copier.copy_to_host(src, slot, start, end)
         except BaseException as e:
             self.verdict.fail(e)
             raise
 
-    def _release_sources(self) -> None:
-        """Drops this job's references to the user's tensors once the engine no longer reads them."""
+    def _drop_sources_if_staged(self) -> None:
+        """Drops this job's references to the user's tensors once the save is staged (the engine
+        no longer reads them)."""
         if self.handle is None or self.handle.staged():
             self._flat = None
 
@@ -311,7 +314,7 @@ class SaveJob:
         changed before it was staged, or someone cancelled it)."""
         if self.handle is not None:
             self.handle.wait_staged(timeout)
-        self._release_sources()
+        self._drop_sources_if_staged()
         if isinstance(self.verdict.error, SaveCancelledError):
             raise self.verdict.error
 
@@ -336,7 +339,7 @@ class SaveJob:
         except BaseException as e:
             raise self.verdict.fail(e) or e from None
         finally:
-            self._release_sources()
+            self._drop_sources_if_staged()
         if self.verdict.error is not None:
             raise self.verdict.error
         entries = [
@@ -462,23 +465,32 @@ class SaveJob:
                 pass
 
 
-def _prepare_device_blobs(blobs: list[Blob], pool: _core.Pool) -> dict[tuple[object, Any], DeviceCopier]:
-    """Copies small device-resident blobs on their device (stream-ordered, no host sync), so
-    that buffers the next forward pass updates cannot race them, and starts one copier per
+def _prepare_device_blobs(
+    blobs: list[Blob], pool: _core.Pool
+) -> dict[tuple[CopierFactory, torch.device], DeviceCopier]:
+    """Makes the early copy of small device-resident blobs on their device (stream-ordered, no
+    host sync), so that buffers the next forward pass updates cannot race them, and starts one copier per
     device for the rest, copying into the slots of `pool`. Returns the copiers by (factory, device)."""
-    on_device = [b for b in blobs if b.device is not None]
-    budget = COPY_AT_START_BUDGET_BYTES
+    on_device = [b for b in blobs if b.copier_factory is not None]
+    budget = EARLY_COPY_BUDGET_BYTES
     for blob in sorted(on_device, key=lambda b: b.nbytes):
-        if blob.version is None or blob.nbytes > COPY_AT_START_MAX_BYTES or blob.nbytes > budget:
+        if blob.version is None or blob.nbytes > EARLY_COPY_MAX_BYTES or blob.nbytes > budget:
             continue
-        blob.source = blob.source.clone()  # type: ignore[attr-defined]
+        blob.source = blob.source_tensor.clone()
         blob.version = None
         budget -= blob.nbytes
-    copiers: dict[tuple[object, Any], DeviceCopier] = {}
+    copiers: dict[tuple[CopierFactory, torch.device], DeviceCopier] = {}
     for blob in on_device:
-        key = (blob.device, blob.source.device)  # type: ignore[attr-defined]
+        key = _copier_key(blob)
         if key not in copiers:
-            factory: Any = blob.device
-            copiers[key] = factory(key[1])
+            factory, device = key
+            copiers[key] = factory(device)
             copiers[key].begin(pool)
     return copiers
+
+
+def _copier_key(blob: Blob) -> tuple[CopierFactory, torch.device]:
+    """Which copier stages the device-resident `blob`: one per (factory, device)."""
+    factory = blob.copier_factory
+    assert factory is not None, "a blob staged from the host has no copier"
+    return factory, blob.source_tensor.device

@@ -1,13 +1,13 @@
 """The target of a save: the names a save creates beside it, how it takes the target's place,
 the manifest write, and the removal of a checkpoint tree (through :mod:`fastpersist.format.confine`).
 
-A save writes into a hidden temporary directory next to the target (``.NAME.fptmp-ID``) and,
-with stripes, into one directory per stripe root (``NAME.ID[.rK|.wK].fpstripe``); at commit
-the temporary directory is renamed onto the target, replacing the checkpoint there.
+A save writes into a hidden temporary directory next to the target and, with stripes, into one
+directory per stripe root (their names: :mod:`fastpersist.format.layout`); at commit the
+temporary directory is renamed onto the target, replacing the checkpoint there.
 
 Example:
-    >>> os.path.basename(tmp_dir_for("/ckpt/step-7", "0123456789abcdef"))
-    '.step-7.fptmp-0123456789ab'
+    >>> check_name_fits("/ckpt/step-7", striped=True, tag=".r3")   # fits: returns None
+    >>> check_target("/ckpt/no-such-step")                        # nothing there to refuse
 """
 
 from __future__ import annotations
@@ -18,41 +18,24 @@ from collections.abc import Sequence
 
 from .. import _core
 from ..format.confine import remove_checkpoint_tree as _remove_confined
-from ..format.manifest import MANIFEST_NAME
-from ..format.stripes import STRIPE_SUFFIX, stripe_dir_id
+from ..format.layout import MANIFEST_NAME, stripe_dir_id, stripe_dir_name, tmp_dir_for, write_new_file
 
 __all__ = [
     "COMMIT_ATTEMPTS",
     "NAME_MAX_BYTES",
-    "TMP_MARKER",
     "check_name_fits",
     "check_stripe_roots",
     "check_target",
     "remove_checkpoint_tree",
     "replace_as_last_writer",
-    "stripe_dir_name",
-    "tmp_dir_for",
     "write_manifest",
 ]
-
-TMP_MARKER = ".fptmp-"
 
 #: The longest file name Linux filesystems accept (NAME_MAX), in bytes of the encoded name.
 NAME_MAX_BYTES = 255
 
 #: Renames a commit tries while other saves keep creating or removing the same target path.
 COMMIT_ATTEMPTS = 8
-
-
-def tmp_dir_for(path: str, checkpoint_id: str) -> str:
-    """The hidden temporary directory a save of `path` writes into before it commits."""
-    parent, name = os.path.split(path)
-    return os.path.join(parent, f".{name}{TMP_MARKER}{checkpoint_id[:12]}")
-
-
-def stripe_dir_name(name: str, checkpoint_id: str, tag: str) -> str:
-    """The name of the directory a save of checkpoint `name` makes under each stripe root."""
-    return f"{name}.{checkpoint_id[:12]}{tag}{STRIPE_SUFFIX}"
 
 
 def check_name_fits(path: str, *, striped: bool, tag: str = "") -> None:
@@ -78,7 +61,7 @@ def check_name_fits(path: str, *, striped: bool, tag: str = "") -> None:
     if striped and stripe_dir_id(made[-1]) is None:
         raise ValueError(
             f"cannot save {path} with stripes: the loader would refuse its stripe directory name {made[-1]!r} "
-            "(fastpersist/format/stripes.py accepts only ASCII letters, digits, '.', '_' and '-' in a striped "
+            "(fastpersist/format/layout.py accepts only ASCII letters, digits, '.', '_' and '-' in a striped "
             "checkpoint's name). Rename the checkpoint"
         )
 
@@ -150,15 +133,7 @@ def check_stripe_roots(stripes: Sequence[str | os.PathLike[str]] | None) -> None
 
 def write_manifest(directory: str, manifest: bytes, *, durable: bool) -> None:
     """Writes `manifest` as ``directory/manifest.json`` (new file), fsyncing it and the directory."""
-    fd = os.open(os.path.join(directory, MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(manifest)
-        while view:
-            view = view[os.write(fd, view) :]
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_new_file(os.path.join(directory, MANIFEST_NAME), manifest, durable=durable)
     if durable:
         _core.fsync_dir(directory)
 

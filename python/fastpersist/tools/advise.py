@@ -13,15 +13,16 @@ from ..advisor.advise import advise
 from ..advisor.devinfo import device_info
 from ..advisor.sources import Measured, from_bench, from_root
 from ..advisor.wear import Endurance
+from ..format.layout import HISTORY_NAME
 
 __all__ = ["add_arguments", "register", "run_cli"]
 
-DESCRIPTION = """\
+DESCRIPTION = f"""\
 Recommends a checkpoint interval from measured save costs and a failure model, shows the
 expected overhead at every step, at the recommendation and at your current setting, projects
 drive wear against the drives' endurance and says what "durable" means on the target device.
 
-Measured numbers come from --from-root (a Checkpointer's root: its history.json) or
+Measured numbers come from --from-root (a Checkpointer's root: its {HISTORY_NAME}) or
 --from-bench (the JSON of `fastpersist bench`); any --*-seconds/--bytes option overrides them.
 
 Example:
@@ -34,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the ``advise`` options to `parser`."""
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--from-bench", metavar="JSON", help="a `fastpersist bench --json` report")
-    src.add_argument("--from-root", metavar="DIR", help="a Checkpointer root (reads DIR/history.json)")
+    src.add_argument("--from-root", metavar="DIR", help=f"a Checkpointer root (reads DIR/{HISTORY_NAME})")
     fail = parser.add_argument_group("failure model (one of)")
     fail.add_argument("--mtbf-hours", type=float, help="MTBF of one node (or of the job with --nodes 1)")
     fail.add_argument("--nodes", type=int, default=1, help="nodes in the job; job MTBF = node MTBF / nodes")

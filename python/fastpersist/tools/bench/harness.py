@@ -8,7 +8,7 @@ import argparse
 import contextlib
 import gc
 import os
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -64,7 +64,8 @@ class Bench:
             except fp.BackendUnavailableError as e:
                 notes.append(f"backend {b} unavailable: {e}")
         self.backends = backends
-        self.direct = "require" if all(_core.direct_io_supported(d) for d in run_dirs) else "auto"
+        direct_everywhere = all(_core.direct_io_supported(d) for d in run_dirs)
+        self.direct: Literal["require", "auto"] = "require" if direct_everywhere else "auto"
         if self.direct != "require":
             notes.append("a --dir refuses O_DIRECT: the engine falls back to buffered I/O there")
         self.cold = drop_caches()

@@ -43,7 +43,7 @@ def _add_engine_reads(bench: Bench) -> None:
             bench.raw_buffer,
             chunk_bytes=args.chunk_bytes,
             backend=backend,
-            direct_io=bench.direct,  # type: ignore[arg-type]
+            direct_io=bench.direct,
             queue_depth=args.queue_depth,
         )
         seconds = time.perf_counter() - start
@@ -65,7 +65,7 @@ def _add_engine_reads(bench: Bench) -> None:
             dest.numpy(),
             chunk_bytes=args.chunk_bytes,
             backend=backend,
-            direct_io=bench.direct,  # type: ignore[arg-type]
+            direct_io=bench.direct,
             queue_depth=args.queue_depth,
         )
         seconds = time.perf_counter() - start

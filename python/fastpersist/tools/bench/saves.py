@@ -48,7 +48,7 @@ def _add_limit_methods(bench: Bench) -> None:
             [source],
             raw_pool,
             backend=backend,
-            direct_io=bench.direct,  # type: ignore[arg-type]
+            direct_io=bench.direct,
             queue_depth=args.queue_depth,
             checksum=False,
             durable=True,

@@ -43,9 +43,14 @@ def remove_path(path: str) -> None:
 def drop_caches() -> bool:
     """Writes back dirty pages and drops the page cache; False where that is not permitted."""
     os.sync()
+    return _write_proc("/proc/sys/vm/drop_caches", "3\n")
+
+
+def _write_proc(path: str, value: str) -> bool:
+    """Writes `value` to a /proc control file; False where the kernel refuses (no privilege)."""
     try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
+        with open(path, "w") as f:
+            f.write(value)
     except OSError:
         return False
     return True
@@ -83,12 +88,7 @@ def release_memory() -> None:
 
 def reset_peak_rss() -> bool:
     """Resets this process's VmHWM to its current RSS (``/proc/self/clear_refs``); False if refused."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5\n")
-    except OSError:
-        return False
-    return True
+    return _write_proc("/proc/self/clear_refs", "5\n")
 
 
 def _filesystem_of(directory: str) -> str:

@@ -1,0 +1,226 @@
+"""Every name fastpersist gives a file or directory on disk, the patterns that recognise them,
+and the one atomic write of a small file. Nothing outside ``format/`` spells one of these names.
+
+What lies where (docs/format.md):
+
+* a checkpoint ``NAME/``: ``manifest.json`` (written last), data files ``data-wW-sS.bin``
+  (writer W, stripe S) and, sharded, one ``shard-RRRRR/`` directory per rank;
+* beside it while a save runs: the temporary directory ``.NAME.fptmp-ID`` (ID: the first 12 hex
+  digits of the checkpoint id), renamed onto ``NAME`` at commit;
+* under each stripe root: ``NAME.ID[.rK|.wK].fpstripe`` (the tag names a rank or a writer);
+* a :class:`~fastpersist.Checkpointer` root: ``step-NNNNNNNN/`` checkpoints, the index
+  ``latest.json`` and the cost history ``history.json``, each replaced through
+  ``.latest.json.tmp-PID-TID`` (:func:`write_small_file`);
+* a DCP directory (:mod:`fastpersist.integrations.dcp`): ``.metadata`` and ``__R_ID.fpdcp``;
+* the owner marker and the live-save lock of :mod:`fastpersist.format.ownership` (which owns
+  those two names).
+
+Example:
+    >>> os.path.basename(tmp_dir_for("/ckpt/step-7", "0123456789abcdef"))
+    '.step-7.fptmp-0123456789ab'
+    >>> parse_tmp_dir(".step-7.fptmp-0123456789ab")
+    ('step-7', '0123456789ab')
+    >>> stripe_dir_name("step-00000012", "0123456789abcdef", ".w1")
+    'step-00000012.0123456789ab.w1.fpstripe'
+    >>> parse_stripe_dir("step-00000012.0123456789ab.r3.fpstripe")
+    ('step-00000012', '0123456789ab')
+    >>> data_file_name(writer=0, stripe=1), shard_name(3), step_dir_name(120)
+    ('data-w0-s1.bin', 'shard-00003', 'step-00000120')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+from collections.abc import Iterable, Iterator
+
+from .. import _core
+from ..errors import CorruptCheckpointError
+from .quote import shown
+
+__all__ = [
+    "DATA_FILE",
+    "DCP_DATA_SUFFIX",
+    "DCP_METADATA_NAME",
+    "HISTORY_NAME",
+    "INDEX_NAME",
+    "INDEX_TMP",
+    "MANIFEST_NAME",
+    "SHARD_DIR",
+    "STRIPE_SUFFIX",
+    "TMP_MARKER",
+    "atomic_file",
+    "check_stripe_dirs",
+    "data_file_name",
+    "dcp_data_file_name",
+    "parse_step_dir",
+    "parse_stripe_dir",
+    "parse_tmp_dir",
+    "shard_name",
+    "step_dir_name",
+    "stripe_dir_id",
+    "stripe_dir_name",
+    "stripe_tag",
+    "tmp_dir_for",
+    "write_new_file",
+    "write_small_file",
+]
+
+#: A checkpoint's manifest, written last: its presence is what makes a directory a checkpoint.
+MANIFEST_NAME = "manifest.json"
+#: The names a manifest may give its data files (a save writes :func:`data_file_name`).
+DATA_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+#: One rank's directory inside a sharded checkpoint.
+SHARD_DIR = re.compile(r"^shard-\d{5}$")
+
+TMP_MARKER = ".fptmp-"
+_TMP_DIR = re.compile(r"^\.(.+)" + re.escape(TMP_MARKER) + r"([0-9a-f]{12})$")
+
+STRIPE_SUFFIX = ".fpstripe"
+_STRIPE_DIR = re.compile(r"^([A-Za-z0-9._-]{0,240})\.([0-9a-f]{12})(?:\.[rw]\d{1,6})?" + re.escape(STRIPE_SUFFIX) + "$")
+
+#: A torch.distributed.checkpoint directory written by the DCP storage writer: DCP's own
+#: metadata file, and one data file per rank and save.
+DCP_METADATA_NAME = ".metadata"
+DCP_DATA_SUFFIX = ".fpdcp"
+
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+#: A Checkpointer's index: the step it last committed.
+INDEX_NAME = "latest.json"
+#: A Checkpointer's measured costs and wear (:mod:`fastpersist.advisor.history`).
+HISTORY_NAME = "history.json"
+_SMALL_FILE_TMP = ".{name}.tmp-{pid}-{tid}"
+#: A Checkpointer's index or cost history being replaced (group 1: the writer's pid).
+INDEX_TMP = re.compile(r"^\.(?:" + "|".join(map(re.escape, (INDEX_NAME, HISTORY_NAME))) + r")\.tmp-(\d+)-\d+$")
+
+
+def data_file_name(*, writer: int, stripe: int) -> str:
+    """The data file of writer `writer` on stripe `stripe`."""
+    return f"data-w{writer}-s{stripe}.bin"
+
+
+def shard_name(rank: int) -> str:
+    """The directory of rank `rank`'s shard inside a sharded checkpoint."""
+    return f"shard-{rank:05d}"
+
+
+def tmp_dir_for(path: str, checkpoint_id: str) -> str:
+    """The hidden temporary directory a save of `path` writes into before it commits."""
+    parent, name = os.path.split(path)
+    return os.path.join(parent, f".{name}{TMP_MARKER}{checkpoint_id[:12]}")
+
+
+def parse_tmp_dir(name: str) -> tuple[str, str] | None:
+    """(checkpoint name, 12-hex id) of a save's temporary directory's name, or None if it is not one."""
+    match = _TMP_DIR.match(name)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def stripe_dir_name(name: str, checkpoint_id: str, tag: str) -> str:
+    """The directory a save of checkpoint `name` makes under each stripe root (`tag`: ``""``, ``".rK"``, ``".wK"``)."""
+    return f"{name}.{checkpoint_id[:12]}{tag}{STRIPE_SUFFIX}"
+
+
+def stripe_tag(*, rank: int | None = None, writer: int | None = None) -> str:
+    """The tag in a stripe directory's name: a shard's rank, a replicated save's writer, or none."""
+    if rank is not None:
+        return f".r{rank}"
+    return f".w{writer}" if writer is not None else ""
+
+
+def parse_stripe_dir(name: str) -> tuple[str, str] | None:
+    """(checkpoint name, 12-hex checkpoint id) of a stripe directory's name, or None if it is not one."""
+    match = _STRIPE_DIR.match(name)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def stripe_dir_id(name: str) -> str | None:
+    """The 12-hex checkpoint id in a stripe directory's name, or None if it is not one."""
+    parsed = parse_stripe_dir(name)
+    return parsed[1] if parsed else None
+
+
+def check_stripe_dirs(stripes: Iterable[str], checkpoint_id: str, where: str) -> None:
+    """Refuses stripe paths a save of this checkpoint cannot have written (pure; no I/O).
+
+    Raises:
+        CorruptCheckpointError: naming the offending path.
+    """
+    for s in stripes:
+        ok = (
+            "\x00" not in s
+            and os.path.isabs(s)
+            and os.path.normpath(s) == s
+            and not s.startswith("//")
+            and stripe_dir_id(os.path.basename(s)) == checkpoint_id[:12]
+            and len(checkpoint_id) >= 12
+        )
+        if not ok:
+            raise CorruptCheckpointError(
+                f"{where}: stripe directory {shown(s, 200)} is not a normalised absolute path ending in "
+                f"NAME.{checkpoint_id[:12] or 'ID'}{STRIPE_SUFFIX}; fastpersist will not read or delete it"
+            )
+
+
+def dcp_data_file_name(rank: int, save_id: str) -> str:
+    """The data file rank `rank` writes in the DCP save `save_id`: unique to that save."""
+    return f"__{rank}_{save_id}{DCP_DATA_SUFFIX}"
+
+
+def step_dir_name(step: int) -> str:
+    """The directory of a Checkpointer's checkpoint of `step`."""
+    return f"step-{step:08d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step a Checkpointer's checkpoint directory is named after, or None if it is not one."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+@contextlib.contextmanager
+def atomic_file(path: str, *, durable: bool) -> Iterator[str]:
+    """Yields a temporary path beside `path` to write; on success it replaces `path` atomically.
+
+    Readers see the old file or the new one, never a part. `durable`: the file is fsynced before
+    the rename and the directory after it. On an error the temporary file is removed.
+    """
+    parent, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(parent, _SMALL_FILE_TMP.format(name=name, pid=os.getpid(), tid=threading.get_ident()))
+    try:
+        yield tmp
+        if durable:
+            _core.fsync_path(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+    if durable:
+        _core.fsync_dir(parent)
+
+
+def write_new_file(path: str, data: bytes, *, durable: bool) -> None:
+    """Creates the file `path`, which must not exist, holding `data` (fsynced when `durable`;
+    its directory entry is the caller's to make durable).
+
+    Raises:
+        FileExistsError: `path` exists already.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_small_file(path: str, data: bytes, *, durable: bool) -> None:
+    """Replaces the file `path` with `data` atomically (see :func:`atomic_file`)."""
+    with atomic_file(path, durable=durable) as tmp, open(tmp, "wb") as f:
+        f.write(data)

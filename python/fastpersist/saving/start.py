@@ -1,0 +1,37 @@
+"""Which save job a save runs: one process's (:class:`~fastpersist.saving.job.SaveJob`) or a
+process group's (:class:`~fastpersist.saving.group.GroupSaveJob`), started on its own thread.
+``fp.save``, ``fp.save_async`` and the ``Checkpointer`` all start their saves here.
+
+Example:
+    >>> import fastpersist as fp, torch
+    >>> start_save({"w": torch.ones(2)}, "/tmp/fp-doc-start", fp.Config()).finish().path
+    '/tmp/fp-doc-start'
+"""
+
+from __future__ import annotations
+
+import os
+
+from .. import _core
+from ..config import Config
+from .group import GroupSaveJob
+from .job import SaveJob
+
+__all__ = ["start_save"]
+
+
+def start_save(
+    state: object,
+    path: str | os.PathLike[str],
+    config: Config,
+    *,
+    group: object = None,
+    sharded: bool = False,
+    pool: _core.Pool | None = None,
+) -> SaveJob | GroupSaveJob:
+    """Starts saving `state` to `path`: alone, or with every rank of `group` (``sharded``: each
+    rank its own shard). `pool`: a staging pool to reuse (a Checkpointer's); else one per config."""
+    # The engine always runs on its own thread, so that waiting for it can be interrupted.
+    if group is None and not sharded:
+        return SaveJob(path, config, pool=pool).start(state)
+    return GroupSaveJob(path, config, group, sharded=sharded, pool=pool).start(state)
