@@ -235,7 +235,7 @@ def test_the_checkpointer_imports_nothing_above_it() -> None:
     assert sorted(t for t in edges["fastpersist.checkpointer"] if t.startswith(above)) == []
 
 
-README = PACKAGE.parent.parent / "README.md"
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 #: The folders whose every module the README's Layout section names (tools/bench/ is one entry).
 LISTED_FOLDERS = ("", "format", "saving", "loading", "distributed", "interop", "integrations", "advisor", "tools")
 
