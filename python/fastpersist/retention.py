@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .cleanup import stripe_leftovers
 from .errors import FastPersistError
+from .format.confine import data_file_problem, real_roots, under_roots
 from .format.manifest import Manifest, read_manifest
 from .saving.target import remove_checkpoint_tree
 
@@ -69,7 +69,7 @@ def check_share(path: str, stripe_roots: Sequence[str | os.PathLike[str]] | None
     A file is this rank's to check when its stripe directory sits in one of `stripe_roots`, or,
     with `checks_dir`, when it lies in the checkpoint directory itself (rank 0).
     """
-    roots = {os.path.realpath(os.fspath(r)) for r in stripe_roots or []}
+    roots = real_roots(stripe_roots) or set()
     result = ShareCheck()
     try:
         manifests = _manifests(path)
@@ -80,18 +80,16 @@ def check_share(path: str, stripe_roots: Sequence[str | os.PathLike[str]] | None
         for entry in m.files:
             file_path = m.file_path(where, entry)
             result.expected.append(file_path)
-            in_stripe = entry.stripe is not None
-            mine = os.path.realpath(os.path.dirname(os.path.dirname(file_path))) in roots if in_stripe else checks_dir
+            mine = under_roots(os.path.dirname(file_path), roots) if entry.stripe is not None else checks_dir
             if not mine:
                 continue
             result.checked.append(file_path)
             try:
-                st = os.lstat(file_path)
+                problem = data_file_problem(where, file_path, entry.len_bytes)
             except OSError as e:
-                result.problems.append(f"{file_path}: {e.strerror}")
-                continue
-            if not stat.S_ISREG(st.st_mode) or st.st_size != entry.len_bytes:
-                result.problems.append(f"{file_path}: {st.st_size} bytes, expected {entry.len_bytes}")
+                problem = f"{file_path}: {e.strerror}"
+            if problem:
+                result.problems.append(problem)
     return result
 
 

@@ -35,19 +35,24 @@ from .quote import shown
 __all__ = [
     "check_data_files",
     "check_shard_dir",
+    "data_file_problem",
+    "real_roots",
     "remove_checkpoint_tree",
+    "under_roots",
 ]
 
 log = logging.getLogger("fastpersist")
 
 
-def _real_roots(stripe_roots: Sequence[str | os.PathLike[str]] | None) -> set[str] | None:
+def real_roots(stripe_roots: Sequence[str | os.PathLike[str]] | None) -> set[str] | None:
+    """The real paths of the configured stripe roots, or None when none are configured."""
     if not stripe_roots:
         return None
     return {os.path.realpath(os.fspath(r)) for r in stripe_roots}
 
 
-def _under_roots(directory: str, roots: set[str]) -> bool:
+def under_roots(directory: str, roots: set[str]) -> bool:
+    """Whether `directory` sits directly in one of `roots` (real paths, from :func:`real_roots`)."""
     return os.path.realpath(os.path.dirname(directory)) in roots
 
 
@@ -80,7 +85,7 @@ def check_data_files(root: str, m: Manifest, stripe_roots: Sequence[str | os.Pat
     Raises:
         CorruptCheckpointError: naming the file and what is wrong with it.
     """
-    roots = _real_roots(stripe_roots)
+    roots = real_roots(stripe_roots)
     for d in m.stripes:
         st = _lstat(d)
         if st is None:
@@ -89,26 +94,32 @@ def check_data_files(root: str, m: Manifest, stripe_roots: Sequence[str | os.Pat
             raise CorruptCheckpointError(
                 f"stripe directory {shown(d, 300)} of {root} is not a plain directory (a link?)"
             )
-        if roots is not None and not _under_roots(d, roots):
+        if roots is not None and not under_roots(d, roots):
             raise CorruptCheckpointError(
                 f"stripe directory {shown(d, 300)} of {root} is outside the configured stripe roots "
                 f"{shown(sorted(roots), 300)}"
             )
     total = 0
     for f in m.files:
-        path = m.file_path(root, f)
-        st = _lstat(path)
-        if st is None:
-            raise CorruptCheckpointError(f"data file {shown(path, 300)} named in {root}/manifest.json is missing")
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"data file {shown(path, 300)} is not a regular file (a link?)")
-        if st.st_size != f.len_bytes:
-            how = "truncated" if st.st_size < f.len_bytes else "bytes appended"
-            raise CorruptCheckpointError(
-                f"{shown(path, 300)} has the wrong size ({how}?): expected {f.len_bytes} bytes, found {st.st_size}"
-            )
-        total += st.st_size
+        problem = data_file_problem(root, m.file_path(root, f), f.len_bytes)
+        if problem:
+            raise CorruptCheckpointError(problem)
+        total += f.len_bytes
     return total
+
+
+def data_file_problem(root: str, path: str, len_bytes: int) -> str | None:
+    """What is wrong with the data file `path` of the checkpoint at `root` (missing, not a regular
+    file, not exactly `len_bytes` long), or None when nothing is."""
+    st = _lstat(path)
+    if st is None:
+        return f"data file {shown(path, 300)} named in {root}/manifest.json is missing"
+    if not stat.S_ISREG(st.st_mode):
+        return f"data file {shown(path, 300)} is not a regular file (a link?)"
+    if st.st_size != len_bytes:
+        how = "truncated" if st.st_size < len_bytes else "bytes appended"
+        return f"{shown(path, 300)} has the wrong size ({how}?): expected {len_bytes} bytes, found {st.st_size}"
+    return None
 
 
 def remove_checkpoint_tree(
@@ -124,11 +135,11 @@ def remove_checkpoint_tree(
     when `root` is a temporary name it was moved to (the old tree after an atomic exchange).
     ``shutil.rmtree`` never follows links.
     """
-    roots = _real_roots(stripe_roots) or set()
+    roots = real_roots(stripe_roots) or set()
     key = checkpoint_key(owner_path or root)
     for d, checkpoint_id in _named_stripe_dirs(root):
         st = _lstat(d)
-        if st is None or not _under_roots(d, roots):
+        if st is None or not under_roots(d, roots):
             continue  # another rank's drive, or outside what this caller may delete
         owner = read_owner(d)
         if (
