@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
-import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from gloo import report_rank
 
 
 def full_weight() -> torch.Tensor:
@@ -63,14 +63,4 @@ def save_then_reshard(rank: int, workdir: str) -> dict[str, Any]:
 
 
 def run(rank: int, world: int, init_file: str, workdir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        result = save_then_reshard(rank, workdir)
-        with open(os.path.join(workdir, f"result-{rank}.json"), "w") as f:
-            json.dump(result, f)
-    except BaseException:
-        with open(os.path.join(workdir, f"error-{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+    report_rank(rank, world, init_file, workdir, lambda: save_then_reshard(rank, workdir))

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 import fastpersist as fp
+
+from gloo import report_rank
 
 
 def make_state(seed: int, tensors: int = 12) -> dict[str, Any]:
@@ -36,18 +36,14 @@ def same(a: Any, b: Any) -> bool:
 
 def run(rank: int, world: int, init_file: str, scenario: str, workdir: str, backend: str) -> None:
     """Entry point of each spawned rank; writes result-{rank}.json (or error-{rank}.txt)."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        result = SCENARIOS[scenario](rank, world, workdir, backend)
-        with open(os.path.join(workdir, f"result-{rank}.json"), "w") as f:
-            json.dump(result, f)
-    except BaseException:
-        with open(os.path.join(workdir, f"error-{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if scenario != "killed_rank":
-            dist.destroy_process_group()
+    report_rank(
+        rank,
+        world,
+        init_file,
+        workdir,
+        lambda: SCENARIOS[scenario](rank, world, workdir, backend),
+        destroy=scenario != "killed_rank",
+    )
 
 
 def replicated(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:

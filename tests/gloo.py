@@ -6,6 +6,7 @@ import json
 import multiprocessing
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -47,3 +48,25 @@ def run_ranks(
             traceback = open(error).read() if os.path.exists(error) else ""
             results.append({"exitcode": procs[rank].exitcode, "traceback": traceback})
     return results
+
+
+def report_rank(
+    rank: int, world: int, init_file: str, workdir: str, compute: Callable[[], Any], *, destroy: bool = True
+) -> None:
+    """The rank's side of :func:`run_ranks`: joins the gloo group, runs `compute`, and writes its
+    result as ``result-{rank}.json`` or its traceback as ``error-{rank}.txt`` (then re-raises).
+    `destroy=False` leaves the group as it is (a scenario whose rank is killed)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        result = compute()
+        with open(os.path.join(workdir, f"result-{rank}.json"), "w") as f:
+            json.dump(result, f)
+    except BaseException:
+        with open(os.path.join(workdir, f"error-{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if destroy:
+            dist.destroy_process_group()

@@ -8,9 +8,7 @@ bit, and saves steps 4-5. After each run every rank reports what it sees on its 
 
 from __future__ import annotations
 
-import json
 import os
-import traceback
 from typing import Any
 
 import torch
@@ -18,6 +16,8 @@ import torch.distributed as dist
 
 import fastpersist as fp
 from fastpersist.format.manifest import read_manifest
+
+from gloo import report_rank
 
 MODES = ("replicated", "sharded")
 STRIPES = ("none", "shared", "per-rank")
@@ -118,14 +118,10 @@ def _one_config(rank: int, workdir: str, backend: str, mode: str, kind: str) -> 
 
 
 def run(rank: int, world: int, init_file: str, workdir: str, backend: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        result = {f"{m}/{k}": _one_config(rank, workdir, backend, m, k) for m in MODES for k in STRIPES}
-        with open(os.path.join(workdir, f"result-{rank}.json"), "w") as f:
-            json.dump(result, f)
-    except BaseException:
-        with open(os.path.join(workdir, f"error-{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
+    report_rank(
+        rank,
+        world,
+        init_file,
+        workdir,
+        lambda: {f"{m}/{k}": _one_config(rank, workdir, backend, m, k) for m in MODES for k in STRIPES},
+    )
