@@ -60,8 +60,17 @@ class Checkpointer:
             commits and maintains the index; every rank removes its own stripe directories of
             retired steps.
         sharded: each rank saves its own shard (FSDP/ZeRO-style); needs `group`.
+        replicas: the partner level: each rank's share is also kept on `replicas` other nodes
+            (a node is ``$FASTPERSIST_NODE`` or the host name; each node passes its own `root`),
+            so losing a node loses no step; needs `group`. See docs/levels.md.
         mtbf_s: the job's mean time between failures in seconds; needed by ``every="auto"``.
         max_every: the largest interval ``every="auto"`` may choose.
+
+    Levels (docs/levels.md): **local**, `root` itself (an NVMe directory, or a directory under
+    ``/dev/shm`` for an in-memory level that survives the process but not the node); **partner**,
+    with ``replicas=k``, copies of each rank's share in the roots of k other nodes. A step counts
+    on a level once it is complete there; :meth:`latest` and :meth:`load` restore from the fastest
+    level that holds a copy that verifies, agreed by every rank; :meth:`levels` says what each holds.
 
     Example:
         >>> ck = fp.Checkpointer("runs/exp1", every=1, keep=2)        # doctest: +SKIP
@@ -84,6 +93,7 @@ class Checkpointer:
         sharded: bool = False,
         mtbf_s: float | None = None,
         max_every: int = DEFAULT_MAX_EVERY,
+        replicas: int = 0,
     ) -> None:
         if every == "auto" and group is not None:
             raise ValueError('every="auto" is not supported with group= yet: every rank must save the same steps')
@@ -91,12 +101,17 @@ class Checkpointer:
             raise ValueError(f"keep={keep!r}: expected an integer >= 1 (the last good checkpoint is always kept)")
         if sharded and group is None:
             raise ValueError("sharded=True needs group=")
+        if type(replicas) is not int or replicas < 0:
+            raise ValueError(f"replicas={replicas!r}: expected an integer >= 0")
+        if replicas and group is None:
+            raise ValueError("replicas= needs group=: the copies go to ranks on other nodes")
         self.root = os.path.abspath(os.fspath(root))
         self.history = SaveHistory(self.root, every=every, mtbf_s=mtbf_s, max_every=max_every)
         self.keep = keep
         self.config = config
         self.group = group
         self.sharded = sharded
+        self.replicas = replicas
         self.rank = 0
         if group is not None:
             from .distributed.control import group_rank_and_size
@@ -111,6 +126,12 @@ class Checkpointer:
         self.removed_leftovers: list[str] = []
         self._cleaned = False
         self.history.persist = self.rank == 0
+        self._partner: Any = None
+        self._last: SaveResult | None = None
+        if replicas:
+            from .levels.partner import PartnerLevel
+
+            self._partner = PartnerLevel(self, replicas)
 
     @property
     def every(self) -> int:
@@ -141,7 +162,9 @@ class Checkpointer:
         every rank its own stripe roots.
         """
         stripes = list(self.config.stripes or []) if self.config is not None else []
-        if self.rank == 0:
+        if self._partner is not None:
+            removed = clean(self.root) if self._partner.is_leader() else []
+        elif self.rank == 0:
             removed = clean(self.root, stripes=stripes)
         else:
             removed = stripe_leftovers(self.root, stripes) if stripes else []
@@ -196,7 +219,15 @@ class Checkpointer:
                 self._before_first_save(step)
             if self._pool is None:
                 self._pool = pool_for(config)  # held for this Checkpointer's life, reused by every save
-            job = start_save(state, self.path(step), config, group=self.group, sharded=self.sharded, pool=self._pool)
+            job = start_save(
+                state,
+                self.path(step),
+                config,
+                group=self.group,
+                sharded=self.sharded,
+                pool=self._pool,
+                replicas=self.replicas,
+            )
             self._future = SaveFuture(job, on_commit=functools.partial(self._after_commit, step))
             return self._future
 
@@ -219,14 +250,18 @@ class Checkpointer:
 
     def _after_commit(self, step: int, result: SaveResult) -> None:
         """On every rank, once `step` committed: the index (rank 0), then retention, then the costs."""
-        if self.rank == 0:
-            self._write_index(step)
         stripes = self.config.stripes if self.config else None
         candidates = [self.path(s) for s in retired_steps(self.steps(), step, self.keep)]
-        if self.group is None:
-            retire(self.root, self.path(step), candidates, stripes, rank=0)
+        if self._partner is not None:
+            self._partner.after_commit(step, result, candidates)  # per node: index and retention
         else:
-            self._retire_in_group(step, candidates)
+            if self.rank == 0:
+                self._write_index(step)
+            if self.group is None:
+                retire(self.root, self.path(step), candidates, stripes, rank=0)
+            else:
+                self._retire_in_group(step, candidates)
+        self._last = result
         if self.rank == 0:
             self.history.committed(result, stripes=stripes, group=self.group is not None)  # costs and wear
 
@@ -328,6 +363,8 @@ class Checkpointer:
         verifies is returned. Without an index, the newest step that verifies. Verification
         results are cached per checkpoint while its files are unchanged.
         """
+        if self._partner is not None:
+            return self._partner.latest()  # type: ignore[no-any-return]
         indexed = self._index_step()
         for step in reversed(self.steps()):
             if (indexed is None or step <= indexed) and self._verifies(step):
@@ -345,9 +382,17 @@ class Checkpointer:
         """Loads `step` (default: :meth:`latest`); `out`, `map_location` and `namedtuple_types`
         as in :func:`fastpersist.load`.
 
+        With ``replicas``, every rank must call it: each takes its share from its own root, else
+        from a partner's copy (docs/levels.md); `out` is not supported there yet.
+
         Raises:
             FileNotFoundError: there is no good checkpoint under `root`.
         """
+        if self._partner is not None:
+            if out is not None:
+                raise ValueError("load(out=...) is not supported with replicas= yet; load a new state")
+            with self.history.loading():
+                return self._partner.load(step, map_location, namedtuple_types)
         if step is None:
             step = self.latest()
             if step is None:
@@ -360,6 +405,40 @@ class Checkpointer:
                 group=self.group,
                 namedtuple_types=namedtuple_types,
             )
+
+    def levels(self) -> dict[str, Any]:
+        """What this rank's node holds on each level: ``{"local": {...}, "partner": {...}}``, each
+        with the ``steps`` held, their ``bytes`` and ``last_seconds`` (the last copy's time)."""
+        if self._partner is not None:
+            return self._partner.levels()  # type: ignore[no-any-return]
+        steps = self.steps()
+        nbytes = 0
+        for step in steps:
+            try:
+                nbytes += sum(f.len_bytes for f in read_manifest(self.path(step)).files)
+            except (CorruptCheckpointError, OSError):
+                continue
+        local: dict[str, Any] = {"root": self.root, "steps": steps, "bytes": nbytes}
+        if self._last is not None:
+            local["last_seconds"] = self._last.seconds
+        return {"local": local}
+
+    def close(self) -> None:
+        """Waits for every pending copy (raising a failure nobody has seen yet); the
+        Checkpointer can still be used afterwards."""
+        self._finish_previous()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # the body's exception is the one that matters
+            log.warning("closing %s after an error: the pending save failed too: %s", self.root, e)
 
     def guard(self, optimizer: Any) -> Any:
         """Makes ``optimizer.step()`` call :meth:`wait_staged` first; returns the hook handle."""

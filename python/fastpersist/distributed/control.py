@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -23,6 +22,7 @@ from typing import Any, TypeVar, cast
 import torch.distributed as dist
 
 from ..errors import FastPersistError
+from ..levels.placement import node_name
 
 __all__ = ["ControlGroup", "collective", "control_for", "forget_control", "group_rank_and_size", "writer_map"]
 
@@ -43,7 +43,8 @@ class ControlGroup:
         self.rank = dist.get_rank(self.pg)
         self.size = dist.get_world_size(self.pg)
         self.timeout_s = timeout_s
-        self.hosts: list[str] = self.all_gather(socket.gethostname())
+        #: Each rank's node (:func:`fastpersist.levels.placement.node_name`), gathered once per group.
+        self.nodes: list[str] = self.all_gather(node_name())
 
     def all_gather(self, obj: T) -> list[T]:
         """Every rank's `obj`, in rank order."""
@@ -107,24 +108,24 @@ def group_rank_and_size(group: Any) -> tuple[int, int]:
     return dist.get_rank(pg), dist.get_world_size(pg)
 
 
-def writer_map(hosts: list[str], writers: str | int) -> dict[int, int]:
-    """Maps group rank -> writer index for ``Config.writers``, given each rank's host name.
+def writer_map(nodes: list[str], writers: str | int) -> dict[int, int]:
+    """Maps group rank -> writer index for ``Config.writers``, given each rank's node.
 
-    ``"rank"``: every rank writes; ``"node"``: the lowest rank of each host; ``k``: the ``k``
-    lowest ranks of each host. Writer indices follow rank order.
+    ``"rank"``: every rank writes; ``"node"``: the lowest rank of each node; ``k``: the ``k``
+    lowest ranks of each node. Writer indices follow rank order.
 
     Example:
         >>> writer_map(["a", "a", "b", "b"], "node")
         {0: 0, 2: 1}
     """
     if writers == "rank":
-        chosen = list(range(len(hosts)))
+        chosen = list(range(len(nodes)))
     else:
         per_host = 1 if writers == "node" else int(writers)
         seen: dict[str, int] = {}
         chosen = []
-        for rank, host in enumerate(hosts):
-            if seen.get(host, 0) < per_host:
-                seen[host] = seen.get(host, 0) + 1
+        for rank, node in enumerate(nodes):
+            if seen.get(node, 0) < per_host:
+                seen[node] = seen.get(node, 0) + 1
                 chosen.append(rank)
     return {rank: index for index, rank in enumerate(chosen)}

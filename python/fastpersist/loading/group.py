@@ -43,7 +43,7 @@ from ..format.quote import shown
 from .opened import real_paths
 from .reading import direct_padded, read_window
 
-__all__ = ["PIECE_BYTES", "read_pieces", "read_shares", "read_stream_shared"]
+__all__ = ["PIECE_BYTES", "read_and_broadcast", "read_pieces", "read_shares", "read_stream_shared"]
 
 T = TypeVar("T")
 
@@ -85,14 +85,14 @@ def read_stream_shared(root: str, m: Manifest, verify: bool, config: Config, gro
     def read(lo: int, hi: int) -> None:
         read_window(root, m, lo, hi, stream.span(lo, direct_padded(hi - lo)), verify, config)
 
-    own_error = _read_and_broadcast(control, root, runs, stream, read)
+    own_error = read_and_broadcast(control, root, runs, stream, read)
     status = ("ok", control.rank) if own_error is None else _error_status(control.rank, own_error)
     statuses = _collective(control, root, "exchange read results", lambda: control.all_gather(status))
     _raise_failures(root, statuses, own_error)
     return stream
 
 
-def _read_and_broadcast(
+def read_and_broadcast(
     control: ControlGroup,
     root: str,
     runs: list[list[tuple[int, int]]],

@@ -39,7 +39,7 @@ from .reading import blob_buffers, read_stream, windowable
 from .relocate import check_stripes_present, read_opened
 from .todevice import device_targets, load_blobs
 
-__all__ = ["LoadOptions", "load_checkpoint"]
+__all__ = ["LoadOptions", "build_state", "load_checkpoint", "state_from_stream"]
 
 
 class LoadOptions(NamedTuple):
@@ -149,13 +149,37 @@ def _load_new(
             stream = read_stream(root, m, verify, config, stats)
     if stream is not None:
         buffers = blob_buffers(stream, m)
+    return build_state(root, m, buffers, options, place, targets or {})
+
+
+def state_from_stream(root: str, m: Manifest, stream: _core.PagedBuffer, options: LoadOptions) -> Any:
+    """The state whose whole stream `stream` holds (already read and verified), as a load of the
+    checkpoint at `root` with manifest `m` builds it (``map_location`` applied)."""
+    check_targets_exist(options.map_location, _placed(m.tensors), root)
+    mapped: MappedStorages = {}
+
+    def place(t: torch.Tensor, device: str) -> torch.Tensor:
+        return map_tensor(options.map_location, t, device, mapped)
+
+    return build_state(root, m, blob_buffers(stream, m), options, place, {})
+
+
+def build_state(
+    root: str,
+    m: Manifest,
+    buffers: list[torch.Tensor],
+    options: LoadOptions,
+    place: Callable[[torch.Tensor, str], torch.Tensor],
+    on_device: dict[int, torch.device],
+) -> Any:
+    """Builds the state from one buffer per blob; the blobs in `on_device` are already placed."""
+    clock = options.clock
     try:
         tensors = materialize(m.tensors, buffers)
     except ValueError as e:
         raise CorruptCheckpointError(f"{root}/{MANIFEST_NAME}: {e}") from None
     del buffers
     clock.mark("build")
-    on_device = targets or {}
     tensors = [
         place(t, rec.device) if isinstance(t, torch.Tensor) and rec.blob not in on_device else t
         for t, rec in zip(tensors, m.tensors, strict=True)

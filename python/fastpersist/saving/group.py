@@ -67,6 +67,8 @@ class RankStatus:
     stripe_dirs: list[str] = field(default_factory=list)
     total_bytes: int = 0
     tensor_count: int = 0
+    #: Sharded: the size of this rank's shard manifest.
+    manifest_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,7 @@ class GroupSaveJob:
                 owner=owner,
                 tag=stripe_tag(rank=self.rank),
             )
-        writers = writer_map(self.control.hosts, self.config.writers)
+        writers = writer_map(self.control.nodes, self.config.writers)
         self.writer = writers.get(self.rank)
         return Layout(
             checkpoint_id=message.checkpoint_id,
@@ -197,12 +199,14 @@ class GroupSaveJob:
         """Waits for this rank's files (and shard manifest); its status for the group."""
         local_error = self.start_error
         written = None
+        manifest_bytes = 0
         if self.job is not None and local_error is None:
             try:
                 written = self.job.wait_written(timeout)
                 if self.sharded:
                     doc = self.job.manifest(written.entries, written.stripe_dirs)
                     write_manifest(self.layout.data_dir, doc, durable=self.config.durable)
+                    manifest_bytes = len(doc)
                 # From here this rank's share is reported good: a late cancel() cannot undo that.
                 self.job.verdict.seal()
             except BaseException as e:
@@ -217,6 +221,7 @@ class GroupSaveJob:
             stripe_dirs=written.stripe_dirs,
             total_bytes=self.job.plan.total_bytes,
             tensor_count=len(self.job.tensor_json),
+            manifest_bytes=manifest_bytes,
         )
         return status, written, None
 
@@ -286,6 +291,7 @@ class GroupSaveJob:
                 tensors=[],
                 tree={"spec_version": 1, "root": None},
                 shards=[shard_name(s.rank) for s in statuses],
+                extra=self.manifest_extra(statuses),
             )
             self.job.publish(doc)
             return
@@ -305,4 +311,8 @@ class GroupSaveJob:
                         chunk_crc32c=item["chunk_crc32c"],
                     )
                 )
-        self.job.publish(self.job.manifest(entries, stripes))
+        self.job.publish(self.job.manifest(entries, stripes, self.manifest_extra(statuses)))
+
+    def manifest_extra(self, statuses: list[RankStatus]) -> dict[str, Any] | None:
+        """What a kind of group save adds to the manifest's ``extra`` (nothing here)."""
+        return None

@@ -16,6 +16,7 @@ from .. import _core
 from ..config import Config
 from .group import GroupSaveJob
 from .job import SaveJob
+from .partner import PartnerSaveJob
 
 __all__ = ["start_save"]
 
@@ -28,10 +29,14 @@ def start_save(
     group: object = None,
     sharded: bool = False,
     pool: _core.Pool | None = None,
+    replicas: int = 0,
 ) -> SaveJob | GroupSaveJob:
     """Starts saving `state` to `path`: alone, or with every rank of `group` (``sharded``: each
-    rank its own shard). `pool`: a staging pool to reuse (a Checkpointer's); else one per config."""
+    rank its own shard; ``replicas``: each node commits its own copy, and each share is also kept
+    on `replicas` other nodes). `pool`: a staging pool to reuse (a Checkpointer's); else one per config."""
     # The engine always runs on its own thread, so that waiting for it can be interrupted.
     if group is None and not sharded:
         return SaveJob(path, config, pool=pool).start(state)
+    if replicas:
+        return PartnerSaveJob(path, config, group, sharded=sharded, replicas=replicas, pool=pool).start(state)
     return GroupSaveJob(path, config, group, sharded=sharded, pool=pool).start(state)

@@ -1,0 +1,125 @@
+"""A :class:`~fastpersist.Checkpointer`'s partner level: what it does differently with ``replicas=k``.
+
+Each node's root holds that node's own step directories (the shares of its ranks and copies of
+its partners' shares, :mod:`fastpersist.saving.partner`); the node's leader (its lowest rank)
+cleans that root, writes its index and retires its old steps, each only once the new step is
+complete on the node. ``latest()`` and ``load()`` are agreed over the group
+(:mod:`fastpersist.levels.restore`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+from ..config import SaveResult
+from ..errors import FastPersistError
+from ..format.layout import MANIFEST_NAME
+from ..format.manifest import read_manifest
+from ..loading.phases import PhaseClock
+from ..loading.pipeline import LoadOptions
+from .holdings import retire_on_node, share_problem, shares_of
+from .placement import Placement, node_name
+from .restore import node_report, restore_step, verified_step
+
+if TYPE_CHECKING:
+    from ..checkpointer import Checkpointer
+    from ..distributed.control import ControlGroup
+
+__all__ = ["PartnerLevel"]
+
+log = logging.getLogger("fastpersist")
+
+
+class PartnerLevel:
+    """The partner level of one Checkpointer (one per rank)."""
+
+    def __init__(self, ck: Checkpointer, replicas: int) -> None:
+        self.ck = ck
+        self.replicas = replicas
+        self.node = node_name()
+        self.last: SaveResult | None = None
+
+    def control(self) -> ControlGroup:
+        from ..distributed.control import control_for
+
+        timeout = self.ck.config.timeout_s if self.ck.config is not None else 600.0
+        return control_for(self.ck.group, timeout)
+
+    def placement(self) -> Placement:
+        return Placement(self.control().nodes)
+
+    def is_leader(self) -> bool:
+        """Whether this rank is its node's lowest (collective on first use: every rank must call)."""
+        return self.placement().is_leader(self.ck.rank)
+
+    def after_commit(self, step: int, result: SaveResult, candidates: list[str]) -> None:
+        """The node leader's index and retention once `step` committed on every node."""
+        self.last = result
+        if not self.is_leader():
+            return
+        self.ck._write_index(step)
+        removed = retire_on_node(self.ck.path(step), candidates, self.node)
+        if removed:
+            log.info("node %s retired %s under %s", self.node, [os.path.basename(p) for p in removed], self.ck.root)
+
+    def _reports(self) -> list[Any]:
+        control = self.control()
+        mine = node_report(control.rank, self.ck.root, self.ck._index_step())
+        return control.all_gather(mine)
+
+    def latest(self) -> int | None:
+        control = self.control()
+        return verified_step(control, self.ck.root, self.ck.path, self._reports(), self.ck.config or _default_config())
+
+    def load(self, step: int | None, map_location: Any, namedtuple_types: Any) -> Any:
+        config = self.ck.config or _default_config()
+        options = LoadOptions(map_location, True, config, namedtuple_types, PhaseClock(None))
+        found, state = restore_step(self.control(), self.ck.root, self.ck.path, self._reports(), options, step)
+        log.info("rank %d restored step %d (node %s)", self.ck.rank, found, self.node)
+        return state
+
+    def levels(self) -> dict[str, Any]:
+        """What this node holds on each level: steps, bytes, seconds of the last copy."""
+        local: dict[str, Any] = {"root": self.ck.root, "node": self.node, "steps": [], "bytes": 0}
+        partner: dict[str, Any] = {"replicas": self.replicas, "steps": [], "bytes": 0}
+        for step in self.ck.steps():
+            path = self.ck.path(step)
+            try:
+                m = read_manifest(path)
+            except (FastPersistError, OSError):
+                continue
+            rank_nodes = m.extra.get("levels", {}).get("rank_nodes", [])
+            for share in shares_of(m) or []:
+                if share_problem(path, m, share) is not None:
+                    continue
+                own = share.owner < len(rank_nodes) and rank_nodes[share.owner] == self.node
+                level = local if own else partner
+                if step not in level["steps"]:
+                    level["steps"].append(step)
+                level["bytes"] += _share_bytes(path, m, share)
+        if self.last is not None:
+            local["last_seconds"] = self.last.seconds - self.last.phases.get("replicate", 0.0)
+            partner["last_seconds"] = self.last.phases.get("replicate", 0.0)
+        return {"local": local, "partner": partner}
+
+
+def _share_bytes(path: str, m: Any, share: Any) -> int:
+    if not m.shards:
+        return int(share.nbytes)
+    from ..format.layout import shard_name
+
+    shard_dir = os.path.join(path, shard_name(share.index))
+    try:
+        return sum(f.len_bytes for f in read_manifest(shard_dir).files) + os.path.getsize(
+            os.path.join(shard_dir, MANIFEST_NAME)
+        )
+    except (FastPersistError, OSError):
+        return 0
+
+
+def _default_config() -> Any:
+    from ..config import Config
+
+    return Config()

@@ -1,0 +1,183 @@
+"""Moving the files of a rank's share between ranks over the group's gloo control group.
+
+Used by a replicated save (each share's files go to its partners, who write them into their
+own node's step directory) and by a restore (a share's bytes go from the rank that read them
+to the ranks that need them). The bytes travel in pieces of whole chunks (:data:`PIECE_BYTES`),
+round by round: in round k every sender posts its k-th piece to each receiver and every
+receiver posts its receives, then all wait (point-to-point operations of gloo, each bounded by
+the control group's timeout, so a dead peer fails the round instead of hanging it).
+
+A data file's pieces are read back from the sender's copy with each chunk's crc32c checked (so
+a damaged source is never propagated) and checked again on arrival before they are written.
+
+Example:
+    >>> piece_spans(10 << 20, 4 << 20, piece_bytes=8 << 20)
+    [(0, 8388608), (8388608, 2097152)]
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _core
+from ..errors import ChecksumMismatchError
+from ..format.manifest import parse
+
+__all__ = ["PIECE_BYTES", "ShareFile", "Transfer", "piece_spans", "send_and_receive"]
+
+#: Bytes of one piece on the wire (a multiple of the chunk size is taken).
+PIECE_BYTES = 64 << 20
+
+
+def piece_spans(len_bytes: int, chunk_bytes: int, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
+    """``(offset, length)`` of the pieces of a file of `len_bytes`, each whole chunks."""
+    step = max(chunk_bytes, piece_bytes // chunk_bytes * chunk_bytes)
+    return [(a, min(step, len_bytes - a)) for a in range(0, len_bytes, step)] or [(0, 0)]
+
+
+@dataclass(frozen=True)
+class ShareFile:
+    """One file of a share: its name relative to the step directory, its size and chunk checksums
+    (empty for a manifest, which carries its own seal)."""
+
+    name: str
+    len_bytes: int
+    chunk_crc32c: list[int] = field(default_factory=list)
+
+    @property
+    def is_manifest(self) -> bool:
+        return not self.chunk_crc32c and os.path.basename(self.name) == "manifest.json"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One share's files going from `src` (reading under `src_dir`) to `dst` (writing under `dst_dir`)."""
+
+    src: int
+    dst: int
+    files: list[ShareFile]
+
+
+def _read_piece(path: str, f: ShareFile, offset: int, length: int, chunk_bytes: int, out: torch.Tensor) -> None:
+    if length == 0:
+        return
+    if f.is_manifest or not f.chunk_crc32c:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            data = fh.read(length)
+        if len(data) != length:
+            raise OSError(f"{path}: short read ({len(data)} of {length} bytes at {offset})")
+        out[:length].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return
+    first = offset // chunk_bytes
+    crcs = f.chunk_crc32c[first : first + _core.chunk_count(length, chunk_bytes)]
+    _core.read_ranges_into([(path, f.len_bytes, offset, length, 0, crcs)], out.numpy(), chunk_bytes=chunk_bytes)
+
+
+def _check_piece(where: str, f: ShareFile, offset: int, data: torch.Tensor, chunk_bytes: int) -> None:
+    """Checks a received piece against the sender's checksums (a manifest: its seal, once whole)."""
+    if not f.chunk_crc32c:
+        return
+    view = data.numpy()
+    first = offset // chunk_bytes
+    for i, (start, n) in enumerate(_core.chunk_spans(len(view), chunk_bytes)):
+        found = _core.crc32c(view[start : start + n])
+        expected = f.chunk_crc32c[first + i]
+        if found != expected:
+            raise ChecksumMismatchError(
+                f"{where}: the copy received of {f.name} bytes [{offset + start}, {offset + start + n}) has crc32c "
+                f"{found:#010x}, the sender recorded {expected:#010x}; the copy is not kept"
+            )
+
+
+class _Receiving:
+    """Writes one incoming file as its pieces arrive."""
+
+    def __init__(self, path: str, f: ShareFile, durable: bool) -> None:
+        self.path, self.file, self.durable = path, f, durable
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.received = bytearray() if f.is_manifest else None
+
+    def write(self, offset: int, data: torch.Tensor, chunk_bytes: int) -> None:
+        _check_piece(self.path, self.file, offset, data, chunk_bytes)
+        view = memoryview(data.numpy().data)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+        if self.received is not None:
+            self.received += view
+
+    def close(self) -> None:
+        try:
+            if self.received is not None:
+                parse(bytes(self.received), where=self.path)  # its seal: a damaged manifest is not kept
+            if self.durable:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+
+def _steps(t: Transfer, chunk_bytes: int) -> list[tuple[ShareFile, int, int]]:
+    return [(f, off, n) for f in t.files for off, n in piece_spans(f.len_bytes, chunk_bytes)]
+
+
+def send_and_receive(
+    pg: Any,
+    rank: int,
+    transfers: list[Transfer],
+    *,
+    src_dir: str,
+    dst_dir: str,
+    chunk_bytes: int,
+    timeout_s: float,
+    durable: bool,
+) -> list[str]:
+    """Runs this rank's side of `transfers` (every rank passes the same list); returns the paths
+    it wrote. Files are read from `src_dir` and written under `dst_dir` by their relative names.
+    Raises on a failed read, a checksum mismatch on arrival, or a peer that stops answering."""
+    timeout = timedelta(seconds=timeout_s)
+    plans = [(t, _steps(t, chunk_bytes)) for t in transfers if rank in (t.src, t.dst) and t.src != t.dst]
+    rounds = max((len(steps) for _, steps in plans), default=0)
+    buffers: dict[int, torch.Tensor] = {}
+    receiving: dict[tuple[int, str], _Receiving] = {}
+    written: list[str] = []
+    try:
+        for k in range(rounds):
+            works, arrivals = [], []
+            for i, (t, steps) in enumerate(plans):
+                if k >= len(steps):
+                    continue
+                f, offset, length = steps[k]
+                if i not in buffers:
+                    size = max(_core.DIRECT_ALIGN_BYTES, max(n for _, _, n in steps))
+                    buffers[i] = torch.frombuffer(_core.PagedBuffer(size), dtype=torch.uint8)
+                piece = buffers[i][:length]
+                if t.src == rank:
+                    _read_piece(os.path.join(src_dir, f.name), f, offset, length, chunk_bytes, buffers[i])
+                    works.append(dist.isend(piece, group=pg, group_dst=t.dst))
+                else:
+                    works.append(dist.irecv(piece, group=pg, group_src=t.src))
+                    arrivals.append((t, f, offset, piece))
+            for w in works:
+                if w is not None:
+                    w.wait(timeout)
+            for t, f, offset, piece in arrivals:
+                key = (t.src, f.name)
+                if key not in receiving:
+                    path = os.path.join(dst_dir, f.name)
+                    receiving[key] = _Receiving(path, f, durable)
+                    written.append(path)
+                receiving[key].write(offset, piece, chunk_bytes)
+                if offset + piece.numel() >= f.len_bytes:
+                    receiving.pop(key).close()
+    finally:
+        for r in receiving.values():
+            os.close(r.fd)
+    return written

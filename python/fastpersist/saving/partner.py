@@ -1,0 +1,243 @@
+"""A group save for the partner level (DESIGN.md section 6): every node commits its own step
+directory, holding its ranks' shares and copies of its partners' shares.
+
+Unlike a plain group save (:mod:`fastpersist.saving.group`, one directory that every rank
+writes into), each node's lowest rank (its leader) makes the temporary directory under that
+node's `root` and commits it there, so losing one node loses no step. The protocol, every
+collective over the control group under ``Config.timeout_s``:
+
+A. rank 0 draws the save's id; each leader checks its target and makes its node's temporary
+   directory; the ranks exchange a status, and all raise if any node could not start;
+B. every rank writes its share into its node's temporary directory (sharded: its shard
+   directory with its manifest); the ranks exchange their files and checksums;
+C. each share's files go to its partners (:mod:`fastpersist.levels.placement`) over gloo,
+   read back with their checksums checked and checked again on arrival
+   (:mod:`fastpersist.levels.transfer`); the ranks exchange a status. If any copy failed (a
+   partner killed, ENOSPC), nothing is committed anywhere and every rank raises: a step
+   counts only once every share has its copies;
+D. each leader writes the manifest (the same on every node, naming the placement in
+   ``extra["levels"]``) and commits its node's directory atomically; the ranks exchange the
+   outcome, and all raise if a node could not commit (the nodes that did keep the step; a
+   restore uses it only if the nodes that hold it cover every share).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from ..config import Config, SaveResult
+from ..errors import GroupSaveError
+from ..format.layout import MANIFEST_NAME, shard_name, stripe_tag, tmp_dir_for
+from ..format.ownership import DirLock, make_locked_dir
+from ..levels.placement import Placement
+from ..levels.transfer import ShareFile, Transfer, send_and_receive
+from .group import GroupSaveJob, RankStatus, StartMessage, _describe
+from .job import Layout, SaveJob
+from .target import check_name_fits, check_target
+
+__all__ = ["PartnerSaveJob", "share_files"]
+
+
+def share_files(status: RankStatus, sharded: bool) -> list[ShareFile]:
+    """The files of one rank's share, named relative to the step directory."""
+    prefix = shard_name(status.rank) + "/" if sharded else ""
+    files = [ShareFile(prefix + f["name"], f["len_bytes"], list(f["chunk_crc32c"])) for f in status.files]
+    if sharded:
+        files.append(ShareFile(prefix + MANIFEST_NAME, status.manifest_bytes))
+    return files
+
+
+class PartnerSaveJob(GroupSaveJob):
+    """One rank's side of a save whose every share is also kept on `replicas` other nodes."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: Config,
+        group: Any,
+        *,
+        sharded: bool,
+        replicas: int,
+        pool: Any = None,
+    ) -> None:
+        if config.stripes:
+            raise ValueError("replicas= does not support Config.stripes yet: each node keeps its shares under its root")
+        super().__init__(path, config, group, sharded=sharded, pool=pool)
+        self.replicas = replicas
+
+    def start(self, state: object, *, background: bool = True) -> PartnerSaveJob:
+        from ..distributed.control import control_for
+
+        self.control = control_for(self.group, self.config.timeout_s)
+        self.rank = self.control.rank
+        self.placement = Placement(self.control.nodes)
+        self.placement.check_replicas(self.replicas)
+        message = StartMessage(checkpoint_id=uuid.uuid4().hex) if self.rank == 0 else None
+        message = self._collective("start the save", lambda: self.control.broadcast(message))
+        assert message is not None
+        tmp = tmp_dir_for(self.path, message.checkpoint_id)
+        tmp_lock, own_error = self._make_node_dir(tmp)
+        errors = self._collective(
+            "learn whether every node could start",
+            lambda: self.control.all_gather(_describe(own_error) if own_error is not None else ""),
+        )
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            if tmp_lock is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp_lock.release()
+            if own_error is not None:
+                raise own_error
+            r, e = failed[0]
+            raise GroupSaveError(
+                f"rank {r} (node {self.placement.rank_nodes[r]}) could not start the save of its node's copy of "
+                f"{self.path}: {e}"
+            )
+        self.layout = self._node_layout(message.checkpoint_id, tmp)
+        try:
+            self.job = SaveJob(self.path, self.config, layout=self.layout, pool=self.pool, tmp_lock=tmp_lock)
+            self.job.start(state, background=background)
+        except BaseException as e:  # reported to the group in finish(); wait_staged re-raises it
+            self.start_error = e
+        return self
+
+    def _make_node_dir(self, tmp: str) -> tuple[DirLock | None, BaseException | None]:
+        """The node leader checks its target and makes its node's temporary directory."""
+        if not self.placement.is_leader(self.rank):
+            return None, None
+        try:
+            check_name_fits(self.path, striped=False)
+            check_target(self.path)
+            return make_locked_dir(tmp), None
+        except FileExistsError as e:
+            hint = " (do two nodes share this root? with replicas= each node needs its own root)"
+            return None, FileExistsError(e.errno, f"{e.strerror}{hint}", e.filename)
+        except Exception as e:
+            return None, e
+
+    def _node_layout(self, checkpoint_id: str, tmp: str) -> Layout:
+        owner = self.placement.is_leader(self.rank)
+        if self.sharded:
+            self.writer = 0
+            return Layout(
+                checkpoint_id=checkpoint_id,
+                tmp_dir=tmp,
+                data_dir=os.path.join(tmp, shard_name(self.rank)),
+                writer=0,
+                writer_count=1,
+                owner=owner,
+                tag=stripe_tag(rank=self.rank),
+            )
+        from ..distributed.control import writer_map
+
+        writers = writer_map(self.control.nodes, self.config.writers)
+        self.writer = writers.get(self.rank)
+        return Layout(
+            checkpoint_id=checkpoint_id,
+            tmp_dir=tmp,
+            data_dir=tmp,
+            writer=self.writer,
+            writer_count=len(writers),
+            owner=owner,
+            tag=stripe_tag(writer=self.writer),
+        )
+
+    def manifest_extra(self, statuses: list[RankStatus]) -> dict[str, Any]:
+        return {
+            "levels": {
+                "replicas": self.replicas,
+                "rank_nodes": self.placement.rank_nodes,
+                "share_ranks": [s.rank for s in statuses if s.writer is not None],
+            }
+        }
+
+    def _replicate(self, statuses: list[RankStatus]) -> None:
+        """Step C: sends this rank's share to its partners and receives the shares it keeps."""
+        transfers = [
+            Transfer(src=s.rank, dst=p, files=share_files(s, self.sharded))
+            for s in statuses
+            if s.writer is not None
+            for p in self.placement.partners(s.rank, self.replicas)
+        ]
+        send_and_receive(
+            self.control.pg,
+            self.rank,
+            transfers,
+            src_dir=self.layout.tmp_dir,
+            dst_dir=self.layout.tmp_dir,
+            chunk_bytes=self.config.chunk_bytes,
+            timeout_s=self.config.timeout_s,
+            durable=self.config.durable,
+        )
+
+    def _gather_errors(self, what: str, error: BaseException | None) -> list[tuple[int, str]]:
+        try:
+            errors = self._collective(what, lambda: self.control.all_gather(_describe(error) if error else ""))
+        except GroupSaveError as e:
+            self._fail(e)
+            self._discard_local()
+            raise
+        return [(r, e) for r, e in enumerate(errors) if e]
+
+    def _raise_failed(self, failed: list[tuple[int, str]], own: BaseException | None, what: str) -> None:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
+        error = self._fail(
+            own or GroupSaveError(f"the save of {self.path} failed to {what} ({detail}); nothing was committed")
+        )
+        self._discard_local()
+        raise error
+
+    def finish(self, timeout: float | None = None) -> SaveResult:
+        status, written, local_error = self._write_share(timeout)
+        if status.error == "" and self.sharded:
+            size = os.path.getsize(os.path.join(self.layout.data_dir, MANIFEST_NAME))
+            status = replace(status, manifest_bytes=size)
+        try:
+            statuses = self._collective("exchange write results", lambda: self.control.all_gather(status))
+        except GroupSaveError as e:
+            self._fail(e)
+            self._discard_local()
+            raise
+        failures = self._failures(statuses)
+        if failures:
+            self._raise_failed([(-1, f) for f in failures], local_error, "write every share")
+        copy_error: BaseException | None = None
+        copy_started = time.perf_counter()
+        try:
+            self._replicate(statuses)
+        except Exception as e:
+            copy_error = e
+        copy_seconds = time.perf_counter() - copy_started
+        failed = self._gather_errors("exchange replication results", copy_error)
+        if failed:
+            self._raise_failed(failed, copy_error, f"keep {self.replicas} copies of every share on other nodes")
+        assert self.job is not None and written is not None
+        commit_error: BaseException | None = None
+        if self.layout.owner:
+            try:
+                self._commit(statuses)
+            except BaseException as e:
+                commit_error = e
+                self.job.discard()
+        failed = self._gather_errors("learn whether every node committed", commit_error)
+        if failed:
+            nodes = sorted({self.placement.rank_nodes[r] for r, _ in failed})
+            error = self._fail(
+                commit_error
+                or GroupSaveError(
+                    f"nodes {nodes} could not commit their copy of {self.path} ({failed[0][1]}); the step is "
+                    "not complete on the partner level"
+                )
+            )
+            if not self.job.verdict.committed:
+                self._discard_local()
+            raise error
+        self.job.verdict.mark_committed()
+        result = self.job.result(written)
+        result.phases["replicate"] = copy_seconds
+        return result
