@@ -3,20 +3,24 @@ nodes of 2 (``FASTPERSIST_NODE``), each node its own root."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import signal
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import fastpersist as fp
 
+import training
 from gloo import report_rank
 
-CONFIG = fp.Config(chunk_bytes=64 << 10, timeout_s=60)
+RANKS_PER_NODE = 2
 
 
 def node_of(rank: int) -> str:
-    return f"node{rank // 2}"
+    return f"node{rank // RANKS_PER_NODE}"
 
 
 def node_root(workdir: str, rank: int) -> str:
@@ -41,45 +45,115 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def checkpointer(workdir: str, rank: int, sharded: bool, replicas: int = 1, keep: int = 2) -> fp.Checkpointer:
-    import torch.distributed as dist
-
+def checkpointer(workdir: str, rank: int, sharded: bool, backend: str, keep: int = 2) -> fp.Checkpointer:
+    config = fp.Config(chunk_bytes=64 << 10, timeout_s=60, backend=backend)  # type: ignore[arg-type]
     return fp.Checkpointer(
-        node_root(workdir, rank),
-        every=1,
-        keep=keep,
-        config=CONFIG,
-        group=dist.group.WORLD,
-        sharded=sharded,
-        replicas=replicas,
+        node_root(workdir, rank), every=1, keep=keep, config=config, group=dist.group.WORLD, sharded=sharded, replicas=1
     )
 
 
-def save_steps(rank: int, world: int, init_file: str, workdir: str, sharded: bool, steps: list[int]) -> None:
-    import torch.distributed as dist
-
+def save_steps(
+    rank: int, world: int, init_file: str, workdir: str, sharded: bool, backend: str, steps: list[int]
+) -> None:
     os.environ["FASTPERSIST_NODE"] = node_of(rank)
 
     def compute() -> Any:
-        with checkpointer(workdir, rank, sharded) as ck:
+        with checkpointer(workdir, rank, sharded, backend) as ck:
             for step in steps:
                 ck.save(step, step_state(step, rank, sharded))
                 ck.wait_staged()
-            ck.wait()
-            dist.barrier()  # every node leader has retired its old steps
-            return {"steps": ck.steps(), "levels": ck.levels()}
+        dist.barrier()  # every node leader has retired its old steps
+        return {"steps": ck.steps(), "levels": ck.levels()}
 
     report_rank(rank, world, init_file, workdir, compute)
 
 
-def restore(rank: int, world: int, init_file: str, workdir: str, sharded: bool) -> None:
+def restore(rank: int, world: int, init_file: str, workdir: str, sharded: bool, backend: str) -> None:
     os.environ["FASTPERSIST_NODE"] = node_of(rank)
 
     def compute() -> Any:
-        ck = checkpointer(workdir, rank, sharded)
+        ck = checkpointer(workdir, rank, sharded, backend)
         latest = ck.latest()
         state = ck.load()
         step = int(state["step"])
         return {"latest": latest, "step": step, "same": same(state, step_state(step, rank, sharded))}
 
     report_rank(rank, world, init_file, workdir, compute)
+
+
+def save_with_a_partner_killed(
+    rank: int, world: int, init_file: str, workdir: str, sharded: bool, backend: str, victim: int
+) -> None:
+    """Steps 1-2 save; during step 3's copies to partners, rank `victim` is killed (SIGKILL)."""
+    os.environ["FASTPERSIST_NODE"] = node_of(rank)
+    from fastpersist.saving import partner
+
+    original = partner.send_and_receive
+
+    def dying(*args: Any, **kwargs: Any) -> Any:
+        if step_now[0] == 3 and rank == victim:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    step_now = [0]
+    partner.send_and_receive = dying  # type: ignore[assignment]
+
+    def compute() -> Any:
+        ck = checkpointer(workdir, rank, sharded, backend)
+        outcome = "committed"
+        for step in (1, 2, 3):
+            step_now[0] = step
+            ck.save(step, step_state(step, rank, sharded))
+            try:
+                ck.wait()
+            except fp.GroupSaveError as e:
+                outcome = f"{type(e).__name__}: {e}"
+        return {"outcome": outcome, "steps": ck.steps()}
+
+    report_rank(rank, world, init_file, workdir, compute, destroy=False)
+
+
+def digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(
+    rank: int, world: int, init_file: str, workdir: str, sharded: bool, backend: str, until: int, die: bool
+) -> None:
+    """The README recipe on TinyGPT: resume from ck.load() if there is a step, train to `until`,
+    saving every step; with `die`, SIGKILL this rank right after the last save started."""
+    os.environ["FASTPERSIST_NODE"] = node_of(rank)
+    seed = 1 + (rank if sharded else 0)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    ck = checkpointer(workdir, rank, sharded, backend)
+    training.seed_all(seed)
+    model, opt, sched = training.make_run(seed)
+    start = 0
+    if ck.latest() is not None:
+        model, opt, sched, start = training.restore(ck.load(), seed)
+    losses = []
+    for step in range(start + 1, until + 1):
+        ck.wait_staged()
+        losses.append(training.train_step(model, opt, sched))
+        ck.save(step, training.training_state(model, opt, sched, step))
+    result = {"start": start, "losses": losses, "digest": digest(model)}
+    with open(os.path.join(workdir, f"result-{rank}.json"), "w") as f:
+        import json
+
+        json.dump(result, f)
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)
+    ck.close()
+    dist.destroy_process_group()
+
+
+def reference(seed: int, until: int) -> tuple[list[float], str]:
+    """The same training without any checkpoint: the losses and final digest to match."""
+    training.seed_all(seed)
+    model, opt, sched = training.make_run(seed)
+    losses = [training.train_step(model, opt, sched) for _ in range(until)]
+    return losses, digest(model)

@@ -1,5 +1,6 @@
 """The partner level: 4 real gloo ranks as 2 simulated nodes of 2, each node its own root,
-``replicas=1``; a node's root deleted, damaged copies, both backends (tests/levels_workers.py)."""
+``replicas=1``: a node's root deleted, damaged copies, a partner killed mid-copy, training
+killed and resumed; replicated and sharded state, every backend (tests/levels_workers.py)."""
 
 from __future__ import annotations
 
@@ -7,31 +8,103 @@ import os
 import shutil
 from typing import Any
 
+import levels_workers as w
 import pytest
 
-import levels_workers as w
+from backends import available_backends
 from gloo import run_ranks
 
 MODES = [pytest.param(False, id="replicated"), pytest.param(True, id="sharded")]
+BACKENDS = available_backends()
 
 
-def _run(target: Any, workdir: str, *args: Any) -> list[dict[str, Any]]:
+def _clear(workdir: str) -> None:
     for name in os.listdir(workdir):
         if name.startswith(("result-", "error-", "init-store")):
             os.remove(os.path.join(workdir, name))
+
+
+def _run(target: Any, workdir: str, *args: Any) -> list[dict[str, Any]]:
+    _clear(workdir)
     results = run_ranks(target, 4, (workdir, *args), workdir, timeout_s=120)
     for rank, r in enumerate(results):
         assert "traceback" not in r, f"rank {rank}: {r}"
     return results
 
 
+def _flip_a_byte(path: str, offset: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _data_files(step_dir: str) -> list[str]:
+    found = []
+    for dirpath, _, names in os.walk(step_dir):
+        found += [os.path.join(dirpath, n) for n in names if n.endswith(".bin")]
+    return sorted(found)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sharded", MODES)
-def test_a_node_lost_loses_no_step(tmp_path: Any, sharded: bool) -> None:
+def test_a_node_lost_loses_no_step(tmp_path: Any, sharded: bool, backend: str) -> None:
     d = str(tmp_path)
-    saved = _run(w.save_steps, d, sharded, [1, 2, 3])
+    saved = _run(w.save_steps, d, sharded, backend, [1, 2, 3])
     assert all(r["steps"] == [2, 3] for r in saved), saved
-    restored = _run(w.restore, d, sharded)
-    assert all(r == {"latest": 3, "step": 3, "same": True} for r in restored), restored
+    for r in saved:  # each node holds its own ranks' shares (local) and its partner's (partner)
+        assert r["levels"]["local"]["steps"] == [2, 3] and r["levels"]["partner"]["steps"] == [2, 3], r
     shutil.rmtree(os.path.join(d, "node1"))
-    restored = _run(w.restore, d, sharded)
+    restored = _run(w.restore, d, sharded, backend)
     assert all(r == {"latest": 3, "step": 3, "same": True} for r in restored), restored
+    # The replaced node is refilled by the next save, and every rank reads its own again.
+    _run(w.save_steps, d, sharded, backend, [4])
+    assert sorted(os.listdir(os.path.join(d, "node1"))).count("step-00000004") == 1
+    restored = _run(w.restore, d, sharded, backend)
+    assert all(r == {"latest": 4, "step": 4, "same": True} for r in restored), restored
+
+
+@pytest.mark.parametrize("sharded", MODES)
+def test_a_damaged_copy_is_passed_over(tmp_path: Any, sharded: bool) -> None:
+    d = str(tmp_path)
+    _run(w.save_steps, d, sharded, "threads", [1, 2])
+    # Node 0's copy of every file of step 2 is damaged: its ranks' shares come from node 1's copies.
+    for path in _data_files(os.path.join(d, "node0", "step-00000002")):
+        _flip_a_byte(path)
+    restored = _run(w.restore, d, sharded, "threads")
+    assert all(r == {"latest": 2, "step": 2, "same": True} for r in restored), restored
+    # Both copies of something damaged: no copy of step 2 verifies, so step 1 is restored.
+    for path in _data_files(os.path.join(d, "node1", "step-00000002"))[:1]:
+        _flip_a_byte(path)
+    restored = _run(w.restore, d, sharded, "threads")
+    assert all(r == {"latest": 1, "step": 1, "same": True} for r in restored), restored
+
+
+@pytest.mark.parametrize("sharded", MODES)
+def test_a_partner_killed_mid_copy_commits_nothing_and_hangs_no_one(tmp_path: Any, sharded: bool) -> None:
+    d = str(tmp_path)
+    _clear(d)
+    results = run_ranks(w.save_with_a_partner_killed, 4, (d, sharded, "threads", 3), d, timeout_s=120)
+    assert results[3]["exitcode"] == -9, results[3]
+    for rank in range(3):
+        r = results[rank]
+        assert "GroupSaveError" in r["outcome"], r
+        assert 3 not in r["steps"], r
+    restored = _run(w.restore, d, sharded, "threads")
+    assert all(r == {"latest": 2, "step": 2, "same": True} for r in restored), restored
+
+
+@pytest.mark.parametrize("sharded", MODES)
+def test_training_killed_and_a_node_replaced_resumes_exactly(tmp_path: Any, sharded: bool) -> None:
+    d = str(tmp_path)
+    _clear(d)
+    killed = run_ranks(w.train, 4, (d, sharded, "auto", 5, True), d, timeout_s=180)
+    assert all(r["start"] == 0 and len(r["losses"]) == 5 for r in killed), killed  # then SIGKILLed
+    shutil.rmtree(os.path.join(d, "node1"))
+    resumed = _run(w.train, d, sharded, "auto", 8, False)
+    for rank, r in enumerate(resumed):
+        losses, final = w.reference(1 + (rank if sharded else 0), 8)
+        assert 4 <= r["start"] <= 5, r  # step 5 was in flight when the ranks were killed
+        assert r["losses"] == losses[r["start"] :], (rank, r)
+        assert r["digest"] == final, rank
