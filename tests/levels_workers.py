@@ -157,3 +157,33 @@ def reference(seed: int, until: int) -> tuple[list[float], str]:
     model, opt, sched = training.make_run(seed)
     losses = [training.train_step(model, opt, sched) for _ in range(until)]
     return losses, digest(model)
+
+
+def campaign_state(step: int, rank: int, sharded: bool) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(step * 100 + (rank if sharded else 0))
+    return {"w": torch.randn(1 << 21, generator=gen), "step": step}
+
+
+def campaign_run(rank: int, world: int, init_file: str, workdir: str, sharded: bool) -> None:
+    """One life of a job that is SIGKILLed at a random moment: restore and check the newest
+    step (reported at once), then save step after step until killed."""
+    global RANKS_PER_NODE
+    RANKS_PER_NODE = 1
+    os.environ["FASTPERSIST_NODE"] = node_of(rank)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    ck = checkpointer(workdir, rank, sharded, "auto")
+    latest = ck.latest()
+    result: dict[str, Any] = {"latest": latest, "same": True}
+    if latest is not None:
+        state = ck.load()
+        result["same"] = int(state["step"]) == latest and same(state, campaign_state(latest, rank, sharded))
+    import json
+
+    with open(os.path.join(workdir, f"result-{rank}.json.tmp"), "w") as f:
+        json.dump(result, f)
+    os.rename(os.path.join(workdir, f"result-{rank}.json.tmp"), os.path.join(workdir, f"result-{rank}.json"))
+    step = latest or 0
+    while True:
+        step += 1
+        ck.save(step, campaign_state(step, rank, sharded))
+        ck.wait()
