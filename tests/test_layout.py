@@ -237,7 +237,18 @@ def test_the_checkpointer_imports_nothing_above_it() -> None:
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 #: The folders whose every module the README's Layout section names (tools/bench/ is one entry).
-LISTED_FOLDERS = ("", "format", "saving", "loading", "distributed", "interop", "integrations", "advisor", "tools")
+LISTED_FOLDERS = (
+    "",
+    "format",
+    "saving",
+    "loading",
+    "levels",
+    "distributed",
+    "interop",
+    "integrations",
+    "advisor",
+    "tools",
+)
 
 
 def _layout_entries() -> dict[str, str]:

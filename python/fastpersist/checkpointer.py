@@ -362,6 +362,10 @@ class Checkpointer:
         are never returned. If the indexed step fails verification, the next older one that
         verifies is returned. Without an index, the newest step that verifies. Verification
         results are cached per checkpoint while its files are unchanged.
+
+        With ``replicas``, every rank must call it: the newest step, up to the highest any node's
+        index names, that every rank can restore from some level, each share's copy verified
+        (docs/levels.md); the ranks agree on it. It waits for the save in flight first.
         """
         if self._partner is not None:
             return self._partner.latest()  # type: ignore[no-any-return]

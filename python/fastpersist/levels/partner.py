@@ -24,7 +24,6 @@ from .placement import Placement, node_name
 from .restore import node_report, restore_step, verified_step
 
 if TYPE_CHECKING:
-    from ..checkpointer import Checkpointer
     from ..distributed.control import ControlGroup
 
 __all__ = ["PartnerLevel"]
@@ -35,11 +34,13 @@ log = logging.getLogger("fastpersist")
 class PartnerLevel:
     """The partner level of one Checkpointer (one per rank)."""
 
-    def __init__(self, ck: Checkpointer, replicas: int) -> None:
-        self.ck = ck
+    def __init__(self, ck: Any, replicas: int) -> None:
+        self.ck = ck  # the Checkpointer (not imported: it imports this module)
         self.replicas = replicas
         self.node = node_name()
         self.last: SaveResult | None = None
+        #: (step directory, share) -> fingerprint of the copy this rank last verified.
+        self.verified: dict[tuple[str, int], tuple[Any, ...]] = {}
 
     def control(self) -> ControlGroup:
         from ..distributed.control import control_for
@@ -70,10 +71,12 @@ class PartnerLevel:
         return control.all_gather(mine)
 
     def latest(self) -> int | None:
+        self.ck._finish_previous()  # the save in flight uses the same control group
         control = self.control()
-        return verified_step(control, self.ck.root, self.ck.path, self._reports(), self.ck.config or _default_config())
+        return verified_step(control, self.ck.root, self.ck.path, self._reports(), self.verified)
 
     def load(self, step: int | None, map_location: Any, namedtuple_types: Any) -> Any:
+        self.ck._finish_previous()
         config = self.ck.config or _default_config()
         options = LoadOptions(map_location, True, config, namedtuple_types, PhaseClock(None))
         found, state = restore_step(self.control(), self.ck.root, self.ck.path, self._reports(), options, step)

@@ -35,12 +35,11 @@ import torch
 import torch.distributed as dist
 
 from .. import _core
-from ..config import Config
 from ..distributed.control import ControlGroup, collective
 from ..errors import FastPersistError, GroupLoadError
 from ..format.layout import MANIFEST_NAME, parse_step_dir, shard_name
 from ..format.manifest import Manifest, parse, read_manifest
-from ..loading.examine import verify_checkpoint
+from ..loading.examine import verify_checkpoint, verify_file
 from ..loading.group import read_and_broadcast, read_pieces
 from ..loading.pipeline import LoadOptions, state_from_stream
 from ..loading.reading import direct_padded, read_stream, read_window
@@ -59,6 +58,7 @@ class StepReport:
     checkpoint_id: str
     share_count: int
     held: tuple[int, ...]
+    owners: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,28 +100,27 @@ def node_report(rank: int, root: str, index_step: int | None) -> NodeReport:
         shares = shares_of(m)
         if shares is None:
             continue
-        steps.append(StepReport(step, m.checkpoint_id, len(shares), tuple(held_shares(path, m))))
+        owners = tuple(s.owner for s in shares)
+        steps.append(StepReport(step, m.checkpoint_id, len(shares), tuple(held_shares(path, m)), owners))
     return NodeReport(rank, index_step, steps)
 
 
-def candidates(
-    reports: list[NodeReport], owners_of: Callable[[int, str], dict[int, int]] | None = None
-) -> list[Candidate]:
+def candidates(reports: list[NodeReport]) -> list[Candidate]:
     """The steps every share of which some rank holds, newest first (see the module docstring)."""
     indexed = [r.index_step for r in reports if r.index_step is not None]
     cap = max(indexed) if indexed else None
-    found: dict[tuple[int, str], tuple[int, dict[int, list[int]]]] = {}
+    found: dict[tuple[int, str], tuple[StepReport, dict[int, list[int]]]] = {}
     for report in reports:
         for s in report.steps:
             if cap is not None and s.step > cap:
                 continue
-            count, holders = found.setdefault((s.step, s.checkpoint_id), (s.share_count, {}))
+            _, holders = found.setdefault((s.step, s.checkpoint_id), (s, {}))
             for share in s.held:
                 holders.setdefault(share, []).append(report.rank)
     out = []
-    for (step, checkpoint_id), (count, holders) in sorted(found.items(), key=lambda kv: -kv[0][0]):
-        if set(holders) >= set(range(count)):
-            owners = owners_of(step, checkpoint_id) if owners_of is not None else {i: i for i in range(count)}
+    for (step, checkpoint_id), (first, holders) in sorted(found.items(), key=lambda kv: -kv[0][0]):
+        if set(holders) >= set(range(first.share_count)):
+            owners = dict(enumerate(first.owners)) if first.owners else {i: i for i in range(first.share_count)}
             for share, ranks in holders.items():
                 owner = owners.get(share, -1)
                 ranks.sort(key=lambda r: (r != owner, r))
@@ -152,8 +151,8 @@ def _describe(e: BaseException) -> str:
 class _Restore:
     """One attempt at one candidate step, on one rank."""
 
-    def __init__(self, control: ControlGroup, root: str, step_dir: str, c: Candidate, config: Config) -> None:
-        self.control, self.root, self.step_dir, self.c, self.config = control, root, step_dir, c, config
+    def __init__(self, control: ControlGroup, root: str, step_dir: str, c: Candidate) -> None:
+        self.control, self.root, self.step_dir, self.c = control, root, step_dir, c
         self.nodes = control.nodes
 
     def node_of(self, rank: int) -> int:
@@ -213,35 +212,54 @@ def _verify_share(step_dir: str, m: Manifest, share: int) -> None:
         return
     for f in m.files:
         if f.writer == share:
-            _verify_file(step_dir, m, f)
+            verify_file(step_dir, m, f, None)
 
 
-def _verify_file(step_dir: str, m: Manifest, f: Any) -> None:
-    from ..loading.examine import _verify_file as verify_one
+def _fingerprint(step_dir: str, m: Manifest, share: int) -> tuple[Any, ...]:
+    """The checkpoint id and (size, mtime, inode) of each file of `share`: a copy verified once
+    need not be read again while these are unchanged."""
+    where = os.path.join(step_dir, shard_name(share)) if m.shards else step_dir
+    names = [f.name for f in (read_manifest(where).files if m.shards else m.files) if m.shards or f.writer == share]
+    stats = [os.stat(os.path.join(where, n)) for n in [*names, MANIFEST_NAME]]
+    return (m.checkpoint_id, tuple((st.st_size, st.st_mtime_ns, st.st_ino) for st in stats))
 
-    verify_one(step_dir, m, f, None)
 
-
-def _verify_attempt(step_dir: str, m: Manifest, rank: int, readers: dict[int, int], todo: set[int]) -> dict[int, str]:
+def _verify_attempt(
+    step_dir: str,
+    m: Manifest,
+    rank: int,
+    verified: dict[tuple[str, int], tuple[Any, ...]],
+    readers: dict[int, int],
+    todo: set[int],
+) -> dict[int, str]:
     failed = {}
     for share in todo:
-        if readers[share] == rank:
-            try:
+        if readers[share] != rank:
+            continue
+        try:
+            fingerprint = _fingerprint(step_dir, m, share)
+            if verified.get((step_dir, share)) != fingerprint:
                 _verify_share(step_dir, m, share)
-            except (FastPersistError, OSError) as e:
-                failed[share] = _describe(e)
+                verified[(step_dir, share)] = fingerprint
+        except (FastPersistError, OSError) as e:
+            failed[share] = _describe(e)
     return failed
 
 
 def verified_step(
-    control: ControlGroup, root: str, step_path: Callable[[int], str], reports: list[NodeReport], config: Config
+    control: ControlGroup,
+    root: str,
+    step_path: Callable[[int], str],
+    reports: list[NodeReport],
+    verified: dict[tuple[str, int], tuple[Any, ...]],
 ) -> int | None:
-    """The newest candidate step whose every share has a copy that verifies (checked by its readers)."""
+    """The newest candidate step whose every share has a copy that verifies (checked by its
+    readers; `verified` caches the copies this rank checked, by fingerprint)."""
     for c in candidates(reports):
-        r = _Restore(control, root, step_path(c.step), c, config)
+        r = _Restore(control, root, step_path(c.step), c)
         try:
             m = r.manifest()
-            attempt = partial(_verify_attempt, r.step_dir, m, control.rank)
+            attempt = partial(_verify_attempt, r.step_dir, m, control.rank, verified)
             r.rounds({}, attempt)
             return c.step
         except NoCopyLeft as e:
@@ -262,7 +280,7 @@ def restore_step(
     for c in candidates(reports):
         if step is not None and c.step != step:
             continue
-        r = _Restore(control, root, step_path(c.step), c, options.config)
+        r = _Restore(control, root, step_path(c.step), c)
         try:
             m = r.manifest()
             state = _load_sharded(r, m, options) if m.shards else _load_replicated(r, m, options)

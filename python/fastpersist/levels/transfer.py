@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .. import _core
 from ..errors import ChecksumMismatchError
+from ..format.layout import MANIFEST_NAME
 from ..format.manifest import parse
 
 __all__ = ["PIECE_BYTES", "ShareFile", "Transfer", "piece_spans", "send_and_receive"]
@@ -52,7 +53,7 @@ class ShareFile:
 
     @property
     def is_manifest(self) -> bool:
-        return not self.chunk_crc32c and os.path.basename(self.name) == "manifest.json"
+        return not self.chunk_crc32c and os.path.basename(self.name) == MANIFEST_NAME
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from .opened import OpenedCheckpoint, opened_checkpoint, opened_shard
 from .reading import checksum_error
 from .relocate import StripeRoots, check_stripes_present, read_opened
 
-__all__ = ["check_chunks", "describe", "inspect_checkpoint", "verify_checkpoint"]
+__all__ = ["check_chunks", "describe", "inspect_checkpoint", "verify_checkpoint", "verify_file"]
 
 
 def inspect_checkpoint(path: str | os.PathLike[str], stripe_roots: StripeRoots = None) -> dict[str, Any]:
@@ -122,11 +122,11 @@ def check_chunks(
     check_data_files(ck.at, m, stripe_roots)
     chunks = 0
     for f in m.files:
-        chunks += _verify_file(ck.at, m, f, progress)
+        chunks += verify_file(ck.at, m, f, progress)
     return {"files": len(m.files), "bytes": m.total_bytes, "chunks": chunks}
 
 
-def _verify_file(root: str, m: Manifest, f: FileEntry, progress: Callable[[int], object] | None) -> int:
+def verify_file(root: str, m: Manifest, f: FileEntry, progress: Callable[[int], object] | None) -> int:
     """Checks every chunk of the data file `f` of the checkpoint at `root`; returns the chunk count."""
     file_path = m.file_path(root, f)
     try:
