@@ -187,3 +187,21 @@ def campaign_run(rank: int, world: int, init_file: str, workdir: str, sharded: b
         step += 1
         ck.save(step, campaign_state(step, rank, sharded))
         ck.wait()
+
+
+def refused(rank: int, world: int, init_file: str, workdir: str, replicas: int, stripes: bool) -> None:
+    """A save that the partner level refuses (too many replicas for the nodes, or stripes): the
+    error, the same on every rank, and nothing written."""
+    os.environ["FASTPERSIST_NODE"] = node_of(rank)
+
+    def compute() -> Any:
+        config = fp.Config(chunk_bytes=64 << 10, timeout_s=60, stripes=[workdir] if stripes else None)
+        ck = fp.Checkpointer(node_root(workdir, rank), config=config, group=dist.group.WORLD, replicas=replicas)
+        try:
+            ck.save(1, step_state(1, rank, False))
+            ck.wait()
+        except ValueError as e:
+            return {"error": str(e), "steps": ck.steps()}
+        return {"error": "", "steps": ck.steps()}
+
+    report_rank(rank, world, init_file, workdir, compute)

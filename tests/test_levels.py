@@ -155,3 +155,48 @@ def test_kill_9_at_random_moments_never_restores_a_wrong_state(tmp_path: Any) ->
             os.kill(p.pid, signal.SIGKILL)
         for p in procs:
             p.join(30)
+
+
+@pytest.mark.parametrize(("replicas", "stripes", "says"), [(2, False, "needs at least 3 nodes"), (1, True, "stripes")])
+def test_what_the_partner_level_refuses_it_refuses_on_every_rank(
+    tmp_path: Any, replicas: int, stripes: bool, says: str
+) -> None:
+    results = _run(w.refused, str(tmp_path), replicas, stripes)
+    assert all(says in r["error"] and r["steps"] == [] for r in results), results
+
+
+def test_arguments_are_checked() -> None:
+    import fastpersist as fp
+
+    with pytest.raises(ValueError, match="replicas= needs group="):
+        fp.Checkpointer("/tmp/fp-levels-args", replicas=1)
+    with pytest.raises(ValueError, match="replicas=-1"):
+        fp.Checkpointer("/tmp/fp-levels-args", replicas=-1)
+
+
+def test_placement_is_a_ring_over_nodes_never_on_the_same_node() -> None:
+    from fastpersist.levels.placement import Placement
+
+    p = Placement(["a", "a", "a", "b", "c", "c"])
+    for replicas in (1, 2):
+        for rank in range(6):
+            nodes = [p.node_of(rank)] + [p.node_of(q) for q in p.partners(rank, replicas)]
+            assert len(set(nodes)) == replicas + 1, (rank, replicas, nodes)
+    assert p.partners(0, 2) == [3, 4] and p.partners(3, 1) == [4] and p.partners(5, 1) == [1]
+    assert sorted(q for r in range(6) for q in p.sources(r, 1)) == list(range(6))  # each share kept once
+    with pytest.raises(ValueError, match="needs at least 4 nodes"):
+        p.check_replicas(3)
+
+
+def test_candidates_need_every_share_under_one_id_and_stop_at_the_newest_index() -> None:
+    from fastpersist.levels.restore import NodeReport, StepReport, candidates
+
+    reports = [
+        NodeReport(0, 3, [StepReport(2, "x", 2, (0, 1), (0, 1)), StepReport(3, "y", 2, (0,), (0, 1))]),
+        NodeReport(1, None, [StepReport(3, "y", 2, (1,), (0, 1)), StepReport(4, "z", 2, (0, 1), (0, 1))]),
+    ]
+    found = candidates(reports)
+    assert [(c.step, c.checkpoint_id) for c in found] == [(3, "y"), (2, "x")]  # 4 is past every index
+    assert found[0].holders == {0: [0], 1: [1]} and found[1].holders == {0: [0], 1: [0]}
+    reports[1].steps[0] = StepReport(3, "other", 2, (1,), (0, 1))  # two saves of step 3: neither complete
+    assert [c.step for c in candidates(reports)] == [2]

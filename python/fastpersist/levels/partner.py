@@ -61,6 +61,20 @@ class PartnerLevel:
         if not self.is_leader():
             return
         self.ck._write_index(step)
+        placement = self.placement()
+        here = placement.node_ranks[placement.node_of(self.ck.rank)]
+        kept = sorted({s for r in here for s in placement.sources(r, self.replicas)})
+        log.info(
+            "step %d is on node %s under %s: local level, the shares of ranks %s; partner level, copies of "
+            "the shares of ranks %s (local write %.3f s, copies %.3f s)",
+            step,
+            self.node,
+            self.ck.root,
+            here,
+            kept,
+            result.seconds - result.phases.get("replicate", 0.0),
+            result.phases.get("replicate", 0.0),
+        )
         removed = retire_on_node(self.ck.path(step), candidates, self.node)
         if removed:
             log.info("node %s retired %s under %s", self.node, [os.path.basename(p) for p in removed], self.ck.root)
