@@ -1,10 +1,10 @@
 """Moving the files of a rank's share between ranks over the group's gloo control group.
 
-Used by a replicated save (each share's files go to its partners, who write them into their
-own node's step directory) and by a restore (a share's bytes go from the rank that read them
-to the ranks that need them). The bytes travel in pieces of whole chunks (:data:`PIECE_BYTES`),
+Used by a save with partner copies: each share's files go to its partners, who write them
+into their own node's step directory. The bytes travel in pieces of whole chunks (:data:`PIECE_BYTES`),
 round by round: in round k every sender posts its k-th piece to each receiver and every
-receiver posts its receives, then all wait (point-to-point operations of gloo, each bounded by
+receiver posts its receives; while they travel, round k-1's arrivals are checked and written
+and round k+1's pieces are read (point-to-point operations of gloo, each bounded by
 the control group's timeout, so a dead peer fails the round instead of hanging it).
 
 A data file's pieces are read back from the sender's copy with each chunk's crc32c checked (so
@@ -32,8 +32,9 @@ from ..format.manifest import parse
 
 __all__ = ["PIECE_BYTES", "ShareFile", "Transfer", "piece_spans", "send_and_receive"]
 
-#: Bytes of one piece on the wire (a multiple of the chunk size is taken).
-PIECE_BYTES = 64 << 20
+#: Bytes of one piece on the wire (a multiple of the chunk size is taken): small enough that
+#: reading, sending and writing the pieces of one share overlap, two rounds in flight.
+PIECE_BYTES = 16 << 20
 
 
 def piece_spans(len_bytes: int, chunk_bytes: int, piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
@@ -129,6 +130,69 @@ def _steps(t: Transfer, chunk_bytes: int) -> list[tuple[ShareFile, int, int]]:
     return [(f, off, n) for f in t.files for off, n in piece_spans(f.len_bytes, chunk_bytes)]
 
 
+class _Rounds:
+    """This rank's side of the transfers, round by round, two rounds in flight: while round k's
+    pieces travel, round k-1's arrivals are checked and written and round k+1's pieces are read."""
+
+    def __init__(self, pg: Any, rank: int, transfers: list[Transfer], chunk_bytes: int, durable: bool) -> None:
+        self.pg, self.rank, self.chunk_bytes, self.durable = pg, rank, chunk_bytes, durable
+        self.plans = [(t, _steps(t, chunk_bytes)) for t in transfers if rank in (t.src, t.dst) and t.src != t.dst]
+        self.count = max((len(steps) for _, steps in self.plans), default=0)
+        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self.receiving: dict[tuple[int, str], _Receiving] = {}
+        self.written: list[str] = []
+
+    def _buffer(self, i: int, k: int) -> torch.Tensor:
+        key = (i, k % 2)
+        if key not in self.buffers:
+            size = max(_core.DIRECT_ALIGN_BYTES, max(n for _, _, n in self.plans[i][1]))
+            self.buffers[key] = torch.frombuffer(_core.PagedBuffer(size), dtype=torch.uint8)
+        return self.buffers[key]
+
+    def read(self, k: int, src_dir: str) -> None:
+        """Reads this rank's outgoing pieces of round `k` into that round's buffers."""
+        for i, (t, steps) in enumerate(self.plans):
+            if t.src == self.rank and k < len(steps):
+                f, offset, length = steps[k]
+                _read_piece(os.path.join(src_dir, f.name), f, offset, length, self.chunk_bytes, self._buffer(i, k))
+
+    def post(self, k: int) -> tuple[list[Any], list[tuple[Transfer, ShareFile, int, torch.Tensor]]]:
+        """Starts round `k`'s sends and receives; returns their works and the arrivals to expect."""
+        works, arrivals = [], []
+        for i, (t, steps) in enumerate(self.plans):
+            if k >= len(steps):
+                continue
+            f, offset, length = steps[k]
+            piece = self._buffer(i, k)[:length]
+            if t.src == self.rank:
+                works.append(dist.isend(piece, group=self.pg, group_dst=t.dst))
+            else:
+                works.append(dist.irecv(piece, group=self.pg, group_src=t.src))
+                arrivals.append((t, f, offset, piece))
+        return works, arrivals
+
+    def finish(
+        self,
+        posted: tuple[list[Any], list[tuple[Transfer, ShareFile, int, torch.Tensor]]],
+        dst_dir: str,
+        timeout: timedelta,
+    ) -> None:
+        """Waits for a round's works, then checks and writes its arrivals."""
+        works, arrivals = posted
+        for w in works:
+            if w is not None:
+                w.wait(timeout)
+        for t, f, offset, piece in arrivals:
+            key = (t.src, f.name)
+            if key not in self.receiving:
+                path = os.path.join(dst_dir, f.name)
+                self.receiving[key] = _Receiving(path, f, self.durable)
+                self.written.append(path)
+            self.receiving[key].write(offset, piece, self.chunk_bytes)
+            if offset + piece.numel() >= f.len_bytes:
+                self.receiving.pop(key).close()
+
+
 def send_and_receive(
     pg: Any,
     rank: int,
@@ -144,41 +208,21 @@ def send_and_receive(
     it wrote. Files are read from `src_dir` and written under `dst_dir` by their relative names.
     Raises on a failed read, a checksum mismatch on arrival, or a peer that stops answering."""
     timeout = timedelta(seconds=timeout_s)
-    plans = [(t, _steps(t, chunk_bytes)) for t in transfers if rank in (t.src, t.dst) and t.src != t.dst]
-    rounds = max((len(steps) for _, steps in plans), default=0)
-    buffers: dict[int, torch.Tensor] = {}
-    receiving: dict[tuple[int, str], _Receiving] = {}
-    written: list[str] = []
+    rounds = _Rounds(pg, rank, transfers, chunk_bytes, durable)
+    previous = None
     try:
-        for k in range(rounds):
-            works, arrivals = [], []
-            for i, (t, steps) in enumerate(plans):
-                if k >= len(steps):
-                    continue
-                f, offset, length = steps[k]
-                if i not in buffers:
-                    size = max(_core.DIRECT_ALIGN_BYTES, max(n for _, _, n in steps))
-                    buffers[i] = torch.frombuffer(_core.PagedBuffer(size), dtype=torch.uint8)
-                piece = buffers[i][:length]
-                if t.src == rank:
-                    _read_piece(os.path.join(src_dir, f.name), f, offset, length, chunk_bytes, buffers[i])
-                    works.append(dist.isend(piece, group=pg, group_dst=t.dst))
-                else:
-                    works.append(dist.irecv(piece, group=pg, group_src=t.src))
-                    arrivals.append((t, f, offset, piece))
-            for w in works:
-                if w is not None:
-                    w.wait(timeout)
-            for t, f, offset, piece in arrivals:
-                key = (t.src, f.name)
-                if key not in receiving:
-                    path = os.path.join(dst_dir, f.name)
-                    receiving[key] = _Receiving(path, f, durable)
-                    written.append(path)
-                receiving[key].write(offset, piece, chunk_bytes)
-                if offset + piece.numel() >= f.len_bytes:
-                    receiving.pop(key).close()
+        if rounds.count:
+            rounds.read(0, src_dir)
+        for k in range(rounds.count):
+            posted = rounds.post(k)
+            if previous is not None:
+                rounds.finish(previous, dst_dir, timeout)
+            if k + 1 < rounds.count:
+                rounds.read(k + 1, src_dir)  # overlaps round k on the wire
+            previous = posted
+        if previous is not None:
+            rounds.finish(previous, dst_dir, timeout)
     finally:
-        for r in receiving.values():
+        for r in rounds.receiving.values():
             os.close(r.fd)
-    return written
+    return rounds.written
