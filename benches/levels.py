@@ -120,14 +120,15 @@ def _checkpointer(root: str, replicas: int, sharded: bool, mib: int) -> Any:
     )
 
 
-def _loop(o: dict[str, Any], state: dict[str, Any], ck: Any, first: int, t_dev: float) -> tuple[float, float]:
-    """(seconds per iteration, seconds to drain the last save) of one measurement, saving steps
-    `first`, `first` + 1, ..."""
+def _loop(o: dict[str, Any], state: dict[str, Any], ck: Any, first: int, t_dev: float) -> dict[str, float]:
+    """One measurement, saving steps `first`, `first` + 1, ...: seconds per iteration, seconds
+    to drain the last save, and the median save's seconds until committed and of its copies."""
     import torch
     import torch.distributed as dist
 
     tiny = torch.zeros(16)
     tensors = list(state["model"].values())
+    futures = []
     dist.barrier()
     started = time.perf_counter()
     for step in range(first, first + o["iters"]):
@@ -138,12 +139,17 @@ def _loop(o: dict[str, Any], state: dict[str, Any], ck: Any, first: int, t_dev: 
         torch._foreach_add_(tensors, 1e-3)
         state["step"] = step
         if ck is not None:
-            ck.save(step, state)
+            futures.append(ck.save(step, state))
     loop = time.perf_counter() - started
     started = time.perf_counter()
     if ck is not None:
         ck.wait()
-    return loop / o["iters"], time.perf_counter() - started
+    row = {"per_iter_s": loop / o["iters"], "drain_s": time.perf_counter() - started, "save_s": 0.0, "copy_s": 0.0}
+    results = [f.result() for f in futures if f is not None]
+    if results:
+        row["save_s"] = statistics.median(r.seconds for r in results)
+        row["copy_s"] = statistics.median(r.phases.get("replicate", 0.0) for r in results)
+    return row
 
 
 def _checkpointers(o: dict[str, Any], rank: int, state: dict[str, Any], root: str) -> tuple[dict[str, Any], float]:
@@ -189,8 +195,7 @@ def overhead_rank(rank: int, world: int, root: str, o: dict[str, Any], out: str)
         for name in METHODS:
             ck = cks.get(name)
             wire.sent = wire.received = 0
-            per_iter, drain = _loop(o, state, ck, first, t_dev)
-            row = {"round": rnd, "method": name, "per_iter_s": per_iter, "drain_s": drain}
+            row = {"round": rnd, "method": name} | _loop(o, state, ck, first, t_dev)
             if name == "replicas=1":
                 row["sent"], row["received"] = wire.sent / o["iters"], wire.received / o["iters"]
                 last = ck.path(first + o["iters"] - 1)
@@ -318,11 +323,15 @@ def report_overhead(per_rank: list[dict[str, Any]], o: dict[str, Any]) -> dict[s
     """Prints the overhead table; returns its rows."""
     walls: dict[str, list[float]] = {name: [] for name in METHODS}
     drains: dict[str, list[float]] = {name: [] for name in METHODS}
+    saves: dict[str, list[float]] = {name: [] for name in METHODS}
+    copies: dict[str, list[float]] = {name: [] for name in METHODS}
     for rnd in range(o["rounds"]):
         for name in METHODS:
             mine = [next(r for r in rank["rows"] if r["round"] == rnd and r["method"] == name) for rank in per_rank]
             walls[name].append(max(r["per_iter_s"] for r in mine))
             drains[name].append(max(r["drain_s"] for r in mine))
+            saves[name].append(max(r["save_s"] for r in mine))
+            copies[name].append(max(r["copy_s"] for r in mine))
     base = statistics.median(walls["no checkpoint"])
     plain = statistics.median(walls["replicas=0"])
     print(
@@ -330,21 +339,21 @@ def report_overhead(per_rank: list[dict[str, Any]], o: dict[str, Any]) -> dict[s
         f"simulated nodes, T = {per_rank[0]['T']:.3f} s (replicas=1 save: {per_rank[0]['save_s']:.3f} s), "
         f"{o['iters']} iterations x {o['rounds']} rounds (median of the slowest rank)"
     )
-    print(f"{'method':14} {'s/iter':>8} {'min':>7} {'max':>7} {'vs none':>8} {'vs replicas=0':>14} {'drain s':>8}")
+    print(
+        f"{'method':14} {'s/iter':>8} {'min':>7} {'max':>7} {'vs none':>8} {'vs replicas=0':>14} {'drain s':>8} "
+        f"{'save s':>7} {'copy s':>7}"
+    )
     rows = {}
     for name, values in walls.items():
         med = statistics.median(values)
-        rows[name] = {
-            "per_iter_s": med,
-            "min": min(values),
-            "max": max(values),
-            "drain_s": statistics.median(drains[name]),
-        }
-        rows[name]["overhead_vs_none"] = med / base - 1
-        rows[name]["overhead_vs_replicas0"] = med / plain - 1
+        rows[name] = {"per_iter_s": med, "min": min(values), "max": max(values)}
+        rows[name] |= {k: statistics.median(v[name]) for k, v in (("drain_s", drains), ("save_s", saves))}
+        rows[name] |= {"copy_s": statistics.median(copies[name])}
+        rows[name] |= {"overhead_vs_none": med / base - 1, "overhead_vs_replicas0": med / plain - 1}
         print(
             f"{name:14} {med:8.3f} {min(values):7.3f} {max(values):7.3f} {med / base - 1:8.1%} "
-            f"{med / plain - 1:14.1%} {rows[name]['drain_s']:8.3f}"
+            f"{med / plain - 1:14.1%} {rows[name]['drain_s']:8.3f} {rows[name]['save_s']:7.3f} "
+            f"{rows[name]['copy_s']:7.3f}"
         )
     print(f"\n{'rank':>4} {'MiB sent/save':>14} {'expected':>9} {'MiB received/save':>18} {'expected':>9}")
     traffic = []
