@@ -413,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     o = vars(args) | {"per_node": args.ranks_per_node, "sharded": args.mode == "sharded"}
     root = tempfile.mkdtemp(prefix="fp-levels-", dir=args.dir or os.getcwd())
     report: dict[str, Any] = {"mode": args.mode, "mib": args.mib, "ranks": world, "nodes": args.nodes}
+    report["loadavg_before"] = os.getloadavg()  # other jobs on the machine: the numbers are only as quiet as it
     try:
         if args.part in ("overhead", "both"):
             print("overhead ...", file=sys.stderr, flush=True)
@@ -430,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
             report["recovery"] = report_recovery(per_rank, o, max(r["save_s"] for r in saved))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    report["loadavg_after"] = os.getloadavg()
+    before, after = (", ".join(f"{x:.1f}" for x in report[k]) for k in ("loadavg_before", "loadavg_after"))
+    print(f"\nload average (1, 5, 15 min) before: {before}; after: {after}; {os.cpu_count()} CPUs")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
