@@ -8,8 +8,10 @@ GIL-free "device work" (a wait of T seconds, as a GPU kernel frees the CPU), a t
 (the gradient sync that keeps the ranks in step), ``ck.wait_staged()``, an in-place update of
 every tensor of the state, ``ck.save(i, state)``. Interleaved round by round, it compares the
 per-iteration time (the slowest rank's loop wall / iterations) of no checkpoint,
-``Checkpointer(every=1, replicas=0)`` (the plain group save: every rank writes into rank 0's
-step directory) and ``Checkpointer(every=1, replicas=1)``. T defaults to 1.1 x the slowest
+``Checkpointer(every=1, replicas=0)`` (the plain group save, every rank writing into rank 0's
+step directory: on one root that every rank passes, as on a shared filesystem) and
+``Checkpointer(every=1, replicas=1)`` (each node its own root). One Checkpointer per method lives
+through the whole run; its first save (not timed) builds the control group and the pool. T defaults to 1.1 x the slowest
 rank's replicas=1 save time, measured in a warm-up. The bytes each rank sends and receives per
 save are counted at the partner transfer's ``isend``/``irecv`` and compared with what the
 manifests say (each share once per replica).
@@ -21,7 +23,12 @@ aside, so node1's ranks start from an empty root, then put back), every rank's p
 in one process (the others wait) - "a plain local load".
 
 ``--mode sharded`` (default): each rank's own ``--mib`` state (FSDP/ZeRO-style);
-``--mode replicated``: one ``--mib`` state on every rank, each rank writing a quarter of it.
+``--mode replicated``: one ``--mib`` state on every rank, each rank writing a quarter of it
+(at least one 8 MiB chunk per writer: with fewer chunks than writers a writer writes no file,
+and such a replicated partner-level step is not restorable yet).
+
+The two "nodes" share this machine's drive and cores, and the copies go over loopback TCP: the
+load average before and after is printed, since other jobs on the machine move the numbers.
 
 Run: ``python benches/levels.py --part overhead --mib 64 --iters 6 --rounds 3`` and
 ``python benches/levels.py --part recovery --mib 256 --repeats 5``.
