@@ -98,9 +98,19 @@ def _human(nbytes: int) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """``fastpersist inspect PATH [--all] [--json] [--limit N]``."""
+    """``fastpersist inspect PATH [--all] [--json] [--limit N]``; PATH a checkpoint, or a
+    Checkpointer root (its steps and levels: :mod:`fastpersist.tools.rootinfo`)."""
     import fastpersist as fp
 
+    from .rootinfo import describe_root, is_checkpointer_root, print_root
+
+    if is_checkpointer_root(args.path):
+        info = describe_root(args.path, node=args.node)
+        if args.json:
+            print(json.dumps(info, indent=2))
+        else:
+            print_root(info)
+        return 0
     try:
         info = fp.inspect(args.path, config=fp.Config(stripes=args.stripes) if args.stripes else None)
     except (fp.CorruptCheckpointError, FileNotFoundError) as e:
@@ -145,11 +155,19 @@ def add_inspect_parser(sub: Any) -> None:
     """Registers ``inspect`` on the CLI's subparsers."""
     insp = sub.add_parser(
         "inspect",
-        help="describe a checkpoint from its manifest (tensors grouped by top-level key)",
+        help="describe a checkpoint from its manifest (tensors grouped by top-level key), or a Checkpointer root",
         description="Describes a checkpoint from its manifest without reading tensor data: format, files, "
-        "tensors and bytes per top-level key; every tensor with --all or --json.",
+        "tensors and bytes per top-level key; every tensor with --all or --json. Given a Checkpointer root "
+        "(step directories and/or its index), lists its steps and what it holds on each level: each "
+        "step's id, whether it was saved with replicas, and which shares are present (this node's own, or "
+        "copies of its partners'), with their bytes.",
     )
-    insp.add_argument("path", help="checkpoint directory")
+    insp.add_argument("path", help="checkpoint directory, or a Checkpointer root")
+    insp.add_argument(
+        "--node",
+        help="the node a Checkpointer root belongs to (default: $FASTPERSIST_NODE or the host name when a "
+        "step's placement names it, else inferred from the shares present)",
+    )
     insp.add_argument("--json", action="store_true", help="print everything (every tensor, the groups) as JSON")
     insp.add_argument("--all", action="store_true", help="list every tensor")
     insp.add_argument("--limit", type=int, default=0, help="list the first N tensors (default 0)")
