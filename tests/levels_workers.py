@@ -27,10 +27,10 @@ def node_root(workdir: str, rank: int) -> str:
     return os.path.join(workdir, node_of(rank))
 
 
-def step_state(step: int, rank: int, sharded: bool) -> dict[str, Any]:
+def step_state(step: int, rank: int, sharded: bool, n: int = 70_000) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(step * 100 + (rank if sharded else 0))
     return {
-        "w": torch.randn(70_000, generator=gen),
+        "w": torch.randn(n, generator=gen),
         "b": torch.randn(300, generator=gen).to(torch.bfloat16),
         "step": step,
         "rank": rank if sharded else -1,
@@ -53,14 +53,14 @@ def checkpointer(workdir: str, rank: int, sharded: bool, backend: str, keep: int
 
 
 def save_steps(
-    rank: int, world: int, init_file: str, workdir: str, sharded: bool, backend: str, steps: list[int]
+    rank: int, world: int, init_file: str, workdir: str, sharded: bool, backend: str, steps: list[int], n: int = 70_000
 ) -> None:
     os.environ["FASTPERSIST_NODE"] = node_of(rank)
 
     def compute() -> Any:
         with checkpointer(workdir, rank, sharded, backend) as ck:
             for step in steps:
-                ck.save(step, step_state(step, rank, sharded))
+                ck.save(step, step_state(step, rank, sharded, n))
                 ck.wait_staged()
         dist.barrier()  # every node leader has retired its old steps
         return {"steps": ck.steps(), "levels": ck.levels()}
@@ -68,7 +68,7 @@ def save_steps(
     report_rank(rank, world, init_file, workdir, compute)
 
 
-def restore(rank: int, world: int, init_file: str, workdir: str, sharded: bool, backend: str) -> None:
+def restore(rank: int, world: int, init_file: str, workdir: str, sharded: bool, backend: str, n: int = 70_000) -> None:
     os.environ["FASTPERSIST_NODE"] = node_of(rank)
 
     def compute() -> Any:
@@ -76,7 +76,7 @@ def restore(rank: int, world: int, init_file: str, workdir: str, sharded: bool, 
         latest = ck.latest()
         state = ck.load()
         step = int(state["step"])
-        return {"latest": latest, "step": step, "same": same(state, step_state(step, rank, sharded))}
+        return {"latest": latest, "step": step, "same": same(state, step_state(step, rank, sharded, n))}
 
     report_rank(rank, world, init_file, workdir, compute)
 

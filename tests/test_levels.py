@@ -66,6 +66,15 @@ def test_a_node_lost_loses_no_step(tmp_path: Any, sharded: bool, backend: str) -
     assert all(r == {"latest": 4, "step": 4, "same": True} for r in restored), restored
 
 
+def test_a_state_of_fewer_chunks_than_writers_is_restored(tmp_path: Any) -> None:
+    """Two writers get no bytes (a 4 KiB stream, 64 KiB chunks, 4 writers): their shares are empty, not missing."""
+    d = str(tmp_path)
+    _run(w.save_steps, d, False, "threads", [1], 1000)
+    shutil.rmtree(os.path.join(d, "node1"))
+    restored = _run(w.restore, d, False, "threads", 1000)
+    assert all(r == {"latest": 1, "step": 1, "same": True} for r in restored), restored
+
+
 @pytest.mark.parametrize("sharded", MODES)
 def test_a_damaged_copy_is_passed_over(tmp_path: Any, sharded: bool) -> None:
     d = str(tmp_path)

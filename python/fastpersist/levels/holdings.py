@@ -53,7 +53,8 @@ def shares_of(m: Manifest) -> list[Share] | None:
         return None
     if m.shards:
         return [Share(i, owners[i] if i < len(owners) else i, []) for i in range(len(m.shards))]
-    by_writer: dict[int, list[tuple[str, int]]] = {}
+    # One share per writer, even a writer with no bytes (a stream of fewer chunks than writers).
+    by_writer: dict[int, list[tuple[str, int]]] = {w: [] for w in range(len(owners))}
     for f in m.files:
         by_writer.setdefault(f.writer, []).append((f.name, f.len_bytes))
     return [Share(w, owners[w] if w < len(owners) else w, files) for w, files in sorted(by_writer.items())]
