@@ -23,9 +23,7 @@ aside, so node1's ranks start from an empty root, then put back), every rank's p
 in one process (the others wait) - "a plain local load".
 
 ``--mode sharded`` (default): each rank's own ``--mib`` state (FSDP/ZeRO-style);
-``--mode replicated``: one ``--mib`` state on every rank, each rank writing a quarter of it
-(at least one 8 MiB chunk per writer: with fewer chunks than writers a writer writes no file,
-and such a replicated partner-level step is not restorable yet).
+``--mode replicated``: one ``--mib`` state on every rank, each rank writing a quarter of it.
 
 The two "nodes" share this machine's drive and cores, and the copies go over loopback TCP: the
 load average before and after is printed, since other jobs on the machine move the numbers.
