@@ -3,9 +3,10 @@
 //! A Checkpointer on a memory root rotates the same few files (recycled by the Python side:
 //! renamed from a retired step into the next save's temporary directory, same inode). Mapping a
 //! 1 GiB file, populating its page tables and unmapping it again costs about as much as a third
-//! of a memcpy of it, so after a job each mapping is kept here with its open file, keyed by the
-//! file's (device, inode), and the next job that opens the same inode with the same length
-//! writes through it directly.
+//! of a memcpy of it, so after a job the mapping of each recycled file is kept here with its
+//! open file, keyed by the file's (device, inode), and the next job that opens the same inode
+//! with the same length writes through it directly. While kept, the open file keeps its
+//! filesystem busy (no remount read-only or unmount): a one-off save of new files keeps nothing.
 //!
 //! Bounded: at most [`MAX_KEPT`] mappings are kept, and a kept mapping whose file has been
 //! deleted (`st_nlink == 0`: retired without recycling, a removed root) is dropped at the next

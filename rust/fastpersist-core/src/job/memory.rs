@@ -9,9 +9,10 @@
 //! whole length is reserved with `fallocate`, which fails with ENOSPC on a full tmpfs *before*
 //! anything is mapped: a store into a mapping past what tmpfs can hold would be a SIGBUS. A
 //! helper thread populates the page tables of the chunks ahead of the copy
-//! (`MADV_POPULATE_WRITE`), so the copy does not take one page fault per 4 KiB page, and the
-//! mapping is kept after the job ([`mapped`](super::mapped)): the next save that overwrites the
-//! same recycled file writes through it with no mapping work at all.
+//! (`MADV_POPULATE_WRITE`), so the copy does not take one page fault per 4 KiB page. The mapping
+//! of a recycled file (one that existed with data) is kept after the job
+//! ([`mapped`](super::mapped)): the next save that overwrites the same file writes through it
+//! with no mapping work at all. A new file's mapping is not kept.
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
@@ -65,8 +66,8 @@ pub(super) fn all_on_memory_fs(targets: &[WriteTarget]) -> bool {
 }
 
 /// Opens (creating, never truncating) each target, sets it to its part's length and reserves
-/// that length in memory.
-fn open_files(targets: &[WriteTarget]) -> Result<Vec<File>> {
+/// that length in memory; says for each whether it existed with data (a recycled file).
+fn open_files(targets: &[WriteTarget]) -> Result<Vec<(File, bool)>> {
     targets
         .iter()
         .map(|target| {
@@ -80,18 +81,20 @@ fn open_files(targets: &[WriteTarget]) -> Result<Vec<File>> {
                 .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
                 .open(&target.path)
                 .map_err(|e| Error::io("create", &target.path, e))?;
+            let stat = |file: &File| {
+                file.metadata()
+                    .map_err(|e| Error::io("stat", &target.path, e))
+            };
+            let recycled = stat(&file)?.len() > 0;
             let len = target.part.len_bytes;
             file.set_len(len)
                 .map_err(|e| Error::io("truncate", &target.path, e))?;
             // A recycled file that is whole has every page already: no hole to fault on.
-            let meta = file
-                .metadata()
-                .map_err(|e| Error::io("stat", &target.path, e))?;
-            if std::os::unix::fs::MetadataExt::blocks(&meta).saturating_mul(512) < len {
+            if std::os::unix::fs::MetadataExt::blocks(&stat(&file)?).saturating_mul(512) < len {
                 crate::durable::preallocate(&file, len)
                     .map_err(|e| Error::io("preallocate", &target.path, e))?;
             }
-            Ok(file)
+            Ok((file, recycled))
         })
         .collect()
 }
@@ -131,10 +134,12 @@ pub(super) fn write_mapped(
     mapped::drop_deleted();
     let mut maps = Vec::with_capacity(targets.len());
     let mut fresh = Vec::with_capacity(targets.len());
-    for (file, target) in open_files(targets)?.into_iter().zip(targets) {
+    let mut recycled = Vec::with_capacity(targets.len());
+    for ((file, was_recycled), target) in open_files(targets)?.into_iter().zip(targets) {
         let (map, is_fresh) = MappedFile::open(file, target.part.len_bytes as usize, &target.path)?;
         maps.push(map);
         fresh.push(is_fresh);
+        recycled.push(was_recycled);
     }
     let chunks = staging.chunk_list();
     // Only new mappings need their page tables populated; a kept one has them already.
@@ -167,9 +172,14 @@ pub(super) fn write_mapped(
                 .map_err(|e| Error::io("fsync", &target.path, e))?;
         }
     }
-    // Kept for the next job that overwrites the same (recycled) file: no mmap, page-table
-    // population or munmap per save.
-    maps.into_iter().for_each(MappedFile::keep);
+    // A recycled file's mapping is kept for the next job that overwrites it (a Checkpointer
+    // rotating its files): no mmap, page-table population or munmap per save. A new file's is
+    // not: a one-off save keeps nothing mapped (or its filesystem busy) after it returns.
+    for (map, was_recycled) in maps.into_iter().zip(recycled) {
+        if was_recycled {
+            map.keep();
+        }
+    }
     Ok(())
 }
 
@@ -270,9 +280,10 @@ mod tests {
             path: path.clone(),
         }];
         let files = open_files(&targets).unwrap();
-        assert_eq!(files[0].metadata().unwrap().len(), 5000);
+        assert_eq!(files[0].0.metadata().unwrap().len(), 5000);
+        assert!(files[0].1, "an existing file with data counts as recycled");
         assert_eq!(ino(&path), before);
-        let file = files.into_iter().next().unwrap();
+        let file = files.into_iter().next().unwrap().0;
         let (mut map, fresh) = MappedFile::open(file, 5000, &path).unwrap();
         assert!(fresh);
         assert_eq!(map.map.range(4096, 904).len(), 904);
