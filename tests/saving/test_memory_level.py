@@ -133,11 +133,28 @@ def _mapped_lines(root: str) -> list[str]:
         return [line for line in f if root in line]
 
 
-def test_deleting_the_root_gives_its_memory_back(shm_root: str) -> None:
+def _child_maps(root: str) -> list[str]:
+    """The lines of a forked child's /proc/self/maps naming `root`."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        os.write(write_end, "".join(_mapped_lines(root)).encode() or b"-")
+        os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        got = f.read().decode()
+    os.waitpid(pid, 0)
+    return [] if got == "-" else got.splitlines()
+
+
+def test_kept_mappings_are_not_inherited_and_deleting_the_root_gives_their_memory_back(shm_root: str) -> None:
     ck = fp.Checkpointer(shm_root, keep=1, config=config("auto"))
     for step in range(4):
         ck.save(step, state_of(step))
     ck.wait()
+    assert _mapped_lines(shm_root)  # the engine keeps the rotating files mapped between saves
+    assert _child_maps(shm_root) == []  # a forked worker would pin them after their deletion
     shutil.rmtree(shm_root)
     deadline = time.monotonic() + 10
     while _mapped_lines(shm_root) and time.monotonic() < deadline:

@@ -63,10 +63,15 @@ impl Mapping {
         if ptr == libc::MAP_FAILED {
             return Err(Error::io("mmap", path, std::io::Error::last_os_error()));
         }
-        Ok(Mapping {
+        let map = Mapping {
             ptr: ptr.cast(),
             len,
-        })
+        };
+        // A forked child (a DataLoader worker) must not inherit it: it would pin the file's
+        // memory after this process deleted the file. Best effort: failure changes nothing else.
+        // SAFETY: advice on our own live mapping; it reads or writes no memory.
+        unsafe { libc::madvise(ptr, len, libc::MADV_DONTFORK) };
+        Ok(map)
     }
 
     /// The address of the mapping's first byte (for page-table population only).
