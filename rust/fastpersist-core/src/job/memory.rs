@@ -47,12 +47,17 @@ pub fn is_memory_fs(dir: &Path) -> Result<bool> {
     Ok(kind == TMPFS_MAGIC || kind == RAMFS_MAGIC)
 }
 
-/// Whether every target's directory is on a memory filesystem (decided once per directory). A
-/// directory that cannot be looked at counts as not: the usual path then reports the error on
-/// the file itself.
+/// Whether every target's directory is on a memory filesystem (decided once per directory) and
+/// every target is a regular file or absent (`/dev/full` sits on devtmpfs too). A directory that
+/// cannot be looked at counts as not: the usual path then reports the error on the file itself.
 pub(super) fn all_on_memory_fs(targets: &[WriteTarget]) -> bool {
     let mut seen: Vec<&Path> = Vec::new();
     for target in targets {
+        match std::fs::symlink_metadata(&target.path) {
+            Ok(meta) if !meta.is_file() => return false,
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return false,
+            _ => {}
+        }
         let dir = super::parent_dir(&target.path);
         if seen.contains(&dir) {
             continue;
@@ -257,6 +262,21 @@ mod tests {
             assert_eq!(report.parts[0].chunk_crc32c, crcs);
             assert!(!report.parts[0].direct);
             assert_eq!(*inode.get_or_insert(ino(&path)), ino(&path));
+        }
+    }
+
+    #[test]
+    fn only_regular_files_take_the_memory_path() {
+        let plan = crate::plan::Plan::new(&[4096], 1, 1, 4096).unwrap();
+        let target = |path: &str| WriteTarget {
+            part: plan.parts[0],
+            path: path.into(),
+        };
+        assert!(!all_on_memory_fs(&[target("/dev/full")])); // a device on devtmpfs
+        if Path::new("/dev/shm").is_dir() {
+            assert!(all_on_memory_fs(&[target(
+                "/dev/shm/fastpersist-absent.bin"
+            )]));
         }
     }
 
