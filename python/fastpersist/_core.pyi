@@ -33,6 +33,7 @@ __all__ = [
     "direct_io_supported",
     "fsync_dir",
     "fsync_path",
+    "is_memory_fs",
     "probe_uring",
     "replace_atomically",
     "select_backend",
@@ -259,6 +260,10 @@ def probe_uring(simulate_errno: int | None = None) -> str | None:
 
 def direct_io_supported(directory: _StrPath) -> bool:
     """Whether files in ``directory`` can be opened with O_DIRECT."""
+
+def is_memory_fs(directory: _StrPath) -> bool:
+    """Whether ``directory`` lies on a memory filesystem (tmpfs, ramfs): saves there are written
+    through mappings of the files, reusing a recycled file's pages."""
 
 def crc32c(data: _Buffer) -> int:
     """crc32c (Castagnoli) of a buffer."""

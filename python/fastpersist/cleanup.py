@@ -9,6 +9,11 @@ names are :mod:`fastpersist.format.layout`'s):
 * ``.latest.json.tmp-*`` / ``.history.json.tmp-*``: a :class:`Checkpointer` index or cost
   history being replaced.
 
+On a memory root, the recycle directory ``.fprecycle/`` holds retired steps' data files kept for
+a later save to overwrite (:mod:`fastpersist.saving.recycle`). It is garbage by construction
+(nothing committed names it) and is emptied too; a save racing with that merely allocates fresh
+pages.
+
 The deletion rule: nothing is removed that is not provably a leftover of `root`.
 
 * A temporary directory is removed only when no live save holds its lock
@@ -42,6 +47,7 @@ from .errors import FastPersistError
 from .format.layout import INDEX_TMP, MANIFEST_NAME, parse_stripe_dir, parse_tmp_dir, tmp_dir_for
 from .format.manifest import read_manifest
 from .format.ownership import REMOVING, cleaning, is_live, lock_state, read_owner, remove_owned_dir
+from .saving.recycle import free_recycled, recycled_entries
 
 __all__ = ["clean", "stripe_leftovers"]
 
@@ -201,8 +207,10 @@ def clean(
         _dead_tmp_dirs(view)
         dead_stripes = _scan_stripes(view, stripes or [], None)
     index_tmp = _index_tmp_orphans(root)
-    removed = [*view.dead_tmp.values(), *index_tmp, *dead_stripes]
+    recycled = recycled_entries(root)
+    removed = [*view.dead_tmp.values(), *index_tmp, *dead_stripes, *recycled]
     if not dry_run:
+        free_recycled(root)
         for path in dead_stripes:
             _remove_stripe_dir(path)
         for path in view.dead_tmp.values():

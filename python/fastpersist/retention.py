@@ -7,7 +7,9 @@ The rules (docs/failure-model.md, "Deletion"):
 * Nothing is retired until *s* is verified loadable: its manifests readable and every data file
   present with its recorded size. In a group each rank checks the files on its own drives and
   rank 0 checks that every file was checked by someone.
-* Rank 0 removes the retired checkpoint directories and their stripe directories on its drives;
+* Rank 0 removes the retired checkpoint directories and their stripe directories on its drives
+  (on a memory root it recycles the newest one's data files instead, for the next save to
+  overwrite in place: :mod:`fastpersist.saving.recycle`);
   then every other rank removes its own stripe directories of those steps, found by their
   owner markers (so per-rank drives on other nodes are cleaned by the rank that has them).
 
@@ -27,6 +29,7 @@ from .cleanup import stripe_leftovers
 from .errors import FastPersistError
 from .format.confine import data_file_problem, real_roots, under_roots
 from .format.manifest import Manifest, read_manifest
+from .saving.recycle import recycle_checkpoint
 from .saving.target import remove_checkpoint_tree
 
 __all__ = ["ShareCheck", "check_share", "retire", "retired_steps"]
@@ -128,7 +131,10 @@ def retire(
             log.warning("keeping %s: the new checkpoint %s does not verify yet (%s)", list(candidates), step_path, why)
         else:
             removed = list(candidates)
-        for path in removed:
+        # On a memory root the newest retired step's files are recycled for the next save; the
+        # older ones (and anything not recyclable) are deleted.
+        recycled = bool(removed) and recycle_checkpoint(root, removed[-1])  # candidates: oldest first
+        for path in removed[:-1] if recycled else removed:
             remove_checkpoint_tree(path, stripe_roots)
     if broadcast is not None:
         removed = broadcast(removed)

@@ -11,6 +11,9 @@ What lies where (docs/format.md):
 * a :class:`~fastpersist.Checkpointer` root: ``step-NNNNNNNN/`` checkpoints, the index
   ``latest.json`` and the cost history ``history.json``, each replaced through
   ``.latest.json.tmp-PID-TID`` (:func:`write_small_file`);
+* on a memory root (tmpfs), the recycle directory ``.fprecycle/`` holding retired steps' data
+  files for a later save to overwrite in place (:mod:`fastpersist.saving.recycle`): one entry
+  ``NAME.ID`` per retired step, never a checkpoint (its manifest is removed on the way in);
 * a DCP directory (:mod:`fastpersist.integrations.dcp`): ``.metadata`` and ``__R_ID.fpdcp``;
 * the owner marker and the live-save lock of :mod:`fastpersist.format.ownership` (which owns
   those two names).
@@ -48,6 +51,7 @@ __all__ = [
     "INDEX_NAME",
     "INDEX_TMP",
     "MANIFEST_NAME",
+    "RECYCLE_DIR",
     "SHARD_DIR",
     "STRIPE_SUFFIX",
     "TMP_MARKER",
@@ -58,6 +62,7 @@ __all__ = [
     "parse_step_dir",
     "parse_stripe_dir",
     "parse_tmp_dir",
+    "recycle_entry_name",
     "shard_name",
     "step_dir_name",
     "stripe_dir_id",
@@ -94,6 +99,16 @@ HISTORY_NAME = "history.json"
 _SMALL_FILE_TMP = ".{name}.tmp-{pid}-{tid}"
 #: A Checkpointer's index or cost history being replaced (group 1: the writer's pid).
 INDEX_TMP = re.compile(r"^\.(?:" + "|".join(map(re.escape, (INDEX_NAME, HISTORY_NAME))) + r")\.tmp-(\d+)-\d+$")
+
+
+#: A memory root's retired data files, waiting to be overwritten by a later save. Garbage by
+#: construction: nothing committed names anything in it.
+RECYCLE_DIR = ".fprecycle"
+
+
+def recycle_entry_name(name: str, checkpoint_id: str) -> str:
+    """The entry in :data:`RECYCLE_DIR` of the retired checkpoint `name` (id `checkpoint_id`)."""
+    return f"{name}.{checkpoint_id[:12]}"
 
 
 def data_file_name(*, writer: int, stripe: int) -> str:

@@ -39,6 +39,7 @@ from ..format.quote import shown
 from ..gcpause import paused_gc
 from ..logs import log_save, log_save_call
 from .pools import pool_for
+from .recycle import take_recycled
 from .target import (
     check_name_fits,
     check_stripe_roots,
@@ -218,10 +219,12 @@ class SaveJob:
             os.mkdir(d)
             self._created.append(d)
             write_owner(d, self.path, layout.checkpoint_id, durable=self.config.durable)
-        return [
+        paths = [
             os.path.join(self.stripe_dirs[stripe] if stripe is not None else layout.data_dir, fname)
             for stripe, fname in self.part_names
         ]
+        take_recycled(os.path.dirname(self.path), layout.tmp_dir, paths)  # a memory root's retired files
+        return paths
 
     def _start_engine(self, paths: list[str], background: bool) -> None:
         """Hands this process's parts to the engine (stage, checksum, write, fsync)."""

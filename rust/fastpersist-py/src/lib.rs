@@ -197,6 +197,14 @@ fn direct_io_supported(py: Python<'_>, directory: PathBuf) -> PyResult<bool> {
         .into_py_result(py)
 }
 
+/// Whether `directory` lies on a memory filesystem (tmpfs, ramfs): the in-memory level, written
+/// through mappings of reused files.
+#[pyfunction]
+fn is_memory_fs(py: Python<'_>, directory: PathBuf) -> PyResult<bool> {
+    py.detach(|| fastpersist_core::job::is_memory_fs(&directory))
+        .into_py_result(py)
+}
+
 /// crc32c (Castagnoli) of a buffer.
 #[pyfunction]
 fn crc32c(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u32> {
@@ -247,6 +255,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(select_backend, m)?)?;
     m.add_function(wrap_pyfunction!(probe_uring, m)?)?;
     m.add_function(wrap_pyfunction!(direct_io_supported, m)?)?;
+    m.add_function(wrap_pyfunction!(is_memory_fs, m)?)?;
     m.add_function(wrap_pyfunction!(crc32c, m)?)?;
     m.add_function(wrap_pyfunction!(fsync_path, m)?)?;
     m.add_function(wrap_pyfunction!(fsync_dir, m)?)?;

@@ -5,9 +5,12 @@
 //! * [`progress`](JobProgress): counters, cancellation and the moments callers wait for;
 //! * [`guard`](Guard): the mutation guard's early copies and staging reports;
 //! * `staging`: the [`OpSource`](crate::backend::OpSource) that fills slots and makes writes;
+//! * [`memory`](is_memory_fs): targets on tmpfs/ramfs, written through mappings of the files;
 //! * here: the job itself (open the files, drive the backend, finish the files, report).
 
 mod guard;
+mod mapped;
+mod memory;
 mod progress;
 mod source;
 mod staging;
@@ -24,6 +27,7 @@ use crate::pool::Pool;
 use crate::probe::{BackendKind, DirectMode};
 
 pub use guard::{Guard, StagingObserver};
+pub use memory::is_memory_fs;
 pub use progress::JobProgress;
 pub use source::{DeviceCopier, SourceRegion};
 use staging::Staging;
@@ -133,6 +137,16 @@ pub fn write_parts_with(
     progress.mark_copied_early();
     let mut staging = staging?;
     let result = (|| {
+        // The in-memory level (tmpfs, ramfs): the sources are copied straight into the files'
+        // pages, reused across saves; O_DIRECT is never tried there unless it was required.
+        if options.direct != DirectMode::Require
+            && !staging.has_device_sources()
+            && memory::all_on_memory_fs(targets)
+        {
+            memory::write_mapped(&mut staging, targets, options.durable)?;
+            progress.check_cancelled("after its data was written")?;
+            return Ok(vec![false; targets.len()]);
+        }
         let files = open_targets(targets, options.direct)?;
         staging.direct = files.iter().map(|f| f.direct).collect();
         backend::drive(

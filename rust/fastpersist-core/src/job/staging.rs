@@ -147,12 +147,18 @@ impl<'p> Staging<'p> {
 
     fn stage(&mut self, slot: &mut Slot, chunk: &Chunk) -> Result<u32> {
         self.copy_from_device(slot, chunk)?;
-        let len = chunk.len_bytes as usize;
+        Ok(self.fill_checksummed(&mut slot.buf_mut()[..chunk.len_bytes as usize], chunk))
+    }
+
+    /// Fills `dst` (the chunk's length) with the chunk's host bytes piece by piece, each piece
+    /// checksummed while it is hot; returns the chunk's crc32c.
+    fn fill_checksummed(&self, dst: &mut [u8], chunk: &Chunk) -> u32 {
+        let len = dst.len();
         let mut crc = Crc32c::default();
         let mut done = 0;
         while done < len {
             let piece = CRC_PIECE_BYTES.min(len - done);
-            let dst = &mut slot.buf_mut()[done..done + piece];
+            let dst = &mut dst[done..done + piece];
             self.fill(dst, chunk.stream_offset_bytes + done as u64);
             if self.checksum {
                 crc.update(dst);
@@ -160,7 +166,41 @@ impl<'p> Staging<'p> {
             done += piece;
             self.progress.add_staged_bytes(piece as u64);
         }
-        Ok(crc.finish())
+        crc.finish()
+    }
+
+    /// The chunks in staging order: (file index, the chunk).
+    pub(super) fn chunk_list(&self) -> Vec<(usize, Chunk)> {
+        self.chunks
+            .iter()
+            .map(|&(file, _, chunk)| (file, chunk))
+            .collect()
+    }
+
+    /// Whether some source is device-resident (those need a slot and the device copier).
+    pub(super) fn has_device_sources(&self) -> bool {
+        self.sources
+            .as_ref()
+            .is_some_and(|s| s.iter().any(|r| r.device))
+    }
+
+    /// Stages the next chunk straight into `dst` (its place in the file's memory, of the
+    /// chunk's length) instead of a pool slot: the write of the in-memory level. Host sources
+    /// only ([`Self::has_device_sources`] is false).
+    pub(super) fn stage_next_into(&mut self, dst: &mut [u8]) -> Result<()> {
+        self.check_cancelled()?;
+        let index = self.next;
+        let (file, chunk_in_file, chunk) = self.chunks[index];
+        self.next += 1;
+        self.crcs[file][chunk_in_file] = self.fill_checksummed(dst, &chunk);
+        if let Some(guard) = self.guard.as_mut() {
+            guard.note_staged(&self.extents, chunk.stream_offset_bytes, chunk.len_bytes)?;
+        }
+        if self.next == self.chunks.len() {
+            self.release_sources();
+        }
+        self.progress.add_written_bytes(chunk.len_bytes);
+        Ok(())
     }
 
     fn check_cancelled(&self) -> Result<()> {

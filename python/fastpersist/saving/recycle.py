@@ -1,0 +1,167 @@
+"""The in-memory level's page reuse: on a memory root (tmpfs, e.g. under /dev/shm) a retired
+step's data files are recycled instead of freed, and the next save overwrites them in place.
+
+Freeing a 1 GiB step and faulting in (allocating and zeroing) 1 GiB of fresh tmpfs pages for the
+next one costs more than copying the bytes. So retention on a memory root
+(:func:`recycle_checkpoint`) moves the retired checkpoint directory into the root's recycle
+directory (``.fprecycle/``, named by :mod:`fastpersist.format.layout`) with one atomic rename
+and then removes its manifest; a save (:func:`take_recycled`) renames a recycled data file of
+the same name into its fresh temporary directory before the engine starts, and the engine
+(``job/memory.rs``) opens it without truncating, sets its length and overwrites it through a
+mapping.
+
+Why it stays crash-safe:
+
+* a recycled file is one that only a *retired* step named: retirement happens after a newer step
+  committed and checked out (:mod:`fastpersist.retention`), and the retired step leaves its name
+  (the rename) before anything of it is reused, so no committed step ever names a file being
+  overwritten;
+* an overwritten file sits in the save's temporary directory, which holds no manifest until
+  every byte is written with its new checksums: a kill -9 leaves a leftover that
+  :func:`fastpersist.clean` removes, never a checkpoint;
+* the recycle directory is garbage by construction (retired steps without their manifests):
+  :func:`fastpersist.clean` removes it, ``Checkpointer.steps()`` never lists it;
+* only plain files with one link are recycled or taken (a hard-linked copy elsewhere would be
+  overwritten with it), and only checkpoints without stripe directories are recycled.
+
+Memory stays bounded: the recycle directory holds at most one retired step (older entries are
+freed before a new one goes in), and a save takes its files out again, so a root holds at most
+``keep`` committed steps plus the one being written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import stat
+
+from .. import _core
+from ..errors import FastPersistError
+from ..format.layout import MANIFEST_NAME, RECYCLE_DIR, SHARD_DIR, recycle_entry_name
+from ..format.manifest import read_manifest
+
+__all__ = ["free_recycled", "is_memory_root", "recycle_checkpoint", "recycled_entries", "take_recycled"]
+
+log = logging.getLogger("fastpersist")
+
+
+def is_memory_root(root: str) -> bool:
+    """Whether `root` lies on a memory filesystem (tmpfs, ramfs); False if it cannot be told."""
+    try:
+        return _core.is_memory_fs(root)
+    except OSError:
+        return False
+
+
+def _single_file(path: str) -> bool:
+    """Whether `path` is (without following links) a regular file with no other hard link."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
+
+
+def _data_files(path: str) -> list[str] | None:
+    """The manifests and data files of the checkpoint at `path`, or None if it may not be recycled
+    (unreadable, striped, or a data file that is not a single plain file)."""
+    try:
+        top = read_manifest(path)
+        manifests = [(path, top)] + [(os.path.join(path, s), read_manifest(os.path.join(path, s))) for s in top.shards]
+    except (FastPersistError, OSError):
+        return None
+    files = [os.path.join(where, MANIFEST_NAME) for where, _ in manifests]
+    for where, m in manifests:
+        if m.stripes:
+            return None
+        for entry in m.files:
+            file_path = m.file_path(where, entry)
+            if not _single_file(file_path):
+                return None
+            files.append(file_path)
+    return files
+
+
+def recycle_checkpoint(root: str, path: str) -> bool:
+    """Moves the retired checkpoint `path` of `root` into the recycle directory; False if it was not
+    (not a memory root, or not recyclable): the caller then deletes it as usual.
+
+    Older recycle entries are freed first, so at most one retired step's memory is held there.
+    """
+    if not is_memory_root(root) or _data_files(path) is None:
+        return False
+    bin_dir = os.path.join(root, RECYCLE_DIR)
+    try:
+        manifest_id = read_manifest(path).checkpoint_id
+        os.makedirs(bin_dir, exist_ok=True)
+        free_recycled(root)
+        entry = os.path.join(bin_dir, recycle_entry_name(os.path.basename(path), manifest_id))
+        os.rename(path, entry)  # atomic: from here `path` is no checkpoint of the root
+    except (FastPersistError, OSError) as e:
+        log.info("not recycling %s (%s); deleting it", path, e)
+        return False
+    # Without its manifests the entry is plainly no checkpoint, even to fp.load or fp.verify.
+    shards = [os.path.join(entry, s) for s in sorted(os.listdir(entry)) if SHARD_DIR.match(s)]
+    for where in [entry, *shards]:
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            os.unlink(os.path.join(where, MANIFEST_NAME))
+    return True
+
+
+def recycled_entries(root: str) -> list[str]:
+    """The entries of `root`'s recycle directory (none if it has none)."""
+    bin_dir = os.path.join(root, RECYCLE_DIR)
+    try:
+        return [os.path.join(bin_dir, name) for name in sorted(os.listdir(bin_dir))]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def free_recycled(root: str) -> list[str]:
+    """Deletes every entry of `root`'s recycle directory (garbage by construction); returns them."""
+    removed = recycled_entries(root)
+    for p in removed:
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+    return removed
+
+
+def take_recycled(root: str, tmp_dir: str, paths: list[str]) -> int:
+    """Moves recycled files of `root` to `paths` (data files about to be written inside the save's
+    temporary directory `tmp_dir`, which do not exist yet); returns how many were taken.
+
+    A file is taken from a recycle entry at the same path relative to its checkpoint (so a rank
+    of a sharded save takes its own shard's file). A path with nothing to take stays absent and
+    the engine creates it; so does a path outside `tmp_dir` (a stripe's), which is never taken.
+    """
+    bin_dir = os.path.join(root, RECYCLE_DIR)
+    try:
+        entries = sorted(os.listdir(bin_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    taken = 0
+    for dest in paths:
+        rel = os.path.relpath(dest, tmp_dir)
+        if rel.startswith(os.pardir):
+            continue
+        for entry in entries:
+            src = os.path.join(bin_dir, entry, rel)
+            if not _single_file(src):
+                continue
+            try:
+                os.rename(src, dest)
+            except OSError as e:
+                if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                    continue  # taken or freed by someone else since the look
+                raise
+            if _single_file(dest):
+                taken += 1
+                break
+            os.unlink(dest)  # swapped for something else between the look and the rename
+    return taken
