@@ -309,6 +309,10 @@ class SaveJob:
         if self.handle is None or self.handle.staged():
             self._flat = None
 
+    def staged(self) -> bool:
+        """Whether the engine no longer reads the sources (never blocks)."""
+        return self.handle is None or bool(self.handle.staged())
+
     def wait_staged(self, timeout: float | None = None) -> None:
         """Returns when the sources may be modified; raises if the save was cancelled (a source
         changed before it was staged, or someone cancelled it)."""
