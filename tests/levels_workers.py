@@ -207,7 +207,7 @@ def refused(rank: int, world: int, init_file: str, workdir: str, replicas: int, 
     report_rank(rank, world, init_file, workdir, compute)
 
 
-def _remote_checkpointer(workdir: str, rank: int) -> fp.Checkpointer:
+def _remote_checkpointer(workdir: str, rank: int, remote: str | None = None) -> fp.Checkpointer:
     config = fp.Config(chunk_bytes=64 << 10, timeout_s=60)
     return fp.Checkpointer(
         node_root(workdir, rank),
@@ -216,16 +216,18 @@ def _remote_checkpointer(workdir: str, rank: int) -> fp.Checkpointer:
         config=config,
         group=dist.group.WORLD,
         replicas=1,
-        remote=os.path.join(workdir, "remote"),
+        remote=remote or os.path.join(workdir, "remote"),
         remote_every=2,
     )
 
 
-def save_with_remote(rank: int, world: int, init_file: str, workdir: str, steps: list[int]) -> None:
+def save_with_remote(
+    rank: int, world: int, init_file: str, workdir: str, steps: list[int], remote: str | None = None
+) -> None:
     os.environ["FASTPERSIST_NODE"] = node_of(rank)
 
     def compute() -> Any:
-        with _remote_checkpointer(workdir, rank) as ck:
+        with _remote_checkpointer(workdir, rank, remote) as ck:
             for step in steps:
                 ck.save(step, step_state(step, rank, False))
                 ck.wait_staged()
@@ -234,11 +236,11 @@ def save_with_remote(rank: int, world: int, init_file: str, workdir: str, steps:
     report_rank(rank, world, init_file, workdir, compute)
 
 
-def restore_with_remote(rank: int, world: int, init_file: str, workdir: str) -> None:
+def restore_with_remote(rank: int, world: int, init_file: str, workdir: str, remote: str | None = None) -> None:
     os.environ["FASTPERSIST_NODE"] = node_of(rank)
 
     def compute() -> Any:
-        ck = _remote_checkpointer(workdir, rank)
+        ck = _remote_checkpointer(workdir, rank, remote)
         latest = ck.latest()
         state = ck.load()
         step = int(state["step"])

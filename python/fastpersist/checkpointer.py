@@ -268,7 +268,8 @@ class Checkpointer:
     def _after_commit(self, step: int, result: SaveResult) -> None:
         """On every rank, once `step` committed: the index (rank 0), then retention, then the costs."""
         stripes = self.config.stripes if self.config else None
-        candidates = [self.path(s) for s in retired_steps(self.steps(), step, self.keep)]
+        pinned = self._remote.pinned() if self._remote is not None else set()
+        candidates = [self.path(s) for s in retired_steps(self.steps(), step, self.keep) if s not in pinned]
         if self._partner is not None:
             self._partner.after_commit(step, result, candidates)  # per node: index and retention
         else:
@@ -419,10 +420,7 @@ class Checkpointer:
         if self._remote is not None:
             step = self.latest() if step is None else step
             if step is not None and self._remote.holds_only(step):
-                with self.history.loading():
-                    return self._remote.load(
-                        step, out=out, map_location=map_location, namedtuple_types=namedtuple_types
-                    )
+                self._remote.refill(step)  # then loaded as a local step
         if self._partner is not None:
             if out is not None:
                 raise ValueError("load(out=...) is not supported with replicas= yet; load a new state")

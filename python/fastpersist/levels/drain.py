@@ -20,8 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..format.manifest import read_manifest
-from .holdings import shares_of
-from .remote import RemoteDir
+from .remote import Remote
 
 __all__ = ["DrainResult", "Drainer"]
 
@@ -47,7 +46,7 @@ class Drainer:
 
     def __init__(
         self,
-        remote: RemoteDir,
+        remote: Remote,
         local_path: Callable[[int], str],
         *,
         rank: int,
@@ -64,6 +63,7 @@ class Drainer:
         self._cond = threading.Condition()
         self._pending: int | None = None
         self._busy = False
+        self._draining: int | None = None
         self._closed = False
         self.last: DrainResult | None = None
         self._thread = threading.Thread(target=self._run, name="fastpersist-drain", daemon=True)
@@ -74,6 +74,11 @@ class Drainer:
         with self._cond:
             self._pending = step
             self._cond.notify_all()
+
+    def pinned(self) -> set[int]:
+        """The steps waiting for or in the drain: local retention must leave them alone."""
+        with self._cond:
+            return {s for s in (self._pending, self._draining) if s is not None}
 
     def _throttle(self, started: float, done: list[int]) -> Callable[[int], None]:
         def throttle(n: int) -> None:
@@ -94,11 +99,9 @@ class Drainer:
         local = self.local_path(step)
         m = read_manifest(local)
         done = [0]
-        nbytes = self.remote.drain_share(step, local, m, self.rank, self.size, self._throttle(started, done))
-        shares = shares_of(m)
-        owners = sorted({s.owner for s in shares}) if shares is not None else [0]
+        nbytes = self.remote.drain_share(step, local, m, self.rank, self._throttle(started, done))
         if self.rank == 0:
-            self.remote.commit(step, local, m, owners, self.timeout_s)
+            self.remote.commit(step, local, m, self.timeout_s)
             gone = self.remote.retire(step, self.keep)
             log.info(
                 "step %d is on the remote level %s (%d bytes from rank 0); retired %s",
@@ -119,9 +122,11 @@ class Drainer:
                 if self._pending is None:
                     return
                 step, self._pending, self._busy = self._pending, None, True
+                self._draining = step
             self.last = self._attempts(step)
             with self._cond:
                 self._busy = False
+                self._draining = None
                 self._cond.notify_all()
 
     def _attempts(self, step: int) -> DrainResult:

@@ -8,10 +8,11 @@ import logging
 import os
 from typing import Any
 
-from ..errors import CorruptCheckpointError
+from ..errors import FastPersistError
 from ..format.layout import MANIFEST_NAME
 from .drain import Drainer
-from .remote import open_remote
+from .refill import refill_step
+from .remote import Remote
 
 __all__ = ["DEFAULT_REMOTE_EVERY", "RemoteLevel"]
 
@@ -39,7 +40,7 @@ class RemoteLevel:
         if bytes_per_s is not None and not bytes_per_s > 0:
             raise ValueError(f"remote_bytes_per_s={bytes_per_s!r}: expected a positive number or None")
         self.ck = ck  # the Checkpointer (not imported: it imports this module)
-        self.remote = open_remote(target)
+        self.remote = Remote(target)
         self.every = every if every is not None else DEFAULT_REMOTE_EVERY
         self.keep = keep
         self.bytes_per_s = bytes_per_s
@@ -71,6 +72,10 @@ class RemoteLevel:
             )
         self.drainer.submit(step)
 
+    def pinned(self) -> set[int]:
+        """Local steps the drain still reads (kept by retention until it is done)."""
+        return self.drainer.pinned() if self.drainer is not None else set()
+
     def _staging(self) -> bool:
         future = self.ck._future
         return future is not None and not future.staged()
@@ -80,15 +85,13 @@ class RemoteLevel:
             self.drainer.close()
 
     def _verifies(self, step: int) -> bool:
-        from ..api import verify
-
         path = self.remote.path(step)
         try:
-            fingerprint = (self.remote.committed_id(step), os.stat(os.path.join(path, MANIFEST_NAME)).st_mtime_ns)
+            fingerprint = (self.remote.committed_id(step),)
             if self._verified.get(step) == fingerprint:
                 return True
-            verify(path)
-        except (CorruptCheckpointError, OSError) as e:
+            self.remote.verify(step)
+        except (FastPersistError, OSError) as e:
             log.warning("the remote copy %s fails verification, skipping it: %s", path, e)
             return False
         self._verified[step] = fingerprint
@@ -113,27 +116,21 @@ class RemoteLevel:
         return found
 
     def holds_only(self, step: int) -> bool:
-        """Whether `step` is to be read from the remote: committed there and not under the local root."""
-        local = os.path.join(self.ck.path(step), MANIFEST_NAME)
+        """Whether `step` is to come from the remote: committed there, and not under the local
+        root of some rank (agreed over the group)."""
         there = self.remote.committed_id(step) is not None
-        held = os.path.exists(local)
+        held = os.path.exists(os.path.join(self.ck.path(step), MANIFEST_NAME))
         if self.ck.group is not None:
             from ..distributed.control import control_for
 
             held = all(control_for(self.ck.group, self._timeout()).all_gather(held))
         return there and not held
 
-    def load(self, step: int, *, out: object, map_location: Any, namedtuple_types: Any) -> Any:
-        from ..api import load
-
-        log.info("rank %d restores step %d from the remote level %s", self.ck.rank, step, self.remote.root)
-        return load(
-            self.remote.path(step),
-            out=out,
-            map_location=map_location,
-            group=self.ck.group,
-            namedtuple_types=namedtuple_types,
-        )
+    def refill(self, step: int) -> None:
+        """Downloads `step` from the remote into the local level (every rank its shares), so it
+        loads as a local step (:mod:`fastpersist.levels.refill`)."""
+        log.info("rank %d refills step %d from the remote level %s", self.ck.rank, step, self.remote.root)
+        refill_step(self.ck, self.remote, step, self._timeout())
 
     def levels(self) -> dict[str, Any]:
         last = self.drainer.last if self.drainer is not None else None
