@@ -65,9 +65,12 @@ class Checkpointer:
             so losing a node loses no step; needs `group`. See docs/levels.md.
         remote: the remote level: a directory on a shared filesystem that committed steps are
             drained to in the background (:mod:`fastpersist.levels.drain`), restored from when
-            no local or partner copy of a newer step is left. (``s3://`` URLs: not yet.)
+            no local or partner copy of a newer step is left; or an ``s3://bucket/prefix`` URL
+            (S3-compatible stores; endpoint and credentials from the AWS environment variables).
         remote_every: drain a step whenever a multiple of `remote_every` was crossed since the
-            last one drained (the first saved step is drained too); None: 10.
+            last one drained (the first saved step is drained too); None: as often as one drain
+            at a time allows (the newest committed step whenever the drain is free);
+            ``fastpersist advise`` recommends it from the failure rates (docs/advisor.md).
         remote_keep: committed remote steps to keep (>= 1).
         remote_bytes_per_s: the drain's throttle (None: unthrottled); it also pauses while a
             save is staging.

@@ -14,12 +14,9 @@ from .drain import Drainer
 from .refill import refill_step
 from .remote import Remote
 
-__all__ = ["DEFAULT_REMOTE_EVERY", "RemoteLevel"]
+__all__ = ["RemoteLevel"]
 
 log = logging.getLogger("fastpersist")
-
-#: Steps between remote copies when ``remote_every=None`` (until the multi-level advisor chooses it).
-DEFAULT_REMOTE_EVERY = 10
 
 
 class RemoteLevel:
@@ -41,7 +38,10 @@ class RemoteLevel:
             raise ValueError(f"remote_bytes_per_s={bytes_per_s!r}: expected a positive number or None")
         self.ck = ck  # the Checkpointer (not imported: it imports this module)
         self.remote = Remote(target)
-        self.every = every if every is not None else DEFAULT_REMOTE_EVERY
+        #: None: every committed step is handed over and the drain takes the newest whenever it is
+        #: free, i.e. as often as one drain at a time allows (``fastpersist advise`` gives the
+        #: interval that the failure rates call for).
+        self.every = every
         self.keep = keep
         self.bytes_per_s = bytes_per_s
         self.drainer: Drainer | None = None
@@ -53,7 +53,7 @@ class RemoteLevel:
 
     def after_commit(self, step: int) -> None:
         """Hands `step` to the drain if a multiple of `every` was crossed since the last one."""
-        if step // self.every <= self.last_submitted // self.every:
+        if self.every is not None and step // self.every <= self.last_submitted // self.every:
             return
         self.last_submitted = step
         if self.drainer is None:
