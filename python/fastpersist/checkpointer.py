@@ -393,8 +393,8 @@ class Checkpointer:
         local = self._partner.latest() if self._partner is not None else self._local_latest()
         if self._remote is None:
             return local
-        remote = self._remote.latest()
-        return local if remote is None or (local is not None and local >= remote) else remote
+        remote = self._remote.latest(above=local)
+        return local if remote is None else remote
 
     def _local_latest(self) -> int | None:
         indexed = self._index_step()

@@ -30,6 +30,11 @@ __all__ = ["Remote", "files_named", "owned_files", "step_files"]
 
 log = logging.getLogger("fastpersist")
 
+#: Polling the store for the other ranks' markers and rank 0's commit: the first pause, doubled
+#: up to the last (a store is asked about once a second per rank once a drain is slow).
+POLL_FIRST_S = 0.02
+POLL_MAX_S = 1.0
+
 
 def step_files(
     m: Manifest, shard_manifests: dict[int, tuple[Manifest, int]], shards: list[int] | None
@@ -149,12 +154,14 @@ class Remote:
         """Rank 0: waits for every owner's marker, then writes the manifest (the commit) and the index."""
         owners = self.owners(m)
         deadline = time.monotonic() + timeout_s
+        pause = POLL_FIRST_S
         while missing := [r for r in owners if not self._drained(step, r, m.checkpoint_id)]:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"{self.path(step)}: ranks {missing} did not drain their shares within {timeout_s} s"
                 )
-            time.sleep(0.05)
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)
         with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as f:
             self.store.put_bytes(self._key(step, MANIFEST_NAME), f.read())
         doc = {"step": step, "path": step_dir_name(step), "checkpoint_id": m.checkpoint_id}
@@ -163,10 +170,12 @@ class Remote:
     def wait_committed(self, step: int, checkpoint_id: str, timeout_s: float) -> None:
         """Any rank: waits until rank 0 has committed `step` with `checkpoint_id`."""
         deadline = time.monotonic() + timeout_s
+        pause = POLL_FIRST_S
         while self.committed_id(step) != checkpoint_id:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.path(step)} was not committed within {timeout_s} s")
-            time.sleep(0.05)
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)
 
     def retire(self, newest: int, keep: int) -> list[int]:
         """Rank 0: removes committed steps older than `newest` beyond `keep`, and older uncommitted leftovers."""

@@ -97,18 +97,21 @@ class RemoteLevel:
         self._verified[step] = fingerprint
         return True
 
-    def latest(self) -> int | None:
-        """The newest committed remote step, up to the remote index, that verifies (in a group
-        rank 0 checks and the others follow it)."""
+    def latest(self, above: int | None = None) -> int | None:
+        """The newest committed remote step, up to the remote index and newer than `above` (the
+        local level's newest: an older remote step is not worth reading), that verifies; in a
+        group rank 0 checks and the others follow it."""
         if self.drainer is not None:
             self.drainer.wait()
         indexed = self.remote.index_step()
         found = None
         if self.ck.rank == 0 or self.ck.group is None:
-            found = next(
-                (s for s in reversed(self.remote.steps()) if (indexed is None or s <= indexed) and self._verifies(s)),
-                None,
-            )
+            for step in reversed(self.remote.steps()):
+                if above is not None and step <= above:
+                    break
+                if (indexed is None or step <= indexed) and self._verifies(step):
+                    found = step
+                    break
         if self.ck.group is not None:
             from ..distributed.control import control_for
 
