@@ -1,7 +1,8 @@
 """Shared fixtures: every save/load test runs on each backend this machine offers.
 
-Also loads the hypothesis profile (``HYPOTHESIS_PROFILE=ci``, the default, or ``soak``; see
-tests/budget.py) before any test module is imported.
+The S3 fixtures (``s3_server``, ``s3_bucket``) live in tests/s3server.py. Also loads the
+hypothesis profile (``HYPOTHESIS_PROFILE=ci``, the default, or ``soak``; see tests/budget.py)
+before any test module is imported.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from s3server import s3_bucket, s3_server  # noqa: F401 (fixtures: a real S3-compatible server)
 
 import fastpersist as fp
 

@@ -205,3 +205,48 @@ def refused(rank: int, world: int, init_file: str, workdir: str, replicas: int, 
         return {"error": "", "steps": ck.steps()}
 
     report_rank(rank, world, init_file, workdir, compute)
+
+
+def _remote_checkpointer(workdir: str, rank: int, remote: str | None = None) -> fp.Checkpointer:
+    config = fp.Config(chunk_bytes=64 << 10, timeout_s=60)
+    return fp.Checkpointer(
+        node_root(workdir, rank),
+        every=1,
+        keep=2,
+        config=config,
+        group=dist.group.WORLD,
+        replicas=1,
+        remote=remote or os.path.join(workdir, "remote"),
+        remote_every=2,
+    )
+
+
+def save_with_remote(
+    rank: int, world: int, init_file: str, workdir: str, steps: list[int], remote: str | None = None
+) -> None:
+    os.environ["FASTPERSIST_NODE"] = node_of(rank)
+
+    def compute() -> Any:
+        with _remote_checkpointer(workdir, rank, remote) as ck:
+            for step in steps:
+                ck.save(step, step_state(step, rank, False))
+                ck.wait_staged()
+        return {"remote": ck.levels()["remote"]["steps"]}
+
+    report_rank(rank, world, init_file, workdir, compute)
+
+
+def restore_with_remote(rank: int, world: int, init_file: str, workdir: str, remote: str | None = None) -> None:
+    os.environ["FASTPERSIST_NODE"] = node_of(rank)
+
+    def compute() -> Any:
+        ck = _remote_checkpointer(workdir, rank, remote)
+        latest = ck.latest()
+        state = ck.load()
+        step = int(state["step"])
+        ck.save(step + 1, step_state(step + 1, rank, False))
+        ck.close()
+        dist.barrier()
+        return {"latest": latest, "step": step, "same": same(state, step_state(step, rank, False)), "local": ck.steps()}
+
+    report_rank(rank, world, init_file, workdir, compute)

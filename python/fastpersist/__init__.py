@@ -6,7 +6,7 @@ drives and data-parallel ranks, overlapped with training. See ``fastpersist.save
 """
 
 from . import _core
-from .advisor import advise
+from .advisor import advise, advise_levels
 from .api import inspect, load, save, save_async, verify
 from .checkpointer import Checkpointer
 from .cleanup import clean
@@ -43,6 +43,7 @@ __all__ = [
     "UnsupportedValueError",
     "__version__",
     "advise",
+    "advise_levels",
     "clean",
     "inspect",
     "load",

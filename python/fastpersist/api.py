@@ -13,6 +13,7 @@ from typing import Any
 
 from .config import Config, SaveResult
 from .futures import SaveFuture
+from .levels.fetch import fetched, is_url, verify_url
 from .loading.examine import inspect_checkpoint, verify_checkpoint
 from .loading.maplocation import MapLocation, check_load_flags
 from .loading.phases import PhaseClock
@@ -152,6 +153,9 @@ def load(
     """
     check_load_flags(weights_only, mmap)
     options = LoadOptions(map_location, verify, config or Config(), namedtuple_types, PhaseClock(phases))
+    if is_url(path):  # s3://...: fetched into a temporary directory, every chunk checked
+        with fetched(str(path)) as local:
+            return load_checkpoint(local, options, out=out, group=group, shard=shard, shared_read=False)
     return load_checkpoint(path, options, out=out, group=group, shard=shard, shared_read=shared_read)
 
 
@@ -169,6 +173,9 @@ def inspect(path: str | os.PathLike[str], *, config: Config | None = None) -> di
         >>> fp.inspect("/tmp/fp-doc-ckpt")["tensors"]
         2
     """
+    if is_url(path):
+        with fetched(str(path), data=False) as local:
+            return inspect_checkpoint(local)
     return inspect_checkpoint(path, config.stripes if config else None)
 
 
@@ -193,4 +200,6 @@ def verify(
         >>> fp.verify("/tmp/fp-doc-ckpt")["files"]
         1
     """
+    if is_url(path):
+        return verify_url(str(path))
     return verify_checkpoint(path, progress, config.stripes if config else None)

@@ -63,6 +63,17 @@ class Checkpointer:
         replicas: the partner level: each rank's share is also kept on `replicas` other nodes
             (a node is ``$FASTPERSIST_NODE`` or the host name; each node passes its own `root`),
             so losing a node loses no step; needs `group`. See docs/levels.md.
+        remote: the remote level: a directory on a shared filesystem that committed steps are
+            drained to in the background (:mod:`fastpersist.levels.drain`), restored from when
+            no local or partner copy of a newer step is left; or an ``s3://bucket/prefix`` URL
+            (S3-compatible stores; endpoint and credentials from the AWS environment variables).
+        remote_every: drain a step whenever a multiple of `remote_every` was crossed since the
+            last one drained (the first saved step is drained too); None: as often as one drain
+            at a time allows (the newest committed step whenever the drain is free);
+            ``fastpersist advise`` recommends it from the failure rates (docs/advisor.md).
+        remote_keep: committed remote steps to keep (>= 1).
+        remote_bytes_per_s: the drain's throttle (None: unthrottled); it also pauses while a
+            save is staging.
         mtbf_s: the job's mean time between failures in seconds; needed by ``every="auto"``.
         max_every: the largest interval ``every="auto"`` may choose.
 
@@ -94,6 +105,10 @@ class Checkpointer:
         mtbf_s: float | None = None,
         max_every: int = DEFAULT_MAX_EVERY,
         replicas: int = 0,
+        remote: str | os.PathLike[str] | None = None,
+        remote_every: int | None = None,
+        remote_keep: int = 2,
+        remote_bytes_per_s: float | None = None,
     ) -> None:
         if every == "auto" and group is not None:
             raise ValueError('every="auto" is not supported with group= yet: every rank must save the same steps')
@@ -105,6 +120,11 @@ class Checkpointer:
             raise ValueError(f"replicas={replicas!r}: expected an integer >= 0")
         if replicas and group is None:
             raise ValueError("replicas= needs group=: the copies go to ranks on other nodes")
+        self._remote: Any = None
+        if remote is not None:
+            from .levels.remote_level import RemoteLevel
+
+            self._remote = RemoteLevel(self, remote, remote_every, remote_keep, remote_bytes_per_s)
         self.root = os.path.abspath(os.fspath(root))
         self.history = SaveHistory(self.root, every=every, mtbf_s=mtbf_s, max_every=max_every)
         self.keep = keep
@@ -251,7 +271,8 @@ class Checkpointer:
     def _after_commit(self, step: int, result: SaveResult) -> None:
         """On every rank, once `step` committed: the index (rank 0), then retention, then the costs."""
         stripes = self.config.stripes if self.config else None
-        candidates = [self.path(s) for s in retired_steps(self.steps(), step, self.keep)]
+        pinned = self._remote.pinned() if self._remote is not None else set()
+        candidates = [self.path(s) for s in retired_steps(self.steps(), step, self.keep) if s not in pinned]
         if self._partner is not None:
             self._partner.after_commit(step, result, candidates)  # per node: index and retention
         else:
@@ -264,6 +285,8 @@ class Checkpointer:
         self._last = result
         if self.rank == 0:
             self.history.committed(result, stripes=stripes, group=self.group is not None)  # costs and wear
+        if self._remote is not None:
+            self._remote.after_commit(step)
 
     def _retire_in_group(self, step: int, candidates: list[str]) -> None:
         from .distributed.control import control_for, forget_control
@@ -367,8 +390,13 @@ class Checkpointer:
         index names, that every rank can restore from some level, each share's copy verified
         (docs/levels.md); the ranks agree on it. It waits for the save in flight first.
         """
-        if self._partner is not None:
-            return self._partner.latest()  # type: ignore[no-any-return]
+        local = self._partner.latest() if self._partner is not None else self._local_latest()
+        if self._remote is None:
+            return local
+        remote = self._remote.latest(above=local)
+        return local if remote is None else remote
+
+    def _local_latest(self) -> int | None:
         indexed = self._index_step()
         for step in reversed(self.steps()):
             if (indexed is None or step <= indexed) and self._verifies(step):
@@ -392,6 +420,10 @@ class Checkpointer:
         Raises:
             FileNotFoundError: there is no good checkpoint under `root`.
         """
+        if self._remote is not None:
+            step = self.latest() if step is None else step
+            if step is not None and self._remote.holds_only(step):
+                self._remote.refill(step)  # then loaded as a local step
         if self._partner is not None:
             if out is not None:
                 raise ValueError("load(out=...) is not supported with replicas= yet; load a new state")
@@ -413,24 +445,19 @@ class Checkpointer:
     def levels(self) -> dict[str, Any]:
         """What this rank's node holds on each level: ``{"local": {...}, "partner": {...}}``, each
         with the ``steps`` held, their ``bytes`` and ``last_seconds`` (the last copy's time)."""
-        if self._partner is not None:
-            return self._partner.levels()  # type: ignore[no-any-return]
-        steps = self.steps()
-        nbytes = 0
-        for step in steps:
-            try:
-                nbytes += sum(f.len_bytes for f in read_manifest(self.path(step)).files)
-            except (CorruptCheckpointError, OSError):
-                continue
-        local: dict[str, Any] = {"root": self.root, "steps": steps, "bytes": nbytes}
-        if self._last is not None:
-            local["last_seconds"] = self._last.seconds
-        return {"local": local}
+        from .levels.holdings import local_levels
+
+        found = self._partner.levels() if self._partner is not None else local_levels(self)
+        if self._remote is not None:
+            found["remote"] = self._remote.levels()
+        return found
 
     def close(self) -> None:
-        """Waits for every pending copy (raising a failure nobody has seen yet); the
-        Checkpointer can still be used afterwards."""
+        """Waits for every pending copy, the remote drain included (raising a failure nobody has
+        seen yet, or the newest drain's); the Checkpointer can still be used afterwards."""
         self._finish_previous()
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -23,6 +23,8 @@ class SaveJobLike(Protocol):
 
     def wait_staged(self, timeout: float | None = None) -> None: ...
 
+    def staged(self) -> bool: ...
+
     def finish(self, timeout: float | None = None) -> SaveResult: ...
 
     def cancel(self) -> bool: ...
@@ -84,6 +86,10 @@ class SaveFuture(concurrent.futures.Future[SaveResult]):
     def error_seen(self) -> bool:
         """True once the save's error has been raised to (or returned to) a caller."""
         return self._error_seen
+
+    def staged(self) -> bool:
+        """True once the save no longer reads the source tensors (staged, failed or done); never blocks."""
+        return self.done() or self._job.staged()
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Blocks until the source tensors may be modified.

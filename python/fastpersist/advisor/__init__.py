@@ -5,6 +5,7 @@
 * :mod:`.wear`: bytes written per target and drive endurance;
 * :mod:`.devinfo`: the filesystem, write cache and FUA under a directory;
 * :mod:`.sources`: reading measurements from a ``Checkpointer``, its root, or a bench JSON;
+* :mod:`.levels`: :func:`advise_levels`, ``every``, ``replicas`` and ``remote_every`` together;
 * :mod:`.advise`: :func:`advise` puts them together; :mod:`.report` prints it; :mod:`fastpersist.tools.advise` is
   ``fastpersist advise``.
 
@@ -14,6 +15,7 @@ See docs/advisor.md.
 from .advise import advise
 from .devinfo import DeviceInfo, device_info
 from .history import SaveHistory
+from .levels import Failures, LevelAdvice, LevelCosts, LevelPlan, advise_levels
 from .model import Costs, Outcome, best_every, daly_interval_s, job_mtbf_s, outcome, young_interval_s
 from .report import Advice
 from .wear import Endurance, WearLog
@@ -23,10 +25,15 @@ __all__ = [
     "Costs",
     "DeviceInfo",
     "Endurance",
+    "Failures",
+    "LevelAdvice",
+    "LevelCosts",
+    "LevelPlan",
     "Outcome",
     "SaveHistory",
     "WearLog",
     "advise",
+    "advise_levels",
     "best_every",
     "daly_interval_s",
     "device_info",

@@ -56,6 +56,7 @@ __all__ = [
     "STRIPE_SUFFIX",
     "TMP_MARKER",
     "atomic_file",
+    "drained_marker_name",
     "check_stripe_dirs",
     "data_file_name",
     "dcp_data_file_name",
@@ -182,6 +183,11 @@ def check_stripe_dirs(stripes: Iterable[str], checkpoint_id: str, where: str) ->
 def dcp_data_file_name(rank: int, save_id: str) -> str:
     """The data file rank `rank` writes in the DCP save `save_id`: unique to that save."""
     return f"__{rank}_{save_id}{DCP_DATA_SUFFIX}"
+
+
+def drained_marker_name(rank: int) -> str:
+    """The marker rank `rank` leaves in a remote step directory once its files are there."""
+    return f".fpdrained-{rank:05d}.json"
 
 
 def step_dir_name(step: int) -> str:

@@ -17,13 +17,14 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import FastPersistError
 from ..format.confine import data_file_problem, remove_checkpoint_tree
 from ..format.layout import shard_name
 from ..format.manifest import Manifest, read_manifest
 
-__all__ = ["Share", "held_shares", "retire_on_node", "share_problem", "shares_of"]
+__all__ = ["Share", "held_shares", "local_levels", "retire_on_node", "share_problem", "shares_of"]
 
 log = logging.getLogger("fastpersist")
 
@@ -113,3 +114,21 @@ def retire_on_node(step_dir: str, candidates: list[str], node: str) -> list[str]
     for path in candidates:
         remove_checkpoint_tree(path, None)
     return list(candidates)
+
+
+def local_levels(ck: Any) -> dict[str, Any]:
+    """:meth:`Checkpointer.levels` without replicas: the steps under `root` and their bytes."""
+    steps = ck.steps()
+    nbytes = 0
+    for step in steps:
+        try:
+            m = read_manifest(ck.path(step))
+            nbytes += sum(f.len_bytes for f in m.files)
+            for shard in m.shards:
+                nbytes += sum(f.len_bytes for f in read_manifest(os.path.join(ck.path(step), shard)).files)
+        except (FastPersistError, OSError):
+            continue
+    local: dict[str, Any] = {"root": ck.root, "steps": steps, "bytes": nbytes}
+    if ck._last is not None:
+        local["last_seconds"] = ck._last.seconds
+    return {"local": local}

@@ -174,6 +174,9 @@ class GroupSaveJob:
             self.control, f"{what} for {self.path}", op, GroupSaveError, ". Nothing was committed by this rank."
         )
 
+    def staged(self) -> bool:
+        return self.job is None or self.job.staged()
+
     def wait_staged(self, timeout: float | None = None) -> None:
         if self.start_error is not None:
             raise self.start_error

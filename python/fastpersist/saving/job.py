@@ -30,7 +30,6 @@ from .. import _core
 from ..config import Config, SaveResult
 from ..device import CopierFactory, DeviceCopier, device_bytes
 from ..errors import SaveCancelledError
-from ..format.blobs import Blob
 from ..format.flatten import FlatState, TensorRecord, flatten, records_to_json
 from ..format.layout import data_file_name, stripe_dir_name, tmp_dir_for
 from ..format.manifest import FileEntry, build
@@ -38,6 +37,7 @@ from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write
 from ..format.quote import shown
 from ..gcpause import paused_gc
 from ..logs import log_save, log_save_call
+from .device_blobs import EARLY_COPY_BUDGET_BYTES, EARLY_COPY_MAX_BYTES, copier_key, prepare_device_blobs
 from .pools import pool_for
 from .recycle import take_recycled
 from .target import (
@@ -54,12 +54,6 @@ __all__ = ["Layout", "SaveJob", "single_layout"]
 
 log = logging.getLogger("fastpersist")
 
-#: The early copy: watched tensors of at most EARLY_COPY_MAX_BYTES are copied before the save
-#: call returns, smallest first and up to EARLY_COPY_BUDGET_BYTES in all, so that nothing the
-#: next forward pass updates in place (BatchNorm statistics, step counters, other small
-#: buffers) can race their staging (docs/overlap.md).
-EARLY_COPY_MAX_BYTES = 1 << 20
-EARLY_COPY_BUDGET_BYTES = 64 << 20
 
 _warned_fallback = False
 
@@ -196,7 +190,7 @@ class SaveJob:
         self.blob_lengths = [b.nbytes for b in flat.blobs]
         # Held for the whole save: memory pinned for the device copies stays pinned while it lives.
         self.pool = self.pool if self.pool is not None else pool_for(self.config)
-        self._copiers = _prepare_device_blobs(flat.blobs, self.pool)
+        self._copiers = prepare_device_blobs(flat.blobs, self.pool)
         self.my_parts = [part for part in map(PlanPart._make, self.plan.parts) if part.writer == layout.writer]
         used = {self.stripe_dirs[part.stripe] for part in self.my_parts} if stripe_roots else set()
         self.stripe_dirs_used = sorted(used)
@@ -299,7 +293,7 @@ class SaveJob:
         assert flat is not None
         blob = flat.blobs[blob_index]
         try:
-            copier = self._copiers[_copier_key(blob)]
+            copier = self._copiers[copier_key(blob)]
             src = device_bytes(blob.source_tensor)[offset_bytes : offset_bytes + end - start]
             copier.copy_to_host(src, slot, start, end)
         except BaseException as e:
@@ -311,6 +305,10 @@ class SaveJob:
         no longer reads them)."""
         if self.handle is None or self.handle.staged():
             self._flat = None
+
+    def staged(self) -> bool:
+        """Whether the engine no longer reads the sources (never blocks)."""
+        return self.handle is None or bool(self.handle.staged())
 
     def wait_staged(self, timeout: float | None = None) -> None:
         """Returns when the sources may be modified; raises if the save was cancelled (a source
@@ -466,34 +464,3 @@ class SaveJob:
                 handle.wait()
             except Exception:
                 pass
-
-
-def _prepare_device_blobs(
-    blobs: list[Blob], pool: _core.Pool
-) -> dict[tuple[CopierFactory, torch.device], DeviceCopier]:
-    """Makes the early copy of small device-resident blobs on their device (stream-ordered, no
-    host sync), so that buffers the next forward pass updates cannot race them, and starts one copier per
-    device for the rest, copying into the slots of `pool`. Returns the copiers by (factory, device)."""
-    on_device = [b for b in blobs if b.copier_factory is not None]
-    budget = EARLY_COPY_BUDGET_BYTES
-    for blob in sorted(on_device, key=lambda b: b.nbytes):
-        if blob.version is None or blob.nbytes > EARLY_COPY_MAX_BYTES or blob.nbytes > budget:
-            continue
-        blob.source = blob.source_tensor.clone()
-        blob.version = None
-        budget -= blob.nbytes
-    copiers: dict[tuple[CopierFactory, torch.device], DeviceCopier] = {}
-    for blob in on_device:
-        key = _copier_key(blob)
-        if key not in copiers:
-            factory, device = key
-            copiers[key] = factory(device)
-            copiers[key].begin(pool)
-    return copiers
-
-
-def _copier_key(blob: Blob) -> tuple[CopierFactory, torch.device]:
-    """Which copier stages the device-resident `blob`: one per (factory, device)."""
-    factory = blob.copier_factory
-    assert factory is not None, "a blob staged from the host has no copier"
-    return factory, blob.source_tensor.device

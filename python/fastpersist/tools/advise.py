@@ -11,6 +11,8 @@ import sys
 
 from ..advisor.advise import advise
 from ..advisor.devinfo import device_info
+from ..advisor.levels import Failures, LevelAdvice, LevelCosts, advise_levels
+from ..advisor.report import Advice
 from ..advisor.sources import Measured, from_bench, from_root
 from ..advisor.wear import Endurance
 from ..format.layout import HISTORY_NAME
@@ -58,6 +60,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wear.add_argument("--warranty-years", type=float, default=5.0, help="for --dwpd (default 5)")
     wear.add_argument("--used-percent", type=float, default=0.0, help="endurance already used (NVMe percent_used)")
     wear.add_argument("--until", type=datetime.date.fromisoformat, help="YYYY-MM-DD the drives must last to")
+    levels = parser.add_argument_group("levels (docs/levels.md): also advise every, replicas and remote_every together")
+    levels.add_argument(
+        "--process-mtbf-hours", type=float, help="MTBF of a process crash (the local level survives it)"
+    )
+    levels.add_argument(
+        "--cluster-mtbf-hours",
+        type=float,
+        help="MTBF of losing several nodes or the cluster (only the remote survives)",
+    )
+    levels.add_argument("--replicate-seconds", type=float, default=0.0, help="the partner copies' time per save")
+    levels.add_argument("--drain-seconds", type=float, help="one drain of a step to the remote level")
+    levels.add_argument(
+        "--drain-overhead-seconds", type=float, default=0.0, help="training time one drain costs through contention"
+    )
+    levels.add_argument("--remote-restart-seconds", type=float, help="a restart from the remote (default: --restart)")
     parser.add_argument("--json", action="store_true", help="print the advice as JSON")
 
 
@@ -115,8 +132,45 @@ def run_cli(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"fastpersist advise: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(advice.to_json(), indent=2) if args.json else str(advice))
+    levels = _levels(args, advice) if _wants_levels(args) else None
+    if args.json:
+        doc = advice.to_json()
+        if levels is not None:
+            doc["levels"] = [dataclasses.asdict(p) | {"recommended": p == levels.best} for p in levels.options]
+        print(json.dumps(doc, indent=2))
+    else:
+        print(str(advice))
+        if levels is not None:
+            print("\nAcross levels (replicas: the partner level; remote_every: saved steps between drains):")
+            print(str(levels))
     return 0
+
+
+def _wants_levels(args: argparse.Namespace) -> bool:
+    return any(x is not None for x in (args.process_mtbf_hours, args.cluster_mtbf_hours, args.drain_seconds))
+
+
+def _levels(args: argparse.Namespace, advice: Advice) -> LevelAdvice:
+    """The multi-level advice from the single-level costs the advice resolved and the level options."""
+    c = advice.costs
+    costs = LevelCosts(
+        step_s=c.step_s,
+        stall_s=c.stall_s,
+        write_s=c.write_s,
+        replicate_s=args.replicate_seconds,
+        drain_s=args.drain_seconds or 0.0,
+        drain_overhead_s=args.drain_overhead_seconds,
+        restart_s=c.restart_s,
+        remote_restart_s=args.remote_restart_seconds if args.remote_restart_seconds is not None else c.restart_s,
+    )
+    hours = 3600.0
+    failures = Failures(
+        process_mtbf_s=args.process_mtbf_hours * hours if args.process_mtbf_hours else None,
+        node_mtbf_s=args.mtbf_hours * hours if args.mtbf_hours else None,
+        nodes=args.nodes,
+        cluster_mtbf_s=args.cluster_mtbf_hours * hours if args.cluster_mtbf_hours else None,
+    )
+    return advise_levels(costs, failures, remote=args.drain_seconds is not None)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,0 +1,164 @@
+"""The background drain of committed steps to the remote level (:mod:`fastpersist.levels.remote`).
+
+One thread per Checkpointer (per rank). :meth:`Drainer.submit` hands it a committed step that
+is due; at most one drain runs at a time, and a newer due step replaces one still waiting (the
+remote needs the newest, not every one). A drain copies this rank's share from the committed
+local copy (never from the training tensors), throttled to ``bytes_per_s`` and pausing while a
+save is staging (the part of a save that training waits for); rank 0 then commits the remote
+step and retires old ones, and every rank waits until the commit is visible, so every rank
+knows the outcome. A failed drain is logged at WARNING and retried with backoff (a newer step
+supersedes it); :meth:`close` waits for the drain in flight and raises if the newest submitted
+step could not be drained.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..format.manifest import read_manifest
+from .remote import Remote
+
+__all__ = ["DrainResult", "Drainer"]
+
+log = logging.getLogger("fastpersist")
+
+#: Attempts per step before it is given up, and the first backoff (doubled each time).
+ATTEMPTS = 4
+BACKOFF_S = 0.5
+
+
+@dataclass
+class DrainResult:
+    """The outcome of one step's drain on this rank."""
+
+    step: int
+    nbytes: int = 0
+    seconds: float = 0.0
+    error: BaseException | None = None
+
+
+class Drainer:
+    """Drains committed steps to `remote` in the background (see the module docstring)."""
+
+    def __init__(
+        self,
+        remote: Remote,
+        local_path: Callable[[int], str],
+        *,
+        rank: int,
+        size: int,
+        keep: int,
+        timeout_s: float,
+        bytes_per_s: float | None = None,
+        staging: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.remote, self.local_path = remote, local_path
+        self.rank, self.size, self.keep, self.timeout_s = rank, size, keep, timeout_s
+        self.bytes_per_s = bytes_per_s
+        self.staging = staging  # whether a save is staging now (the drain pauses meanwhile)
+        self._cond = threading.Condition()
+        self._pending: int | None = None
+        self._busy = False
+        self._draining: int | None = None
+        self._closed = False
+        self.last: DrainResult | None = None
+        self._thread = threading.Thread(target=self._run, name="fastpersist-drain", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: int) -> None:
+        """Drains `step` (committed locally) when the drain in flight is done."""
+        with self._cond:
+            self._pending = step
+            self._cond.notify_all()
+
+    def pinned(self) -> set[int]:
+        """The steps waiting for or in the drain: local retention must leave them alone."""
+        with self._cond:
+            return {s for s in (self._pending, self._draining) if s is not None}
+
+    def _throttle(self, started: float, done: list[int]) -> Callable[[int], None]:
+        def throttle(n: int) -> None:
+            done[0] += n
+            paused = time.monotonic()
+            while self.staging() and time.monotonic() - paused < self.timeout_s:
+                time.sleep(0.005)
+            if self.bytes_per_s:
+                ahead = done[0] / self.bytes_per_s - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
+
+        return throttle
+
+    def drain(self, step: int) -> DrainResult:
+        """Drains one step now (on the calling thread); raises on failure."""
+        started = time.monotonic()
+        local = self.local_path(step)
+        m = read_manifest(local)
+        done = [0]
+        nbytes = self.remote.drain_share(step, local, m, self.rank, self._throttle(started, done))
+        if self.rank == 0:
+            self.remote.commit(step, local, m, self.timeout_s)
+            gone = self.remote.retire(step, self.keep)
+            log.info(
+                "step %d is on the remote level %s (%d bytes from rank 0); retired %s",
+                step,
+                self.remote.root,
+                nbytes,
+                gone,
+            )
+        else:
+            self.remote.wait_committed(step, m.checkpoint_id, self.timeout_s)
+        return DrainResult(step, nbytes, time.monotonic() - started)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                step, self._pending, self._busy = self._pending, None, True
+                self._draining = step
+            self.last = self._attempts(step)
+            with self._cond:
+                self._busy = False
+                self._draining = None
+                self._cond.notify_all()
+
+    def _attempts(self, step: int) -> DrainResult:
+        backoff = BACKOFF_S
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                return self.drain(step)
+            except Exception as e:
+                log.warning(
+                    "drain of step %d to %s failed (attempt %d of %d): %s", step, self.remote.root, attempt, ATTEMPTS, e
+                )
+                failure = DrainResult(step, error=e)
+                with self._cond:
+                    if self._pending is not None:  # a newer step supersedes this one
+                        return failure
+                    self._cond.wait(backoff)
+                backoff *= 2
+        return failure
+
+    def wait(self, timeout: float | None = None) -> DrainResult | None:
+        """Waits until nothing is pending or in flight; returns the last drain's result."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending is not None or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"the drain to {self.remote.root} is still running after {timeout} s")
+                self._cond.wait(left)
+        return self.last
+
+    def close(self) -> None:
+        """Waits for the pending drains; raises the newest step's failure if it could not be drained."""
+        last = self.wait()
+        if last is not None and last.error is not None:
+            raise last.error

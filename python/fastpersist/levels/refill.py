@@ -1,0 +1,97 @@
+"""Refilling the local level from the remote one: a step every node lost comes back from the
+remote store into each node's root, committed there as a local step, and is then restored like
+one (a node reads its own shares from its own root again).
+
+Who downloads what: with ``replicas`` (each node its own root), every rank downloads the
+shares it owns into its node's temporary directory, and the node's leader writes the manifest
+last and commits (each node then holds its ranks' shares; the next save replicates again); one
+process, or a plain group save, rank 0 downloads everything. Every chunk is checked on the way
+(:meth:`fastpersist.levels.remote.Remote.download`); a failure on any rank fails the refill on
+every rank and leaves nothing committed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+from .. import _core
+from ..errors import FastPersistError, GroupLoadError
+from ..format.layout import MANIFEST_NAME, tmp_dir_for, write_new_file
+from ..format.ownership import make_locked_dir
+from .remote import Remote, _owned
+
+__all__ = ["refill_step"]
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def refill_step(ck: Any, remote: Remote, step: int, timeout_s: float) -> None:
+    """Every rank of `ck`'s group (or the one process): brings `step` from `remote` into the local roots."""
+    found = remote.manifest(step)
+    if found is None:
+        raise FileNotFoundError(f"{remote.path(step)} is not committed")
+    raw, m = found
+    control = None
+    if ck.group is not None:
+        from ..distributed.control import control_for
+
+        control = control_for(ck.group, timeout_s)
+    committer = ck._partner.is_leader() if ck._partner is not None else ck.rank == 0
+    downloads = _owned(m, ck.rank) if ck._partner is not None else (None if ck.rank == 0 else [])
+    tmp = tmp_dir_for(ck.path(step), m.checkpoint_id)  # the same on every rank of a node
+    lock = None
+    error: BaseException | None = None
+    try:
+        if committer:
+            lock = make_locked_dir(tmp)
+    except OSError as e:
+        error = e
+    _agree(control, "make the temporary directories", error)
+    try:
+        if downloads is None or downloads:
+            files = remote.files(step, m, downloads if m.shards else None)
+            if not m.shards and downloads is not None:
+                names = {f.name for f in m.files if f.writer in set(downloads)}
+                files = [f for f in files if f.name in names]
+            remote.download(step, tmp, files)
+    except (FastPersistError, OSError) as e:
+        error = e
+    try:
+        _agree(control, "download every share", error)
+        error = None
+        if committer:
+            try:
+                write_new_file(os.path.join(tmp, MANIFEST_NAME), raw, durable=True)
+                _core.fsync_dir(tmp)
+                os.rename(tmp, ck.path(step))
+                _core.fsync_dir(ck.root)
+                ck._write_index(step)
+            except OSError as e:
+                error = e
+        _agree(control, "commit the refilled step", error)
+    finally:
+        if lock is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            lock.release()
+
+
+def _agree(control: Any, what: str, error: BaseException | None) -> None:
+    """Raises on every rank if any rank failed `what` (its own error on that rank)."""
+    if control is None:
+        if error is not None:
+            raise error
+        return
+    from ..distributed.control import collective
+
+    errors = collective(
+        control, f"{what} of a refill", lambda: control.all_gather(_describe(error) if error else ""), GroupLoadError
+    )
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if error is not None:
+        raise error
+    if failed:
+        raise GroupLoadError(f"rank {failed[0][0]} could not {what} of a refill from the remote: {failed[0][1]}")

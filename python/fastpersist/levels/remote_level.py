@@ -1,0 +1,144 @@
+"""A :class:`~fastpersist.Checkpointer`'s remote level: when a step is due for the remote, where
+restore finds it, what ``levels()`` says of it (the drain: :mod:`fastpersist.levels.drain`; the
+directory: :mod:`fastpersist.levels.remote`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ..errors import FastPersistError
+from ..format.layout import MANIFEST_NAME
+from .drain import Drainer
+from .refill import refill_step
+from .remote import Remote
+
+__all__ = ["RemoteLevel"]
+
+log = logging.getLogger("fastpersist")
+
+
+class RemoteLevel:
+    """The remote level of one Checkpointer (one per rank)."""
+
+    def __init__(
+        self,
+        ck: Any,
+        target: str | os.PathLike[str],
+        every: int | None,
+        keep: int,
+        bytes_per_s: float | None,
+    ) -> None:
+        if every is not None and (type(every) is not int or every < 1):
+            raise ValueError(f"remote_every={every!r}: expected an integer >= 1 or None")
+        if type(keep) is not int or keep < 1:
+            raise ValueError(f"remote_keep={keep!r}: expected an integer >= 1")
+        if bytes_per_s is not None and not bytes_per_s > 0:
+            raise ValueError(f"remote_bytes_per_s={bytes_per_s!r}: expected a positive number or None")
+        self.ck = ck  # the Checkpointer (not imported: it imports this module)
+        self.remote = Remote(target)
+        #: None: every committed step is handed over and the drain takes the newest whenever it is
+        #: free, i.e. as often as one drain at a time allows (``fastpersist advise`` gives the
+        #: interval that the failure rates call for).
+        self.every = every
+        self.keep = keep
+        self.bytes_per_s = bytes_per_s
+        self.drainer: Drainer | None = None
+        self.last_submitted = -1
+        self._verified: dict[int, tuple[Any, ...]] = {}
+
+    def _timeout(self) -> float:
+        return float(self.ck.config.timeout_s) if self.ck.config is not None else 600.0
+
+    def after_commit(self, step: int) -> None:
+        """Hands `step` to the drain if a multiple of `every` was crossed since the last one."""
+        if self.every is not None and step // self.every <= self.last_submitted // self.every:
+            return
+        self.last_submitted = step
+        if self.drainer is None:
+            from ..distributed.control import group_rank_and_size
+
+            size = group_rank_and_size(self.ck.group)[1] if self.ck.group is not None else 1
+            self.drainer = Drainer(
+                self.remote,
+                self.ck.path,
+                rank=self.ck.rank,
+                size=size,
+                keep=self.keep,
+                timeout_s=self._timeout(),
+                bytes_per_s=self.bytes_per_s,
+                staging=self._staging,
+            )
+        self.drainer.submit(step)
+
+    def pinned(self) -> set[int]:
+        """Local steps the drain still reads (kept by retention until it is done)."""
+        return self.drainer.pinned() if self.drainer is not None else set()
+
+    def _staging(self) -> bool:
+        future = self.ck._future
+        return future is not None and not future.staged()
+
+    def close(self) -> None:
+        if self.drainer is not None:
+            self.drainer.close()
+
+    def _verifies(self, step: int) -> bool:
+        path = self.remote.path(step)
+        try:
+            fingerprint = (self.remote.committed_id(step),)
+            if self._verified.get(step) == fingerprint:
+                return True
+            self.remote.verify(step)
+        except (FastPersistError, OSError) as e:
+            log.warning("the remote copy %s fails verification, skipping it: %s", path, e)
+            return False
+        self._verified[step] = fingerprint
+        return True
+
+    def latest(self, above: int | None = None) -> int | None:
+        """The newest committed remote step, up to the remote index and newer than `above` (the
+        local level's newest: an older remote step is not worth reading), that verifies; in a
+        group rank 0 checks and the others follow it."""
+        if self.drainer is not None:
+            self.drainer.wait()
+        indexed = self.remote.index_step()
+        found = None
+        if self.ck.rank == 0 or self.ck.group is None:
+            for step in reversed(self.remote.steps()):
+                if above is not None and step <= above:
+                    break
+                if (indexed is None or step <= indexed) and self._verifies(step):
+                    found = step
+                    break
+        if self.ck.group is not None:
+            from ..distributed.control import control_for
+
+            found = control_for(self.ck.group, self._timeout()).broadcast(found)
+        return found
+
+    def holds_only(self, step: int) -> bool:
+        """Whether `step` is to come from the remote: committed there, and not under the local
+        root of some rank (agreed over the group)."""
+        there = self.remote.committed_id(step) is not None
+        held = os.path.exists(os.path.join(self.ck.path(step), MANIFEST_NAME))
+        if self.ck.group is not None:
+            from ..distributed.control import control_for
+
+            held = all(control_for(self.ck.group, self._timeout()).all_gather(held))
+        return there and not held
+
+    def refill(self, step: int) -> None:
+        """Downloads `step` from the remote into the local level (every rank its shares), so it
+        loads as a local step (:mod:`fastpersist.levels.refill`)."""
+        log.info("rank %d refills step %d from the remote level %s", self.ck.rank, step, self.remote.root)
+        refill_step(self.ck, self.remote, step, self._timeout())
+
+    def levels(self) -> dict[str, Any]:
+        last = self.drainer.last if self.drainer is not None else None
+        found: dict[str, Any] = {"root": self.remote.root, "steps": self.remote.steps()}
+        if last is not None:
+            found["last_seconds"] = last.seconds
+            found["last_error"] = None if last.error is None else str(last.error)
+        return found

@@ -1,0 +1,258 @@
+"""Where the remote level keeps its objects: a directory (a shared filesystem mount) or an
+S3-compatible object store.
+
+Both are a flat space of keys (``step-00000012/data-w0-s0.bin``) with the few operations the
+remote level needs. A file is uploaded from a local copy piece by piece, every chunk's crc32c
+checked against the manifest on the way (a damaged local copy is never propagated), and
+downloaded with ranged reads, checked again. The object store is reached through obstore (the
+Rust ``object_store`` crate: parallel multipart uploads and concurrent ranged reads, the GIL
+released while it waits; docs/levels.md says why); its endpoint, region and credentials come
+from the usual AWS environment variables (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
+``AWS_ACCESS_KEY_ID``, ...), so S3-compatible stores work too.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .. import _core
+from ..errors import ChecksumMismatchError, CorruptCheckpointError
+from ..format.layout import write_small_file
+from ..format.ownership import REMOVING, remove_owned_dir
+
+__all__ = ["COPY_PIECE_BYTES", "DirStore", "FileCopy", "S3Store", "Store", "open_store"]
+
+#: Bytes moved at a time (the throttle runs between pieces).
+COPY_PIECE_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class FileCopy:
+    """One file to move: its key relative to the step, size, and chunk checksums (empty: a manifest)."""
+
+    name: str
+    len_bytes: int
+    chunk_crc32c: list[int]
+    chunk_bytes: int
+
+    def pieces(self) -> list[tuple[int, int]]:
+        step = max(self.chunk_bytes, COPY_PIECE_BYTES // self.chunk_bytes * self.chunk_bytes)
+        return [(a, min(a + step, self.len_bytes)) for a in range(0, self.len_bytes, step)]
+
+    def check(self, where: str, offset: int, data: bytes | memoryview) -> None:
+        """Raises unless `data` (the bytes at `offset`) match the recorded chunk checksums."""
+        if not self.chunk_crc32c:
+            return
+        first = offset // self.chunk_bytes
+        for i, (start, n) in enumerate(_core.chunk_spans(len(data), self.chunk_bytes)):
+            expected, found = self.chunk_crc32c[first + i], _core.crc32c(data[start : start + n])
+            if found != expected:
+                raise ChecksumMismatchError(
+                    f"{where}: bytes [{offset + start}, {offset + start + n}) have crc32c {found:#010x}, the "
+                    f"manifest says {expected:#010x}"
+                )
+
+
+def _local_pieces(path: str, f: FileCopy, throttle: Callable[[int], None]) -> Iterator[bytes]:
+    with open(path, "rb", buffering=0) as fin:
+        for lo, hi in f.pieces():
+            data = fin.read(hi - lo)
+            if len(data) != hi - lo:
+                raise CorruptCheckpointError(f"{path}: ends before {hi} bytes, the manifest says {f.len_bytes}")
+            f.check(f"{path} (the local copy: not sent)", lo, data)
+            yield data
+            throttle(len(data))
+
+
+class Store(abc.ABC):
+    """The operations of a remote store (see the module docstring)."""
+
+    url: str
+
+    @abc.abstractmethod
+    def where(self, key: str) -> str:
+        """The key as a user names it (a path or a URL), for messages and ``fp.load``."""
+        ...
+
+    @abc.abstractmethod
+    def upload(self, key: str, local: str, f: FileCopy, throttle: Callable[[int], None]) -> None: ...
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def get_bytes(self, key: str) -> bytes | None:
+        """The object's bytes, or None if there is none."""
+        ...
+
+    @abc.abstractmethod
+    def get_range(self, key: str, lo: int, hi: int) -> bytes: ...
+
+    @abc.abstractmethod
+    def children(self) -> list[str]:
+        """The names directly under the store's root (step directories, the index)."""
+        ...
+
+    @abc.abstractmethod
+    def remove_step(self, name: str, manifest: str) -> None:
+        """Removes the step `name`: its `manifest` key first, so a half-removed step is no step."""
+        ...
+
+    def download(self, key: str, local: str, f: FileCopy) -> None:
+        """Writes the object to the new local file `local`, its chunks checked, fsynced."""
+        os.makedirs(os.path.dirname(local), exist_ok=True)
+        with open(local, "xb", buffering=0) as out:
+            for _, _, data in self.read_pieces(key, f):
+                view = memoryview(data)
+                while view:
+                    view = view[out.write(view) :]
+            os.fsync(out.fileno())
+
+    def read_pieces(self, key: str, f: FileCopy) -> Iterator[tuple[int, int, bytes]]:
+        """The object's pieces ``(lo, hi, bytes)``, each checked against its chunk checksums."""
+        for lo, hi in f.pieces():
+            data = self.get_range(key, lo, hi)
+            if len(data) != hi - lo:
+                raise CorruptCheckpointError(f"{self.where(key)}: {len(data)} bytes at {lo}, expected {hi - lo}")
+            f.check(self.where(key), lo, data)
+            yield lo, hi, data
+
+
+class DirStore(Store):
+    """A directory, typically on a shared filesystem."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        os.makedirs(self.root, exist_ok=True)
+
+    def where(self, key: str) -> str:
+        return os.path.join(self.root, key)
+
+    def upload(self, key: str, local: str, f: FileCopy, throttle: Callable[[int], None]) -> None:
+        dst = self.where(key)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with open(dst, "wb", buffering=0) as out:
+            for data in _local_pieces(local, f, throttle):
+                view = memoryview(data)
+                while view:
+                    view = view[out.write(view) :]
+            os.fsync(out.fileno())
+        _core.fsync_dir(os.path.dirname(dst))
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        os.makedirs(os.path.dirname(self.where(key)), exist_ok=True)
+        write_small_file(self.where(key), data, durable=True)
+
+    def get_bytes(self, key: str) -> bytes | None:
+        try:
+            with open(self.where(key), "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def get_range(self, key: str, lo: int, hi: int) -> bytes:
+        with open(self.where(key), "rb") as f:
+            f.seek(lo)
+            return f.read(hi - lo)
+
+    def children(self) -> list[str]:
+        for name in os.listdir(self.root):
+            if REMOVING.match(name):  # a removal a crash cut short
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+        return sorted(os.listdir(self.root))
+
+    def remove_step(self, name: str, manifest: str) -> None:
+        remove_owned_dir(self.where(name))  # renamed first: one atomic step out of sight
+
+
+class S3Store(Store):
+    """An S3-compatible bucket and prefix, through obstore."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            from obstore.store import S3Store as ObjectStore
+        except ImportError as e:
+            raise ImportError("remote='s3://...' needs obstore: pip install 'fastpersist[s3]'") from e
+        bucket, _, prefix = url[len("s3://") :].partition("/")
+        if not bucket:
+            raise ValueError(f"{url!r}: expected s3://bucket/prefix")
+        self.url = url.rstrip("/")
+        self.prefix = prefix.strip("/")
+        # An http:// endpoint (a local S3-compatible server) needs plain HTTP allowed.
+        allow_http = os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://")
+        self.store: Any = ObjectStore(
+            bucket, prefix=self.prefix or None, client_options={"allow_http": True} if allow_http else None
+        )
+
+    def where(self, key: str) -> str:
+        return f"{self.url}/{key}"
+
+    def upload(self, key: str, local: str, f: FileCopy, throttle: Callable[[int], None]) -> None:
+        import obstore
+
+        obstore.put(self.store, key, _local_pieces(local, f, throttle), chunk_size=COPY_PIECE_BYTES)
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        import obstore
+
+        obstore.put(self.store, key, data)
+
+    def get_bytes(self, key: str) -> bytes | None:
+        import obstore
+
+        try:
+            return bytes(obstore.get(self.store, key).bytes())
+        except FileNotFoundError:
+            return None
+
+    def get_range(self, key: str, lo: int, hi: int) -> bytes:
+        import obstore
+
+        return bytes(obstore.get_range(self.store, key, start=lo, end=hi))
+
+    def read_pieces(self, key: str, f: FileCopy) -> Iterator[tuple[int, int, bytes]]:
+        import obstore
+
+        spans = f.pieces()
+        batch = 8  # ranged reads in flight at once
+        for k in range(0, len(spans), batch):
+            group = spans[k : k + batch]
+            datas = obstore.get_ranges(self.store, key, starts=[a for a, _ in group], ends=[b for _, b in group])
+            for (lo, hi), data in zip(group, datas, strict=True):
+                raw = bytes(data)
+                if len(raw) != hi - lo:
+                    raise CorruptCheckpointError(f"{self.where(key)}: {len(raw)} bytes at {lo}, expected {hi - lo}")
+                f.check(self.where(key), lo, raw)
+                yield lo, hi, raw
+
+    def children(self) -> list[str]:
+        import obstore
+
+        found = obstore.list_with_delimiter(self.store, None)
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in found["common_prefixes"]]
+        names += [o["path"].rsplit("/", 1)[-1] for o in found["objects"]]
+        return sorted(set(names))
+
+    def remove_step(self, name: str, manifest: str) -> None:
+        import obstore
+
+        obstore.delete(self.store, f"{name}/{manifest}")  # uncommitted first
+        keys = [o["path"] for batch in obstore.list(self.store, f"{name}/") for o in batch]
+        if keys:
+            obstore.delete(self.store, keys)
+
+
+def open_store(target: str | os.PathLike[str]) -> Store:
+    """The store `target` names: ``s3://bucket/prefix``, else a directory."""
+    text = os.fspath(target)
+    if text.startswith("s3://"):
+        return S3Store(text)
+    if "://" in text:
+        raise ValueError(f"{text!r}: a remote is a directory or an s3://bucket/prefix URL")
+    return DirStore(text)

@@ -1,0 +1,124 @@
+"""The remote level on a directory: background drain, atomic remote commit, retention, restore
+when the local root is gone, a damaged remote copy, a full remote filesystem, a slow remote
+that never blocks a step; and 4 gloo ranks as 2 nodes with replicas=1 losing every node."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import time
+from typing import Any
+
+import levels_workers as w
+import pytest
+import torch
+
+import fastpersist as fp
+
+from gloo import run_ranks
+
+CONFIG = fp.Config(chunk_bytes=64 << 10, pool_bytes=1 << 20, queue_depth=4)
+
+
+def state(step: int, n: int = 50_000) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(n, generator=gen), "step": step}
+
+
+def _ck(root: Any, remote: Any, **kw: Any) -> fp.Checkpointer:
+    return fp.Checkpointer(root, every=1, keep=2, config=CONFIG, remote=remote, **kw)
+
+
+def test_steps_drain_and_restore_when_the_local_root_is_gone(tmp_path: Any) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with _ck(local, remote, remote_every=2, remote_keep=2) as ck:
+        for step in range(1, 7):
+            ck.save(step, state(step))
+            ck.wait_staged()
+    assert ck.levels()["remote"]["steps"] == [4, 6]  # drained 1, 2, 4, 6; two kept
+    assert not [n for n in os.listdir(remote) if n.startswith(".")]  # no marker or leftover
+    assert torch.equal(fp.load(str(remote / "step-00000006"))["w"], state(6)["w"])  # a plain checkpoint
+    shutil.rmtree(local)
+    again = _ck(local, remote, remote_every=2)
+    assert again.latest() == 6
+    loaded = again.load()
+    assert loaded["step"] == 6 and torch.equal(loaded["w"], state(6)["w"])
+    again.save(7, state(7))  # training continues and refills the local level
+    again.close()
+    assert again.steps() == [6, 7] and again.latest() == 7  # 6 refilled from the remote
+
+
+def test_a_damaged_remote_copy_falls_back_to_the_previous_remote_step(tmp_path: Any) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with _ck(local, remote, remote_every=1, remote_keep=3) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, state(step))
+            ck.close()  # each step drained before the next
+    data = next(p for p in (remote / "step-00000003").iterdir() if p.suffix == ".bin")
+    with open(data, "r+b") as f:
+        f.seek(10)
+        f.write(b"\xff\xfe")
+    shutil.rmtree(local)
+    again = _ck(local, remote)
+    assert again.latest() == 2
+    assert torch.equal(again.load()["w"], state(2)["w"])
+
+
+def test_a_slow_remote_never_blocks_a_step(tmp_path: Any) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    ck = _ck(local, remote, remote_every=1, remote_bytes_per_s=100_000)  # 200 KB: ~2 s per drain
+    started = time.monotonic()
+    for step in range(1, 6):
+        ck.save(step, state(step))
+        ck.wait_staged()
+    ck.wait()
+    saving = time.monotonic() - started
+    assert saving < 1.5, saving  # five saves did not wait for the ~2 s drain
+    assert ck.levels()["remote"]["steps"] in ([], [1])  # the drain of step 1 is still throttled
+    ck.close()
+    assert ck.levels()["remote"]["steps"][-1] == 5  # the newest step superseded the waiting ones
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Any) -> Any:
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_full_remote_fails_the_drain_keeps_the_previous_step_and_close_raises(
+    tmp_path: Any, tiny_fs: Any, caplog: Any
+) -> None:
+    local = tmp_path / "local"
+    ck = _ck(local, tiny_fs, remote_every=1)
+    ck.save(1, state(1, 20_000))  # 80 KB: fits
+    ck.close()
+    caplog.set_level(logging.WARNING, logger="fastpersist")
+    ck.save(2, state(2, 400_000))  # 1.6 MB: ENOSPC
+    with pytest.raises(OSError) as e:
+        ck.close()
+    assert "No space" in str(e.value) or e.value.errno == 28
+    assert "drain of step 2" in caplog.text and "attempt 1" in caplog.text
+    assert fp.verify(str(tiny_fs / "step-00000001"))["files"] >= 1
+    assert ck.levels()["remote"]["steps"] == [1]
+
+
+def test_a_group_that_loses_every_node_restores_from_the_remote(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    results = run_ranks(w.save_with_remote, 4, (d, [1, 2, 3, 4]), d, timeout_s=180)
+    assert all("traceback" not in r for r in results), results
+    # Rank 0 retires old remote steps after the commit the others wait for: they may list one more.
+    assert all(r["remote"][-1] == 4 for r in results), results
+    shutil.rmtree(os.path.join(d, "node0"))
+    shutil.rmtree(os.path.join(d, "node1"))
+    for name in os.listdir(d):
+        if name.startswith(("result-", "error-", "init-store")):
+            os.remove(os.path.join(d, name))
+    results = run_ranks(w.restore_with_remote, 4, (d,), d, timeout_s=180)
+    assert all(r == {"latest": 4, "step": 4, "same": True, "local": [4, 5]} for r in results), results
