@@ -209,3 +209,23 @@ def test_candidates_need_every_share_under_one_id_and_stop_at_the_newest_index()
     assert found[0].holders == {0: [0], 1: [1]} and found[1].holders == {0: [0], 1: [0]}
     reports[1].steps[0] = StepReport(3, "other", 2, (1,), (0, 1))  # two saves of step 3: neither complete
     assert [c.step for c in candidates(reports)] == [2]
+
+
+def test_a_memory_root_per_node_survives_a_node_and_stays_bounded() -> None:
+    """Each node's root under /dev/shm (the in-memory level) with replicas=1: six saves hold at
+    most keep + 1 steps of memory per node, and a node's memory lost is restored from its partner."""
+    d = f"/dev/shm/fp-levels-test-{os.getpid()}"
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    try:
+        _run(w.save_steps, d, False, "auto", [1, 2, 3, 4, 5, 6])
+        for node in ("node0", "node1"):
+            used = sum(
+                os.path.getsize(os.path.join(p, n)) for p, _, names in os.walk(os.path.join(d, node)) for n in names
+            )
+            assert used <= 3 * 300_000, (node, used)  # a step's stream is ~281 KB on each node
+        shutil.rmtree(os.path.join(d, "node0"))
+        restored = _run(w.restore, d, False, "auto")
+        assert all(r == {"latest": 6, "step": 6, "same": True} for r in restored), restored
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

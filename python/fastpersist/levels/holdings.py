@@ -23,6 +23,7 @@ from ..errors import FastPersistError
 from ..format.confine import data_file_problem, remove_checkpoint_tree
 from ..format.layout import shard_name
 from ..format.manifest import Manifest, read_manifest
+from ..saving.recycle import recycle_checkpoint
 
 __all__ = ["Share", "held_shares", "local_levels", "retire_on_node", "share_problem", "shares_of"]
 
@@ -111,7 +112,9 @@ def retire_on_node(step_dir: str, candidates: list[str], node: str) -> list[str]
     if problems and candidates:
         log.warning("keeping %s: the new step %s is not complete on this node (%s)", candidates, step_dir, problems[0])
         return []
-    for path in candidates:
+    # On a memory root the newest retired step's files are recycled for the next save to overwrite.
+    recycled = bool(candidates) and recycle_checkpoint(os.path.dirname(step_dir), candidates[-1])
+    for path in candidates[:-1] if recycled else candidates:
         remove_checkpoint_tree(path, None)
     return list(candidates)
 
