@@ -131,7 +131,8 @@ class Remote:
             self.store.upload(self._key(step, f.name), os.path.join(local_dir, f.name), f, throttle)
             nbytes += f.len_bytes
         marker = json.dumps({"rank": rank, "checkpoint_id": m.checkpoint_id, "bytes": nbytes}).encode()
-        self.store.put_bytes(self._key(step, drained_marker_name(rank)), marker)
+        # Not forced to disk: the files above are (upload fsyncs them), and the manifest commits.
+        self.store.put_bytes(self._key(step, drained_marker_name(rank)), marker, durable=False)
         return nbytes
 
     def _drained(self, step: int, rank: int, checkpoint_id: str) -> bool:
