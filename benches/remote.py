@@ -64,6 +64,18 @@ def files_of(step_dir: str) -> list[str]:
     return [f.name for f in owned_files(step_dir, read_manifest(step_dir), 0)] + [MANIFEST_NAME]
 
 
+def source_cache(step_dir: str, names: list[str], *, cold: bool) -> None:
+    """Before each measurement, the same start for every method: the step's files read into the
+    page cache (the save wrote them with O_DIRECT), or with `cold` dropped from it."""
+    for name in names:
+        with open(os.path.join(step_dir, name), "rb", buffering=0) as f:
+            if cold:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            else:
+                while f.read(64 * MiB):
+                    pass
+
+
 def drain_seconds(target: str, step_dir: str, step: int) -> float:
     """Seconds for one Drainer.drain of `step` to `target` (a fresh remote)."""
     drainer = Drainer(Remote(target), lambda s: step_dir, rank=0, size=1, keep=2, timeout_s=120)
@@ -132,10 +144,6 @@ def bench_drain(args: argparse.Namespace, root: str) -> dict[str, Any]:
     step_dir, step = committed_step(os.path.join(root, "local"), args.mib, args.chunk_mib * MiB)
     names = files_of(step_dir)
     nbytes = sum(os.path.getsize(os.path.join(step_dir, n)) for n in names)
-    for name in names:  # the save wrote with O_DIRECT: read once, so every round reads the page cache
-        with open(os.path.join(step_dir, name), "rb") as f:
-            while f.read(64 * MiB):
-                pass
     remote_dir = tempfile.mkdtemp(prefix="fp-remote-", dir=args.remote_dir or root)
     s3 = S3() if "s3" not in args.skip else None
     methods: dict[str, Callable[[], float]] = {}
@@ -154,9 +162,10 @@ def bench_drain(args: argparse.Namespace, root: str) -> dict[str, Any]:
     seconds: dict[str, list[float]] = {name: [] for name in methods}
     try:
         for rnd in range(args.repeats):
-            for name, fn in methods.items():
+            for name, fn in sorted(methods.items(), key=lambda kv: ("drain" in kv[0]) == (rnd % 2 == 0)):
                 print(f"round {rnd + 1}/{args.repeats}: {name} ...", file=sys.stderr, flush=True)
                 gc.collect()
+                source_cache(step_dir, names, cold=args.cold)
                 seconds[name].append(fn())
                 if s3 is not None and name.startswith("s3"):
                     s3.empty()
@@ -175,7 +184,7 @@ def bench_drain(args: argparse.Namespace, root: str) -> dict[str, Any]:
             rows[name]["ratio"] = rows[name]["mb_s"] / plain["mb_s"]
     print(
         f"\ndrain of one step: {nbytes / MiB:.0f} MiB in {len(names)} files, chunk {args.chunk_mib} MiB, "
-        f"{args.repeats} repeats (median)"
+        f"{args.repeats} repeats (median), local copy {'cold' if args.cold else 'in the page cache'}"
     )
     print(f"{'method':24} {'s':>8} {'MB/s':>8} {'min s':>8} {'max s':>8} {'ratio':>7}")
     for name, r in rows.items():
@@ -204,7 +213,12 @@ def state_of(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, step:
 
 
 def timed_loop(
-    iters: int, t_dev: float, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, ck: Any
+    iters: int,
+    t_dev: float,
+    params: list[torch.nn.Parameter],
+    opt: torch.optim.Optimizer,
+    ck: Any,
+    adamw: bool = True,
 ) -> tuple[list[float], float]:
     """(seconds of each iteration, seconds of the final close()) of the training loop."""
     times = []
@@ -213,7 +227,10 @@ def timed_loop(
         time.sleep(t_dev)  # the device work: releases the GIL, like waiting on a GPU
         if ck is not None:
             ck.wait_staged()
-        opt.step()
+        if adamw:
+            opt.step()
+        else:  # --opt-step touch: the state still changes every step, at almost no CPU cost
+            params[step % len(params)].data[0, 0] += 1
         if ck is not None:
             ck.save(step, state_of(params, opt, step))
         times.append(time.perf_counter() - t)
@@ -221,6 +238,26 @@ def timed_loop(
     if ck is not None:
         ck.close()
     return times, time.perf_counter() - t
+
+
+def loop_rows(per_iter: dict[str, list[float]], closes: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Median and mean seconds per iteration, their overhead in points over no checkpoint, and
+    the remote's points beyond the plain Checkpointer's."""
+    base, base_mean = statistics.median(per_iter["no checkpoint"]), statistics.fmean(per_iter["no checkpoint"])
+    rows = {}
+    for name, values in per_iter.items():
+        med, mean = statistics.median(values), statistics.fmean(values)
+        rows[name] = {
+            "median_s": med,
+            "overhead_pts": 100 * (med / base - 1),
+            "mean_s": mean,
+            "mean_overhead_pts": 100 * (mean / base_mean - 1),
+            "close_s": statistics.median(closes[name]),
+        }
+    names = list(rows)
+    for key in ("overhead_pts", "mean_overhead_pts"):
+        rows[names[2]]["more_" + key] = rows[names[2]][key] - rows[names[1]][key]
+    return rows
 
 
 def bench_loop(args: argparse.Namespace, root: str) -> dict[str, Any]:
@@ -231,6 +268,7 @@ def bench_loop(args: argparse.Namespace, root: str) -> dict[str, Any]:
     probe = fp.save(state_of(params, opt, 0), os.path.join(root, "probe"), config=config)
     shutil.rmtree(os.path.join(root, "probe"))
     t_dev = args.device_seconds or round(1.1 * probe.seconds, 3)
+    adamw = args.opt_step == "adamw"
     print(
         f"state {state_bytes / MiB:.0f} MiB; a save takes {probe.seconds:.2f} s -> T = {t_dev:.2f} s", file=sys.stderr
     )
@@ -239,10 +277,11 @@ def bench_loop(args: argparse.Namespace, root: str) -> dict[str, Any]:
         def go() -> tuple[list[float], float]:
             local = tempfile.mkdtemp(prefix="fp-loop-", dir=root)
             target = tempfile.mkdtemp(prefix="fp-loop-remote-", dir=args.remote_dir or root) if remote else None
-            extra = {"remote": target, "remote_every": args.remote_every} if remote else {}
+            extra = {"remote": target, "remote_every": args.remote_every, "remote_bytes_per_s": args.remote_bytes_per_s}
+            extra = extra if remote else {}
             ck = fp.Checkpointer(local, every=1, keep=2, config=config, **extra)  # type: ignore[arg-type]
             try:
-                return timed_loop(args.iters, t_dev, params, opt, ck)
+                return timed_loop(args.iters, t_dev, params, opt, ck, adamw)
             finally:
                 shutil.rmtree(local, ignore_errors=True)
                 if target is not None:
@@ -251,7 +290,7 @@ def bench_loop(args: argparse.Namespace, root: str) -> dict[str, Any]:
         return go
 
     methods = {
-        "no checkpoint": lambda: timed_loop(args.iters, t_dev, params, opt, None),
+        "no checkpoint": lambda: timed_loop(args.iters, t_dev, params, opt, None, adamw),
         "Checkpointer(every=1)": run(False),
         f"+ remote_every={args.remote_every}": run(True),
     }
@@ -264,26 +303,21 @@ def bench_loop(args: argparse.Namespace, root: str) -> dict[str, Any]:
             times, close = fn()
             per_iter[name] += times[1:]  # the first iteration allocates the pool
             closes[name].append(close)
-    base = statistics.median(per_iter["no checkpoint"])
-    rows = {}
-    for name, values in per_iter.items():
-        med = statistics.median(values)
-        rows[name] = {
-            "median_s": med,
-            "overhead_pts": 100 * (med / base - 1),
-            "close_s": statistics.median(closes[name]),
-        }
-    names = list(rows)
-    rows[names[2]]["more_pts"] = rows[names[2]]["overhead_pts"] - rows[names[1]]["overhead_pts"]
+    rows = loop_rows(per_iter, closes)
     print(
         f"\nper iteration: state {state_bytes / MiB:.0f} MiB, T = {t_dev:.2f} s, {args.iters} iterations x "
-        f"{args.repeats} rounds (median of the iterations after the first)"
+        f"{args.repeats} rounds (median and mean of the iterations after the first)"
     )
-    print(f"{'method':26} {'s/iter':>8} {'overhead':>9} {'vs ck':>7} {'close() s':>10}")
+    head = ("method", "median s", "overhead", "vs ck", "mean s", "overhead", "vs ck", "close() s")
+    print("{:26} {:>9} {:>9} {:>7} {:>8} {:>9} {:>7} {:>10}".format(*head))
     for name, r in rows.items():
-        more = f"{r['more_pts']:+6.1f}" if "more_pts" in r else ""
-        print(f"{name:26} {r['median_s']:8.3f} {r['overhead_pts']:8.1f}p {more:>7} {r['close_s']:10.3f}")
-    return {"state_bytes": state_bytes, "T": t_dev, "iters": args.iters, "rows": rows}
+        more = f"{r['more_overhead_pts']:+5.1f}p" if "more_overhead_pts" in r else ""
+        more_mean = f"{r['more_mean_overhead_pts']:+5.1f}p" if "more_mean_overhead_pts" in r else ""
+        print(
+            f"{name:26} {r['median_s']:9.3f} {r['overhead_pts']:8.1f}p {more:>7} {r['mean_s']:8.3f} "
+            f"{r['mean_overhead_pts']:8.1f}p {more_mean:>7} {r['close_s']:10.3f}"
+        )
+    return {"state_bytes": state_bytes, "T": t_dev, "iters": args.iters, "rows": rows, "per_iteration_s": per_iter}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,9 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=512, help="the drained step's size")
     parser.add_argument("--chunk-mib", type=int, default=8, help="Config.chunk_bytes of the drained step, in MiB")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds (median reported)")
+    parser.add_argument("--cold", action="store_true", help="drop the local step from the page cache before each copy")
     parser.add_argument("--loop-mib", type=int, default=256, help="the training state's size in the loop")
     parser.add_argument("--iters", type=int, default=30, help="iterations per loop measurement")
     parser.add_argument("--remote-every", type=int, default=10)
+    parser.add_argument("--remote-bytes-per-s", type=float, default=None, help="the drain's throttle in the loop")
+    parser.add_argument(
+        "--opt-step",
+        choices=["adamw", "touch"],
+        default="adamw",
+        help="after the device work: a real AdamW step on CPU, or one element changed (no CPU noise)",
+    )
     parser.add_argument("--device-seconds", type=float, default=0.0, help="T; default 1.1 x the measured save time")
     parser.add_argument("--dir", default=None, help="where the local steps go (default: the current directory)")
     parser.add_argument("--remote-dir", default=None, help="where the directory remote goes (default: --dir)")
