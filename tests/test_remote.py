@@ -122,3 +122,24 @@ def test_a_group_that_loses_every_node_restores_from_the_remote(tmp_path: Any) -
             os.remove(os.path.join(d, name))
     results = run_ranks(w.restore_with_remote, 4, (d,), d, timeout_s=180)
     assert all(r == {"latest": 4, "step": 4, "same": True, "local": [4, 5]} for r in results), results
+
+
+def test_a_retry_after_the_remote_commit_succeeds_and_rewrites_nothing(tmp_path: Any) -> None:
+    """A rank whose wait for the commit timed out retries once the commit has landed."""
+    import dataclasses
+
+    from fastpersist.format.manifest import read_manifest
+    from fastpersist.levels.remote import Remote
+
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with _ck(local, remote, remote_every=1) as ck:
+        ck.save(1, state(1))
+    m, r = read_manifest(ck.path(1)), Remote(remote)
+    manifest = remote / "step-00000001" / "manifest.json"
+    inode = os.stat(manifest).st_ino
+    assert r.drain_share(1, ck.path(1), m, 0, lambda n: None) == 0
+    r.commit(1, ck.path(1), m, timeout_s=5)
+    assert os.stat(manifest).st_ino == inode  # the committed manifest was not replaced
+    other = dataclasses.replace(m, checkpoint_id="another")
+    with pytest.raises(FileExistsError):
+        r.drain_share(1, ck.path(1), other, 0, lambda n: None)

@@ -129,14 +129,18 @@ class Remote:
 
     def drain_share(self, step: int, local_dir: str, m: Manifest, rank: int, throttle: Callable[[int], None]) -> int:
         """Uploads `rank`'s files of the committed local step; leaves its marker; returns the bytes."""
-        if self.committed_id(step) is not None:
+        committed = self.committed_id(step)
+        if committed == m.checkpoint_id:  # a retry after the commit landed: this rank's share is in it
+            return 0
+        if committed is not None:
             raise FileExistsError(f"{self.path(step)} is committed already; a committed remote step is never rewritten")
         nbytes = 0
         for f in owned_files(local_dir, m, rank):
             self.store.upload(self._key(step, f.name), os.path.join(local_dir, f.name), f, throttle)
             nbytes += f.len_bytes
         marker = json.dumps({"rank": rank, "checkpoint_id": m.checkpoint_id, "bytes": nbytes}).encode()
-        self.store.put_bytes(self._key(step, drained_marker_name(rank)), marker)
+        # Not forced to disk: the files above are (upload fsyncs them), and the manifest commits.
+        self.store.put_bytes(self._key(step, drained_marker_name(rank)), marker, durable=False)
         return nbytes
 
     def _drained(self, step: int, rank: int, checkpoint_id: str) -> bool:
@@ -162,8 +166,9 @@ class Remote:
                 )
             time.sleep(pause)
             pause = min(2 * pause, POLL_MAX_S)
-        with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as f:
-            self.store.put_bytes(self._key(step, MANIFEST_NAME), f.read())
+        if self.committed_id(step) != m.checkpoint_id:  # a retry after the commit leaves it as it is
+            with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as f:
+                self.store.put_bytes(self._key(step, MANIFEST_NAME), f.read())
         doc = {"step": step, "path": step_dir_name(step), "checkpoint_id": m.checkpoint_id}
         self.store.put_bytes(INDEX_NAME, (json.dumps(doc) + "\n").encode())
 

@@ -48,9 +48,9 @@ class FileCopy:
         """Raises unless `data` (the bytes at `offset`) match the recorded chunk checksums."""
         if not self.chunk_crc32c:
             return
-        first = offset // self.chunk_bytes
+        first, view = offset // self.chunk_bytes, memoryview(data)  # slices of a view copy nothing
         for i, (start, n) in enumerate(_core.chunk_spans(len(data), self.chunk_bytes)):
-            expected, found = self.chunk_crc32c[first + i], _core.crc32c(data[start : start + n])
+            expected, found = self.chunk_crc32c[first + i], _core.crc32c(view[start : start + n])
             if found != expected:
                 raise ChecksumMismatchError(
                     f"{where}: bytes [{offset + start}, {offset + start + n}) have crc32c {found:#010x}, the "
@@ -58,10 +58,21 @@ class FileCopy:
                 )
 
 
-def _local_pieces(path: str, f: FileCopy, throttle: Callable[[int], None]) -> Iterator[bytes]:
+def _local_pieces(
+    path: str, f: FileCopy, throttle: Callable[[int], None], *, reuse: bool = False
+) -> Iterator[bytes | memoryview]:
+    """The local file's pieces, each checked before it is yielded. `reuse`: read into one buffer
+    (no allocation and page faults per piece), for a caller that is done with a piece before it
+    asks for the next; else fresh bytes (a caller that may keep them, as obstore's uploads do)."""
+    pieces = f.pieces()
+    buf = memoryview(bytearray(max((hi - lo for lo, hi in pieces), default=0))) if reuse else None
     with open(path, "rb", buffering=0) as fin:
-        for lo, hi in f.pieces():
-            data = fin.read(hi - lo)
+        for lo, hi in pieces:
+            data: bytes | memoryview
+            if buf is not None:
+                data = buf[: fin.readinto(buf[: hi - lo]) or 0]
+            else:
+                data = fin.read(hi - lo)
             if len(data) != hi - lo:
                 raise CorruptCheckpointError(f"{path}: ends before {hi} bytes, the manifest says {f.len_bytes}")
             f.check(f"{path} (the local copy: not sent)", lo, data)
@@ -83,7 +94,11 @@ class Store(abc.ABC):
     def upload(self, key: str, local: str, f: FileCopy, throttle: Callable[[int], None]) -> None: ...
 
     @abc.abstractmethod
-    def put_bytes(self, key: str, data: bytes) -> None: ...
+    def put_bytes(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        """Writes the object whole. ``durable=False``: visible to every reader but not forced to
+        stable storage (a drain's marker: the data it vouches for is durable already, and only the
+        manifest commits)."""
+        ...
 
     @abc.abstractmethod
     def get_bytes(self, key: str) -> bytes | None:
@@ -138,16 +153,16 @@ class DirStore(Store):
         dst = self.where(key)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         with open(dst, "wb", buffering=0) as out:
-            for data in _local_pieces(local, f, throttle):
+            for data in _local_pieces(local, f, throttle, reuse=True):
                 view = memoryview(data)
                 while view:
                     view = view[out.write(view) :]
             os.fsync(out.fileno())
         _core.fsync_dir(os.path.dirname(dst))
 
-    def put_bytes(self, key: str, data: bytes) -> None:
+    def put_bytes(self, key: str, data: bytes, *, durable: bool = True) -> None:
         os.makedirs(os.path.dirname(self.where(key)), exist_ok=True)
-        write_small_file(self.where(key), data, durable=True)
+        write_small_file(self.where(key), data, durable=durable)
 
     def get_bytes(self, key: str) -> bytes | None:
         try:
@@ -198,8 +213,8 @@ class S3Store(Store):
 
         obstore.put(self.store, key, _local_pieces(local, f, throttle), chunk_size=COPY_PIECE_BYTES)
 
-    def put_bytes(self, key: str, data: bytes) -> None:
-        import obstore
+    def put_bytes(self, key: str, data: bytes, *, durable: bool = True) -> None:
+        import obstore  # a completed PUT is durable: nothing to choose
 
         obstore.put(self.store, key, data)
 
