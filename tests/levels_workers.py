@@ -250,3 +250,32 @@ def restore_with_remote(rank: int, world: int, init_file: str, workdir: str, rem
         return {"latest": latest, "step": step, "same": same(state, step_state(step, rank, False)), "local": ck.steps()}
 
     report_rank(rank, world, init_file, workdir, compute)
+
+
+def save_with_uneven_drains(rank: int, world: int, init_file: str, workdir: str) -> None:
+    """Rank 1's drain is throttled to ~1 s a step, the others' are not: each rank replaces its
+    waiting step on its own timing, yet every drain must take the same step on every rank."""
+    os.environ["FASTPERSIST_NODE"] = node_of(rank)
+
+    def compute() -> Any:
+        ck = fp.Checkpointer(
+            node_root(workdir, rank),
+            keep=2,
+            config=fp.Config(chunk_bytes=64 << 10, timeout_s=20),
+            group=dist.group.WORLD,
+            replicas=1,
+            remote=os.path.join(workdir, "remote"),
+            remote_every=1,
+            remote_bytes_per_s=100_000 if rank == 1 else None,
+        )
+        for step in range(1, 7):
+            ck.save(step, step_state(step, rank, False))
+            ck.wait()
+        error = ""
+        try:
+            ck.close()
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        return {"error": error, "drained": ck.levels()["remote"]["steps"]}
+
+    report_rank(rank, world, init_file, workdir, compute)

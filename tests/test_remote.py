@@ -143,3 +143,13 @@ def test_a_retry_after_the_remote_commit_succeeds_and_rewrites_nothing(tmp_path:
     other = dataclasses.replace(m, checkpoint_id="another")
     with pytest.raises(FileExistsError):
         r.drain_share(1, ck.path(1), other, 0, lambda n: None)
+
+
+def test_ranks_that_drain_at_different_speeds_still_drain_the_same_steps(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    results = run_ranks(w.save_with_uneven_drains, 4, (d,), d, timeout_s=180)
+    assert all("traceback" not in r for r in results), results
+    assert all(r["error"] == "" for r in results), results  # no rank waited for a step the others skipped
+    assert all(r["drained"][-1] == 6 for r in results), results
+    for step in results[0]["drained"]:
+        assert fp.verify(os.path.join(d, "remote", f"step-{step:08d}"))["files"] >= 1

@@ -120,11 +120,6 @@ class Checkpointer:
             raise ValueError(f"replicas={replicas!r}: expected an integer >= 0")
         if replicas and group is None:
             raise ValueError("replicas= needs group=: the copies go to ranks on other nodes")
-        self._remote: Any = None
-        if remote is not None:
-            from .levels.remote_level import RemoteLevel
-
-            self._remote = RemoteLevel(self, remote, remote_every, remote_keep, remote_bytes_per_s)
         self.root = os.path.abspath(os.fspath(root))
         self.history = SaveHistory(self.root, every=every, mtbf_s=mtbf_s, max_every=max_every)
         self.keep = keep
@@ -148,6 +143,12 @@ class Checkpointer:
         self.history.persist = self.rank == 0
         self._partner: Any = None
         self._last: SaveResult | None = None
+        self._remote: Any = None
+        if remote is not None:
+            from .levels.remote_level import RemoteLevel
+
+            self._remote = RemoteLevel(self, remote, remote_every, remote_keep, remote_bytes_per_s)
+
         if replicas:
             from .levels.partner import PartnerLevel
 

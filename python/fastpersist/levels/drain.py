@@ -55,11 +55,16 @@ class Drainer:
         timeout_s: float,
         bytes_per_s: float | None = None,
         staging: Callable[[], bool] = lambda: False,
+        agree: Callable[[int], int] | None = None,
     ) -> None:
         self.remote, self.local_path = remote, local_path
         self.rank, self.size, self.keep, self.timeout_s = rank, size, keep, timeout_s
         self.bytes_per_s = bytes_per_s
         self.staging = staging  # whether a save is staging now (the drain pauses meanwhile)
+        #: In a group: every rank's drain thread calls it with the step it would drain; it
+        #: returns the step they all drain (the newest proposed: each rank replaced waiting steps
+        #: on its own timing, but a step one rank committed, every rank committed).
+        self.agree = agree
         self._cond = threading.Condition()
         self._pending: int | None = None
         self._busy = False
@@ -123,7 +128,17 @@ class Drainer:
                     return
                 step, self._pending, self._busy = self._pending, None, True
                 self._draining = step
-            self.last = self._attempts(step)
+            try:
+                step = self.agree(step) if self.agree is not None else step
+            except Exception as e:  # the group stopped answering: this drain is lost, not the next
+                log.warning("the ranks could not agree on the step to drain to %s: %s", self.remote.root, e)
+                self.last = DrainResult(step, error=e)
+            else:
+                with self._cond:
+                    self._draining = step
+                    if self._pending is not None and self._pending <= step:
+                        self._pending = None
+                self.last = self._attempts(step)
             with self._cond:
                 self._busy = False
                 self._draining = None
@@ -158,7 +173,12 @@ class Drainer:
         return self.last
 
     def close(self) -> None:
-        """Waits for the pending drains; raises the newest step's failure if it could not be drained."""
+        """Waits for the pending drains and stops the thread; raises the newest step's failure if
+        it could not be drained."""
         last = self.wait()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(5)
         if last is not None and last.error is not None:
             raise last.error

@@ -4,13 +4,14 @@ directory: :mod:`fastpersist.levels.remote`)."""
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 from typing import Any
 
 from ..errors import FastPersistError
 from ..format.layout import MANIFEST_NAME
-from .drain import Drainer
+from .drain import Drainer, DrainResult
 from .refill import refill_step
 from .remote import Remote
 
@@ -45,7 +46,18 @@ class RemoteLevel:
         self.keep = keep
         self.bytes_per_s = bytes_per_s
         self.drainer: Drainer | None = None
+        self.last: DrainResult | None = None
         self.last_submitted = -1
+        self._agree_pg: Any = None
+        if ck.group is not None:  # collective: every rank makes its Checkpointer
+            import torch.distributed as dist
+
+            self._agree_pg = dist.new_group(
+                ranks=dist.get_process_group_ranks(ck.group),
+                backend="gloo",
+                timeout=datetime.timedelta(seconds=self._timeout()),
+                use_local_synchronization=True,
+            )
         self._verified: dict[int, tuple[Any, ...]] = {}
 
     def _timeout(self) -> float:
@@ -69,8 +81,17 @@ class RemoteLevel:
                 timeout_s=self._timeout(),
                 bytes_per_s=self.bytes_per_s,
                 staging=self._staging,
+                agree=self._agree if self._agree_pg is not None else None,
             )
         self.drainer.submit(step)
+
+    def _agree(self, step: int) -> int:
+        """The step every rank's drain takes now: the newest any rank proposes."""
+        import torch.distributed as dist
+
+        proposals: list[Any] = [None] * dist.get_world_size(self._agree_pg)
+        dist.all_gather_object(proposals, step, group=self._agree_pg)
+        return max(int(p) for p in proposals)
 
     def pinned(self) -> set[int]:
         """Local steps the drain still reads (kept by retention until it is done)."""
@@ -81,8 +102,13 @@ class RemoteLevel:
         return future is not None and not future.staged()
 
     def close(self) -> None:
-        if self.drainer is not None:
-            self.drainer.close()
+        """Waits for the drain (its thread stops; a later save starts another); raises its failure."""
+        drainer, self.drainer = self.drainer, None
+        if drainer is not None:
+            try:
+                drainer.close()
+            finally:
+                self.last = drainer.last
 
     def _verifies(self, step: int) -> bool:
         path = self.remote.path(step)
@@ -136,7 +162,7 @@ class RemoteLevel:
         refill_step(self.ck, self.remote, step, self._timeout())
 
     def levels(self) -> dict[str, Any]:
-        last = self.drainer.last if self.drainer is not None else None
+        last = self.drainer.last if self.drainer is not None else self.last
         found: dict[str, Any] = {"root": self.remote.root, "steps": self.remote.steps()}
         if last is not None:
             found["last_seconds"] = last.seconds
