@@ -153,3 +153,20 @@ def test_ranks_that_drain_at_different_speeds_still_drain_the_same_steps(tmp_pat
     assert all(r["drained"][-1] == 8 for r in results), results
     for step in results[0]["drained"]:
         assert fp.verify(os.path.join(d, "remote", f"step-{step:08d}"))["files"] >= 1
+
+
+def test_a_damaged_local_copy_is_never_drained(tmp_path: Any) -> None:
+    from fastpersist.format.manifest import read_manifest
+    from fastpersist.levels.remote import Remote
+
+    ck = fp.Checkpointer(tmp_path / "local", config=CONFIG)
+    ck.save(1, state(1, 200_000))
+    ck.wait()
+    data = next(p for p in (tmp_path / "local" / "step-00000001").iterdir() if p.suffix == ".bin")
+    with open(data, "r+b") as f:
+        f.seek(300_000)
+        f.write(b"\x00\x01\x02")
+    remote = Remote(str(tmp_path / "remote"))
+    with pytest.raises(fp.ChecksumMismatchError):
+        remote.drain_share(1, ck.path(1), read_manifest(ck.path(1)), 0, lambda n: None)
+    assert remote.steps() == []
