@@ -145,11 +145,14 @@ class GroupSaveJob:
         return self
 
     def _layout(self, message: StartMessage) -> Layout:
-        owner, tmp = self.rank == 0, message.tmp_dir
+        return self.layout_for(message.checkpoint_id, message.tmp_dir, owner=self.rank == 0)
+
+    def layout_for(self, checkpoint_id: str, tmp: str, *, owner: bool) -> Layout:
+        """This rank's layout in the temporary directory `tmp` (`owner`: it commits `tmp`)."""
         if self.sharded:
             self.writer = 0
             return Layout(
-                checkpoint_id=message.checkpoint_id,
+                checkpoint_id=checkpoint_id,
                 tmp_dir=tmp,
                 data_dir=os.path.join(tmp, shard_name(self.rank)),
                 writer=0,
@@ -160,7 +163,7 @@ class GroupSaveJob:
         writers = writer_map(self.control.nodes, self.config.writers)
         self.writer = writers.get(self.rank)
         return Layout(
-            checkpoint_id=message.checkpoint_id,
+            checkpoint_id=checkpoint_id,
             tmp_dir=tmp,
             data_dir=tmp,
             writer=self.writer,

@@ -32,12 +32,12 @@ from typing import Any
 
 from ..config import Config, SaveResult
 from ..errors import GroupSaveError
-from ..format.layout import MANIFEST_NAME, shard_name, stripe_tag, tmp_dir_for
+from ..format.layout import MANIFEST_NAME, shard_name, tmp_dir_for
 from ..format.ownership import DirLock, make_locked_dir
 from ..levels.placement import Placement
 from ..levels.transfer import ShareFile, Transfer, send_and_receive
 from .group import GroupSaveJob, RankStatus, StartMessage, _describe
-from .job import Layout, SaveJob
+from .job import SaveJob
 from .target import check_name_fits, check_target
 
 __all__ = ["PartnerSaveJob", "share_files"]
@@ -98,7 +98,7 @@ class PartnerSaveJob(GroupSaveJob):
                 f"rank {r} (node {self.placement.rank_nodes[r]}) could not start the save of its node's copy of "
                 f"{self.path}: {e}"
             )
-        self.layout = self._node_layout(message.checkpoint_id, tmp)
+        self.layout = self.layout_for(message.checkpoint_id, tmp, owner=self.placement.is_leader(self.rank))
         try:
             self.job = SaveJob(self.path, self.config, layout=self.layout, pool=self.pool, tmp_lock=tmp_lock)
             self.job.start(state, background=background)
@@ -119,33 +119,6 @@ class PartnerSaveJob(GroupSaveJob):
             return None, FileExistsError(e.errno, f"{e.strerror}{hint}", e.filename)
         except Exception as e:
             return None, e
-
-    def _node_layout(self, checkpoint_id: str, tmp: str) -> Layout:
-        owner = self.placement.is_leader(self.rank)
-        if self.sharded:
-            self.writer = 0
-            return Layout(
-                checkpoint_id=checkpoint_id,
-                tmp_dir=tmp,
-                data_dir=os.path.join(tmp, shard_name(self.rank)),
-                writer=0,
-                writer_count=1,
-                owner=owner,
-                tag=stripe_tag(rank=self.rank),
-            )
-        from ..distributed.control import writer_map
-
-        writers = writer_map(self.control.nodes, self.config.writers)
-        self.writer = writers.get(self.rank)
-        return Layout(
-            checkpoint_id=checkpoint_id,
-            tmp_dir=tmp,
-            data_dir=tmp,
-            writer=self.writer,
-            writer_count=len(writers),
-            owner=owner,
-            tag=stripe_tag(writer=self.writer),
-        )
 
     def manifest_extra(self, statuses: list[RankStatus]) -> dict[str, Any]:
         return {
