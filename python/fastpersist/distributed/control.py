@@ -24,7 +24,15 @@ import torch.distributed as dist
 from ..errors import FastPersistError
 from ..levels.placement import node_name
 
-__all__ = ["ControlGroup", "collective", "control_for", "forget_control", "group_rank_and_size", "writer_map"]
+__all__ = [
+    "ControlGroup",
+    "collective",
+    "control_for",
+    "describe",
+    "forget_control",
+    "group_rank_and_size",
+    "writer_map",
+]
 
 T = TypeVar("T")
 
@@ -100,6 +108,11 @@ def collective(
             f"rank {control.rank}: the process group stopped answering while trying to {what} "
             f"(a rank failed, was killed, or took longer than timeout_s={control.timeout_s}): {e}{consequence}"
         ) from e
+
+
+def describe(error: BaseException) -> str:
+    """An error as one rank tells the others of it: its class and its message."""
+    return f"{type(error).__name__}: {error}"
 
 
 def group_rank_and_size(group: Any) -> tuple[int, int]:

@@ -17,16 +17,13 @@ import shutil
 from typing import Any
 
 from .. import _core
+from ..distributed.control import describe
 from ..errors import FastPersistError, GroupLoadError
 from ..format.layout import MANIFEST_NAME, tmp_dir_for, write_new_file
 from ..format.ownership import make_locked_dir
-from .remote import Remote, _owned
+from .remote import Remote, of_writers, owned_shares
 
 __all__ = ["refill_step"]
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
 
 
 def refill_step(ck: Any, remote: Remote, step: int, timeout_s: float) -> None:
@@ -41,7 +38,7 @@ def refill_step(ck: Any, remote: Remote, step: int, timeout_s: float) -> None:
 
         control = control_for(ck.group, timeout_s)
     committer = ck._partner.is_leader() if ck._partner is not None else ck.rank == 0
-    downloads = _owned(m, ck.rank) if ck._partner is not None else (None if ck.rank == 0 else [])
+    downloads = owned_shares(m, ck.rank) if ck._partner is not None else (None if ck.rank == 0 else [])
     tmp = tmp_dir_for(ck.path(step), m.checkpoint_id)  # the same on every rank of a node
     lock = None
     error: BaseException | None = None
@@ -55,8 +52,7 @@ def refill_step(ck: Any, remote: Remote, step: int, timeout_s: float) -> None:
         if downloads is None or downloads:
             files = remote.files(step, m, downloads if m.shards else None)
             if not m.shards and downloads is not None:
-                names = {f.name for f in m.files if f.writer in set(downloads)}
-                files = [f for f in files if f.name in names]
+                files = of_writers(files, m, downloads)
             remote.download(step, tmp, files)
     except (FastPersistError, OSError) as e:
         error = e
@@ -88,7 +84,7 @@ def _agree(control: Any, what: str, error: BaseException | None) -> None:
     from ..distributed.control import collective
 
     errors = collective(
-        control, f"{what} of a refill", lambda: control.all_gather(_describe(error) if error else ""), GroupLoadError
+        control, f"{what} of a refill", lambda: control.all_gather(describe(error) if error else ""), GroupLoadError
     )
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if error is not None:

@@ -26,7 +26,7 @@ from ..format.manifest import Manifest, parse, read_manifest
 from .holdings import shares_of
 from .stores import FileCopy, Store, open_store
 
-__all__ = ["Remote", "files_named", "owned_files", "step_files"]
+__all__ = ["Remote", "files_named", "of_writers", "owned_files", "owned_shares", "step_files"]
 
 log = logging.getLogger("fastpersist")
 
@@ -52,7 +52,7 @@ def step_files(
     return [FileCopy(f.name, f.len_bytes, f.chunk_crc32c, m.chunk_bytes) for f in m.files]
 
 
-def _owned(m: Manifest, rank: int) -> list[int] | None:
+def owned_shares(m: Manifest, rank: int) -> list[int]:
     """The share indices `rank` drains: its own (a step with replicas), else all on rank 0."""
     shares = shares_of(m)
     if shares is not None:
@@ -63,15 +63,21 @@ def _owned(m: Manifest, rank: int) -> list[int] | None:
 
 def owned_files(step_dir: str, m: Manifest, rank: int) -> list[FileCopy]:
     """The files of the local step at `step_dir` that `rank` drains."""
-    owned = _owned(m, rank) or []
+    owned = owned_shares(m, rank)
     if m.shards:
         manifests = {}
         for index in owned:
             shard_dir = os.path.join(step_dir, shard_name(index))
             manifests[index] = (read_manifest(shard_dir), os.path.getsize(os.path.join(shard_dir, MANIFEST_NAME)))
         return step_files(m, manifests, owned)
-    writers = set(owned)
-    return [f for f in step_files(m, {}, None) if any(e.name == f.name and e.writer in writers for e in m.files)]
+    return of_writers(step_files(m, {}, None), m, owned)
+
+
+def of_writers(files: list[FileCopy], m: Manifest, writers: list[int]) -> list[FileCopy]:
+    """The `files` of a replicated step (manifest `m`) that the given writers wrote."""
+    wanted = set(writers)
+    names = {f.name for f in m.files if f.writer in wanted}
+    return [f for f in files if f.name in names]
 
 
 def files_named(store: Store, name: str, m: Manifest, shards: list[int] | None = None) -> list[FileCopy]:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _core
-from ..distributed.control import ControlGroup, collective
+from ..distributed.control import ControlGroup, collective, describe
 from ..errors import FastPersistError, GroupLoadError
 from ..format.layout import MANIFEST_NAME, parse_step_dir, shard_name
 from ..format.manifest import Manifest, parse, read_manifest
@@ -144,10 +144,6 @@ def _readers(c: Candidate, weights: dict[int, int], node_of: Callable[[int], int
     return out
 
 
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
 class _Restore:
     """One attempt at one candidate step, on one rank."""
 
@@ -242,7 +238,7 @@ def _verify_attempt(
                 _verify_share(step_dir, m, share)
                 verified[(step_dir, share)] = fingerprint
         except (FastPersistError, OSError) as e:
-            failed[share] = _describe(e)
+            failed[share] = describe(e)
     return failed
 
 
@@ -318,7 +314,7 @@ def _load_replicated(r: _Restore, m: Manifest, options: LoadOptions) -> Any:
             try:
                 read_window(r.step_dir, m, lo, hi, stream.span(lo, direct_padded(hi - lo)), True, options.config)
             except (FastPersistError, OSError) as e:
-                failed[share] = _describe(e)
+                failed[share] = describe(e)
 
         error = read_and_broadcast(r.control, r.step_dir, runs, stream, read)
         if error is not None:
@@ -347,7 +343,7 @@ def _load_sharded(r: _Restore, m: Manifest, options: LoadOptions) -> Any:
                 sm = parse(raw, where=f"{shard_dir}/{MANIFEST_NAME}")
                 mine[share] = (raw, sm, read_stream(shard_dir, sm, True, options.config))
             except (FastPersistError, OSError) as e:
-                failed[share] = _describe(e)
+                failed[share] = describe(e)
         return failed
 
     readers = r.rounds({}, attempt)

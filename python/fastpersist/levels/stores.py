@@ -26,7 +26,7 @@ from ..errors import ChecksumMismatchError, CorruptCheckpointError
 from ..format.layout import write_small_file
 from ..format.ownership import REMOVING, remove_owned_dir
 
-__all__ = ["COPY_PIECE_BYTES", "DirStore", "FileCopy", "S3Store", "Store", "open_store"]
+__all__ = ["COPY_PIECE_BYTES", "DirStore", "FileCopy", "S3Store", "Store", "first_bad_chunk", "open_store"]
 
 #: Bytes moved at a time (the throttle runs between pieces).
 COPY_PIECE_BYTES = 8 << 20
@@ -47,16 +47,28 @@ class FileCopy:
 
     def check(self, where: str, offset: int, data: bytes | memoryview) -> None:
         """Raises unless `data` (the bytes at `offset`) match the recorded chunk checksums."""
-        if not self.chunk_crc32c:
-            return
-        first, view = offset // self.chunk_bytes, memoryview(data)  # slices of a view copy nothing
-        for i, (start, n) in enumerate(_core.chunk_spans(len(data), self.chunk_bytes)):
-            expected, found = self.chunk_crc32c[first + i], _core.crc32c(view[start : start + n])
-            if found != expected:
-                raise ChecksumMismatchError(
-                    f"{where}: bytes [{offset + start}, {offset + start + n}) have crc32c {found:#010x}, the "
-                    f"manifest says {expected:#010x}"
-                )
+        bad = first_bad_chunk(self.chunk_crc32c, self.chunk_bytes, offset, data)
+        if bad is not None:
+            start, end, found, expected = bad
+            raise ChecksumMismatchError(
+                f"{where}: bytes [{start}, {end}) have crc32c {found:#010x}, the manifest says {expected:#010x}"
+            )
+
+
+def first_bad_chunk(
+    crcs: list[int], chunk_bytes: int, offset: int, data: bytes | memoryview | Any
+) -> tuple[int, int, int, int] | None:
+    """The first chunk of `data` (the bytes at chunk-aligned `offset` of a file whose chunks have
+    the checksums `crcs`; empty: unchecked) whose crc32c differs: ``(start, end, found,
+    expected)`` in file offsets, or None when every chunk matches."""
+    if not crcs:
+        return None
+    first, view = offset // chunk_bytes, memoryview(data)  # slices of a view copy nothing
+    for i, (start, n) in enumerate(_core.chunk_spans(len(view), chunk_bytes)):
+        expected, found = crcs[first + i], _core.crc32c(view[start : start + n])
+        if found != expected:
+            return offset + start, offset + start + n, found, expected
+    return None
 
 
 def _local_pieces(

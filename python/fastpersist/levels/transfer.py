@@ -29,6 +29,7 @@ from .. import _core
 from ..errors import ChecksumMismatchError
 from ..format.layout import MANIFEST_NAME
 from ..format.manifest import parse
+from .stores import first_bad_chunk
 
 __all__ = ["PIECE_BYTES", "ShareFile", "Transfer", "piece_spans", "send_and_receive"]
 
@@ -84,18 +85,13 @@ def _read_piece(path: str, f: ShareFile, offset: int, length: int, chunk_bytes: 
 
 def _check_piece(where: str, f: ShareFile, offset: int, data: torch.Tensor, chunk_bytes: int) -> None:
     """Checks a received piece against the sender's checksums (a manifest: its seal, once whole)."""
-    if not f.chunk_crc32c:
-        return
-    view = data.numpy()
-    first = offset // chunk_bytes
-    for i, (start, n) in enumerate(_core.chunk_spans(len(view), chunk_bytes)):
-        found = _core.crc32c(view[start : start + n])
-        expected = f.chunk_crc32c[first + i]
-        if found != expected:
-            raise ChecksumMismatchError(
-                f"{where}: the copy received of {f.name} bytes [{offset + start}, {offset + start + n}) has crc32c "
-                f"{found:#010x}, the sender recorded {expected:#010x}; the copy is not kept"
-            )
+    bad = first_bad_chunk(f.chunk_crc32c, chunk_bytes, offset, data.numpy())
+    if bad is not None:
+        start, end, found, expected = bad
+        raise ChecksumMismatchError(
+            f"{where}: the copy received of {f.name} bytes [{start}, {end}) has crc32c "
+            f"{found:#010x}, the sender recorded {expected:#010x}; the copy is not kept"
+        )
 
 
 class _Receiving:

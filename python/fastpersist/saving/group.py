@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from ..cleanup import stripe_leftovers
 from ..config import Config, SaveResult
-from ..distributed.control import collective, control_for, writer_map
+from ..distributed.control import collective, control_for, describe, writer_map
 from ..errors import GroupSaveError
 from ..format.layout import shard_name, stripe_tag, tmp_dir_for
 from ..format.manifest import FileEntry, build
@@ -41,10 +41,6 @@ from .target import check_name_fits, check_stripe_roots, check_target, write_man
 __all__ = ["CommitOutcome", "GroupSaveJob", "RankStatus", "StartMessage"]
 
 T = TypeVar("T")
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
 
 
 @dataclass(frozen=True)
@@ -123,7 +119,7 @@ class GroupSaveJob:
                 message = StartMessage(checkpoint_id=checkpoint_id, tmp_dir=tmp)
             except Exception as e:
                 own_error = e
-                message = StartMessage(error=_describe(e))
+                message = StartMessage(error=describe(e))
         try:
             message = self._collective("start the save", lambda: self.control.broadcast(message))
         except GroupSaveError:
@@ -218,7 +214,7 @@ class GroupSaveJob:
             except BaseException as e:
                 local_error = self.job.verdict.fail(e) or e
         if local_error is not None or written is None or self.job is None:
-            error = _describe(local_error or RuntimeError("no job"))
+            error = describe(local_error or RuntimeError("no job"))
             return RankStatus(rank=self.rank, error=error), None, local_error
         status = RankStatus(
             rank=self.rank,
@@ -263,7 +259,7 @@ class GroupSaveJob:
                 self._commit(statuses)
                 outcome = CommitOutcome()
             except BaseException as e:
-                outcome = CommitOutcome(error=_describe(e))
+                outcome = CommitOutcome(error=describe(e))
                 self.job.discard()
         try:
             outcome = self._collective("learn whether rank 0 committed", lambda: self.control.broadcast(outcome))

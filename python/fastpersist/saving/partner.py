@@ -31,12 +31,13 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import Config, SaveResult
+from ..distributed.control import describe
 from ..errors import GroupSaveError
 from ..format.layout import MANIFEST_NAME, shard_name, tmp_dir_for
 from ..format.ownership import DirLock, make_locked_dir
 from ..levels.placement import Placement
 from ..levels.transfer import ShareFile, Transfer, send_and_receive
-from .group import GroupSaveJob, RankStatus, StartMessage, _describe
+from .group import GroupSaveJob, RankStatus, StartMessage
 from .job import SaveJob
 from .target import check_name_fits, check_target
 
@@ -84,7 +85,7 @@ class PartnerSaveJob(GroupSaveJob):
         tmp_lock, own_error = self._make_node_dir(tmp)
         errors = self._collective(
             "learn whether every node could start",
-            lambda: self.control.all_gather(_describe(own_error) if own_error is not None else ""),
+            lambda: self.control.all_gather(describe(own_error) if own_error is not None else ""),
         )
         failed = [(r, e) for r, e in enumerate(errors) if e]
         if failed:
@@ -150,7 +151,7 @@ class PartnerSaveJob(GroupSaveJob):
 
     def _gather_errors(self, what: str, error: BaseException | None) -> list[tuple[int, str]]:
         try:
-            errors = self._collective(what, lambda: self.control.all_gather(_describe(error) if error else ""))
+            errors = self._collective(what, lambda: self.control.all_gather(describe(error) if error else ""))
         except GroupSaveError as e:
             self._fail(e)
             self._discard_local()
