@@ -281,3 +281,23 @@ def save_with_uneven_drains(rank: int, world: int, init_file: str, workdir: str)
         return {"error": error, "drained": ck.levels()["remote"]["steps"]}
 
     report_rank(rank, world, init_file, workdir, compute)
+
+
+def plain_group_with_remote(rank: int, world: int, init_file: str, workdir: str) -> None:
+    """A plain group save (replicas=0, one root every rank writes into) of a stream of one chunk
+    drained to a directory: only the last writer has a file, and rank 0 must drain it."""
+
+    def compute() -> Any:
+        ck = fp.Checkpointer(
+            os.path.join(workdir, "shared-root"),
+            config=fp.Config(chunk_bytes=64 << 10, timeout_s=30),
+            group=dist.group.WORLD,
+            remote=os.path.join(workdir, "remote"),
+            remote_every=1,
+        )
+        ck.save(1, step_state(1, rank, False, 1000))
+        ck.wait()
+        ck.close()
+        return {"remote": ck.levels()["remote"]["steps"]}
+
+    report_rank(rank, world, init_file, workdir, compute)

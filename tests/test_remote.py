@@ -170,3 +170,12 @@ def test_a_damaged_local_copy_is_never_drained(tmp_path: Any) -> None:
     with pytest.raises(fp.ChecksumMismatchError):
         remote.drain_share(1, ck.path(1), read_manifest(ck.path(1)), 0, lambda n: None)
     assert remote.steps() == []
+
+
+def test_a_plain_group_save_drains_every_writers_file(tmp_path: Any) -> None:
+    d = str(tmp_path)
+    results = run_ranks(w.plain_group_with_remote, 2, (d,), d, timeout_s=120)
+    assert all("traceback" not in r for r in results), results
+    remote_step = os.path.join(d, "remote", "step-00000001")
+    assert fp.verify(remote_step)["files"] == 1  # the one data file, written by writer 1
+    assert torch.equal(fp.load(remote_step)["w"], w.step_state(1, 0, False, 1000)["w"])

@@ -57,8 +57,10 @@ def owned_shares(m: Manifest, rank: int) -> list[int]:
     shares = shares_of(m)
     if shares is not None:
         return [s.index for s in shares if s.owner == rank]
-    count = len(m.shards) if m.shards else len({f.writer for f in m.files})
-    return list(range(count)) if rank == 0 else []
+    if rank != 0:
+        return []
+    # Every writer that wrote a file: with fewer chunks than writers, some wrote none.
+    return list(range(len(m.shards))) if m.shards else sorted({f.writer for f in m.files})
 
 
 def owned_files(step_dir: str, m: Manifest, rank: int) -> list[FileCopy]:
