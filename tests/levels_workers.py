@@ -82,6 +82,32 @@ def restore(rank: int, world: int, init_file: str, workdir: str, sharded: bool, 
     report_rank(rank, world, init_file, workdir, compute)
 
 
+def restore_into(rank: int, world: int, init_file: str, workdir: str, sharded: bool) -> None:
+    """``ck.load(out=...)``: a state of the wrong shape is refused untouched, then the right one is
+    filled in place (each rank from its own root, or its partner's copy)."""
+    os.environ["FASTPERSIST_NODE"] = node_of(rank)
+
+    def compute() -> Any:
+        ck = checkpointer(workdir, rank, sharded, "threads")
+        wrong = {"w": torch.full((5,), 7.0)}
+        try:
+            ck.load(out=wrong)
+            refused = False
+        except ValueError as e:
+            refused = "out= tensor" in str(e)
+        out = {"w": torch.zeros(70_000), "b": torch.zeros(300, dtype=torch.bfloat16)}
+        state = ck.load(out=out)
+        step = int(state["step"])
+        return {
+            "refused_untouched": refused and bool(torch.equal(wrong["w"], torch.full((5,), 7.0))),
+            "in_place": state["w"] is out["w"] and state["b"] is out["b"],
+            "same": same(state, step_state(step, rank, sharded)),
+            "step": step,
+        }
+
+    report_rank(rank, world, init_file, workdir, compute)
+
+
 def save_with_a_partner_killed(
     rank: int, world: int, init_file: str, workdir: str, sharded: bool, backend: str, victim: int
 ) -> None:

@@ -80,6 +80,16 @@ def test_a_state_of_fewer_chunks_than_writers_is_restored(tmp_path: Any) -> None
 
 
 @pytest.mark.parametrize("sharded", MODES)
+def test_load_out_fills_in_place_from_a_partner_copy(tmp_path: Any, sharded: bool) -> None:
+    d = str(tmp_path)
+    _run(w.save_steps, d, sharded, "threads", [1, 2])
+    shutil.rmtree(os.path.join(d, "node1"))
+    restored = _run(w.restore_into, d, sharded)
+    want = {"refused_untouched": True, "in_place": True, "same": True, "step": 2}
+    assert all(r == want for r in restored), restored
+
+
+@pytest.mark.parametrize("sharded", MODES)
 def test_a_damaged_copy_is_passed_over(tmp_path: Any, sharded: bool) -> None:
     d = str(tmp_path)
     _run(w.save_steps, d, sharded, "threads", [1, 2])

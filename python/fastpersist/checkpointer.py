@@ -416,7 +416,8 @@ class Checkpointer:
         as in :func:`fastpersist.load`.
 
         With ``replicas``, every rank must call it: each takes its share from its own root, else
-        from a partner's copy (docs/levels.md); `out` is not supported there yet.
+        from a partner's copy (docs/levels.md); `out` is filled once the rank's share is read and
+        verified, so a failed restore leaves it as it was.
 
         Raises:
             FileNotFoundError: there is no good checkpoint under `root`.
@@ -426,10 +427,8 @@ class Checkpointer:
             if step is not None and self._remote.holds_only(step):
                 self._remote.refill(step)  # then loaded as a local step
         if self._partner is not None:
-            if out is not None:
-                raise ValueError("load(out=...) is not supported with replicas= yet; load a new state")
             with self.history.loading():
-                return self._partner.load(step, map_location, namedtuple_types)
+                return self._partner.load(step, map_location, namedtuple_types, out)
         if step is None:
             step = self.latest()
             if step is None:

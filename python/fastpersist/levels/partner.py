@@ -89,11 +89,11 @@ class PartnerLevel:
         control = self.control()
         return verified_step(control, self.ck.root, self.ck.path, self._reports(), self.verified)
 
-    def load(self, step: int | None, map_location: Any, namedtuple_types: Any) -> Any:
+    def load(self, step: int | None, map_location: Any, namedtuple_types: Any, out: object = None) -> Any:
         self.ck._finish_previous()
         config = self.ck.config or _default_config()
         options = LoadOptions(map_location, True, config, namedtuple_types, PhaseClock(None))
-        found, state = restore_step(self.control(), self.ck.root, self.ck.path, self._reports(), options, step)
+        found, state = restore_step(self.control(), self.ck.root, self.ck.path, self._reports(), options, step, out)
         log.info("rank %d restored step %d (node %s)", self.ck.rank, found, self.node)
         return state
 

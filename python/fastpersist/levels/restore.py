@@ -270,8 +270,10 @@ def restore_step(
     reports: list[NodeReport],
     options: LoadOptions,
     step: int | None = None,
+    out: object = None,
 ) -> tuple[int, Any]:
-    """Loads the newest candidate step (or `step`) on every rank; returns (step, state)."""
+    """Loads the newest candidate step (or `step`) on every rank; returns (step, state); with
+    `out`, its tensors are filled in place once the rank's whole share is read and verified."""
     tried = []
     for c in candidates(reports):
         if step is not None and c.step != step:
@@ -279,7 +281,7 @@ def restore_step(
         r = _Restore(control, root, step_path(c.step), c)
         try:
             m = r.manifest()
-            state = _load_sharded(r, m, options) if m.shards else _load_replicated(r, m, options)
+            state = _load_sharded(r, m, options, out) if m.shards else _load_replicated(r, m, options, out)
             return c.step, state
         except NoCopyLeft as e:
             tried.append(str(e))
@@ -290,7 +292,7 @@ def restore_step(
     )
 
 
-def _load_replicated(r: _Restore, m: Manifest, options: LoadOptions) -> Any:
+def _load_replicated(r: _Restore, m: Manifest, options: LoadOptions, out: object) -> Any:
     stream = _core.PagedBuffer(direct_padded(m.total_bytes))
     by_share: dict[int, list[tuple[int, int]]] = {}
     for f in m.files:
@@ -322,10 +324,10 @@ def _load_replicated(r: _Restore, m: Manifest, options: LoadOptions) -> Any:
         return failed
 
     r.rounds(weights, attempt)
-    return state_from_stream(r.step_dir, m, stream, options)
+    return state_from_stream(r.step_dir, m, stream, options, out)
 
 
-def _load_sharded(r: _Restore, m: Manifest, options: LoadOptions) -> Any:
+def _load_sharded(r: _Restore, m: Manifest, options: LoadOptions, out: object) -> Any:
     control = r.control
     if len(m.shards) != control.size:
         raise ValueError(f"{r.step_dir} has {len(m.shards)} shards but the group has {control.size} ranks")
@@ -393,4 +395,4 @@ def _load_sharded(r: _Restore, m: Manifest, options: LoadOptions) -> Any:
         sm = parse(raw, where=f"{r.step_dir}/{shard_name(me)}/{MANIFEST_NAME} (from rank {reader})")
         if sm.total_bytes != total:
             raise GroupLoadError(f"rank {reader} sent a shard of {total} bytes whose manifest says {sm.total_bytes}")
-    return state_from_stream(os.path.join(r.step_dir, shard_name(me)), sm, stream, options)
+    return state_from_stream(os.path.join(r.step_dir, shard_name(me)), sm, stream, options, out)

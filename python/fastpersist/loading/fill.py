@@ -58,7 +58,7 @@ from ..format.unflatten import materialize, unflatten
 from .reading import WINDOW_BYTES, paged_uint8, read_window, stream_windows
 from .todevice import DeviceCopies, Extent, copy_extents
 
-__all__ = ["fill_by_key"]
+__all__ = ["fill_by_key", "fill_from_stream"]
 
 #: A chunk-aligned window of the stream: ``(lo, hi, blob indices)``.
 Window = tuple[int, int, list[int]]
@@ -259,4 +259,29 @@ def fill_by_key(
             values[i] = dests[i]
     for lo, blobs, window in reader.each(windows, budget):
         _copy_window(m, lo, window, blobs, by_blob, dests, values, place)
+    return unflatten(m.tree, values, namedtuple_types=namedtuple_types)
+
+
+def fill_from_stream(
+    out: object,
+    root: str,
+    m: Manifest,
+    stream: _core.PagedBuffer,
+    place: Any,
+    *,
+    namedtuple_types: Iterable[type] = (),
+    check_new: Callable[[list[TensorRecord]], None] | None = None,
+) -> object:
+    """Fills `out` from a whole stream already read and verified (a restore from the levels);
+    returns the loaded state as :func:`fill_by_key` does. `out` is checked against `m` first and
+    touched only after that, so a mismatch leaves it as it was."""
+    dests = _destinations(out, m, root)
+    by_blob: dict[int, list[int]] = {}
+    for i, rec in enumerate(m.tensors):
+        by_blob.setdefault(rec.blob, []).append(i)
+    if check_new is not None:
+        check_new([rec for i, rec in enumerate(m.tensors) if i not in dests])
+    values: list[object] = [None] * len(m.tensors)
+    whole = torch.frombuffer(stream, dtype=torch.uint8) if m.total_bytes else torch.empty(0, dtype=torch.uint8)
+    _copy_window(m, 0, whole, list(range(len(m.blobs))), by_blob, dests, values, place)
     return unflatten(m.tree, values, namedtuple_types=namedtuple_types)

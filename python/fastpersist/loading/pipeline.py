@@ -31,7 +31,7 @@ from ..format.layout import MANIFEST_NAME
 from ..format.manifest import Manifest
 from ..format.records import TensorRecord
 from ..logs import log_load
-from .fill import fill_by_key
+from .fill import fill_by_key, fill_from_stream
 from .maplocation import MapLocation, MappedStorages, check_targets_exist, map_tensor
 from .opened import OpenedCheckpoint, opened_checkpoint, opened_shard
 from .phases import PhaseClock
@@ -152,15 +152,28 @@ def _load_new(
     return build_state(root, m, buffers, options, place, targets or {})
 
 
-def state_from_stream(root: str, m: Manifest, stream: _core.PagedBuffer, options: LoadOptions) -> Any:
+def state_from_stream(
+    root: str, m: Manifest, stream: _core.PagedBuffer, options: LoadOptions, out: object = None
+) -> Any:
     """The state whose whole stream `stream` holds (already read and verified), as a load of the
-    checkpoint at `root` with manifest `m` builds it (``map_location`` applied)."""
-    check_targets_exist(options.map_location, _placed(m.tensors), root)
+    checkpoint at `root` with manifest `m` builds it (``map_location`` applied); with `out`,
+    its tensors are filled in place as ``load(out=...)`` does."""
     mapped: MappedStorages = {}
 
     def place(t: torch.Tensor, device: str) -> torch.Tensor:
         return map_tensor(options.map_location, t, device, mapped)
 
+    if out is not None:
+        return fill_from_stream(
+            out,
+            root,
+            m,
+            stream,
+            lambda t, rec: place(t, rec.device),
+            namedtuple_types=options.namedtuple_types,
+            check_new=lambda records: check_targets_exist(options.map_location, _placed(records), root),
+        )
+    check_targets_exist(options.map_location, _placed(m.tensors), root)
     return build_state(root, m, blob_buffers(stream, m), options, place, {})
 
 
