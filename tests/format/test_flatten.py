@@ -330,33 +330,35 @@ def test_key_paths_are_readable() -> None:
     ]
 
 
-def test_contiguous_cpu_tensors_are_not_copied() -> None:
+def test_cpu_tensors_are_not_copied_and_keep_their_storage_offset() -> None:
     t = torch.arange(12, dtype=torch.float32)[2:]  # storage_offset > 0, still contiguous
     b = torch.zeros(4, dtype=torch.bfloat16)
     a = np.arange(6, dtype=np.int16).reshape(2, 3)
     odd = torch.arange(10, dtype=torch.int32)[::3][1:2]  # contiguous, yet stride 3
     odd_bits = torch.zeros(6, dtype=torch.bits16)[::3][:1]
     flat = flatten([t, b, a, torch.tensor(1.0), odd, odd_bits])
-    assert flat.blobs[0].data.ctypes.data == t.data_ptr()
+    # Each blob views its storage from the base, so the storage offset comes back.
+    assert flat.blobs[0].data.ctypes.data == t.data_ptr() - 8 and flat.blobs[0].nbytes == 48
     assert flat.blobs[1].data.ctypes.data == b.data_ptr()
     assert flat.blobs[2].data.ctypes.data == a.ctypes.data
     assert flat.blobs[3].nbytes == 4
-    assert flat.blobs[4].data.ctypes.data == odd.data_ptr() and flat.blobs[4].nbytes == 4
+    assert flat.blobs[4].data.ctypes.data == odd.data_ptr() - 12 and flat.blobs[4].nbytes == 16
     assert flat.blobs[5].data.ctypes.data == odd_bits.data_ptr() and flat.blobs[5].nbytes == 2
-    assert [r.offset_bytes for r in flat.tensors] == [0] * 6
-    assert flat.tensors[4].stride == [1]
+    assert [r.offset_bytes for r in flat.tensors] == [8, 0, 0, 0, 12, 0]
+    assert flat.tensors[4].stride == [3] and flat.tensors[5].stride == [3]
     t.add_(1)  # a view: the blob sees later writes, which the version guard reports
-    assert flat.blobs[0].data.view(np.float32)[0] == 3.0
+    assert flat.blobs[0].data.view(np.float32)[2] == 3.0
     assert flat.blobs[0].version == 0 and t._version == 1
 
 
-def test_non_contiguous_tensors_are_copied_densely() -> None:
+def test_non_contiguous_tensors_keep_strides_over_their_storage() -> None:
     base = torch.arange(100, dtype=torch.float64).reshape(10, 10)
     t = base[::3, 1::4]
     flat = flatten({"t": t})
-    assert flat.blobs[0].nbytes == t.numel() * 8
-    assert flat.tensors[0].stride == [3, 1]
-    assert flat.blobs[0].source is t
+    rec = flat.tensors[0]
+    assert rec.stride == [30, 4] and rec.offset_bytes == 8
+    assert flat.blobs[0].nbytes == (1 + 9 * 10 + 2 * 4 + 1) * 8  # base to the last element
+    assert flat.blobs[0].version == t._version  # a view of the storage: watched
 
 
 def test_numpy_arrays_come_back_as_views() -> None:
@@ -431,8 +433,8 @@ def test_far_apart_slices_of_one_storage_share_a_range_blob() -> None:
     back, flat = roundtrip(state)
     assert_same(state, back)
     (blob,) = flat.blobs
-    assert blob.nbytes == (910 - 8) * 2  # starts at a 16-byte boundary before element 10
-    assert [r.offset_bytes for r in flat.tensors] == [4, 1784]
+    assert blob.nbytes == 910 * 2  # from the storage's base, so each keeps its storage offset
+    assert [r.offset_bytes for r in flat.tensors] == [20, 1800]
 
 
 def test_conj_view_sharing_storage_is_saved_resolved() -> None:
@@ -478,17 +480,13 @@ class Color(int):
 
 
 def unsupported_cases() -> list[tuple[str, object]]:
-    i = torch.tensor([[0, 1], [1, 0]])
     cases: list[tuple[str, object]] = [
         ("lambda", lambda: 0),
         ("object", object()),
-        ("set", {1, 2}),
-        ("frozenset", frozenset()),
-        ("sparse", torch.sparse_coo_tensor(i, torch.ones(2), (2, 2))),
+        ("set_of_objects", {object()}),
         ("object_array", np.array([1, "a"], dtype=object)),
         ("structured", np.zeros(2, dtype=[("a", "<i4")])),
         ("quantized", torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)),
-        ("meta", torch.empty(3, device="meta")),
         ("nested", torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])),
         ("subclass", torch.ones(2).as_subclass(Subclass)),
         ("defaultdict", collections.defaultdict(int)),
@@ -690,7 +688,7 @@ def test_malformed_spec_nodes(root: object, match: str) -> None:
 
 def test_spec_envelope_is_checked() -> None:
     with pytest.raises(ValueError, match="spec_version"):
-        unflatten({"spec_version": 3, "root": None}, [])
+        unflatten({"spec_version": 4, "root": None}, [])
     with pytest.raises(ValueError, match="spec_version"):
         unflatten({"spec_version": True, "root": None}, [])
     with pytest.raises(ValueError, match="exactly"):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import collections
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +30,7 @@ from ..device import copier_for as _copier_for
 from ..errors import UnsupportedValueError
 from ..gcpause import paused_gc
 from .blobs import U8, Blob, byte_view
+from .kinds import checked_attrs, meta_record, set_node, sparse_node
 from .limits import MAX_DEPTH, MAX_DIMS, namedtuple_problem
 from .quote import shown
 from .records import (
@@ -40,17 +40,25 @@ from .records import (
     ITEMSIZE,
     NUMPY_KINDS,
     SPEC_VERSION,
+    SPEC_VERSION_BYTES,
+    SPEC_VERSION_KINDS,
     SPEC_VERSION_PLAIN,
     TORCH_DTYPE_NAME,
     TORCH_DTYPES,
     TensorRecord,
     canonical_layout,
     dtype_itemsize,
-    numpy_dtype,
     records_from_json,
     records_to_json,
     span_elems,
 )
+from .refusals import DTENSOR_FIX as _DTENSOR_FIX
+from .refusals import is_dtensor as _is_dtensor
+from .refusals import key_text as _key_text
+from .refusals import loadable as _loadable
+from .refusals import tensor_error as _tensor_error
+from .refusals import type_name as _type_name
+from .refusals import unsupported as _unsupported
 from .unflatten import materialize, unflatten
 from .values import KEY_ENCODERS, VALUE_ENCODERS, OverLimit
 
@@ -68,13 +76,6 @@ __all__ = [
     "records_to_json",
     "unflatten",
 ]
-
-_SUPPORTED = (
-    "Supported: torch tensors (strided, non-quantized, any plain dtype), numpy arrays of "
-    "numeric/bool/datetime/string dtypes, dict, OrderedDict, list, tuple, namedtuple, None, "
-    "bool, int, float, complex, str, bytes, torch.dtype, torch.Size, torch.device and numpy "
-    "scalars"
-)
 
 _STRIDED = torch.strided
 
@@ -123,28 +124,12 @@ def flatten(state: object, *, root_name: str = "state") -> FlatState:
             walker.finish()
     except RecursionError:
         raise UnsupportedValueError(f"at key path {shown(root_name)}: the state is nested too deeply to save") from None
-    version = SPEC_VERSION if walker.bytes_in_stream else SPEC_VERSION_PLAIN
+    version = SPEC_VERSION_PLAIN
+    if walker.kinds_used:
+        version = SPEC_VERSION_KINDS
+    elif walker.bytes_in_stream:
+        version = SPEC_VERSION_BYTES
     return FlatState({"spec_version": version, "root": root}, walker.records, walker.blobs, walker.leaves)
-
-
-def _type_name(cls: type) -> str:
-    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _unsupported(path: str, x: object, why: str = "") -> UnsupportedValueError:
-    why = f" ({why})" if why else ""
-    return UnsupportedValueError(
-        f"at key path {shown(path)}: cannot save value of type {_type_name(type(x))}{why}. {_SUPPORTED}."
-    )
-
-
-def _key_text(k: object) -> str:
-    """A non-str dict key as it appears inside a key path (whole: a key path is data, and
-    messages bound it with :func:`~fastpersist.format.quote.shown`)."""
-    try:
-        return repr(k)
-    except ValueError:  # an int past sys.get_int_max_str_digits()
-        return hex(k) if isinstance(k, int) else f"<{type(k).__name__}>"
 
 
 class _Walker:
@@ -156,6 +141,7 @@ class _Walker:
     """
 
     __slots__ = (
+        "_composites",
         "_groups",
         "_host_only",
         "_index",
@@ -163,6 +149,7 @@ class _Walker:
         "_storages",
         "blobs",
         "bytes_in_stream",
+        "kinds_used",
         "leaves",
         "records",
     )
@@ -179,15 +166,24 @@ class _Walker:
         self._host_only = _device.installed_copier is None
         #: Some bytes value went into the data stream (a ``bytes_blob`` node: spec version 2).
         self.bytes_in_stream = False
+        #: Some node or record of spec version 3 was written (format/kinds.py).
+        self.kinds_used = False
+        self._composites: dict[int, dict[str, Any]] = {}  # sparse tensor id -> its node
 
     def node(self, x: object, path: str, depth: int) -> Any:
         cls = type(x)
         if cls is _Tensor or cls is _Parameter:
             i = self._index.get(id(x))
             if i is None:
+                if x.layout is not _STRIDED:  # type: ignore[attr-defined]
+                    return self._sparse(x, path, depth)  # type: ignore[arg-type]
                 i = self._index[id(x)] = len(self.records)
                 self.leaves.append(x)
                 self._tensor(x, path, i)  # type: ignore[arg-type]
+                if x.__dict__:  # plain attributes (p.foo = ...), kept as torch.save keeps them
+                    self.kinds_used = True
+                    attrs = checked_attrs(x, path)  # type: ignore[arg-type]
+                    return {"t": "tensor_attrs", "i": i, "a": self._mapping(attrs, path, depth, "dict")}
             return {"t": "tensor", "i": i}
         if cls is str or cls is bool or x is None:
             return x
@@ -203,6 +199,12 @@ class _Walker:
                 return encoder(x)
             except OverLimit as e:
                 raise _unsupported(path, x, str(e)) from None
+        if cls is set or cls is frozenset:
+            self.kinds_used = True
+            return set_node(x, path, lambda e: self._key(e, path, depth + 1))  # type: ignore[arg-type]
+        if cls is bytearray:
+            self.kinds_used = True
+            return {"t": "bytearray", "v": self.node(bytes(x), path, depth)}  # type: ignore[call-overload]
         if cls is np.ndarray or cls is np.memmap:
             i = self._index.get(id(x))
             if i is None:
@@ -224,6 +226,15 @@ class _Walker:
             self.blobs.append(Blob(np.frombuffer(x, dtype=U8), x, None))
             self.bytes_in_stream = True
         return {"t": "bytes_blob", "i": i}
+
+    def _sparse(self, x: torch.Tensor, path: str, depth: int) -> dict[str, Any]:
+        node = self._composites.get(id(x))
+        if node is None:
+            self.kinds_used = True
+            node = self._composites[id(x)] = sparse_node(
+                x, path, lambda part, name: self.node(part, f"{path}.{name}", depth + 1)
+            )
+        return node
 
     def _enter(self, x: object, path: str, depth: int) -> None:
         if depth >= MAX_DEPTH:
@@ -320,42 +331,60 @@ class _Walker:
     def _tensor(self, x: torch.Tensor, path: str, i: int) -> None:
         name = TORCH_DTYPE_NAME.get(x.dtype)
         cpu = x.is_cpu
-        if name is None or x.layout is not _STRIDED or x.is_nested or (not cpu and x.is_meta) or x.dim() > MAX_DIMS:
+        if name is None or x.is_nested or x.dim() > MAX_DIMS:
             raise _tensor_error(x, path)
+        if not cpu and x.is_meta:
+            self.kinds_used = True
+            self.records.append(meta_record(x, path, name, len(self.blobs)))
+            self.blobs.append(Blob(np.empty(0, U8), x, None))
+            return
         plain = not (x.is_neg() or x.is_conj())
         # Empty tensors may all report data_ptr 0, and conj/neg views are not their raw
         # storage bytes: both always get a blob of their own.
         numel = x.numel()
         itemsize = ITEMSIZE[name]
+        offset = 0
         if plain and numel:
             # The storage's base address, without building a storage object (~0.3 us).
-            ptr = x.data_ptr() - x.storage_offset() * itemsize
+            offset = int(x.storage_offset())
+            ptr = x.data_ptr() - offset * itemsize
             key = ptr if cpu else (ptr, str(x.device))
             first = self._storages.setdefault(key, i)
             if first != i:
                 group = self._groups.get(key)
                 if group is None:
                     rec = self.records[first]
-                    owner = self.blobs[rec.blob].source_tensor
-                    group = self._groups[key] = [(first, owner, rec.key_path)]
+                    group = self._groups[key] = [(first, self.leaves[first], rec.key_path)]  # type: ignore[list-item]
                 group.append((i, x, path))
                 self.records.append(None)  # type: ignore[arg-type]  # filled by finish()
                 return
-        data = None
-        source = x
-        copier = _copier_for(x) if numel and not (cpu and self._host_only) else None
-        if not numel:
-            data = np.empty(0, U8)  # an empty tensor's strides need not allow a byte view
-        elif copier is not None:
-            if not (plain and x.is_contiguous()):  # rare: made contiguous on its device
-                source = x.detach().resolve_conj().resolve_neg().contiguous()
-        elif not (plain and cpu and x.is_contiguous()):
-            data = byte_view(x.detach().resolve_conj().resolve_neg().contiguous().cpu())
         size = x.shape
         # Records share the cached shape and stride lists: records are never mutated.
         shape, stride = CANONICAL_CACHE.get(size) or canonical_layout(size)
+        data = None
+        source = x
+        nbytes = numel * itemsize
+        if not numel:
+            data = np.empty(0, U8)  # an empty tensor's strides need not allow a byte view
+            stride = list(x.stride())
+        else:
+            if not plain:  # rare: a copy with the same strides (at storage offset 0)
+                source = x.detach().resolve_conj().resolve_neg()
+                offset = int(source.storage_offset())
+            if offset or not source.is_contiguous():
+                # Kept as saved: the storage from its base to the last element, so the strides,
+                # storage offset and memory format come back (torch.save keeps the whole storage).
+                stride = list(source.stride())
+                span = offset + span_elems(shape, stride)
+                source = source.detach().as_strided((span,), (1,), 0)  # a view: same version counter
+                nbytes = span * itemsize
+            elif source.stride() != tuple(stride):  # contiguous, any stride on a size-1 dimension
+                stride = list(source.stride())
+        copier = _copier_for(x) if numel and not (cpu and self._host_only) else None
+        if copier is None and numel and not cpu:
+            data = byte_view(source.cpu())
         version = None
-        if data is None and source is x:  # the source itself, not a copy: the guard watches it
+        if plain and (data is None or cpu) and numel:  # the source views x: the guard watches it
             try:
                 version = x._version
             except RuntimeError:  # inference tensors track no version
@@ -368,13 +397,13 @@ class _Walker:
                 shape,
                 stride,
                 len(self.blobs),
-                0,
+                offset * itemsize,
                 "cpu" if cpu else str(x.device),
                 x.requires_grad,
                 type(x) is _Parameter,
             )
         )
-        self.blobs.append(Blob(data, source, version, numel * itemsize, copier))
+        self.blobs.append(Blob(data, source, version, nbytes, copier))
 
     def _array(self, a: np.ndarray, path: str) -> None:
         dt = a.dtype
@@ -400,9 +429,7 @@ class _Walker:
             starts.append(start)
             lo = start if lo < 0 else min(lo, start)
             hi = max(hi, start + span_elems(t.shape, t.stride()) * item)
-        # Each tensor starts a multiple of its own itemsize (at most 16) past the storage
-        # base, so a blob starting at a multiple of 16 keeps every offset_bytes aligned.
-        lo -= lo % 16
+        lo = 0  # from the storage's base, so that every view keeps its storage offset
         # Tensors made from the same memory may carry distinct storages; take the largest.
         owner = max((t for _, t, _ in group), key=lambda t: t.untyped_storage().nbytes())
         raw = torch.empty(0, dtype=torch.uint8, device=owner.device)
@@ -432,43 +459,3 @@ class _Walker:
                 t.requires_grad,
                 type(t) is _Parameter,
             )
-
-
-_DTENSOR_FIX = (
-    "a DTensor is one rank's part of a distributed tensor, and .as_subclass() would keep it one: "
-    "save .full_tensor() (the whole tensor, gathered on every rank) or .to_local() (this rank's "
-    "shard, e.g. with sharded=True), or save the state with torch.distributed.checkpoint through "
-    "fastpersist.integrations.dcp"
-)
-
-
-def _is_dtensor(x: object) -> bool:
-    # Only a process that imported torch.distributed.tensor can hold a DTensor: no import here.
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None)
-    return isinstance(dtensor, type) and isinstance(x, dtensor)
-
-
-def _loadable(dt: np.dtype[Any]) -> bool:
-    """Whether a reader accepts this numpy dtype (records.numpy_dtype: the one rule for both sides)."""
-    try:
-        numpy_dtype(dt.str)
-    except ValueError:
-        return False
-    return True
-
-
-def _tensor_error(t: torch.Tensor, path: str) -> UnsupportedValueError:
-    if t.layout is not _STRIDED:
-        why = f"layout {t.layout}; convert it with .to_dense()"
-    elif t.is_quantized:
-        why = "quantized tensor; save .int_repr() and the quantization parameters"
-    elif t.is_nested:
-        why = "nested tensor; save its components from .unbind()"
-    elif t.is_meta:
-        why = "a meta tensor has no data"
-    elif t.dim() > MAX_DIMS:
-        why = f"{t.dim()} dimensions; a checkpoint holds at most {MAX_DIMS}, reshape it"
-    else:
-        why = f"dtype {t.dtype} is not supported"
-    return _unsupported(path, t, why)

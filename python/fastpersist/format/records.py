@@ -24,9 +24,13 @@ import torch
 from .limits import MAX_DIMS, MAX_EXTENT
 from .quote import shown
 
-#: The newest tree spec. 2 added ``bytes_blob`` nodes (bytes values kept in the data stream); a
-#: tree without them is written as 1, which every reader since the first one reads.
-SPEC_VERSION = 2
+#: The newest tree spec. 2 added ``bytes_blob`` nodes (bytes values kept in the data stream); 3
+#: added sparse tensors, tensor attributes, sets, frozensets, bytearrays and meta tensors
+#: (format/kinds.py). A tree is written with the oldest version that holds it (1 without any of
+#: those), so older readers keep reading what they can.
+SPEC_VERSION = 3
+SPEC_VERSION_KINDS = 3
+SPEC_VERSION_BYTES = 2
 SPEC_VERSION_PLAIN = 1
 #: A bytes value longer than this goes into the data stream as a uint8 record (checksummed like
 #: a tensor, 1 byte per byte) instead of base64 in the manifest (4 characters per 3 bytes).

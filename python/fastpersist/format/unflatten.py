@@ -26,11 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from .kinds import build_sparse, set_attrs
 from .limits import MAX_DEPTH, MAX_DIMS, MAX_EXTENT, namedtuple_problem
 from .quote import shown
 from .records import (
     DEVICE_RE,
     SPEC_VERSION,
+    SPEC_VERSION_BYTES,
+    SPEC_VERSION_KINDS,
     SPEC_VERSION_PLAIN,
     TORCH_DTYPES,
     TensorRecord,
@@ -83,6 +86,9 @@ def materialize(records: list[TensorRecord], blob_buffers: list[torch.Tensor]) -
             raise ValueError(f"tensor record {i} ({shown(r.key_path)}): blob {r.blob} does not exist")
         buf = bufs[r.blob]
         itemsize = dtype_itemsize(r.kind, r.dtype)
+        if r.device == "meta" and r.kind == "torch":  # no bytes: shape, strides and dtype only
+            out.append(_meta_tensor(r, itemsize))
+            continue
         end = r.offset_bytes + span_elems(r.shape, r.stride) * itemsize
         if end > buf.numel():
             raise ValueError(
@@ -102,6 +108,13 @@ def materialize(records: list[TensorRecord], blob_buffers: list[torch.Tensor]) -
             t.requires_grad_(True)
         out.append(t)
     return out
+
+
+def _meta_tensor(r: TensorRecord, itemsize: int) -> torch.Tensor:
+    start = r.offset_bytes // itemsize
+    t = torch.empty(start + span_elems(r.shape, r.stride), dtype=TORCH_DTYPES[r.dtype], device="meta")
+    t = t.as_strided(r.shape, r.stride, start)
+    return _Parameter(t, requires_grad=r.requires_grad) if r.is_parameter else t.requires_grad_(r.requires_grad)
 
 
 # ----------------------------------------------------------------------------- unflatten
@@ -165,7 +178,7 @@ def unflatten(spec: dict[str, Any], tensors: list[object], *, namedtuple_types: 
             f"spec_version {shown(version)} is not supported (this reader knows {SPEC_VERSION_PLAIN} to "
             f"{SPEC_VERSION}); upgrade fastpersist"
         )
-    builder = _Builder(tensors, allowed_namedtuples(namedtuple_types), bytes_in_stream=version >= 2)
+    builder = _Builder(tensors, allowed_namedtuples(namedtuple_types), version)
     try:
         return builder.node(spec["root"], 0)
     except _SpecError as e:
@@ -221,6 +234,8 @@ def _child(e: _SpecError, where: str) -> _SpecError:
     return e
 
 
+#: The nodes of spec version 3 (format/kinds.py).
+_KINDS_TAGS = ("set", "frozenset", "bytearray", "tensor_attrs", "sparse")
 #: The value leaves that may also be dict keys (flatten's _KEY_ENCODERS writes them).
 _KEY_TAGS = ("int", "float", "complex", "bytes", "dtype", "size", "device")
 
@@ -228,14 +243,17 @@ _KEY_TAGS = ("int", "float", "complex", "bytes", "dtype", "size", "device")
 class _Builder:
     """Recursive spec reader with a depth cap; `tensors` supplies the tensor leaves."""
 
-    __slots__ = ("_bytes", "_bytes_in_stream", "_ntuples", "_tensors")
+    __slots__ = ("_bytes", "_bytes_in_stream", "_kinds", "_ntuples", "_sparse", "_tensors")
 
-    def __init__(self, tensors: list[object], allowed: dict[_NtKey, type], *, bytes_in_stream: bool) -> None:
+    def __init__(self, tensors: list[object], allowed: dict[_NtKey, type], version: int) -> None:
         self._tensors = tensors
         self._ntuples: dict[_NtKey, type] = dict(allowed)
         #: Spec version 2: ``bytes_blob`` nodes name a uint8 record holding a bytes value.
-        self._bytes_in_stream = bytes_in_stream
+        self._bytes_in_stream = version >= SPEC_VERSION_BYTES
+        #: Spec version 3: the nodes of format/kinds.py.
+        self._kinds = version >= SPEC_VERSION_KINDS
         self._bytes: dict[int, bytes] = {}  # one bytes object per record, as saved
+        self._sparse: dict[int, torch.Tensor] = {}  # by its first part's record: one object, as saved
 
     def node(self, node: object, depth: int) -> object:
         if node is None or type(node) is str or type(node) is bool:
@@ -284,7 +302,53 @@ class _Builder:
         if tag == "ntuple":
             module, name, fields, values = _fields(node, "module", "name", "fields", "v")
             return self._ntuple(module, name, fields, self._list(values, depth))
+        if self._kinds and tag in _KINDS_TAGS:
+            return self._kind(node, tag, depth)
         return self.leaf(node, tag)
+
+    def _kind(self, node: dict[str, Any], tag: str, depth: int) -> object:
+        """A node of spec version 3 (format/kinds.py), built from validated parts only."""
+        if tag in ("set", "frozenset"):
+            (values,) = _fields(node, "v")
+            if type(values) is not list:
+                raise _SpecError("'v' must be a list")
+            self._deeper(depth)
+            items = [self.key(v, depth + 1) for v in values]
+            return set(items) if tag == "set" else frozenset(items)
+        if tag == "bytearray":
+            (inner,) = _fields(node, "v")
+            value = self.node(inner, depth + 1)
+            if type(value) is not bytes:
+                raise _SpecError("a bytearray node must hold a bytes node")
+            return bytearray(value)
+        if tag == "tensor_attrs":
+            i, attrs = _fields(node, "i", "a")
+            t = self.node({"t": "tensor", "i": i}, depth)
+            values = self.node(attrs, depth + 1)
+            if not isinstance(t, torch.Tensor) or type(values) is not dict:
+                raise _SpecError("tensor_attrs needs a torch tensor record and a dict of attributes")
+            try:
+                set_attrs(t, values)
+            except ValueError as e:
+                raise _SpecError(str(e)) from None
+            return t
+        layout, size, coalesced, grad, param, values = _fields(
+            node, "layout", "size", "coalesced", "requires_grad", "parameter", "v"
+        )
+        parts = self._list(values, depth)
+        first = values[0].get("i") if values and type(values[0]) is dict else None
+        found = self._sparse.get(first) if type(first) is int else None
+        if found is None:
+            if type(grad) is not bool or type(param) is not bool:
+                raise _SpecError("a sparse node's 'requires_grad' and 'parameter' must be booleans")
+            try:
+                found = build_sparse(layout, size, coalesced, parts)
+            except ValueError as e:
+                raise _SpecError(str(e)) from None
+            found = _Parameter(found, requires_grad=grad) if param else found.requires_grad_(grad)
+            if type(first) is int:
+                self._sparse[first] = found
+        return found
 
     def _deeper(self, depth: int) -> None:
         if depth >= MAX_DEPTH:
