@@ -16,7 +16,6 @@ import torch
 
 import fastpersist as fp
 from fastpersist.format.manifest import seal
-from fastpersist.saving.remover import wait_removed
 
 from training import make_run, restore, seed_all, train_step, training_state
 
@@ -298,7 +297,6 @@ def test_stripes_spread_files_and_load(workdir: str, config: fp.Config) -> None:
     assert {os.path.dirname(os.path.dirname(f)) for f in res.files} == set(stripes)
     assert torch.equal(fp.load(path)["w"], state["w"])
     fp.save({"w": torch.zeros(1)}, path, config=cfg)  # replacing removes the old stripe dirs
-    wait_removed()  # (after the commit, on the remover's thread)
     assert sum(len(os.listdir(s)) for s in stripes) == 1
 
 

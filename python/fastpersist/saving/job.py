@@ -40,7 +40,6 @@ from ..logs import log_save, log_save_call
 from .device_blobs import EARLY_COPY_BUDGET_BYTES, EARLY_COPY_MAX_BYTES, copier_key, prepare_device_blobs
 from .pools import pool_for
 from .recycle import take_recycled
-from .remover import remove_later
 from .target import (
     check_name_fits,
     check_stripe_roots,
@@ -398,9 +397,9 @@ class SaveJob:
         self.verdict.commit(put_in_place)
         if self.config.durable:
             _core.fsync_dir(os.path.dirname(self.path))
+        if exchanged:
+            remove_checkpoint_tree(self.layout.tmp_dir, self.config.stripes, owner_path=self.path)
         self._release_tmp_lock()
-        if exchanged:  # the old tree, now at tmp_dir: deleted off the commit's path
-            remove_later(self.layout.tmp_dir, self.config.stripes, owner_path=self.path)
 
     def result(self, written: Written) -> SaveResult:
         seconds = time.perf_counter() - self.started
