@@ -215,6 +215,20 @@ def _copy_window(
             values[i] = dest
 
 
+def _matched(
+    out: object, m: Manifest, root: str, check_new: Callable[[list[TensorRecord]], None] | None
+) -> tuple[dict[int, object], dict[int, list[int]]]:
+    """`out`'s destinations (checked), the tensor indices of each blob; `check_new` is called
+    with the records of the tensors `out` lacks, before anything is read."""
+    dests = _destinations(out, m, root)
+    by_blob: dict[int, list[int]] = {}
+    for i, rec in enumerate(m.tensors):
+        by_blob.setdefault(rec.blob, []).append(i)
+    if check_new is not None:
+        check_new([rec for i, rec in enumerate(m.tensors) if i not in dests])
+    return dests, by_blob
+
+
 def fill_by_key(
     out: object,
     root: str,
@@ -232,12 +246,7 @@ def fill_by_key(
     `check_new(records)` is called with the records of those new tensors before anything is read.
     All or nothing: an error while reading leaves `out` as it was (see the module docstring).
     """
-    dests = _destinations(out, m, root)
-    by_blob: dict[int, list[int]] = {}
-    for i, rec in enumerate(m.tensors):
-        by_blob.setdefault(rec.blob, []).append(i)
-    if check_new is not None:
-        check_new([rec for i, rec in enumerate(m.tensors) if i not in dests])
+    dests, by_blob = _matched(out, m, root, check_new)
     values: list[object] = [None] * len(m.tensors)
     on_device, extents = _device_extents(m, dests, by_blob)
     windows = [
@@ -275,12 +284,7 @@ def fill_from_stream(
     """Fills `out` from a whole stream already read and verified (a restore from the levels);
     returns the loaded state as :func:`fill_by_key` does. `out` is checked against `m` first and
     touched only after that, so a mismatch leaves it as it was."""
-    dests = _destinations(out, m, root)
-    by_blob: dict[int, list[int]] = {}
-    for i, rec in enumerate(m.tensors):
-        by_blob.setdefault(rec.blob, []).append(i)
-    if check_new is not None:
-        check_new([rec for i, rec in enumerate(m.tensors) if i not in dests])
+    dests, by_blob = _matched(out, m, root, check_new)
     values: list[object] = [None] * len(m.tensors)
     whole = torch.frombuffer(stream, dtype=torch.uint8) if m.total_bytes else torch.empty(0, dtype=torch.uint8)
     _copy_window(m, 0, whole, list(range(len(m.blobs))), by_blob, dests, values, place)
