@@ -44,6 +44,8 @@ class DrainResult:
     nbytes: int = 0
     seconds: float = 0.0
     error: BaseException | None = None
+    #: CPU seconds the drain's thread used: what it takes from the training process's cores.
+    cpu_s: float = 0.0
 
 
 class Drainer:
@@ -62,6 +64,7 @@ class Drainer:
         staging: Callable[[], bool] = lambda: False,
         writing: Callable[[], bool] = lambda: False,
         agree: Callable[[int], int] | None = None,
+        on_drained: Callable[[DrainResult], None] | None = None,
     ) -> None:
         self.remote, self.local_path = remote, local_path
         self.rank, self.size, self.keep, self.timeout_s = rank, size, keep, timeout_s
@@ -72,6 +75,7 @@ class Drainer:
         #: returns the step they all drain (the newest proposed: each rank replaced waiting steps
         #: on its own timing, but a step one rank committed, every rank committed).
         self.agree = agree
+        self.on_drained = on_drained  # called on the drain's thread after each step it drained
         self._cond = threading.Condition()
         self._pending: int | None = None
         self._busy = False
@@ -113,7 +117,7 @@ class Drainer:
 
     def drain(self, step: int) -> DrainResult:
         """Drains one step now (on the calling thread); raises on failure."""
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.thread_time()
         local = self.local_path(step)
         m = read_manifest(local)
         done = [0]
@@ -130,7 +134,7 @@ class Drainer:
             )
         else:
             self.remote.wait_committed(step, m.checkpoint_id, self.timeout_s)
-        return DrainResult(step, nbytes, time.monotonic() - started)
+        return DrainResult(step, nbytes, time.monotonic() - started, cpu_s=time.thread_time() - cpu_started)
 
     def _run(self) -> None:
         while True:
@@ -152,6 +156,11 @@ class Drainer:
                     if self._pending is not None and self._pending <= step:
                         self._pending = None
                 self.last = self._attempts(step)
+                if self.last.error is None and self.on_drained is not None:
+                    try:
+                        self.on_drained(self.last)
+                    except Exception as e:  # advice is optional: the drains go on without it
+                        log.warning("after the drain of step %d to %s: %s", step, self.remote.root, e)
             with self._cond:
                 self._busy = False
                 self._draining = None
