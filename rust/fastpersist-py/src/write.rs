@@ -82,15 +82,7 @@ pub(crate) fn start_write(
         device: device_copy.map(|callback| {
             Box::new(PyDeviceCopier::new(callback)) as Box<dyn fastpersist_core::job::DeviceCopier>
         }),
-        crc32_fields: crc32_fields
-            .unwrap_or_default()
-            .into_iter()
-            .map(|(start_bytes, len_bytes, write_at_bytes)| Crc32Field {
-                start_bytes,
-                len_bytes,
-                write_at_bytes,
-            })
-            .collect(),
+        crc32_fields: crc32_fields_from(crc32_fields),
     };
     let shared = Shared::new();
     let (job_plan, job_pool, job_shared) = (
@@ -137,6 +129,19 @@ fn guard_from(
         (None, None) => Ok(None),
         _ => Err(PyValueError::new_err("watched= and on_staged= go together")),
     }
+}
+
+/// The core's fields from `crc32_fields=`'s `(start_bytes, len_bytes, [write_at_bytes])` tuples.
+fn crc32_fields_from(fields: Option<Vec<(u64, u64, Vec<u64>)>>) -> Vec<Crc32Field> {
+    fields
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(start_bytes, len_bytes, write_at_bytes)| Crc32Field {
+            start_bytes,
+            len_bytes,
+            write_at_bytes,
+        })
+        .collect()
 }
 
 /// `writer`'s parts of `plan`, each with the path it is written to.
