@@ -144,8 +144,9 @@ def test_plain_safetensors_file_imports_as_a_flat_dict(workdir: str) -> None:
 def test_convert_refuses_what_it_cannot_read_safely(workdir: str) -> None:
     pt = os.path.join(workdir, "evil.pt")
     torch.save({"obj": fractions.Fraction(1, 3)}, pt)
-    with pytest.raises(fp.FastPersistError, match="weights_only"):
+    with pytest.raises(fp.FastPersistError, match="weights_only=False") as info:
         read_any(pt)
+    assert pt in str(info.value) and "--unsafe-pickle" in str(info.value)
     junk = os.path.join(workdir, "junk.bin")
     with open(junk, "wb") as f:
         f.write(b"hello world")
@@ -153,3 +154,39 @@ def test_convert_refuses_what_it_cannot_read_safely(workdir: str) -> None:
         detect_format(junk)
     with pytest.raises(ValueError, match="to="):
         convert(pt, "onnx", junk)  # type: ignore[arg-type]
+    broken = os.path.join(workdir, "broken.pt")
+    with open(broken, "wb") as f:
+        f.write(b"PK\x03\x04" + bytes(40))  # a zip header and nothing after it
+    with pytest.raises(fp.FastPersistError, match="could not read it") as bad:
+        read_any(broken, unsafe_pickle=True)
+    assert broken in str(bad.value)
+
+
+def _needs_unpickling(workdir: str) -> tuple[str, dict[str, Any]]:
+    """A .pt file weights_only=True refuses (numpy arrays), holding only values fastpersist keeps."""
+    state = {"w": torch.arange(6.0).reshape(2, 3), "rng": np.arange(5, dtype=np.uint32), "step": 3}
+    pt = os.path.join(workdir, "numpy.pt")
+    torch.save(state, pt)
+    return pt, state
+
+
+def test_convert_reads_a_file_that_needs_unpickling_only_when_told(
+    workdir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pt, state = _needs_unpickling(workdir)
+    out = os.path.join(workdir, "ckpt")
+    with pytest.raises(fp.FastPersistError, match="--unsafe-pickle") as info:
+        convert(pt, "fastpersist", out)
+    assert pt in str(info.value) and "numpy" in str(info.value)  # names the file and what torch refused
+    assert not os.path.exists(out)
+    with caplog.at_level("WARNING", logger="fastpersist"):
+        assert convert(pt, "fastpersist", out, unsafe_pickle=True)["tensors"] == 2
+    assert "weights_only=False" in caplog.text
+    assert_same(state, fp.load(out))
+    evil = os.path.join(workdir, "evil.pt")  # unpickled, but not a value a checkpoint keeps
+    torch.save({"obj": fractions.Fraction(1, 3)}, evil)
+    with pytest.raises(fp.UnsupportedValueError, match="Fraction"):
+        convert(evil, "fastpersist", os.path.join(workdir, "evil-ckpt"), unsafe_pickle=True)
+    back = os.path.join(workdir, "back.pt")
+    convert(evil, "torch", back, unsafe_pickle=True)  # torch's own format keeps it, pickled
+    assert torch.load(back, weights_only=False) == {"obj": fractions.Fraction(1, 3)}
