@@ -13,6 +13,7 @@ import logging
 import os
 import pickle
 import shutil
+import stat
 import struct
 import subprocess
 import types
@@ -262,6 +263,38 @@ def test_a_custom_pickle_module_is_used_by_torch_save(workdir: str, debug_log: p
     assert res.backend == "torch.save" and "counting_pickle" in debug_log.text
     assert pickled and pickled[0] is state  # torch.save pickled it with the module given
     assert_same(state, torch.load(path, weights_only=True))
+
+
+def test_a_path_that_is_no_regular_file_is_written_by_torch_save(
+    workdir: str, debug_log: pytest.LogCaptureFixture
+) -> None:
+    """Never renamed over: a device stays the device torch.save writes into.
+
+    A null device of the test's own (never /dev/null: a regression must not break the machine).
+    """
+    null = os.path.join(workdir, "null")
+    try:
+        os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("creating a device node needs CAP_MKNOD")
+    res = fp.torch_save({"w": torch.ones(2)}, null)
+    assert res.backend == "torch.save" and "regular file" in debug_log.text
+    assert stat.S_ISCHR(os.stat(null).st_mode) and os.listdir(workdir) == ["null"]
+
+
+def test_a_symlink_is_written_through_as_torch_save_writes_it(workdir: str) -> None:
+    target, link = os.path.join(workdir, "step-1.pt"), os.path.join(workdir, "latest.pt")
+    torch.save({"w": torch.zeros(2)}, target)
+    os.symlink("step-1.pt", link)
+    res = fp.torch_save({"w": torch.ones(2)}, link)
+    assert res.backend != "torch.save" and os.path.islink(link) and os.readlink(link) == "step-1.pt"
+    assert torch.equal(torch.load(target, weights_only=True)["w"], torch.ones(2))
+    dangling = os.path.join(workdir, "next.pt")
+    os.symlink("step-2.pt", dangling)  # torch.save creates the file the link names
+    fp.torch_save({"w": torch.full((2,), 2.0)}, dangling)
+    assert os.path.islink(dangling)
+    assert torch.equal(torch.load(os.path.join(workdir, "step-2.pt"), weights_only=True)["w"], torch.full((2,), 2.0))
+    assert sorted(os.listdir(workdir)) == ["latest.pt", "next.pt", "step-1.pt", "step-2.pt"]
 
 
 # ----------------------------------------------------------------------------- the same exceptions

@@ -254,16 +254,18 @@ def torch_save_route(f: object, args: TorchSaveArgs) -> str | None:
     path = os.fspath(f)
     if not isinstance(path, str) or not path:
         return "not a usable str path: torch.save reports it"
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or os.path.isdir(path):
+    real = os.path.realpath(path)  # a symlink is written through, as open() writes it
+    if not os.path.isdir(os.path.dirname(real)) or os.path.isdir(real):
         return "the parent directory is missing or the path is a directory: torch.save reports it"
+    if os.path.exists(real) and not os.path.isfile(real):
+        return "not a regular file (a device, a FIFO): torch.save writes into it, nothing is renamed over it"
     return None
 
 
 def _fallback(obj: object, path: str, args: TorchSaveArgs, durable: bool) -> None:
     """``torch.save`` to `path`, made durable (fsync of the file and its directory) when asked."""
     args.save(obj, path)
-    if durable:
+    if durable and os.path.isfile(path):  # a device or FIFO has nothing to fsync
         _core.fsync_path(path)
         _core.fsync_dir(os.path.dirname(os.path.abspath(path)))
 
@@ -285,7 +287,8 @@ def _save_elsewhere(obj: object, f: Any, args: TorchSaveArgs, config: Config | N
         return _result(repr(f), nbytes, started, "torch.save")
     path = os.fspath(f)
     _fallback(obj, path, args, (config or Config()).durable)  # torch.save raises on a path it refuses
-    return _result(os.path.abspath(path), os.path.getsize(path), started, "torch.save")
+    nbytes = os.path.getsize(path) if os.path.isfile(path) else 0
+    return _result(os.path.abspath(path), nbytes, started, "torch.save")
 
 
 def torch_save(
@@ -312,7 +315,8 @@ def torch_save(
     Everything else is handed to ``torch.save`` itself, with a DEBUG log saying why, and
     behaves exactly as it does (same output, same exceptions): a file object (``io.BytesIO``,
     anything with ``write``), ``_use_new_zipfile_serialization=False``, a custom
-    ``pickle_module``, a path whose directory is missing. A path written that way is fsynced
+    ``pickle_module``, a path whose directory is missing, a device or FIFO (never renamed
+    over; a symlink is written through, the link kept). A path written that way is fsynced
     afterwards when ``config.durable``. If torch's internals are not as expected, this falls
     back to ``torch.save`` + fsync and logs a warning.
 
@@ -330,6 +334,8 @@ def torch_save(
         return _save_elsewhere(obj, f, args, config, started)
     config = config or Config()
     target = os.path.abspath(os.fspath(f))
+    if os.path.islink(target):  # replace the file the link names, not the link (as torch.save does)
+        target = os.path.realpath(target)
     with_crc32 = torch.serialization.get_crc32_options()  # set_crc32_options(False) is honoured
     skel = capture_skeleton(obj, pickle_protocol, _disable_byteorder_record)
     try:
