@@ -25,11 +25,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_interop import _state, assert_same
 
 import fastpersist as fp
 from fastpersist.interop import torchfile
 from fastpersist.interop.ziprecords import zip_records
+
+from budget import examples
 
 SERIALIZATION_ID = ".data/serialization_id"
 
@@ -84,6 +88,35 @@ def test_a_path_is_laid_out_as_torch_save_lays_it_out_with_real_crcs(workdir: st
         assert [struct.unpack_from("<L", data, at)[0] for at in rec.crc_offsets] == [crc] * len(rec.crc_offsets)
     assert_same(state, torch.load(path, weights_only=True))
     assert not [p for p in os.listdir(workdir) if p != "state.pt"]  # no temporary left behind
+
+
+_DTYPES = [torch.uint8, torch.int16, torch.float32, torch.float64, torch.bfloat16, torch.bool]
+
+
+@st.composite
+def tensor_states(draw: st.DrawFn) -> dict[str, torch.Tensor]:
+    """Tensors of random sizes around the 64-byte record alignment and the chunk size, some views."""
+    state: dict[str, torch.Tensor] = {}
+    for i in range(draw(st.integers(1, 8))):
+        numel = draw(st.sampled_from([0, 1, 15, 16, 17, 63, 64, 65, 1000, 16383, 16384, 16385, 40000]))
+        t = torch.arange(numel, dtype=torch.float64).to(draw(st.sampled_from(_DTYPES)))
+        state[f"t{i}"] = t
+        if numel > 2 and draw(st.booleans()):
+            state[f"v{i}"] = t[1:-1]  # shares t's storage: one record
+    return state
+
+
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(state=tensor_states())
+def test_random_states_get_torch_saves_layout_and_valid_crcs(workdir: str, state: dict[str, torch.Tensor]) -> None:
+    path = os.path.join(workdir, "r.pt")
+    config = fp.Config(chunk_bytes=64 << 10, pool_bytes=1 << 20)  # records straddle chunks
+    assert fp.torch_save(state, path, config=config).backend != "torch.save"
+    data = open(path, "rb").read()
+    assert without_serialization_id(data) == without_serialization_id(torch_bytes(state))
+    with zipfile.ZipFile(path) as z:
+        assert z.testzip() is None
+    assert_same(state, torch.load(path, weights_only=True))
 
 
 def test_unzip_tests_the_file_clean(workdir: str, config: fp.Config) -> None:
