@@ -182,6 +182,7 @@ def start_write(
     copy_budget_bytes: int = 0,
     device_copy: Callable[[int, int, memoryview, int, int], None] | None = None,
     also_writers: Sequence[int] = (),
+    crc32_fields: Sequence[tuple[int, int, Sequence[int]]] | None = None,
 ) -> WriteHandle:
     """Writes ``writer``'s parts of ``plan``, then each of ``also_writers``' parts, to ``paths``
     (one per part, in that order) from ``sources``.
@@ -200,6 +201,11 @@ def start_write(
     A source given as ``None`` lives in device memory: ``device_copy(extent, offset_bytes, slot,
     start, end)`` copies that extent's bytes from ``offset_bytes`` into ``slot[start:end]`` (a
     memoryview over a whole staging slot, valid only during the call) and returns when done.
+
+    ``crc32_fields``: ``(start_bytes, len_bytes, [write_at_bytes, ...])`` per range of the
+    stream whose CRC-32 (IEEE, ``zlib.crc32``) is written little-endian at each offset while
+    the range streams through staging (the record CRCs of a zip archive). Ranges sorted and
+    disjoint, each offset after its range's end; the plan must have a single part.
     """
 
 def read_ranges_into(

@@ -1,10 +1,11 @@
-"""Interop: torch_save files torch.load reads, and bit-identical conversions in every direction."""
+"""Interop: torch_save files torch.load reads, and bit-identical conversions in every direction.
+
+test_torch_save.py holds torch_save's drop-in behaviour (every kind of f and argument, CRCs)."""
 
 from __future__ import annotations
 
 import collections
 import fractions
-import io
 import os
 from typing import Any
 
@@ -13,7 +14,6 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist.interop import torchfile
 from fastpersist.interop.convert import convert, detect_format, read_any
 
 
@@ -73,29 +73,6 @@ def shares(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-@pytest.mark.parametrize("backend", ["io_uring", "threads"])
-def test_torch_save_is_byte_identical_to_torch_save_without_crc(workdir: str, backend: str) -> None:
-    from conftest import available_backends
-
-    if backend not in available_backends():
-        pytest.skip(f"{backend} unavailable here")
-    state = _state()
-    path = os.path.join(workdir, "state.pt")
-    res = fp.torch_save(state, path, config=fp.Config(backend=backend, chunk_bytes=64 << 10, pool_bytes=1 << 20))  # type: ignore[arg-type]
-    assert res.backend == backend and res.nbytes == os.path.getsize(path)
-    from torch.utils.serialization import config
-
-    before = config.save.compute_crc32
-    buf = io.BytesIO()
-    config.save.compute_crc32 = False
-    try:
-        torch.save(state, buf)
-    finally:
-        config.save.compute_crc32 = before
-    assert open(path, "rb").read() == buf.getvalue()
-    assert config.save.compute_crc32 == before and config.save.storage_alignment == 64  # restored
-
-
 @pytest.mark.parametrize("kwargs", [{}, {"weights_only": True}, {"weights_only": True, "mmap": True}])
 def test_torch_load_reads_torch_save_output(workdir: str, kwargs: dict[str, bool]) -> None:
     state = _state()
@@ -105,32 +82,6 @@ def test_torch_load_reads_torch_save_output(workdir: str, kwargs: dict[str, bool
     assert_same(state, loaded)
     assert shares(loaded["view"], loaded["model"]["layers.0.weight"]) and shares(loaded["t"], loaded["col"])
     assert not [p for p in os.listdir(workdir) if p != "state.pt"]  # no temporary left behind
-
-
-@pytest.mark.parametrize("obj", [{}, {"n": 1, "s": "x"}, torch.ones(3), [torch.zeros(0), torch.ones(1)]])
-def test_torch_save_edge_states_and_file_objects(workdir: str, obj: Any) -> None:
-    path = os.path.join(workdir, "edge.pt")
-    fp.torch_save(obj, path)
-    loaded = torch.load(path, weights_only=True)
-    assert_same(obj, loaded)
-    buf = io.BytesIO()
-    fp.torch_save(obj, buf)
-    buf.seek(0)
-    assert_same(obj, torch.load(buf, weights_only=True))
-
-
-def test_torch_save_falls_back_when_the_skeleton_is_unexpected(
-    workdir: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    def broken(skel: torchfile.Skeleton) -> list[np.ndarray]:
-        raise ValueError("simulated surprise")
-
-    monkeypatch.setattr(torchfile, "compose_extents", broken)
-    path = os.path.join(workdir, "x.pt")
-    with caplog.at_level("WARNING", logger="fastpersist"):
-        res = fp.torch_save({"w": torch.ones(3)}, path)
-    assert res.backend == "torch.save" and "simulated surprise" in caplog.text
-    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))
 
 
 def test_checkpoint_to_torch_and_back_is_bit_identical(workdir: str) -> None:
@@ -193,8 +144,9 @@ def test_plain_safetensors_file_imports_as_a_flat_dict(workdir: str) -> None:
 def test_convert_refuses_what_it_cannot_read_safely(workdir: str) -> None:
     pt = os.path.join(workdir, "evil.pt")
     torch.save({"obj": fractions.Fraction(1, 3)}, pt)
-    with pytest.raises(fp.FastPersistError, match="weights_only"):
+    with pytest.raises(fp.FastPersistError, match="weights_only=False") as info:
         read_any(pt)
+    assert pt in str(info.value) and "--unsafe-pickle" in str(info.value)
     junk = os.path.join(workdir, "junk.bin")
     with open(junk, "wb") as f:
         f.write(b"hello world")
@@ -202,3 +154,39 @@ def test_convert_refuses_what_it_cannot_read_safely(workdir: str) -> None:
         detect_format(junk)
     with pytest.raises(ValueError, match="to="):
         convert(pt, "onnx", junk)  # type: ignore[arg-type]
+    broken = os.path.join(workdir, "broken.pt")
+    with open(broken, "wb") as f:
+        f.write(b"PK\x03\x04" + bytes(40))  # a zip header and nothing after it
+    with pytest.raises(fp.FastPersistError, match="could not read it") as bad:
+        read_any(broken, unsafe_pickle=True)
+    assert broken in str(bad.value)
+
+
+def _needs_unpickling(workdir: str) -> tuple[str, dict[str, Any]]:
+    """A .pt file weights_only=True refuses (numpy arrays), holding only values fastpersist keeps."""
+    state = {"w": torch.arange(6.0).reshape(2, 3), "rng": np.arange(5, dtype=np.uint32), "step": 3}
+    pt = os.path.join(workdir, "numpy.pt")
+    torch.save(state, pt)
+    return pt, state
+
+
+def test_convert_reads_a_file_that_needs_unpickling_only_when_told(
+    workdir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pt, state = _needs_unpickling(workdir)
+    out = os.path.join(workdir, "ckpt")
+    with pytest.raises(fp.FastPersistError, match="--unsafe-pickle") as info:
+        convert(pt, "fastpersist", out)
+    assert pt in str(info.value) and "numpy" in str(info.value)  # names the file and what torch refused
+    assert not os.path.exists(out)
+    with caplog.at_level("WARNING", logger="fastpersist"):
+        assert convert(pt, "fastpersist", out, unsafe_pickle=True)["tensors"] == 2
+    assert "weights_only=False" in caplog.text
+    assert_same(state, fp.load(out))
+    evil = os.path.join(workdir, "evil.pt")  # unpickled, but not a value a checkpoint keeps
+    torch.save({"obj": fractions.Fraction(1, 3)}, evil)
+    with pytest.raises(fp.UnsupportedValueError, match="Fraction"):
+        convert(evil, "fastpersist", os.path.join(workdir, "evil-ckpt"), unsafe_pickle=True)
+    back = os.path.join(workdir, "back.pt")
+    convert(evil, "torch", back, unsafe_pickle=True)  # torch's own format keeps it, pickled
+    assert torch.load(back, weights_only=False) == {"obj": fractions.Fraction(1, 3)}

@@ -94,6 +94,20 @@ def test_convert_every_direction(workdir: str, capsys: pytest.CaptureFixture[str
     assert "FAILED" in capsys.readouterr().err
 
 
+def test_convert_unpickles_a_pt_file_only_with_unsafe_pickle(workdir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+
+    pt, out = os.path.join(workdir, "numpy.pt"), os.path.join(workdir, "ckpt")
+    torch.save({"w": torch.ones(3), "rng": np.arange(4)}, pt)
+    assert cli.main(["convert", pt, "--to", "fastpersist", out]) == 1
+    err = capsys.readouterr().err
+    assert "FAILED" in err and pt in err and "--unsafe-pickle" in err
+    assert not os.path.exists(out)
+    assert cli.main(["convert", pt, "--to", "fastpersist", out, "--unsafe-pickle"]) == 0
+    state = fp.load(out)
+    assert torch.equal(state["w"], torch.ones(3)) and state["rng"].tolist() == [0, 1, 2, 3]
+
+
 def test_demo_runs_small(workdir: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["demo", "--size", "4MiB", "--reps", "1", "--dir", workdir]) == 0
     out = capsys.readouterr().out

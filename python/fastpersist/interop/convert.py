@@ -5,7 +5,9 @@ strides and bytes, and the non-tensor structure (nesting, key types, plain value
 
 * torch: a ``.pt`` file is read with ``torch.load(weights_only=True, mmap=True)`` (never
   unpickling code) and written with :func:`fastpersist.torch_save`. Tensors that share storage
-  stay shared both ways.
+  stay shared both ways. A file that needs ``weights_only=False`` (numpy arrays, argparse
+  namespaces, classes of its own) is refused unless the caller passes ``unsafe_pickle=True``
+  (the CLI's ``--unsafe-pickle``): unpickling it runs whatever code the file names.
 * safetensors: every tensor is stored under a dotted name built from its key path
   (``model.layers.0.weight``; list items by index), so ``safetensors.torch.load_file`` gives
   the weights directly. The rest of the state (the tree of containers and plain values, each
@@ -23,14 +25,16 @@ Example:
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pickle
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from ..errors import FastPersistError
+from ..errors import FastPersistError, UnsupportedValueError
 from ..format.flatten import flatten, materialize, records_from_json, records_to_json, unflatten
 from ..format.layout import MANIFEST_NAME, atomic_file
 from ..format.manifest import read_manifest
@@ -38,6 +42,8 @@ from ..format.quote import shown
 from ..format.records import TORCH_DTYPES, TensorRecord, dtype_itemsize, span_elems
 
 __all__ = ["Format", "convert", "detect_format", "read_any", "read_checkpoint", "write_safetensors"]
+
+log = logging.getLogger("fastpersist")
 
 Format = Literal["torch", "safetensors", "fastpersist"]
 FORMATS: tuple[Format, ...] = ("torch", "safetensors", "fastpersist")
@@ -105,20 +111,37 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Any:
     return unflatten(m.tree, materialize(m.tensors, [buffers[b] for b in range(len(m.blobs))]))
 
 
-def read_any(path: str | os.PathLike[str]) -> Any:
-    """Reads a checkpoint, ``torch.save`` file or safetensors file into a state (on the CPU)."""
+def read_any(path: str | os.PathLike[str], *, unsafe_pickle: bool = False) -> Any:
+    """Reads a checkpoint, ``torch.save`` file or safetensors file into a state (on the CPU).
+
+    A ``torch.save`` file is read with ``weights_only=True``; one that needs more is refused
+    (FastPersistError naming the file and the flag) unless `unsafe_pickle`: then it is read
+    with ``weights_only=False``, which runs any code its pickle names. Only for trusted files.
+    """
     kind = detect_format(path)
     if kind == "fastpersist":
         return read_checkpoint(path)
     if kind == "torch":
-        try:
-            return torch.load(os.fspath(path), map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:
-            raise FastPersistError(
-                f"{path}: torch.load(weights_only=True) refused it ({e}); fastpersist never unpickles arbitrary "
-                "objects. Load it yourself if you trust it, keep tensors and plain values, and fp.save that"
-            ) from None
+        return _read_torch_file(os.fspath(path), unsafe_pickle)
     return read_safetensors(path)
+
+
+def _read_torch_file(path: str, unsafe_pickle: bool) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        if not unsafe_pickle:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+            why = next((line for line in lines if "WeightsUnpickler error" in line), lines[0])
+            raise FastPersistError(
+                f"{path} needs torch.load(weights_only=False), which runs code the file names "
+                f"(torch says: {shown(why, 200)}). If you trust the file, pass --unsafe-pickle "
+                "(convert(..., unsafe_pickle=True) in Python)"
+            ) from None
+    except Exception as e:
+        raise FastPersistError(f"{path}: torch.load could not read it: {shown(str(e), 300)}") from None
+    log.warning("unpickling %s with weights_only=False (unsafe_pickle): it may run code the file names", path)
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -252,11 +275,13 @@ def convert(
     out: str | os.PathLike[str],
     *,
     progress: Progress | None = None,
+    unsafe_pickle: bool = False,
 ) -> dict[str, Any]:
     """Converts `src` (any of the three formats, detected from its content) to format `to` at `out`.
 
     Returns ``{"src_format", "to", "out", "tensors"}``. `progress`, when given, is called with
-    a short description of each step.
+    a short description of each step. `unsafe_pickle`: read a ``.pt`` file that needs
+    ``torch.load(weights_only=False)`` (see :func:`read_any`); only for files you trust.
 
     Example:
         >>> import fastpersist as fp, torch
@@ -269,9 +294,14 @@ def convert(
     step = progress or (lambda _text: None)
     kind = detect_format(src)
     step(f"reading {kind} {src}")
-    state = read_any(src)
+    state = read_any(src, unsafe_pickle=unsafe_pickle)
     step(f"writing {to} {out}")
-    count = len(flatten(state).leaves)
+    try:
+        count = len(flatten(state).leaves)
+    except UnsupportedValueError:
+        if to != "torch":  # torch's format pickles what an unpickled file held; ours does not
+            raise
+        count = sum(isinstance(x, torch.Tensor) for _, x in _walk(state, ""))
     if to == "fastpersist":
         from ..api import save
 

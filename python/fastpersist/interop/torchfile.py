@@ -11,16 +11,23 @@ written with large aligned O_DIRECT writes, fsynced, and renamed into place.
 The engine lays extents at 64-byte-aligned offsets; torch aligns every storage record to 64
 bytes too (``storage_alignment``). So extent boundaries are put where both agree: a storage's
 bytes up to its last 64-byte boundary are one extent (zero-copy), and its unaligned tail is
-copied in front of the skeleton bytes that follow it. The composed file is byte-identical to
-``torch.save(obj, io.BytesIO())`` with CRC-32 off (``torch.load`` does not check CRCs; the zip
-CRC fields of storage records are 0, as with ``skip_data``).
+copied in front of the skeleton bytes that follow it. Torch leaves every record's CRC-32 at 0
+under ``skip_data``; the engine computes each record's CRC-32 while staging its bytes and fills
+in the data descriptor and central-directory fields (both come after the bytes: see
+:mod:`.ziprecords`). The composed file is byte-identical to ``torch.save(obj, io.BytesIO())``
+but for the ``.data/serialization_id`` record (an id torch derives from its own running CRC),
+and ``zipfile``, ``unzip -t`` and CRC-checking readers accept it.
 
+What is not a path to a new zip archive written with the standard ``pickle`` (a file object,
+the legacy format, a custom ``pickle_module``, a path torch.save itself refuses) is handed to
+``torch.save`` unchanged, with a DEBUG log saying why, so that code can swap the call blindly.
 Any surprise in torch's private behaviour (a hole that does not match a storage, an unaligned
 record) makes ``torch_save`` fall back to plain ``torch.save`` + fsync, with a warning.
 """
 
 from __future__ import annotations
 
+import bisect
 import io
 import logging
 import os
@@ -37,6 +44,7 @@ import torch
 from .. import _core
 from ..config import Config, SaveResult
 from ..format.layout import atomic_file
+from .ziprecords import ReadAt, zip_records
 
 __all__ = ["torch_save"]
 
@@ -112,7 +120,7 @@ def _hook_module(skeleton: Skeleton) -> types.SimpleNamespace:
     return types.SimpleNamespace(Pickler=Pickler, Unpickler=pickle.Unpickler, __name__="fastpersist_pickle")
 
 
-def capture_skeleton(obj: object, pickle_protocol: int = 2) -> Skeleton:
+def capture_skeleton(obj: object, pickle_protocol: int = 2, disable_byteorder_record: bool = False) -> Skeleton:
     """Runs ``torch.save`` without data and returns the skeleton (see the module docstring)."""
     from torch.utils.serialization import config
 
@@ -127,6 +135,7 @@ def capture_skeleton(obj: object, pickle_protocol: int = 2) -> Skeleton:
                     cast(IO[bytes], _Capture(skel)),
                     pickle_module=_hook_module(skel),
                     pickle_protocol=pickle_protocol,
+                    _disable_byteorder_record=disable_byteorder_record,
                 )
         finally:
             config.save.storage_alignment, config.save.compute_crc32 = saved
@@ -187,29 +196,129 @@ def compose_extents(skel: Skeleton) -> list[np.ndarray]:
     return extents
 
 
-def _fallback(obj: object, path: str, pickle_protocol: int, why: str) -> None:
-    log.warning("torch_save fell back to torch.save for %s: %s", path, why)
-    torch.save(obj, path, pickle_protocol=pickle_protocol)
-    _core.fsync_path(path)
-    _core.fsync_dir(os.path.dirname(path) or ".")
+def _skeleton_bytes(skel: Skeleton) -> ReadAt:
+    """Reads the skeleton's bytes at an offset (ValueError inside a hole)."""
+    starts = [off for off, _ in skel.pieces]
+
+    def read_at(offset: int, nbytes: int) -> bytes:
+        i = bisect.bisect_right(starts, offset) - 1
+        if i >= 0 and offset + nbytes <= starts[i] + len(skel.pieces[i][1]):  # within one write
+            return skel.pieces[i][1][offset - starts[i] : offset - starts[i] + nbytes]
+        out = bytearray()
+        while len(out) < nbytes:
+            at = offset + len(out)
+            if i < 0 or i >= len(starts) or not starts[i] <= at < starts[i] + len(skel.pieces[i][1]):
+                raise ValueError(f"the archive skeleton has no bytes at {at}")
+            data = skel.pieces[i][1]
+            out += data[at - starts[i] : at - starts[i] + nbytes - len(out)]
+            i += 1
+        return bytes(out)
+
+    return read_at
+
+
+def crc32_fields(skel: Skeleton) -> list[tuple[int, int, list[int]]]:
+    """The engine's ``crc32_fields`` for the archive: each non-empty record and its CRC offsets."""
+    records = zip_records(_skeleton_bytes(skel), skel.total_bytes)
+    return [(r.data_offset_bytes, r.len_bytes, list(r.crc_offsets)) for r in records if r.len_bytes]
+
+
+@dataclass(frozen=True)
+class TorchSaveArgs:
+    """``torch.save``'s arguments past ``obj`` and ``f``, passed on unchanged when it writes."""
+
+    pickle_module: Any = pickle
+    pickle_protocol: int = torch.serialization.DEFAULT_PROTOCOL
+    use_new_zipfile_serialization: bool = True
+    disable_byteorder_record: bool = False
+
+    def save(self, obj: object, f: str | os.PathLike[str] | IO[bytes]) -> None:
+        torch.save(
+            obj,
+            f,
+            pickle_module=self.pickle_module,
+            pickle_protocol=self.pickle_protocol,
+            _use_new_zipfile_serialization=self.use_new_zipfile_serialization,
+            _disable_byteorder_record=self.disable_byteorder_record,
+        )
+
+
+def torch_save_route(f: object, args: TorchSaveArgs) -> str | None:
+    """Why `f` and `args` go to ``torch.save`` itself, or None for the fast path."""
+    if not isinstance(f, (str, os.PathLike)):
+        return "f is not a path (a file object or something else torch.save judges): torch.save writes it"
+    if not args.use_new_zipfile_serialization:
+        return "_use_new_zipfile_serialization=False asks for the legacy format"
+    if args.pickle_module is not pickle:
+        return f"a custom pickle_module ({getattr(args.pickle_module, '__name__', args.pickle_module)!r})"
+    path = os.fspath(f)
+    if not isinstance(path, str) or not path:
+        return "not a usable str path: torch.save reports it"
+    real = os.path.realpath(path)  # a symlink is written through, as open() writes it
+    if not os.path.isdir(os.path.dirname(real)) or os.path.isdir(real):
+        return "the parent directory is missing or the path is a directory: torch.save reports it"
+    if os.path.exists(real) and not os.path.isfile(real):
+        return "not a regular file (a device, a FIFO): torch.save writes into it, nothing is renamed over it"
+    return None
+
+
+def _fallback(obj: object, path: str, args: TorchSaveArgs, durable: bool) -> None:
+    """``torch.save`` to `path`, made durable (fsync of the file and its directory) when asked."""
+    args.save(obj, path)
+    if durable and os.path.isfile(path):  # a device or FIFO has nothing to fsync
+        _core.fsync_path(path)
+        _core.fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _stream_position(f: object) -> int | None:
+    try:
+        return int(f.tell())  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError, TypeError):
+        return None
+
+
+def _save_elsewhere(obj: object, f: Any, args: TorchSaveArgs, config: Config | None, started: float) -> SaveResult:
+    """What ``torch.save`` itself writes: file objects as they are, paths made durable."""
+    if not isinstance(f, (str, os.PathLike)):
+        before = _stream_position(f)
+        args.save(obj, f)
+        after = _stream_position(f)
+        nbytes = after - before if before is not None and after is not None else 0
+        return _result(repr(f), nbytes, started, "torch.save")
+    path = os.fspath(f)
+    _fallback(obj, path, args, (config or Config()).durable)  # torch.save raises on a path it refuses
+    nbytes = os.path.getsize(path) if os.path.isfile(path) else 0
+    return _result(os.path.abspath(path), nbytes, started, "torch.save")
 
 
 def torch_save(
     obj: object,
-    path: str | os.PathLike[str] | IO[bytes],
+    f: str | os.PathLike[str] | IO[bytes],
+    pickle_module: Any = pickle,
+    pickle_protocol: int = torch.serialization.DEFAULT_PROTOCOL,
+    _use_new_zipfile_serialization: bool = True,
+    _disable_byteorder_record: bool = False,
     *,
-    pickle_protocol: int = 2,
     config: Config | None = None,
 ) -> SaveResult:
-    """A drop-in for ``torch.save(obj, path)`` that writes with large aligned writes.
+    """A drop-in for ``torch.save`` that writes a path with large aligned writes.
 
-    The file is a regular torch zip archive: ``torch.load(path)`` reads it unchanged, also with
-    ``weights_only=True`` and ``mmap=True``. It is written to a temporary name, fsynced and
-    renamed into place (durable on return when ``config.durable``, the default). CRC-32 fields
-    of the zip records are 0 (``torch.load`` does not check them; ``fastpersist convert`` to our
-    format gives a checksummed copy). If torch's internals are not as expected, this falls back
-    to ``torch.save`` + fsync and logs a warning. A file object instead of a path is handed to
-    ``torch.save`` as is.
+    Takes what ``torch.save`` takes. A path (``str`` or ``os.PathLike``) with the default zip
+    format and the standard ``pickle`` module (any ``pickle_protocol``, either
+    ``_disable_byteorder_record``) takes the fast path: the file is a regular torch zip
+    archive, laid out byte for byte as ``torch.save`` writes it to a buffer, with real CRC-32s;
+    ``torch.load(path)`` reads it unchanged, also with ``weights_only=True`` and ``mmap=True``.
+    With ``torch.serialization.set_crc32_options(False)`` the CRC fields are left 0, as
+    ``torch.save`` leaves them. The file is written to a temporary name, fsynced and renamed
+    into place (durable on return when ``config.durable``, the default).
+
+    Everything else is handed to ``torch.save`` itself, with a DEBUG log saying why, and
+    behaves exactly as it does (same output, same exceptions): a file object (``io.BytesIO``,
+    anything with ``write``), ``_use_new_zipfile_serialization=False``, a custom
+    ``pickle_module``, a path whose directory is missing, a device or FIFO (never renamed
+    over; a symlink is written through, the link kept). A path written that way is fsynced
+    afterwards when ``config.durable``. If torch's internals are not as expected, this falls
+    back to ``torch.save`` + fsync and logs a warning.
 
     Example:
         >>> import fastpersist as fp, torch
@@ -218,20 +327,27 @@ def torch_save(
         tensor([0., 1., 2., 3.])
     """
     started = time.perf_counter()
-    if not isinstance(path, (str, os.PathLike)):  # a file object: nothing to align, torch writes it
-        torch.save(obj, path, pickle_protocol=pickle_protocol)
-        return _result(repr(path), path.tell() if path.seekable() else 0, started, "torch.save")
+    args = TorchSaveArgs(pickle_module, pickle_protocol, _use_new_zipfile_serialization, _disable_byteorder_record)
+    why = torch_save_route(f, args)
+    if why is not None or not isinstance(f, (str, os.PathLike)):  # (the second for the type checker)
+        log.debug("torch_save hands %r to torch.save: %s", f, why)
+        return _save_elsewhere(obj, f, args, config, started)
     config = config or Config()
-    target = os.path.abspath(os.fspath(path))
-    skel = capture_skeleton(obj, pickle_protocol)
+    target = os.path.abspath(os.fspath(f))
+    if os.path.islink(target):  # replace the file the link names, not the link (as torch.save does)
+        target = os.path.realpath(target)
+    with_crc32 = torch.serialization.get_crc32_options()  # set_crc32_options(False) is honoured
+    skel = capture_skeleton(obj, pickle_protocol, _disable_byteorder_record)
     try:
         extents = compose_extents(skel)
         plan = _core.Plan([e.nbytes for e in extents], 1, 1, config.chunk_bytes)
         if plan.total_bytes != skel.total_bytes:
             raise ValueError(f"the plan has {plan.total_bytes} bytes but the archive {skel.total_bytes}")
+        fields = crc32_fields(skel) if with_crc32 else []
     except ValueError as e:
-        _fallback(obj, target, pickle_protocol, str(e))
-        return _result(target, skel.total_bytes, started, "torch.save")
+        log.warning("torch_save fell back to torch.save for %s: %s", target, e)
+        _fallback(obj, target, args, config.durable)
+        return _result(target, os.path.getsize(target), started, "torch.save")
     from ..saving.pools import pool_for
 
     with atomic_file(target, durable=config.durable) as tmp:
@@ -246,6 +362,7 @@ def torch_save(
             queue_depth=config.queue_depth,
             checksum=False,
             durable=config.durable,
+            crc32_fields=fields,
         )
         report = handle.wait()
         if handle.fallback_reason:

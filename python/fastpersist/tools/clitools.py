@@ -189,7 +189,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 bar.update(1)
 
         try:
-            done = convert(args.src, args.to, args.out, progress=step)
+            done = convert(args.src, args.to, args.out, progress=step, unsafe_pickle=args.unsafe_pickle)
         except (FastPersistError, FileNotFoundError, IsADirectoryError) as e:
             print(f"FAILED: {e}", file=sys.stderr)
             return 1
@@ -210,9 +210,15 @@ def add_convert_parser(sub: Any) -> None:
         description="Converts SRC (a fastpersist checkpoint directory, a torch.save .pt file or a .safetensors "
         "file; detected from its content) to OUT in the format given by --to. Tensors come back bit-identical; "
         "the non-tensor structure is kept (in safetensors, in __metadata__). torch files are read with "
-        "weights_only=True: nothing is unpickled.",
+        "weights_only=True: nothing is unpickled, unless --unsafe-pickle is given.",
     )
     conv.add_argument("src", help="checkpoint directory, .pt file or .safetensors file")
     conv.add_argument("--to", required=True, choices=["torch", "safetensors", "fastpersist"], help="output format")
     conv.add_argument("out", help="output path (a directory for fastpersist, a file otherwise)")
+    conv.add_argument(
+        "--unsafe-pickle",
+        action="store_true",
+        help="read a .pt file that needs torch.load(weights_only=False); this runs any code the file "
+        "names, so only for files you trust",
+    )
     conv.set_defaults(func=cmd_convert)

@@ -1,4 +1,5 @@
-//! crc32c (Castagnoli, as used by iSCSI and ext4) with runtime SIMD dispatch.
+//! Checksums with runtime SIMD dispatch: crc32c (Castagnoli, as used by iSCSI and ext4) for our
+//! own chunks, and CRC-32 (IEEE 802.3, the one zip and gzip use) for the records of zip archives.
 
 use crc_fast::{CrcAlgorithm, Digest};
 
@@ -35,6 +36,39 @@ pub fn crc32c(bytes: &[u8]) -> u32 {
     crc_fast::checksum(CrcAlgorithm::Crc32Iscsi, bytes) as u32
 }
 
+/// Incremental CRC-32 (IEEE 802.3, reflected, as in zip's local headers and central directory).
+#[derive(Clone)]
+pub struct Crc32(Digest);
+
+impl std::fmt::Debug for Crc32 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Crc32")
+    }
+}
+
+impl Default for Crc32 {
+    fn default() -> Self {
+        Crc32(Digest::new(CrcAlgorithm::Crc32IsoHdlc))
+    }
+}
+
+impl Crc32 {
+    /// Feeds more bytes.
+    pub fn update(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+
+    /// The checksum of everything fed so far.
+    pub fn finish(&self) -> u32 {
+        self.0.finalize() as u32
+    }
+}
+
+/// CRC-32 (IEEE) of `bytes` in one call: what `zlib.crc32` returns.
+pub fn crc32(bytes: &[u8]) -> u32 {
+    crc_fast::checksum(CrcAlgorithm::Crc32IsoHdlc, bytes) as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -56,5 +90,23 @@ mod tests {
             crc.update(piece);
         }
         assert_eq!(crc.finish(), crc32c(&data));
+    }
+
+    #[test]
+    fn crc32_ieee_known_vectors() {
+        // The check value of CRC-32/ISO-HDLC, and values zlib.crc32 gives.
+        assert_eq!(crc32(b""), 0);
+        assert_eq!(crc32(b"123456789"), 0xCBF4_3926);
+        assert_eq!(crc32(&[0u8; 32]), 0x190A_55AD);
+        assert_eq!(
+            crc32(b"The quick brown fox jumps over the lazy dog"),
+            0x414F_A339
+        );
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i * 13 % 251) as u8).collect();
+        let mut crc = Crc32::default();
+        for piece in data.chunks(4097) {
+            crc.update(piece);
+        }
+        assert_eq!(crc.finish(), crc32(&data));
     }
 }

@@ -113,6 +113,7 @@ fn every_watched_extent_is_reported_once_and_small_ones_are_copied_first() {
         JobHooks {
             guard: Some(guard),
             device: None,
+            crc32_fields: Vec::new(),
         },
     )
     .unwrap();
@@ -145,6 +146,7 @@ fn early_copies_stop_at_the_budget_smallest_first() {
         JobHooks {
             guard: Some(guard),
             device: None,
+            crc32_fields: Vec::new(),
         },
     )
     .unwrap();
@@ -185,6 +187,7 @@ fn an_observer_error_fails_the_job() {
         JobHooks {
             guard: Some(guard),
             device: None,
+            crc32_fields: Vec::new(),
         },
     )
     .unwrap_err();
@@ -218,6 +221,7 @@ fn a_writer_hears_only_of_extents_it_writes() {
         JobHooks {
             guard: Some(guard),
             device: None,
+            crc32_fields: Vec::new(),
         },
     )
     .unwrap();
@@ -261,6 +265,7 @@ fn a_job_cancelled_after_the_last_chunk_was_staged_still_fails() {
         JobHooks {
             guard: Some(guard),
             device: None,
+            crc32_fields: Vec::new(),
         },
     )
     .unwrap_err();
@@ -309,6 +314,7 @@ fn device_extents_are_copied_chunk_by_chunk_and_only_this_writers_share() {
                 memory: device_memory,
                 copies: Arc::clone(&copies),
             })),
+            crc32_fields: Vec::new(),
         };
         let pool = Pool::new(CHUNK as usize, 2 * CHUNK as usize);
         let report = write_parts_with(
@@ -422,6 +428,7 @@ fn a_hooks_own_error_reaches_the_caller_whole() {
         JobHooks {
             guard: None,
             device: Some(Box::new(BrokenDevice)),
+            crc32_fields: Vec::new(),
         },
     )
     .unwrap_err();

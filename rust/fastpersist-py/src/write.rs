@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use fastpersist_core::job::{
-    Guard, JobHooks, SourceRegion, WriteOptions, WriteTarget, write_parts_with,
+    Crc32Field, Guard, JobHooks, SourceRegion, WriteOptions, WriteTarget, write_parts_with,
 };
 use fastpersist_core::plan;
 use pyo3::exceptions::PyValueError;
@@ -30,8 +30,12 @@ use crate::{Plan, Pool};
 /// start, end)` is called (job's thread, GIL held) to copy that extent's bytes from
 /// `offset_bytes` into `slot[start:end]`; `slot` is a writable memoryview over a whole staging
 /// slot, valid only during the call.
+///
+/// `crc32_fields`: `(start_bytes, len_bytes, [write_at_bytes, ...])` per stream range whose
+/// CRC-32 (IEEE) is written little-endian at each offset while staging (a zip archive's record
+/// CRCs); the plan must then have one part.
 #[pyfunction]
-#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0, device_copy=None, also_writers=Vec::new()))]
+#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0, device_copy=None, also_writers=Vec::new(), crc32_fields=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn start_write(
     py: Python<'_>,
@@ -52,6 +56,7 @@ pub(crate) fn start_write(
     copy_budget_bytes: u64,
     device_copy: Option<Py<PyAny>>,
     also_writers: Vec<usize>,
+    crc32_fields: Option<Vec<(u64, u64, Vec<u64>)>>,
 ) -> PyResult<WriteHandle> {
     let guard = guard_from(watched, on_staged, copy_max_extent_bytes, copy_budget_bytes)?;
     let (selection, direct) = crate::io_choices(py, backend, direct_io)?;
@@ -79,6 +84,7 @@ pub(crate) fn start_write(
         device: device_copy.map(|callback| {
             Box::new(PyDeviceCopier::new(callback)) as Box<dyn fastpersist_core::job::DeviceCopier>
         }),
+        crc32_fields: crc32_fields_from(crc32_fields),
     };
     let shared = Shared::new();
     let (job_plan, job_pool, job_shared) = (
@@ -125,6 +131,19 @@ fn guard_from(
         (None, None) => Ok(None),
         _ => Err(PyValueError::new_err("watched= and on_staged= go together")),
     }
+}
+
+/// The core's fields from `crc32_fields=`'s `(start_bytes, len_bytes, [write_at_bytes])` tuples.
+fn crc32_fields_from(fields: Option<Vec<(u64, u64, Vec<u64>)>>) -> Vec<Crc32Field> {
+    fields
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(start_bytes, len_bytes, write_at_bytes)| Crc32Field {
+            start_bytes,
+            len_bytes,
+            write_at_bytes,
+        })
+        .collect()
 }
 
 /// `writer`'s parts of `plan`, then each of `also_writers`' parts, each with the path it is

@@ -4,10 +4,12 @@
 //! * [`source`](SourceRegion): what the job reads, and the walk over the extents of a range;
 //! * [`progress`](JobProgress): counters, cancellation and the moments callers wait for;
 //! * [`guard`](Guard): the mutation guard's early copies and staging reports;
+//! * [`crc32_fields`](Crc32Field): CRC-32s of stream ranges written into the stream (zip records);
 //! * `staging`: the [`OpSource`](crate::backend::OpSource) that fills slots and makes writes;
 //! * [`memory`](is_memory_fs): targets on tmpfs/ramfs, written through mappings of the files;
 //! * here: the job itself (open the files, drive the backend, finish the files, report).
 
+mod crc32_fields;
 mod guard;
 mod mapped;
 mod memory;
@@ -26,6 +28,7 @@ use crate::plan::{Part, Plan};
 use crate::pool::Pool;
 use crate::probe::{BackendKind, DirectMode};
 
+pub use crc32_fields::{CRC32_FIELD_BYTES, Crc32Field};
 pub use guard::{Guard, StagingObserver};
 pub use memory::is_memory_fs;
 pub use progress::JobProgress;
@@ -85,6 +88,8 @@ pub struct JobHooks {
     pub guard: Option<Guard>,
     /// Stages [`SourceRegion::device`] extents; required when there are any.
     pub device: Option<Box<dyn DeviceCopier>>,
+    /// CRC-32 fields filled in while staging (the job must then write the whole stream).
+    pub crc32_fields: Vec<Crc32Field>,
 }
 
 impl std::fmt::Debug for JobHooks {
@@ -92,6 +97,7 @@ impl std::fmt::Debug for JobHooks {
         f.debug_struct("JobHooks")
             .field("guard", &self.guard)
             .field("device", &self.device.is_some())
+            .field("crc32_fields", &self.crc32_fields.len())
             .finish()
     }
 }

@@ -1,10 +1,11 @@
 //! The write job's [`OpSource`]: copies the stream's bytes into pool slots chunk by chunk
-//! (checksumming each while it is hot), round-robin across the files, and hands them to the
-//! backend as writes.
+//! (checksumming each while it is hot, and filling in [`Crc32Field`]s), round-robin across the
+//! files, and hands them to the backend as writes.
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
+use super::crc32_fields::Crc32Patcher;
 use super::guard::GuardState;
 use super::source::{DeviceCopier, ExtentMap, SourceRegion};
 use super::{JobHooks, JobProgress, WriteOptions, WriteTarget};
@@ -37,6 +38,8 @@ pub(super) struct Staging<'p> {
     ahead: VecDeque<StagedChunk>,
     guard: Option<GuardState>,
     device: Option<Box<dyn DeviceCopier>>,
+    /// The CRC-32 fields filled in while staging (the stream is then staged in order).
+    crc32: Option<Crc32Patcher>,
 }
 
 /// A chunk copied into a pool slot, not yet submitted.
@@ -70,6 +73,7 @@ impl<'p> Staging<'p> {
             ahead: VecDeque::new(),
             guard: None,
             device: hooks.device,
+            crc32: None,
         };
         let sources = staging.sources.as_mut().expect("just set");
         check_sources(plan, sources, pool, staging.device.is_some())?;
@@ -85,6 +89,10 @@ impl<'p> Staging<'p> {
                     staging.chunks.push((file, round, *chunk));
                 }
             }
+        }
+        if !hooks.crc32_fields.is_empty() {
+            check_in_stream_order(&staging.chunks, plan.total_bytes)?;
+            staging.crc32 = Some(Crc32Patcher::new(hooks.crc32_fields, plan.total_bytes)?);
         }
         if let Some(guard) = hooks.guard {
             let sources = staging.sources.as_mut().expect("just set");
@@ -147,26 +155,31 @@ impl<'p> Staging<'p> {
 
     fn stage(&mut self, slot: &mut Slot, chunk: &Chunk) -> Result<u32> {
         self.copy_from_device(slot, chunk)?;
-        Ok(self.fill_checksummed(&mut slot.buf_mut()[..chunk.len_bytes as usize], chunk))
+        self.fill_checksummed(&mut slot.buf_mut()[..chunk.len_bytes as usize], chunk)
     }
 
     /// Fills `dst` (the chunk's length) with the chunk's host bytes piece by piece, each piece
-    /// checksummed while it is hot; returns the chunk's crc32c.
-    fn fill_checksummed(&self, dst: &mut [u8], chunk: &Chunk) -> u32 {
+    /// hashed for the CRC-32 fields (which are filled in) and checksummed while it is hot;
+    /// returns the chunk's crc32c.
+    fn fill_checksummed(&mut self, dst: &mut [u8], chunk: &Chunk) -> Result<u32> {
         let len = dst.len();
         let mut crc = Crc32c::default();
         let mut done = 0;
         while done < len {
             let piece = CRC_PIECE_BYTES.min(len - done);
             let dst = &mut dst[done..done + piece];
-            self.fill(dst, chunk.stream_offset_bytes + done as u64);
+            let start = chunk.stream_offset_bytes + done as u64;
+            self.fill(dst, start);
+            if let Some(crc32) = self.crc32.as_mut() {
+                crc32.apply(dst, start)?;
+            }
             if self.checksum {
                 crc.update(dst);
             }
             done += piece;
             self.progress.add_staged_bytes(piece as u64);
         }
-        crc.finish()
+        Ok(crc.finish())
     }
 
     /// The chunks in staging order: (file index, the chunk).
@@ -192,7 +205,7 @@ impl<'p> Staging<'p> {
         let index = self.next;
         let (file, chunk_in_file, chunk) = self.chunks[index];
         self.next += 1;
-        self.crcs[file][chunk_in_file] = self.fill_checksummed(dst, &chunk);
+        self.crcs[file][chunk_in_file] = self.fill_checksummed(dst, &chunk)?;
         if let Some(guard) = self.guard.as_mut() {
             guard.note_staged(&self.extents, chunk.stream_offset_bytes, chunk.len_bytes)?;
         }
@@ -272,6 +285,24 @@ fn check_sources(
     if sources.iter().any(|r| r.device) && !has_copier {
         return Err(Error::InvalidArgument(
             "device-resident sources need a device copier".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// CRC-32 fields are filled in one pass: the job must stage the whole stream, in order.
+fn check_in_stream_order(chunks: &[(usize, usize, Chunk)], total_bytes: u64) -> Result<()> {
+    let mut cursor = 0;
+    for (_, _, chunk) in chunks {
+        if chunk.stream_offset_bytes != cursor {
+            break;
+        }
+        cursor += chunk.len_bytes;
+    }
+    if cursor != total_bytes {
+        return Err(Error::InvalidArgument(
+            "crc32 fields need one job writing the whole stream in order (a plan of one part)"
+                .into(),
         ));
     }
     Ok(())
