@@ -181,7 +181,7 @@ def start_write(
     copy_max_extent_bytes: int = 0,
     copy_budget_bytes: int = 0,
     device_copy: Callable[[int, int, memoryview, int, int], None] | None = None,
-    also_writers: Sequence[int] = (),
+    also_writers: Sequence[int] | None = None,
     crc32_fields: Sequence[tuple[int, int, Sequence[int]]] | None = None,
 ) -> WriteHandle:
     """Writes ``writer``'s parts of ``plan``, then each of ``also_writers``' parts, to ``paths``

@@ -35,7 +35,7 @@ use crate::{Plan, Pool};
 /// CRC-32 (IEEE) is written little-endian at each offset while staging (a zip archive's record
 /// CRCs); the plan must then have one part.
 #[pyfunction]
-#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0, device_copy=None, also_writers=Vec::new(), crc32_fields=None))]
+#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0, device_copy=None, also_writers=None, crc32_fields=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn start_write(
     py: Python<'_>,
@@ -55,7 +55,7 @@ pub(crate) fn start_write(
     copy_max_extent_bytes: u64,
     copy_budget_bytes: u64,
     device_copy: Option<Py<PyAny>>,
-    also_writers: Vec<usize>,
+    also_writers: Option<Vec<usize>>,
     crc32_fields: Option<Vec<(u64, u64, Vec<u64>)>>,
 ) -> PyResult<WriteHandle> {
     let guard = guard_from(watched, on_staged, copy_max_extent_bytes, copy_budget_bytes)?;
@@ -67,7 +67,12 @@ pub(crate) fn start_write(
         checksum,
         durable,
     };
-    let targets = writer_targets(&plan.inner, writer, &also_writers, paths)?;
+    let targets = writer_targets(
+        &plan.inner,
+        writer,
+        &also_writers.unwrap_or_default(),
+        paths,
+    )?;
     let extents = &plan.inner.extent_bytes;
     let (held, regions) = source_regions(&sources, extents)?;
     if guard
