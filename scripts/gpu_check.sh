@@ -8,7 +8,8 @@
 #   preflight  glibc, kernel, torch/CUDA, nvidia-smi, df -T, the backend a save chooses, O_DIRECT
 #              in the target directory, a save and load on the thread backend, and whether a
 #              staging slot the copier registered reports pinned (benches/gpu_preflight.py)
-#   tests      the suite's CUDA and device tests, against the installed wheel
+#   tests      the suite's CUDA and device tests (tests/conftest.py's FASTPERSIST_GPU_CHECK), against
+#              the installed wheel
 #   bench      benches/gpu_check.py at --size
 # Each stage runs under its own timeout (their sum keeps the run under 6 minutes); a failed stage
 # does not stop the next (no set -e), except that nothing runs against a failed install. Each
@@ -45,15 +46,18 @@ done
 STAGES=(install preflight tests bench)
 declare -A LIMIT_S=([install]=30 [preflight]=50 [tests]=90 [bench]=170)
 KILL_AFTER_S=5
-# The test files that hold CUDA tests, and the selection of their device tests.
-TEST_FILES=(tests/saving/test_device.py tests/loading/test_device_load.py tests/loading/test_load_args.py
-    tests/loading/test_load_targets.py tests/format/test_flatten.py tests/format/test_blobs.py tests/format/test_hostile.py)
-TEST_SELECTION="cuda or device"
+# The test files that mention CUDA and the device path's; FASTPERSIST_GPU_CHECK=1 makes
+# tests/conftest.py keep only their CUDA and device tests.
+mapfile -t TEST_FILES < <({
+    grep -rl --include='test_*.py' -i cuda tests | grep -v '/test_gpu_check\.py$'
+    find tests -name 'test_device*.py'
+} | LC_ALL=C sort -u)
 
 export PYTHON="${PYTHON:-python3}" MODE="$mode" SIZE="$size" DIR="$dir/fastpersist-gpu-check" PYTHONUNBUFFERED=1
-export TEST_FILES_LINE="${TEST_FILES[*]}" TEST_SELECTION
+export TEST_FILES_LINE="${TEST_FILES[*]}" FASTPERSIST_GPU_CHECK=1
 shopt -s nullglob
-wheels=("${FASTPERSIST_GPU_CHECK_WHEELS:-target/wheels}"/fastpersist-*-abi3-*.whl)
+# Only a manylinux wheel: a plain linux_x86_64 one needs the glibc of the machine it was built on.
+wheels=("${FASTPERSIST_GPU_CHECK_WHEELS:-target/wheels}"/fastpersist-*-abi3-manylinux*.whl)
 shopt -u nullglob
 WHEEL=""
 [ ${#wheels[@]} -gt 0 ] && WHEEL="${wheels[-1]}"
@@ -61,7 +65,7 @@ export WHEEL
 
 stage_install() {
     if [ -z "$WHEEL" ]; then
-        echo "no wheel in target/wheels: run scripts/build_gpu_wheel.sh on a machine with Rust, then copy target/wheels along"
+        echo "no manylinux wheel in target/wheels: run scripts/build_gpu_wheel.sh on a machine with Rust, then copy target/wheels along"
         return 1
     fi
     echo "installing $WHEEL into $SITE (offline)"
@@ -110,12 +114,12 @@ stage_tests() {
     local files
     read -r -a files <<<"$TEST_FILES_LINE"
     if [ "$MODE" = dry-run ]; then
-        "$PYTHON" -m pytest --collect-only -q -p no:cacheprovider -k "$TEST_SELECTION" "${files[@]}"
+        "$PYTHON" -m pytest --collect-only -q -p no:cacheprovider "${files[@]}"
         return
     fi
     local log rc
     log=$(mktemp)
-    "$PYTHON" -m pytest -q -p no:cacheprovider -rs -k "$TEST_SELECTION" "${files[@]}" 2>&1 | tee "$log"
+    "$PYTHON" -m pytest -q -p no:cacheprovider -rs "${files[@]}" 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     if grep -q "needs a CUDA device" "$log"; then
         echo "FAIL: CUDA tests were skipped on a machine that should have a GPU"
@@ -138,8 +142,8 @@ describe() {
         install:*) echo "install ${WHEEL:-<no wheel in target/wheels>} offline (pip --no-deps --no-index --target, or unzip) onto PYTHONPATH, the checkout's Python over it; check the Rust sources' hash" ;;
         preflight:dry-run) echo "nvidia-smi; df -T $DIR; $PYTHON benches/gpu_preflight.py --dir $DIR" ;;
         preflight:*) echo "nvidia-smi; df -T $DIR; $PYTHON benches/gpu_preflight.py --dir $DIR --require-cuda" ;;
-        tests:dry-run) echo "$PYTHON -m pytest --collect-only -k '$TEST_SELECTION' $TEST_FILES_LINE" ;;
-        tests:*) echo "$PYTHON -m pytest -rs -k '$TEST_SELECTION' $TEST_FILES_LINE (fails if a CUDA test is skipped)" ;;
+        tests:dry-run) echo "FASTPERSIST_GPU_CHECK=1 $PYTHON -m pytest --collect-only $TEST_FILES_LINE" ;;
+        tests:*) echo "FASTPERSIST_GPU_CHECK=1 $PYTHON -m pytest -rs $TEST_FILES_LINE (fails if a test that needs a CUDA device is skipped)" ;;
         bench:dry-run) echo "$PYTHON benches/gpu_check.py --device cpu --size 16MiB --reps 1 --dir $DIR" ;;
         bench:*) echo "$PYTHON benches/gpu_check.py --size $SIZE --dir $DIR" ;;
     esac

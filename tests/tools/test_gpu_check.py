@@ -42,7 +42,9 @@ def test_the_stages_run_in_order_within_six_minutes() -> None:
 def test_the_gpu_run_requires_cuda_and_the_dry_run_needs_none() -> None:
     run = "\n".join(_list("--size", "1GiB"))
     assert "gpu_preflight.py" in run and "--require-cuda" in run
-    assert "--collect-only" not in run and "fails if a CUDA test is skipped" in run
+    assert "FASTPERSIST_GPU_CHECK=1" in run and "tests/saving/test_device.py" in run
+    assert "--collect-only" not in run and "fails if a test that needs a CUDA device is skipped" in run
+    assert "test_gpu_check.py" not in run  # the check does not run itself
     assert "benches/gpu_check.py --size 1GiB" in run and "--device cpu" not in run
     dry = "\n".join(_list("--dry-run"))
     assert _stage_limits(dry.splitlines()).keys() == set(STAGES)
@@ -51,6 +53,19 @@ def test_the_gpu_run_requires_cuda_and_the_dry_run_needs_none() -> None:
     assert "benches/gpu_check.py --device cpu" in dry
     for text in (run, dry):
         assert "--no-index" in text  # the install never reaches the network
+
+
+def test_the_gpu_check_selection_keeps_the_cuda_tests_and_drops_the_rest() -> None:
+    env = {**os.environ, "FASTPERSIST_GPU_CHECK": "1"}
+    files = ["tests/format/test_flatten.py", "tests/saving/test_device.py", "tests/tools/test_gpu_check.py"]
+    argv = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:]
+    kept = [line for line in done.stdout.splitlines() if "::" in line]
+    assert "tests/format/test_flatten.py::test_device_tensors_stay_on_their_device_until_staged[cuda]" in kept
+    assert not any("[fake]" in line or "test_gpu_check.py" in line for line in kept)
+    assert any(line.startswith("tests/saving/test_device.py::") for line in kept)  # the fakes' device tests
+    assert not any("test_flatten_of_10k_tensors_is_fast" in line for line in kept)
 
 
 def test_an_unknown_option_is_refused() -> None:
@@ -65,7 +80,7 @@ def test_without_a_wheel_the_install_fails_and_nothing_runs_against_it(tmp_path:
         ["bash", SCRIPT, "--dry-run", "--dir", str(tmp_path)], capture_output=True, text=True, env=env, timeout=60
     )
     assert done.returncode == 1
-    assert "no wheel in target/wheels: run scripts/build_gpu_wheel.sh" in (out / "install.log").read_text()
+    assert "no manylinux wheel in target/wheels: run scripts/build_gpu_wheel.sh" in (out / "install.log").read_text()
     lines = (out / "summary.txt").read_text().splitlines()[1:]
     assert [tuple(line.split()[:2]) for line in lines] == [("install", "1"), *((s, "skipped") for s in STAGES[1:])]
     assert all(line.endswith("s  not run: the install failed") for line in lines[1:])
@@ -74,7 +89,7 @@ def test_without_a_wheel_the_install_fails_and_nothing_runs_against_it(tmp_path:
 
 @pytest.mark.slow
 def test_the_dry_run_installs_the_wheel_offline_and_runs_every_stage(tmp_path: pathlib.Path) -> None:
-    if not list((REPO / "target" / "wheels").glob("fastpersist-*-abi3-*.whl")):
+    if not list((REPO / "target" / "wheels").glob("fastpersist-*-abi3-manylinux*.whl")):
         pytest.skip("no wheel in target/wheels (scripts/build_gpu_wheel.sh builds one)")
     out = tmp_path / "logs"
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out)}
@@ -91,7 +106,10 @@ def test_the_dry_run_installs_the_wheel_offline_and_runs_every_stage(tmp_path: p
     preflight = (out / "preflight.log").read_text()
     assert "ok: save and load with backend=threads (the save used threads)" in preflight
     assert "wheel tag: cp311-abi3-manylinux" in preflight
-    assert re.search(r"\d+ tests collected", (out / "tests.log").read_text())
+    tests = (out / "tests.log").read_text()
+    assert re.search(r"\d+/\d+ tests collected \(\d+ deselected\)", tests)
+    assert "test_flatten.py::test_device_tensors_stay_on_their_device_until_staged[cuda]" in tests
+    assert "test_flatten.py::test_device_tensors_stay_on_their_device_until_staged[fake]" not in tests
     bench = (out / "bench.log").read_text()
     assert "round trip, loaded to cpu: ok" in bench and "optimizer state loaded into a fresh AdamW: ok" in bench
     assert "overlap:" in bench
