@@ -13,9 +13,9 @@ soon as they are measured (a stage cut short by its timeout keeps what it printe
 2. device-to-host: fastpersist's staging (``save_async`` until ``wait_staged``, snapshot pool)
    against a chunked ``copy_`` into pinned memory (two chunks in flight) and one bulk pinned
    ``copy_``, with checksums off and on; every repetition's ``save_async`` return time.
-3. save GB/s from the device, from host memory and torch.save + fsync; device memory growth.
-4. load to the device: fastpersist against ``torch.load(map_location=...)`` (page cache
+3. load to the device: fastpersist against ``torch.load(map_location=...)`` (page cache
    dropped first) and fastpersist's host load + ``.to()``; device and host memory growth.
+4. save GB/s from the device, from host memory and torch.save + fsync; device memory growth.
 5. overlap: training iterations with one warmed Checkpointer(every=N), N chosen so that a save
    fits within N iterations (it measures the overlap, not the disk), against the same loop
    without checkpoints.
@@ -498,8 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     ts = TrainingState(args.size, device)
     ok = check_round_trip(ts, root)
     check_staging(ts, root, args.reps)
-    check_save(ts, root, args.reps)
     ok = check_load(ts, root, args.reps) and ok
+    check_save(ts, root, args.reps)
     del ts
     check_overlap(args.size, device, root, args.reps)
     shutil.rmtree(root, ignore_errors=True)

@@ -44,7 +44,7 @@ while [ $# -gt 0 ]; do
 done
 
 STAGES=(install preflight tests bench)
-declare -A LIMIT_S=([install]=30 [preflight]=50 [tests]=90 [bench]=170)
+declare -A LIMIT_S=([install]=20 [preflight]=40 [tests]=70 [bench]=210)
 KILL_AFTER_S=5
 # The test files that mention CUDA and the device path's; FASTPERSIST_GPU_CHECK=1 makes
 # tests/conftest.py keep only their CUDA and device tests.
