@@ -4,8 +4,8 @@ scripts/gpu_check.sh runs it on a machine with one NVIDIA GPU. Each section prin
 soon as they are measured (a stage cut short by its timeout keeps what it printed):
 
 1. round trip: a mixed-precision Adam state of the size asked (bf16 weights with a tied LM head,
-   fp32 master weights and moments of a real ``torch.optim.AdamW``, CPU step counters), most
-   tensors above the 1 MiB early-copy bound so that they are staged by the side-stream copier.
+   fp32 master weights and moments of a real ``torch.optim.AdamW``, CPU step counters), nearly
+   all its bytes in tensors above the 1 MiB early-copy bound, which the side-stream copier stages.
    ``optimizer.step()`` is queued behind GPU work, ``save_async`` is called at once (the copies
    must wait for the step), the next forward updates BatchNorm buffers in place; the checkpoint
    is compared tensor by tensor, optimizer state included, loaded to the host, loaded to the
