@@ -179,3 +179,63 @@ def test_a_plain_group_save_drains_every_writers_file(tmp_path: Any) -> None:
     remote_step = os.path.join(d, "remote", "step-00000001")
     assert fp.verify(remote_step)["files"] == 1  # the one data file, written by writer 1
     assert torch.equal(fp.load(remote_step)["w"], w.step_state(1, 0, False, 1000)["w"])
+
+
+class _Clock:
+    """A fake `time` for the drain's throttle: sleeping advances it."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+@pytest.mark.parametrize("writing", [False, True])
+def test_the_drain_yields_half_its_time_to_a_writing_save(tmp_path: Any, monkeypatch: Any, writing: bool) -> None:
+    from fastpersist.levels import drain
+    from fastpersist.levels.remote import Remote
+
+    clock = _Clock()
+    monkeypatch.setattr(drain, "time", clock)
+    drainer = drain.Drainer(
+        Remote(str(tmp_path / "remote")), str, rank=0, size=1, keep=1, timeout_s=5, writing=lambda: writing
+    )
+    try:
+        throttle = drainer._throttle(clock.now, [0])
+        for piece_s in (0.2, 0.05, 3.0):
+            clock.now += piece_s  # the piece's read and upload
+            throttle(8 << 20)
+        assert clock.slept == pytest.approx([0.2, 0.05, drain.YIELD_MAX_S] if writing else [])
+    finally:
+        drainer.close()
+
+
+def test_an_object_cut_after_its_marker_is_never_committed(tmp_path: Any, monkeypatch: Any, caplog: Any) -> None:
+    """The commit checks every object's size, not only the owners' markers: a data object cut
+    short after its upload fails that attempt (WARNING naming it), and the retry commits it whole."""
+    from fastpersist.levels.remote import Remote
+
+    original = Remote.drain_share
+    cut: list[str] = []
+
+    def drain_then_cut(self: Remote, step: int, local_dir: str, *args: Any) -> int:
+        nbytes = original(self, step, local_dir, *args)
+        if not cut:
+            data = next(p for p in os.listdir(self.path(step)) if p.endswith(".bin"))
+            cut.append(os.path.join(self.path(step), data))
+            os.truncate(cut[0], 4096)
+        return nbytes
+
+    monkeypatch.setattr(Remote, "drain_share", drain_then_cut)
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with caplog.at_level(logging.WARNING, logger="fastpersist"), _ck(local, remote, remote_every=1) as ck:
+        ck.save(1, state(1))
+    assert cut and any(cut[0] in r.getMessage() and "4096 bytes" in r.getMessage() for r in caplog.records)
+    assert ck.levels()["remote"]["steps"] == [1]
+    assert torch.equal(fp.load(str(remote / "step-00000001"))["w"], state(1)["w"])

@@ -73,7 +73,7 @@ class Checkpointer:
             ``fastpersist advise`` recommends it from the failure rates (docs/advisor.md).
         remote_keep: committed remote steps to keep (>= 1).
         remote_bytes_per_s: the drain's throttle (None: unthrottled); it also pauses while a
-            save is staging.
+            save is staging and yields half its time to a save that is writing.
         mtbf_s: the job's mean time between failures in seconds; needed by ``every="auto"``.
         max_every: the largest interval ``every="auto"`` may choose.
 

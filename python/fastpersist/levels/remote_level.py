@@ -81,6 +81,7 @@ class RemoteLevel:
                 timeout_s=self._timeout(),
                 bytes_per_s=self.bytes_per_s,
                 staging=self._staging,
+                writing=self._writing,
                 agree=self._agree if self._agree_pg is not None else None,
             )
         self.drainer.submit(step)
@@ -100,6 +101,10 @@ class RemoteLevel:
     def _staging(self) -> bool:
         future = self.ck._future
         return future is not None and not future.staged()
+
+    def _writing(self) -> bool:
+        future = self.ck._future
+        return future is not None and future.staged() and not future.done()
 
     def close(self) -> None:
         """Waits for the drain (its thread stops; a later save starts another); raises its failure."""
