@@ -20,6 +20,26 @@ from budget import register_profiles
 
 register_profiles()
 
+#: The GPU check (scripts/gpu_check.sh, docs/gpu.md) sets FASTPERSIST_GPU_CHECK=1 to run only the
+#: tests that need CUDA (a skip reason naming CUDA), those named for it, and the device path's
+#: modules (test_device*.py, through the fakes).
+GPU_CHECK = os.environ.get("FASTPERSIST_GPU_CHECK") == "1"
+
+
+def _for_gpu_check(item: pytest.Item) -> bool:
+    if item.path.name == "test_gpu_check.py":  # runs the GPU check itself
+        return False
+    names_cuda = any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+    return names_cuda or "cuda" in item.nodeid.lower() or item.path.name.startswith("test_device")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not GPU_CHECK:
+        return
+    kept = [item for item in items if _for_gpu_check(item)]
+    config.hook.pytest_deselected(items=[item for item in items if not _for_gpu_check(item)])
+    items[:] = kept
+
 
 @pytest.fixture(params=available_backends())
 def backend(request: pytest.FixtureRequest) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import time
@@ -14,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fastpersist.device import CudaCopier, DeviceCopier, device_bytes, use_copier
 from fastpersist.errors import UnsupportedValueError
 from fastpersist.format.flatten import (
     MAX_DEPTH,
@@ -55,11 +57,22 @@ def disk_buffers(flat: FlatState, *, align: int = 64, skew: int = 0) -> list[tor
     disk = torch.zeros(total, dtype=torch.uint8)
     out = []
     for blob, off in zip(flat.blobs, offsets, strict=True):
-        assert blob.data.dtype == np.uint8 and blob.data.ndim == 1 and blob.data.flags.c_contiguous
-        assert blob.data.nbytes == blob.nbytes
-        disk[off : off + blob.nbytes] = torch.from_numpy(blob.data.copy())
+        disk[off : off + blob.nbytes] = torch.from_numpy(written_bytes(blob).copy())
         out.append(disk[off : off + blob.nbytes])
     return out
+
+
+def written_bytes(blob: Blob) -> np.ndarray:
+    """The bytes a save writes for `blob`: its host bytes, or for a device-resident blob what its
+    copier copies to the host (the save's staging reads `device_bytes(source)`, saving/job.py)."""
+    if blob.copier_factory is None:
+        data = blob.data
+        assert data.dtype == np.uint8 and data.ndim == 1 and data.flags.c_contiguous
+        assert data.nbytes == blob.nbytes
+        return data
+    on_device = device_bytes(blob.source_tensor)
+    assert on_device.numel() == blob.nbytes
+    return on_device.cpu().numpy()
 
 
 def roundtrip(state: object, **kw: int) -> tuple[object, FlatState]:
@@ -846,13 +859,31 @@ def test_flatten_of_10k_tensors_is_fast() -> None:
     assert best < 0.25, f"flatten of 10k tensors took {best * 1e3:.1f} ms"  # generous for CI
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_tensors_are_copied_to_host() -> None:
-    w = torch.randn(4, 4, device="cuda")
-    state = {"w": w, "wt": w.t(), "half": torch.randn(3, device="cuda").half()[::2]}
-    flat = flatten(state)
-    assert [r.device for r in flat.tensors] == ["cuda:0"] * 3
-    assert len(flat.blobs) == 2
+def _never_called(device: torch.device) -> DeviceCopier:
+    raise AssertionError("flatten only records the copier's factory; the save calls it")
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "fake",  # CPU tensors that use_copier makes device-resident
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+    ],
+)
+def test_device_tensors_stay_on_their_device_until_staged(device: str) -> None:
+    on = "cpu" if device == "fake" else "cuda"
+    w = torch.randn(4, 4, device=on)
+    state = {"w": w, "wt": w.t(), "half": torch.randn(3, device=on).half()[::2]}
+    seam = use_copier(lambda t: True, _never_called) if device == "fake" else contextlib.nullcontext()
+    with seam:
+        flat = flatten(state)
+    assert [r.device for r in flat.tensors] == [str(w.device)] * 3
+    assert len(flat.blobs) == 2  # w and its transpose share one
+    for blob in flat.blobs:
+        assert blob.copier_factory is (_never_called if device == "fake" else CudaCopier)
+        assert blob.source_tensor.device == w.device
+        with pytest.raises(RuntimeError, match="its copier stages it"):
+            _ = blob.data  # no host copy was made at flatten
     back = unflatten(flat.spec, materialize(flat.tensors, disk_buffers(flat)))
     assert torch.equal(back["w"], w.cpu()) and torch.equal(back["wt"], w.t().cpu())  # type: ignore[index]
     assert torch.equal(back["half"], state["half"].cpu())  # type: ignore[index]

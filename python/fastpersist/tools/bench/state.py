@@ -83,12 +83,13 @@ def _param_shapes(shape: GptShape) -> list[tuple[str, tuple[int, ...]]]:
     return [*names, ("ln_f.weight", (h,)), ("ln_f.bias", (h,))]
 
 
-def build_state(total_bytes: int, *, seed: int = 0) -> dict[str, Any]:
+def build_state(total_bytes: int, *, seed: int = 0, min_layers: int = 16) -> dict[str, Any]:
     """A realistic mixed-precision Adam training state of about `total_bytes`.
 
     ``model`` holds bf16 weights (``lm_head.weight`` is the same tensor as ``wte.weight``),
     ``optimizer`` holds per-parameter ``step`` / ``exp_avg`` / ``exp_avg_sq``, the fp32 master
     copy and ``param_groups``; ``lr_scheduler``, ``rng``, ``step`` and ``lr`` are small extras.
+    Fewer `min_layers` give fewer, larger tensors (see :func:`gpt_shape`).
 
     Example:
         >>> state = build_state(8 << 20)
@@ -97,7 +98,7 @@ def build_state(total_bytes: int, *, seed: int = 0) -> dict[str, Any]:
     """
     import torch
 
-    shape = gpt_shape(total_bytes)
+    shape = gpt_shape(total_bytes, min_layers=min_layers)
     gen = torch.Generator().manual_seed(seed)
     model: dict[str, torch.Tensor] = {}
     master: list[torch.Tensor] = []
