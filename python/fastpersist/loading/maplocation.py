@@ -101,6 +101,8 @@ def map_tensor(location: MapLocation, tensor: torch.Tensor, saved_device: str, c
         ValueError: the target device does not exist here (a checkpoint saved on a GPU loaded
             without ``map_location`` on a machine without that GPU).
     """
+    if tensor.device.type == "meta":  # no data to move: torch.load keeps meta tensors whatever the target
+        return tensor
     target = target_device(location, saved_device)
     if target is None:
         assert callable(location)
