@@ -173,7 +173,7 @@ def add_safetensors_save(bench: Bench) -> None:
     try:
         from safetensors.torch import save_file
     except ImportError:
-        bench.notes.append("safetensors is not installed: its rows are skipped")
+        bench.notes.append("safetensors is not installed (pip install safetensors): its rows are skipped")
         return
     path = bench.path("state.safetensors")
     key = bench.add_row("safetensors_save", "safetensors.save_file + fsync", "save", "peer")
