@@ -39,6 +39,7 @@ import torch
 
 __all__ = [
     "CopierFactory",
+    "CopyFence",
     "CudaCopier",
     "CudaLoader",
     "DeviceCopier",
@@ -190,13 +191,21 @@ def use_copier(selects: Callable[[torch.Tensor], bool], factory: CopierFactory) 
         installed_copier = previous
 
 
+class CopyFence(Protocol):
+    """The end of some queued copies (a CUDA event recorded after them)."""
+
+    def synchronize(self) -> None:
+        """Returns once the copies queued before the fence have completed."""
+
+
 class DeviceLoader(Protocol):
     """Copies windows of a load's host ring buffers into device memory, for one load and one
     target device. Copies are queued (asynchronous); the ordering is:
 
-    ``begin`` (copies come after the caller's queued work) -> per window ``copy_to_device``
-    for each blob piece -> ``mark(slot)`` -> ... -> ``wait(slot)`` before the loader refills
-    that ring buffer -> ``finish`` (the caller's current stream waits for every copy).
+    ``begin`` (copies come after the caller's queued work) -> per window ``copy_to_device`` for
+    each blob piece -> ``fence()`` -> ... -> ``finish`` (the caller's current stream waits for
+    every copy). The ring keeps each window's fence and waits on it before that buffer is
+    refilled, by this load or a later one (a load returns before its last copies ran).
     """
 
     def begin(self) -> None:
@@ -210,15 +219,12 @@ class DeviceLoader(Protocol):
     def empty(self, nbytes: int) -> torch.Tensor:
         """A new, uninitialised 1-D uint8 destination of `nbytes` on the target device."""
 
-    def copy_to_device(self, host: torch.Tensor, dst: torch.Tensor, slot: int) -> None:
-        """Queues the copy of `host` (1-D uint8, a part of ring buffer `slot`) into `dst` (1-D
-        uint8 on the device, same length); may return before the copy has run."""
+    def copy_to_device(self, host: torch.Tensor, dst: torch.Tensor) -> None:
+        """Queues the copy of `host` (1-D uint8, a part of a ring buffer) into `dst` (1-D uint8
+        on the device, same length); may return before the copy has run."""
 
-    def mark(self, slot: int) -> None:
-        """Every copy queued so far from ring buffer `slot` belongs to its current window."""
-
-    def wait(self, slot: int) -> None:
-        """Returns once the copies marked for ring buffer `slot` have completed (it may be refilled)."""
+    def fence(self) -> CopyFence:
+        """A fence after every copy queued so far (it may outlive this loader)."""
 
     def finish(self) -> None:
         """Makes the caller's current stream wait for every queued copy (without blocking the
@@ -226,12 +232,11 @@ class DeviceLoader(Protocol):
 
 
 class CudaLoader:
-    """Host-to-device copies on a side CUDA stream, one event per ring buffer."""
+    """Host-to-device copies on a side CUDA stream; an event per window is its fence."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.stream: Any = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        self.events: dict[int, Any] = {}
 
     def begin(self) -> None:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -245,20 +250,15 @@ class CudaLoader:
         # work (finish), so the caching allocator's per-stream reuse stays correct.
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def copy_to_device(self, host: torch.Tensor, dst: torch.Tensor, slot: int) -> None:
+    def copy_to_device(self, host: torch.Tensor, dst: torch.Tensor) -> None:
         with torch.cuda.stream(self.stream):
             dst.copy_(host, non_blocking=True)
 
-    def mark(self, slot: int) -> None:
-        event = self.events.get(slot)
-        if event is None:
-            event = self.events[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    def fence(self) -> CopyFence:
+        event: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(self.stream)
-
-    def wait(self, slot: int) -> None:
-        event = self.events.get(slot)
-        if event is not None:
-            event.synchronize()
+        fence: CopyFence = event
+        return fence
 
     def finish(self) -> None:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)

@@ -17,6 +17,8 @@ from fastpersist import _core, device
 from fastpersist.device import DeviceCopier, use_copier
 from fastpersist.saving.pools import pool_for
 
+from cuda_marks import cuda_test
+
 CHUNK = 64 << 10
 
 
@@ -139,7 +141,7 @@ def test_a_failing_device_copy_fails_the_save_and_commits_nothing(
     assert not [n for n in os.listdir(workdir) if ".fptmp-" in n]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@cuda_test
 def test_cuda_state_round_trip(workdir: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64)).cuda().to(torch.bfloat16)
     opt = torch.optim.Adam(model.parameters())
