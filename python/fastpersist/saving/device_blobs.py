@@ -29,7 +29,7 @@ def prepare_device_blobs(blobs: list[Blob], pool: _core.Pool) -> dict[tuple[Copi
         if blob.version is None or blob.nbytes > EARLY_COPY_MAX_BYTES or blob.nbytes > budget:
             continue
         blob.source = blob.source_tensor.clone()
-        blob.version = None
+        blob.version, blob.members = None, ()
         budget -= blob.nbytes
     copiers: dict[tuple[CopierFactory, torch.device], DeviceCopier] = {}
     for blob in on_device:

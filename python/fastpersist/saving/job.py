@@ -276,16 +276,23 @@ class SaveJob:
             # Only torch sources are watched; a plain attribute read, as this runs once per tensor.
             now = blob.source._version  # type: ignore[union-attr]
             if now != blob.version:
-                self.verdict.fail(
-                    SaveCancelledError(
-                        f"tensor {shown(self.blob_owner(index))} was modified in place before "
-                        f"the save of {self.path} had copied it (version {blob.version} -> {now}); call "
-                        "wait_staged() before optimizer.step(). The checkpoint was not committed; the "
-                        "previous one is untouched."
-                    )
-                )
-                return False
+                return self._torn(self.blob_owner(index), blob.version, now)
+            for member in blob.members:  # a shared storage: each tensor of it, by its own counter
+                now = member.tensor._version
+                if now != member.version:
+                    return self._torn(self.records[member.record].key_path, member.version, now)
         return True
+
+    def _torn(self, key_path: str, before: int | None, now: int) -> bool:
+        """Fails the save: the tensor at `key_path` changed before it was staged. Returns False."""
+        self.verdict.fail(
+            SaveCancelledError(
+                f"tensor {shown(key_path)} was modified in place before the save of {self.path} had "
+                f"copied it (version {before} -> {now}); call wait_staged() before optimizer.step(). The "
+                "checkpoint was not committed; the previous one is untouched."
+            )
+        )
+        return False
 
     def _copy_from_device(self, blob_index: int, offset_bytes: int, slot: memoryview, start: int, end: int) -> None:
         """Stages bytes of a device-resident blob into a slot (called by the job's thread)."""
