@@ -29,13 +29,13 @@ Example:
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
+
+from .pinned import pin_host, unpin_host
 
 __all__ = [
     "CopierFactory",
@@ -72,93 +72,39 @@ def device_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-#: Host buffers registered with CUDA (address -> bytes). A registration must end before its
-#: memory is freed: CUDA keeps the old pages pinned and, by address, would go on copying into
-#: them after the address is reused for new memory. So every registration is tied to the
-#: object that owns the memory (a save pool, the load ring) and undone when it is dropped.
-_pinned: dict[int, int] = {}
-_pinned_lock = threading.Lock()
-#: The addresses pinned for each owner (released by a weakref.finalize on the owner).
-_pinned_by_owner: dict[int, list[int]] = {}
-
-
-def _cudart() -> Any:
-    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
-
-
-def pin_host(host: torch.Tensor, owner: object) -> None:
-    """Registers the CPU buffer `host` (1-D uint8, memory that `owner` keeps alive) with CUDA
-    once, so that copies from or to it run at pinned speed; a failure only means a slower copy.
-    The registration is undone when `owner` is garbage collected (it must support weak
-    references), before its memory can be freed."""
-    address, nbytes = host.data_ptr(), host.numel()
-    with _pinned_lock:
-        if _pinned.get(address) == nbytes:
-            return
-        _pinned[address] = nbytes
-        addresses = _pinned_by_owner.get(id(owner))
-        if addresses is None:
-            addresses = _pinned_by_owner[id(owner)] = []
-            weakref.finalize(owner, _unpin_owner, id(owner))
-        addresses.append(address)
-    try:
-        _cudart().cudaHostRegister(address, nbytes, 0)
-    except Exception:  # already registered, or not allowed: copy unpinned
-        pass
-
-
-def _unregister(address: int) -> None:
-    try:
-        _cudart().cudaHostUnregister(address)
-    except Exception:  # never registered (the register call failed): nothing to undo
-        pass
-
-
-def _unpin_owner(owner_id: int) -> None:
-    with _pinned_lock:
-        addresses = _pinned_by_owner.pop(owner_id, [])
-        for address in addresses:
-            del _pinned[address]
-    for address in addresses:
-        _unregister(address)
-
-
-def unpin_host(host: torch.Tensor) -> None:
-    """Undoes :func:`pin_host` before `host`'s memory is freed (a no-op if it was not pinned)."""
-    address = host.data_ptr()
-    with _pinned_lock:
-        if _pinned.get(address) != host.numel():
-            return
-        del _pinned[address]
-        for addresses in _pinned_by_owner.values():
-            if address in addresses:
-                addresses.remove(address)
-                break
-    _unregister(address)
+#: ``torch.cuda`` as the CUDA copier and loader use it: a fake stands in for it in the CPU tests
+#: of their ordering (which device is current when memory is registered and copies are queued).
+cuda: Any = torch.cuda
 
 
 class CudaCopier:
-    """Side-stream, event-ordered copies from one CUDA device into pinned slots."""
+    """Side-stream, event-ordered copies from one CUDA device into pinned slots.
+
+    The staging thread is new per save and its current device is 0: every CUDA call of a copy
+    (the registration included, which would otherwise create a context on device 0 for a rank
+    on ``cuda:k``) runs with the source's device made current."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream: Any = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self.stream: Any = cuda.Stream(device)
         self.ready: Any = None
         self.slots_owner: object = None
 
     def begin(self, slots_owner: object) -> None:
         self.slots_owner = slots_owner
-        self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self.ready.record(torch.cuda.current_stream(self.device))
+        with cuda.device(self.device):
+            self.ready = cuda.Event()
+            self.ready.record(cuda.current_stream(self.device))
 
     def copy_to_host(self, src: torch.Tensor, slot: memoryview, start: int, end: int) -> None:
-        host = torch.frombuffer(slot, dtype=torch.uint8)
-        pin_host(host, self.slots_owner)
-        with torch.cuda.stream(self.stream):
-            if self.ready is not None:
-                self.stream.wait_event(self.ready)
-            host[start:end].copy_(src, non_blocking=True)
-        self.stream.synchronize()
+        with cuda.device(self.device):
+            host = torch.frombuffer(slot, dtype=torch.uint8)
+            pin_host(host, self.slots_owner)
+            with cuda.stream(self.stream):
+                if self.ready is not None:
+                    self.stream.wait_event(self.ready)
+                host[start:end].copy_(src, non_blocking=True)
+            self.stream.synchronize()
 
 
 #: The copier installed by :func:`use_copier` (the predicate choosing its tensors, its factory),
@@ -232,17 +178,19 @@ class DeviceLoader(Protocol):
 
 
 class CudaLoader:
-    """Host-to-device copies on a side CUDA stream; an event per window is its fence."""
+    """Host-to-device copies on a side CUDA stream; an event per window is its fence. Every
+    CUDA call runs with the target device made current (the caller's may be another)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-        self.stream: Any = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        self.device = device if device.index is not None else torch.device("cuda", cuda.current_device())
+        self.stream: Any = cuda.Stream(self.device)
 
     def begin(self) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.stream.wait_stream(cuda.current_stream(self.device))
 
     def register(self, host: torch.Tensor) -> None:
-        pin_host(host, host)  # unpinned when the ring drops the buffer (or the tensor dies)
+        with cuda.device(self.device):
+            pin_host(host, host)  # unpinned when the ring drops the buffer (or the tensor dies)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         # Allocated on the caller's current stream, which owns the memory from here on: the side
@@ -251,17 +199,18 @@ class CudaLoader:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def copy_to_device(self, host: torch.Tensor, dst: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream):
+        with cuda.device(self.device), cuda.stream(self.stream):
             dst.copy_(host, non_blocking=True)
 
     def fence(self) -> CopyFence:
-        event: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(self.stream)
+        with cuda.device(self.device):
+            event: Any = cuda.Event()
+            event.record(self.stream)
         fence: CopyFence = event
         return fence
 
     def finish(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        cuda.current_stream(self.device).wait_stream(self.stream)
 
 
 #: The loader installed by :func:`use_loader` (the predicate choosing its target devices, its

@@ -24,12 +24,14 @@ import pytest
 import torch
 
 import fastpersist as fp
+from fastpersist import device
 from fastpersist.device import DeviceLoader, use_loader
 from fastpersist.format.manifest import seal, unseal
 from fastpersist.loading import pipeline, todevice
 from fastpersist.loading.reading import direct_padded
 
 from cuda_marks import cuda_test
+from fake_cuda import FakeCuda, FakeRuntime
 
 CHUNK = 64 << 10
 WINDOW = 2 * CHUNK
@@ -478,6 +480,29 @@ def test_a_dropped_ring_is_unpinned_only_once_its_copies_ran(
     FakeLoader.synchronize()
     for got, value in zip(loaded, values, strict=True):
         assert torch.equal(got["w"], value)
+
+
+def test_cuda_loader_calls_cuda_with_the_target_device_current(
+    fake_runtime: FakeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The caller's current device may be another GPU: registering the ring or queueing copies
+    # there would create a context on it (or pin for the wrong one).
+    cuda = FakeCuda()
+    monkeypatch.setattr(device, "cuda", cuda)
+    fake_runtime.current = lambda: cuda.current
+    loader = device.CudaLoader(torch.device("cuda", 2))
+    loader.begin()
+    host = torch.arange(256, dtype=torch.uint8)
+    dst = torch.empty(256, dtype=torch.uint8)
+    loader.register(host)
+    loader.copy_to_device(host, dst)
+    loader.fence().synchronize()
+    loader.finish()
+    device.unpin_host(host)
+    assert torch.equal(dst, host)
+    assert fake_runtime.devices == [2]
+    assert cuda.calls and all(index == 2 for _, index in cuda.calls), cuda.calls
+    assert cuda.current == 0
 
 
 @cuda_test

@@ -18,6 +18,7 @@ from fastpersist.device import DeviceCopier, use_copier
 from fastpersist.saving.pools import pool_for
 
 from cuda_marks import cuda_test
+from fake_cuda import FakeCuda, FakeRuntime
 
 CHUNK = 64 << 10
 
@@ -156,35 +157,20 @@ def test_cuda_state_round_trip(workdir: str) -> None:
         assert loaded["model"][key].device == value.device and torch.equal(loaded["model"][key], value), key
 
 
-class FakeCudart:
-    """Records cudaHostRegister / cudaHostUnregister calls (torch.cuda.cudart() stand-in)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, int]] = []
-
-    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> None:
-        self.calls.append(("register", address))
-
-    def cudaHostUnregister(self, address: int) -> None:
-        self.calls.append(("unregister", address))
-
-
-def test_pinned_memory_is_unregistered_when_its_owner_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pinned_memory_is_unregistered_when_its_owner_goes(fake_runtime: FakeRuntime) -> None:
     # CUDA keeps a registration by address: one outliving its memory would make later copies
     # to that address land in the old pages. Each registration is undone with its owner.
-    cudart = FakeCudart()
-    monkeypatch.setattr(device, "_cudart", lambda: cudart)
     pool = _core.Pool(1 << 20, 4 << 20)
     slots = [torch.empty(1 << 20, dtype=torch.uint8) for _ in range(2)]
     for slot in slots + slots:
-        device.pin_host(slot, pool)
-    assert cudart.calls == [("register", s.data_ptr()) for s in slots]  # once per buffer
+        assert device.pin_host(slot, pool)
+    assert fake_runtime.calls == [("register", s.data_ptr()) for s in slots]  # once per buffer
     del pool
     gc.collect()
-    assert cudart.calls[2:] == [("unregister", s.data_ptr()) for s in slots]
+    assert fake_runtime.calls[2:] == [("unregister", s.data_ptr()) for s in slots]
     device.pin_host(slots[0], slots[0])  # a new owner: registered again
     device.unpin_host(slots[0])
-    assert cudart.calls[4:] == [("register", slots[0].data_ptr()), ("unregister", slots[0].data_ptr())]
+    assert fake_runtime.calls[4:] == [("register", slots[0].data_ptr()), ("unregister", slots[0].data_ptr())]
 
 
 def test_device_copies_go_into_slots_owned_by_the_saves_pool(workdir: str, fake_device: set[int]) -> None:
@@ -199,3 +185,25 @@ def test_device_copies_go_into_slots_owned_by_the_saves_pool(workdir: str, fake_
     assert all(isinstance(owner, _core.Pool) for owner in FakeCopier.slots_owners)
     assert FakeCopier.slots_owners[1] is pool_for(config)  # the process-wide pool of that config
     assert FakeCopier.slots_owners[0] is not FakeCopier.slots_owners[1]
+
+
+def test_cuda_copier_registers_and_copies_with_the_sources_device_current(
+    fake_runtime: FakeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The staging thread is new per save, so CUDA's current device there is 0: a registration
+    # or copy made before switching to cuda:3 would create a context on device 0.
+    cuda = FakeCuda()
+    monkeypatch.setattr(device, "cuda", cuda)
+    fake_runtime.current = lambda: cuda.current
+    copier = device.CudaCopier(torch.device("cuda", 3))
+    pool = _core.Pool(1 << 20, 2 << 20)
+    copier.begin(pool)
+    slot = bytearray(4096)
+    src = torch.arange(200, dtype=torch.uint8)
+    staged = threading.Thread(target=copier.copy_to_host, args=(src, memoryview(slot), 100, 300))
+    staged.start()
+    staged.join()
+    assert bytes(slot[100:300]) == bytes(src.numpy())
+    assert fake_runtime.devices == [3]
+    assert cuda.calls and all(index == 3 for _, index in cuda.calls), cuda.calls
+    assert cuda.current == 0  # the thread's device is left as it was
