@@ -130,7 +130,7 @@ class _Registration(NamedTuple):
 #: Host buffers registered (or tried) by address; and, per owner, the addresses it holds.
 _registered: dict[int, _Registration] = {}
 _by_owner: dict[int, list[int]] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()  # a collection under it may drop an owner, whose callback takes it
 _warned = False
 _exiting = False
 

@@ -207,3 +207,73 @@ def test_cuda_copier_registers_and_copies_with_the_sources_device_current(
     assert fake_runtime.devices == [3]
     assert cuda.calls and all(index == 3 for _, index in cuda.calls), cuda.calls
     assert cuda.current == 0  # the thread's device is left as it was
+
+
+def test_a_device_tensor_resized_before_its_copy_fails_the_save(
+    workdir: str, backend: str, fake_device: set[int]
+) -> None:
+    weight = torch.randn(500_000)
+    _put_on_device(fake_device, weight)
+    FakeCopier.gate = threading.Event()
+    path = os.path.join(workdir, "ckpt")
+    fut = fp.save_async({"w": weight}, path, config=_config(backend))
+    weight.resize_(1000)  # as a host blob's, its size is checked when its bytes are read
+    FakeCopier.gate.set()
+    with pytest.raises(RuntimeError, match=r"'state\.w' of 2000000 bytes was resized"):
+        fut.wait()
+    assert not os.path.exists(path)
+
+
+def test_a_shared_device_storage_shrunk_before_its_copy_fails_the_save(
+    workdir: str, backend: str, fake_device: set[int]
+) -> None:
+    # FSDP frees a flat parameter's storage (resize_(0)) between uses; the blob of a shared
+    # storage is a view made at the call, which would read past the storage's new end. (Halved
+    # here, not freed: on the CPU a read past a freed storage would crash the test run.)
+    buf = torch.randn(400_000)
+    _put_on_device(fake_device, buf)
+    state = {"a": buf[:200_000], "b": buf[200_000:]}
+    FakeCopier.gate = threading.Event()
+    fut = fp.save_async(state, os.path.join(workdir, "ckpt"), config=_config(backend))
+    buf.untyped_storage().resize_(buf.nbytes // 2)
+    FakeCopier.gate.set()
+    with pytest.raises(RuntimeError, match=r"resized .* in a storage of 800000"):
+        fut.wait()
+
+
+def test_copy_guard_finishes_the_device_copies_before_save_async_returns(
+    workdir: str, backend: str, fake_device: set[int]
+) -> None:
+    weight = torch.randn(500_000)
+    expected = weight.clone()
+    _put_on_device(fake_device, weight)
+    path = os.path.join(workdir, "ckpt")
+    config = fp.Config(backend=backend, chunk_bytes=CHUNK, pool_bytes=64 * CHUNK, queue_depth=2, guard="copy")
+    fut = fp.save_async({"w": weight}, path, config=config)
+    assert sum(n for _, n in FakeCopier.calls) == weight.nbytes  # every byte is on the host
+    weight.data.fill_(7.0)  # invisible to the version counter: cannot reach the checkpoint now
+    fut.wait()
+    assert torch.equal(fp.load(path)["w"], expected)
+
+
+@cuda_test
+def test_cuda_copy_guard_and_resized_tensors(workdir: str) -> None:
+    weight = torch.randn(16 << 20, device="cuda")  # 64 MiB
+    expected = weight.clone()
+    path = os.path.join(workdir, "copy")
+    config = fp.Config(chunk_bytes=1 << 20, pool_bytes=128 << 20, guard="copy")
+    fut = fp.save_async({"w": weight}, path, config=config)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # another stream, through .data: nothing the guard could see
+        weight.data.fill_(7.0)
+    fut.wait()
+    assert torch.equal(fp.load(path, map_location="cuda")["w"], expected)
+
+    flat = torch.randn(64 << 20, device="cuda")  # 256 MiB through a 2 MiB pool: staging is slow
+    params = {"a": flat[: 32 << 20], "b": flat[32 << 20 :]}
+    bounded = fp.Config(chunk_bytes=1 << 20, pool_bytes=2 << 20, queue_depth=2)
+    torch.cuda.synchronize()
+    fut = fp.save_async(params, os.path.join(workdir, "freed"), config=bounded)
+    flat.untyped_storage().resize_(0)  # FSDP frees the flat parameter between uses
+    with pytest.raises(RuntimeError, match="resized"):
+        fut.wait()

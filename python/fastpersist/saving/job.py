@@ -28,7 +28,7 @@ import torch
 
 from .. import _core
 from ..config import Config, SaveResult
-from ..device import CopierFactory, DeviceCopier, device_bytes
+from ..device import CopierFactory, DeviceCopier
 from ..errors import SaveCancelledError
 from ..format.flatten import FlatState, TensorRecord, flatten, records_to_json
 from ..format.layout import data_file_name, stripe_dir_name, tmp_dir_for
@@ -37,7 +37,13 @@ from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write
 from ..format.quote import shown
 from ..gcpause import paused_gc
 from ..logs import log_save, log_save_call
-from .device_blobs import EARLY_COPY_BUDGET_BYTES, EARLY_COPY_MAX_BYTES, copier_key, prepare_device_blobs
+from .device_blobs import (
+    EARLY_COPY_BUDGET_BYTES,
+    EARLY_COPY_MAX_BYTES,
+    copier_key,
+    prepare_device_blobs,
+    source_bytes,
+)
 from .pools import pool_for
 from .recycle import take_recycled
 from .target import (
@@ -301,7 +307,7 @@ class SaveJob:
         blob = flat.blobs[blob_index]
         try:
             copier = self._copiers[copier_key(blob)]
-            src = device_bytes(blob.source_tensor)[offset_bytes : offset_bytes + end - start]
+            src = source_bytes(blob, lambda: self.blob_owner(blob_index))[offset_bytes : offset_bytes + end - start]
             copier.copy_to_host(src, slot, start, end)
         except BaseException as e:
             self.verdict.fail(e)
