@@ -85,6 +85,9 @@ class PinningCopier:
         pinned.pin_host(host, self.slots_owner)
         host[start:end].copy_(src)
 
+    def wait(self) -> None:
+        pass  # each copy is done when copy_to_host returns
+
 
 def _factory(device: torch.device) -> DeviceCopier:
     return PinningCopier(device)

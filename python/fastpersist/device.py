@@ -63,7 +63,13 @@ class DeviceCopier(Protocol):
         go into (the save's pool): memory pinned for them must stay pinned only while it lives."""
 
     def copy_to_host(self, src: torch.Tensor, slot: memoryview, start: int, end: int) -> None:
-        """Copies `src` (1-D uint8, on the device) into ``slot[start:end]``; returns when done."""
+        """Copies `src` (1-D uint8, on the device) into ``slot[start:end]``, or queues the copy.
+        The slot's memory stays untouched by the save until :meth:`wait` returned (the memoryview
+        itself is valid only during the call)."""
+
+    def wait(self) -> None:
+        """Returns once every copy asked for so far has completed. The save asks for the next
+        chunk's copies before it checksums the current one, so that the two overlap."""
 
 
 def device_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -104,6 +110,9 @@ class CudaCopier:
                 if self.ready is not None:
                     self.stream.wait_event(self.ready)
                 host[start:end].copy_(src, non_blocking=True)
+
+    def wait(self) -> None:
+        with cuda.device(self.device):
             self.stream.synchronize()
 
 

@@ -24,7 +24,12 @@ CHUNK = 64 << 10
 
 
 class FakeCopier:
-    """Copies host tensors as a device copier would, recording each call; can be held back."""
+    """Copies host tensors as an asynchronous device copier would: a copy is checked and
+    recorded when asked for, and runs only at the next wait() (reading its source then, as a
+    queued copy does), so a job that read a slot before waiting would stage stale bytes. Can be
+    held back, and made to fail."""
+
+    pending: ClassVar[list[tuple[torch.Tensor, torch.Tensor]]] = []
 
     calls: ClassVar[list[tuple[int, int]]] = []
     begun = 0
@@ -46,15 +51,20 @@ class FakeCopier:
         if FakeCopier.fail_after_bytes is not None and copied >= FakeCopier.fail_after_bytes:
             raise RuntimeError("the fake device fell off the bus")
         assert src.dtype == torch.uint8 and src.dim() == 1 and src.numel() == end - start
-        torch.frombuffer(slot, dtype=torch.uint8)[start:end].copy_(src)
+        FakeCopier.pending.append((torch.frombuffer(slot, dtype=torch.uint8)[start:end], src))
         FakeCopier.calls.append((start, end - start))
+
+    def wait(self) -> None:
+        for dst, src in FakeCopier.pending:
+            dst.copy_(src)
+        FakeCopier.pending = []
 
 
 @pytest.fixture
 def fake_device() -> Iterator[set[int]]:
     """Tensors whose storage is in `on_device` are staged by FakeCopier, as GPU tensors would be."""
     FakeCopier.calls, FakeCopier.begun, FakeCopier.gate, FakeCopier.fail_after_bytes = [], 0, None, None
-    FakeCopier.slots_owners = []
+    FakeCopier.slots_owners, FakeCopier.pending = [], []
     on_device: set[int] = set()
 
     def selects(t: torch.Tensor) -> bool:

@@ -73,6 +73,9 @@ class GatedCopier:
             GatedCopier.gate.wait(30)
         torch.frombuffer(slot, dtype=torch.uint8)[start:end].copy_(src)
 
+    def wait(self) -> None:
+        pass  # each copy is done when copy_to_host returns
+
 
 @pytest.fixture
 def fake_device() -> Iterator[set[int]]:

@@ -247,6 +247,7 @@ class SaveJob:
             copy_max_extent_bytes=EARLY_COPY_MAX_BYTES,
             copy_budget_bytes=EARLY_COPY_BUDGET_BYTES,
             device_copy=self._copy_from_device if self._copiers else None,
+            device_wait=self._wait_for_device if self._copiers else None,
         )
         _warn_fallback_once(self.handle.fallback_reason)
 
@@ -309,6 +310,15 @@ class SaveJob:
             copier = self._copiers[copier_key(blob)]
             src = source_bytes(blob, lambda: self.blob_owner(blob_index))[offset_bytes : offset_bytes + end - start]
             copier.copy_to_host(src, slot, start, end)
+        except BaseException as e:
+            self.verdict.fail(e)
+            raise
+
+    def _wait_for_device(self) -> None:
+        """Returns once every device-to-host copy asked for has completed (the job's thread)."""
+        try:
+            for copier in self._copiers.values():
+                copier.wait()
         except BaseException as e:
             self.verdict.fail(e)
             raise

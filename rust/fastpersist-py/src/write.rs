@@ -26,11 +26,14 @@ use crate::{Plan, Pool};
 /// (or an exception) fails the job.
 ///
 /// A source given as None lives in device memory: `device_copy(extent, offset_bytes, slot,
-/// start, end)` is called (job's thread, GIL held) to copy that extent's bytes from
-/// `offset_bytes` into `slot[start:end]`; `slot` is a writable memoryview over a whole staging
-/// slot, valid only during the call.
+/// start, end)` is called (job's thread, GIL held) to copy, or queue the copy of, that extent's
+/// bytes from `offset_bytes` into `slot[start:end]`; `slot` is a writable memoryview over a
+/// whole staging slot, valid only during the call. `device_wait()` is called before the job
+/// reads a slot it asked copies into: it returns once every copy asked for has completed (the
+/// slot's memory stays the job's, untouched, until then). Without it copies must be done on
+/// return.
 #[pyfunction]
-#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0, device_copy=None))]
+#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0, device_copy=None, device_wait=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn start_write(
     py: Python<'_>,
@@ -50,6 +53,7 @@ pub(crate) fn start_write(
     copy_max_extent_bytes: u64,
     copy_budget_bytes: u64,
     device_copy: Option<Py<PyAny>>,
+    device_wait: Option<Py<PyAny>>,
 ) -> PyResult<WriteHandle> {
     let guard = guard_from(watched, on_staged, copy_max_extent_bytes, copy_budget_bytes)?;
     let (selection, direct) = crate::io_choices(py, backend, direct_io)?;
@@ -75,7 +79,8 @@ pub(crate) fn start_write(
     let hooks = JobHooks {
         guard,
         device: device_copy.map(|callback| {
-            Box::new(PyDeviceCopier::new(callback)) as Box<dyn fastpersist_core::job::DeviceCopier>
+            Box::new(PyDeviceCopier::new(callback, device_wait))
+                as Box<dyn fastpersist_core::job::DeviceCopier>
         }),
     };
     let shared = Shared::new();
