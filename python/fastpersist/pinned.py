@@ -67,6 +67,7 @@ def _libcudart() -> ctypes.CDLL | None:
     try:
         return ctypes.CDLL(f"libcudart.so.{major}", mode=os.RTLD_NOLOAD)
     except OSError:
+        log.debug("libcudart.so.%s is not loaded (a static runtime?): CUDA errors cannot be cleared", major)
         return None
 
 
