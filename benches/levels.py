@@ -88,9 +88,11 @@ class WireCount:
         return getattr(self.dist, name)
 
 
-def expected_bytes(step_dir: str, rank: int) -> tuple[int, int]:
-    """(bytes `rank` sends, bytes it receives) per save, from the manifest of its node's `step_dir`:
-    each share goes once to each of its partners."""
+def expected_bytes(step_dir: str, rank: int) -> tuple[int, int, int]:
+    """(bytes `rank` sends, bytes it receives, bytes it writes as copies from its own state) per
+    save, from the manifest of its node's `step_dir`. Sharded: each share goes once to each of its
+    partners. Replicated: each partner writes its copy from its own identical state, so nothing
+    crosses the group (the copy is checked against the owner's chunk checksums)."""
     from fastpersist.format.layout import MANIFEST_NAME, shard_name
     from fastpersist.format.manifest import read_manifest
     from fastpersist.levels.holdings import shares_of
@@ -99,7 +101,7 @@ def expected_bytes(step_dir: str, rank: int) -> tuple[int, int]:
     m = read_manifest(step_dir)
     levels = m.extra["levels"]
     placement, replicas = Placement(levels["rank_nodes"]), int(levels["replicas"])
-    sent = received = 0
+    sent = received = copied = 0
     for share in shares_of(m) or []:
         partners = placement.partners(share.owner, replicas)
         if share.owner != rank and rank not in partners:
@@ -109,9 +111,12 @@ def expected_bytes(step_dir: str, rank: int) -> tuple[int, int]:
             shard_dir = os.path.join(step_dir, shard_name(share.index))
             nbytes = sum(f.len_bytes for f in read_manifest(shard_dir).files)
             nbytes += os.path.getsize(os.path.join(shard_dir, MANIFEST_NAME))
+        if not m.shards:
+            copied += nbytes if rank in partners else 0
+            continue
         sent += nbytes * len(partners) if share.owner == rank else 0
         received += nbytes if rank in partners else 0
-    return sent, received
+    return sent, received, copied
 
 
 def _checkpointer(root: str, replicas: int, sharded: bool, mib: int) -> Any:
@@ -204,7 +209,7 @@ def overhead_rank(rank: int, world: int, root: str, o: dict[str, Any], out: str)
             if name == "replicas=1":
                 row["sent"], row["received"] = wire.sent / o["iters"], wire.received / o["iters"]
                 last = ck.path(first + o["iters"] - 1)
-                row["expected_sent"], row["expected_received"] = expected_bytes(last, rank)
+                row["expected_sent"], row["expected_received"], row["copied"] = expected_bytes(last, rank)
             rows.append(row)
     for ck in cks.values():
         ck.close()
@@ -360,14 +365,17 @@ def report_overhead(per_rank: list[dict[str, Any]], o: dict[str, Any]) -> dict[s
             f"{med / plain - 1:14.1%} {rows[name]['drain_s']:8.3f} {rows[name]['save_s']:7.3f} "
             f"{rows[name]['copy_s']:7.3f}"
         )
-    print(f"\n{'rank':>4} {'MiB sent/save':>14} {'expected':>9} {'MiB received/save':>18} {'expected':>9}")
+    print(
+        f"\n{'rank':>4} {'MiB sent/save':>14} {'expected':>9} {'MiB received/save':>18} {'expected':>9} "
+        f"{'MiB copied from own state':>26}"
+    )
     traffic = []
     for rank, result in enumerate(per_rank):
         last = [r for r in result["rows"] if r["method"] == "replicas=1"][-1]
-        traffic.append({k: last[k] for k in ("sent", "expected_sent", "received", "expected_received")})
+        traffic.append({k: last[k] for k in ("sent", "expected_sent", "received", "expected_received", "copied")})
         print(
             f"{rank:4} {_mib(last['sent']):>14} {_mib(last['expected_sent']):>9} {_mib(last['received']):>18} "
-            f"{_mib(last['expected_received']):>9}"
+            f"{_mib(last['expected_received']):>9} {_mib(last['copied']):>26}"
         )
     return {"T": per_rank[0]["T"], "save_s": per_rank[0]["save_s"], "rows": rows, "traffic": traffic}
 

@@ -327,3 +327,48 @@ def plain_group_with_remote(rank: int, world: int, init_file: str, workdir: str)
         return {"remote": ck.levels()["remote"]["steps"]}
 
     report_rank(rank, world, init_file, workdir, compute)
+
+
+def differing_state(rank: int, differ: bool, n: int = 70_000) -> dict[str, Any]:
+    """A replicated state of the same size on every rank; with `differ`, each rank's bytes differ."""
+    return {"w": torch.arange(n, dtype=torch.float32) + (rank if differ else 0), "step": 1}
+
+
+def w_digest(state: dict[str, Any]) -> str:
+    return hashlib.sha256(state["w"].numpy().tobytes()).hexdigest()
+
+
+def save_replicated_counting_transfers(
+    rank: int, world: int, init_file: str, workdir: str, differ: bool, backend: str
+) -> None:
+    """Saves step 1 of a replicated state with replicas=1; reports how many share transfers
+    the partner step sent over the group, and the digest of what a load returns."""
+    os.environ["FASTPERSIST_NODE"] = node_of(rank)
+    from fastpersist.saving import partner
+
+    original = partner.send_and_receive
+    transfers: list[int] = []
+
+    def counting(pg: Any, me: int, sent: list[Any], **kwargs: Any) -> Any:
+        transfers.append(len(sent))
+        return original(pg, me, sent, **kwargs)
+
+    partner.send_and_receive = counting  # type: ignore[assignment]
+
+    def compute() -> Any:
+        with checkpointer(workdir, rank, False, backend) as ck:
+            ck.save(1, differing_state(rank, differ))
+            ck.wait()
+            return {"transfers": transfers, "digest": w_digest(ck.load())}
+
+    report_rank(rank, world, init_file, workdir, compute)
+
+
+def restore_digest(rank: int, world: int, init_file: str, workdir: str, backend: str) -> None:
+    os.environ["FASTPERSIST_NODE"] = node_of(rank)
+
+    def compute() -> Any:
+        ck = checkpointer(workdir, rank, False, backend)
+        return {"latest": ck.latest(), "digest": w_digest(ck.load())}
+
+    report_rank(rank, world, init_file, workdir, compute)

@@ -105,6 +105,20 @@ def test_a_damaged_copy_is_passed_over(tmp_path: Any, sharded: bool) -> None:
     assert all(r == {"latest": 1, "step": 1, "same": True} for r in restored), restored
 
 
+@pytest.mark.parametrize("differ", [pytest.param(False, id="same-state"), pytest.param(True, id="differing-state")])
+def test_replicated_copies_are_made_from_each_partners_own_state(tmp_path: Any, differ: bool) -> None:
+    """Replicated state: each partner writes its copies from its own (identical) state, so no
+    share crosses the group; where a rank's state differs, its copies fail the owner's chunk
+    checksums and are sent instead. Either way node1 alone restores what both nodes held."""
+    d = str(tmp_path)
+    saved = _run(w.save_replicated_counting_transfers, d, differ, BACKENDS[0])
+    assert [r["transfers"] for r in saved] == [[4 if differ else 0]] * 4, saved
+    assert len({r["digest"] for r in saved}) == 1, saved
+    shutil.rmtree(os.path.join(d, "node0"))
+    restored = _run(w.restore_digest, d, BACKENDS[0])
+    assert all(r == {"latest": 1, "digest": saved[0]["digest"]} for r in restored), restored
+
+
 @pytest.mark.parametrize("sharded", MODES)
 def test_a_partner_killed_mid_copy_commits_nothing_and_hangs_no_one(tmp_path: Any, sharded: bool) -> None:
     d = str(tmp_path)

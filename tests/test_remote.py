@@ -179,3 +179,107 @@ def test_a_plain_group_save_drains_every_writers_file(tmp_path: Any) -> None:
     remote_step = os.path.join(d, "remote", "step-00000001")
     assert fp.verify(remote_step)["files"] == 1  # the one data file, written by writer 1
     assert torch.equal(fp.load(remote_step)["w"], w.step_state(1, 0, False, 1000)["w"])
+
+
+class _Clock:
+    """A fake `time` for the drain's throttle: sleeping advances it."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+@pytest.mark.parametrize("writing", [False, True])
+def test_the_drain_yields_half_its_time_to_a_writing_save(tmp_path: Any, monkeypatch: Any, writing: bool) -> None:
+    from fastpersist.levels import drain
+    from fastpersist.levels.remote import Remote
+
+    clock = _Clock()
+    monkeypatch.setattr(drain, "time", clock)
+    drainer = drain.Drainer(
+        Remote(str(tmp_path / "remote")), str, rank=0, size=1, keep=1, timeout_s=5, writing=lambda: writing
+    )
+    try:
+        throttle = drainer._throttle(clock.now, [0])
+        for piece_s in (0.2, 0.05, 3.0):
+            clock.now += piece_s  # the piece's read and upload
+            throttle(8 << 20)
+        assert clock.slept == pytest.approx([0.2, 0.05, drain.YIELD_MAX_S] if writing else [])
+    finally:
+        drainer.close()
+
+
+def test_an_object_cut_after_its_marker_is_never_committed(tmp_path: Any, monkeypatch: Any, caplog: Any) -> None:
+    """The commit checks every object's size, not only the owners' markers: a data object cut
+    short after its upload fails that attempt (WARNING naming it), and the retry commits it whole."""
+    from fastpersist.levels.remote import Remote
+
+    original = Remote.drain_share
+    cut: list[str] = []
+
+    def drain_then_cut(self: Remote, step: int, local_dir: str, *args: Any) -> int:
+        nbytes = original(self, step, local_dir, *args)
+        if not cut:
+            data = next(p for p in os.listdir(self.path(step)) if p.endswith(".bin"))
+            cut.append(os.path.join(self.path(step), data))
+            os.truncate(cut[0], 4096)
+        return nbytes
+
+    monkeypatch.setattr(Remote, "drain_share", drain_then_cut)
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with caplog.at_level(logging.WARNING, logger="fastpersist"), _ck(local, remote, remote_every=1) as ck:
+        ck.save(1, state(1))
+    assert cut and any(cut[0] in r.getMessage() and "4096 bytes" in r.getMessage() for r in caplog.records)
+    assert ck.levels()["remote"]["steps"] == [1]
+    assert torch.equal(fp.load(str(remote / "step-00000001"))["w"], state(1)["w"])
+
+
+def test_remote_every_none_with_failures_follows_the_advisor(tmp_path: Any, caplog: Any, monkeypatch: Any) -> None:
+    """remote_every=None with failures=: after each drain the remote interval is the multi-level
+    advisor's choice for the measured costs (logged at INFO), in steps, and later steps follow it."""
+    import dataclasses
+
+    from fastpersist.advisor.levels import best_remote_every
+    from fastpersist.levels.drain import Drainer
+
+    drain = Drainer.drain  # each drain made to cost training 50 ms of CPU: the advice spaces drains
+    monkeypatch.setattr(Drainer, "drain", lambda self, step: dataclasses.replace(drain(self, step), cpu_s=0.05))
+    failures = fp.Failures(process_mtbf_s=3600.0, cluster_mtbf_s=5.0)
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    with caplog.at_level(logging.INFO, logger="fastpersist"), _ck(local, remote, failures=failures) as ck:
+        for step in range(1, 4):
+            time.sleep(0.02)  # a training step
+            ck.save(step, state(step))
+            ck.wait()
+            ck._remote.drainer.wait()
+        level = ck._remote
+        assert level.advised_costs is not None and level.every is not None
+        assert level.every == best_remote_every(0, 1, level.advised_costs, failures)
+        assert any("remote_every None ->" in r.getMessage() for r in caplog.records)
+        drained = ck.levels()["remote"]["steps"]
+        for step in range(4, 4 + 2 * level.every):
+            ck.save(step, state(step))
+            ck.wait()
+            ck._remote.drainer.wait()
+        after = [s for s in ck.levels()["remote"]["steps"] if s > max(drained)]
+    # Fewer drains than saves once the advice spaces them (it may move with each drain's cost).
+    assert level.every >= 2 and 0 < len(after) < 2 * level.every, (level.every, after)
+
+
+def test_every_auto_with_failures_sets_every_against_what_the_local_level_survives(tmp_path: Any) -> None:
+    failures = fp.Failures(process_mtbf_s=7200.0, node_mtbf_s=3600.0, nodes=2, cluster_mtbf_s=86400.0)
+    ck = fp.Checkpointer(tmp_path / "a", every="auto", failures=failures, remote=tmp_path / "r")
+    assert ck.history.mtbf_s == pytest.approx(7200.0)  # node and cluster losses are the remote's
+    with pytest.raises(ValueError, match="no failure the local level survives"):
+        fp.Checkpointer(tmp_path / "b", every="auto", failures=fp.Failures(cluster_mtbf_s=86400.0))
+    with pytest.raises(ValueError, match="not both"):
+        fp.Checkpointer(tmp_path / "c", every="auto", mtbf_s=60.0, failures=failures)
+    with pytest.raises(TypeError, match="Failures"):
+        fp.Checkpointer(tmp_path / "d", failures={"process_mtbf_s": 1.0})  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ drives and data-parallel ranks, overlapped with training. See ``fastpersist.save
 """
 
 from . import _core
-from .advisor import advise, advise_levels
+from .advisor import Failures, advise, advise_levels
 from .api import inspect, load, save, save_async, verify
 from .checkpointer import Checkpointer
 from .cleanup import clean
@@ -34,6 +34,7 @@ __all__ = [
     "ChecksumMismatchError",
     "Config",
     "CorruptCheckpointError",
+    "Failures",
     "FastPersistError",
     "GroupLoadError",
     "GroupSaveError",

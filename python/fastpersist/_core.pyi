@@ -185,8 +185,10 @@ def start_write(
     copy_budget_bytes: int = 0,
     device_copy: Callable[[int, int, memoryview, int, int], None] | None = None,
     device_wait: Callable[[], None] | None = None,
+    also_writers: Sequence[int] = (),
 ) -> WriteHandle:
-    """Writes ``writer``'s parts of ``plan`` to ``paths`` (one per part) from ``sources``.
+    """Writes ``writer``'s parts of ``plan``, then each of ``also_writers``' parts, to ``paths``
+    (one per part, in that order) from ``sources``.
 
     ``sources`` holds one C-contiguous buffer per extent of ``plan``; they are held (and must
     not be modified) until the handle reports them staged.

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
+from .advisor.levels import Failures
 from .api import load, verify
 from .cleanup import clean, stripe_leftovers
 from .config import Config, SaveResult
@@ -73,9 +74,16 @@ class Checkpointer:
             ``fastpersist advise`` recommends it from the failure rates (docs/advisor.md).
         remote_keep: committed remote steps to keep (>= 1).
         remote_bytes_per_s: the drain's throttle (None: unthrottled); it also pauses while a
-            save is staging.
-        mtbf_s: the job's mean time between failures in seconds; needed by ``every="auto"``.
+            save is staging and yields half its time to a save that is writing.
+        mtbf_s: the job's mean time between failures in seconds; ``every="auto"`` needs it or
+            `failures`.
         max_every: the largest interval ``every="auto"`` may choose.
+        failures: the failure model of several levels (:class:`fastpersist.advisor.Failures`:
+            process crashes, node losses, cluster losses). With ``every="auto"``, `every` is set
+            against the failures the local and partner levels survive; with `remote` and
+            ``remote_every=None``, each drain's measured cost sets `remote_every` to the
+            multi-level advisor's choice against the failures only the remote level survives
+            (docs/advisor.md, "Several levels").
 
     Levels (docs/levels.md): **local**, `root` itself (an NVMe directory, or a directory under
     ``/dev/shm`` for an in-memory level that survives the process but not the node); **partner**,
@@ -109,6 +117,7 @@ class Checkpointer:
         remote_every: int | None = None,
         remote_keep: int = 2,
         remote_bytes_per_s: float | None = None,
+        failures: Failures | None = None,
     ) -> None:
         if every == "auto" and group is not None:
             raise ValueError('every="auto" is not supported with group= yet: every rank must save the same steps')
@@ -120,6 +129,17 @@ class Checkpointer:
             raise ValueError(f"replicas={replicas!r}: expected an integer >= 0")
         if replicas and group is None:
             raise ValueError("replicas= needs group=: the copies go to ranks on other nodes")
+        if failures is not None and not isinstance(failures, Failures):
+            raise TypeError(f"failures={failures!r}: expected a fastpersist.advisor.Failures")
+        if failures is not None and mtbf_s is not None:
+            raise ValueError("give mtbf_s= or failures=, not both: failures= sets the MTBF of each level")
+        if every == "auto" and failures is not None:
+            mtbf_s = failures.local_mtbf_s(replicas)
+            if mtbf_s is None:
+                raise ValueError(
+                    f'every="auto" with {failures}: no failure the local level survives (process crashes, or node '
+                    "losses with replicas >= 1), so there is no interval to choose; pass every= an integer"
+                )
         self.root = os.path.abspath(os.fspath(root))
         self.history = SaveHistory(self.root, every=every, mtbf_s=mtbf_s, max_every=max_every)
         self.keep = keep
@@ -147,7 +167,7 @@ class Checkpointer:
         if remote is not None:
             from .levels.remote_level import RemoteLevel
 
-            self._remote = RemoteLevel(self, remote, remote_every, remote_keep, remote_bytes_per_s)
+            self._remote = RemoteLevel(self, remote, remote_every, remote_keep, remote_bytes_per_s, failures)
 
         if replicas:
             from .levels.partner import PartnerLevel

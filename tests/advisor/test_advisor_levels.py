@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fastpersist.advisor.levels import Failures, LevelCosts, advise_levels, plan_lost
+from fastpersist.advisor.levels import Failures, LevelCosts, advise_levels, best_remote_every, plan_lost
 
 DAY = 86_400.0
 COSTS = LevelCosts(
@@ -48,7 +48,7 @@ def test_the_remote_interval_is_never_shorter_than_a_drain() -> None:
 
 def test_lost_time_is_the_sum_of_its_parts() -> None:
     f = Failures(process_mtbf_s=1000.0, node_mtbf_s=None, nodes=1, cluster_mtbf_s=10_000.0)
-    p = plan_lost(0, 9, 10, COSTS, f)
+    p = plan_lost(0, 9, 90, COSTS, f)  # a drain every 10th save
     assert p.period_s == pytest.approx(9.05)
     assert p.stall_fraction == pytest.approx(0.05 / 9.05)
     assert p.remote_period_s == pytest.approx(90.5)
@@ -57,6 +57,24 @@ def test_lost_time_is_the_sum_of_its_parts() -> None:
     remote = (300.0 + 90.5 / 2 + 30.0) / 10_000.0
     assert p.failure_fraction == pytest.approx(local + remote)
     assert p.lost_fraction == pytest.approx(p.stall_fraction + p.drain_fraction + p.failure_fraction)
+
+
+def test_remote_every_is_in_steps_as_the_checkpointer_takes_it() -> None:
+    """The advice's remote_every counts steps (a multiple of every), the unit of
+    Checkpointer(remote_every=): read as saves, every=113 with remote_every=35 would drain every save."""
+    f = Failures(process_mtbf_s=7 * DAY, node_mtbf_s=30 * DAY, nodes=16, cluster_mtbf_s=90 * DAY)
+    for p in advise_levels(COSTS, f).options:
+        assert p.remote_every is not None and p.remote_every % p.every == 0 and p.remote_every > p.every
+        assert p.remote_period_s == pytest.approx(max(p.remote_every // p.every * p.period_s, COSTS.drain_s))
+    assert plan_lost(0, 10, 25, COSTS, f).remote_period_s == pytest.approx(3 * 10.05)  # the save at 30 crosses 25
+
+
+def test_best_remote_every_for_a_fixed_every_is_the_least_lost() -> None:
+    f = Failures(process_mtbf_s=DAY, cluster_mtbf_s=7 * DAY)
+    best = best_remote_every(0, 4, COSTS, f)
+    assert best % 4 == 0
+    lost = {r: plan_lost(0, 4, r, COSTS, f).lost_fraction for r in range(4, 4 * 400, 4)}
+    assert lost[best] <= min(lost.values()) * 1.0001
 
 
 def test_no_level_survives_a_failure_without_a_remote() -> None:

@@ -276,6 +276,27 @@ def test_any_buffer_is_a_source(tmp_path: Path, backend: Backend) -> None:
     assert blob[3:64] == bytes(61)  # gaps are zero
 
 
+def test_one_job_writes_several_writers_parts(tmp_path: Path, backend: Backend) -> None:
+    """also_writers: one job writes its own parts, then other writers' (a partner's copy made
+    from identical state); the files and checksums equal those the writers make themselves."""
+    sizes = [5 * CHUNK + 7, 3 * CHUNK, 11]
+    extents = random_extents(sizes, seed=7)
+    plan = _core.Plan(sizes, writer_count=3, chunk_bytes=CHUNK)
+    pool = _core.Pool(CHUNK, 4 * CHUNK)
+    alone, _ = write_all(plan, extents, [tmp_path], pool, backend=backend, durable=False)
+    (tmp_path / "together").mkdir()
+    order = [2, 0]
+    parts = [p for w in order for p in plan.parts if p[0] == w]
+    paths = [tmp_path / "together" / f"w{w}-s0.bin" for w, _, _, _ in parts]
+    report = _core.start_write(plan, 2, paths, extents, pool, also_writers=[0], backend=backend, durable=False).wait()
+    assert [p["path"] for p in report["parts"]] == [str(p) for p in paths]
+    by_name = {Path(path).name: (Path(path).read_bytes(), crcs) for path, _, _, crcs in alone}
+    for path, part in zip(paths, report["parts"], strict=True):
+        assert (path.read_bytes(), part["chunk_crc32c"]) == by_name[path.name]
+    with pytest.raises(ValueError, match="named twice"):
+        _core.start_write(plan, 2, paths, extents, pool, also_writers=[0, 2])
+
+
 def test_bad_arguments_raise_value_error(tmp_path: Path) -> None:
     plan = _core.Plan([8192], chunk_bytes=4096)
     pool = _core.Pool(4096, 0)

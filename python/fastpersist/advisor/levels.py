@@ -17,7 +17,8 @@ before a step counts), ``D`` (``drain_s``, one drain to the remote, in the backg
 (from local or partner) and ``Rr`` (from the remote). Every save is a partner save when
 ``replicas >= 1``, so the local and partner levels share the interval ``P`` (seconds between
 save starts); the remote level drains every ``n``-th saved step, a period ``Pr = n·P`` that is
-never shorter than ``D``. The expected fraction of wall time lost::
+never shorter than ``D``. ``remote_every`` is given in steps, as ``Checkpointer`` takes it:
+``n·every``. The expected fraction of wall time lost::
 
     lost = δ/P + Cd/Pr + λ_local·(R + P/2 + W') + λ_remote·(Rr + Pr/2 + D)
 
@@ -33,7 +34,7 @@ Example:
     ...                restart_s=60.0, remote_restart_s=300.0)
     >>> a = advise_levels(c, f)
     >>> a.best.replicas, a.best.every, a.best.remote_every
-    (1, 113, 35)
+    (1, 113, 3955)
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 
 from .model import daly_interval_s
 
-__all__ = ["Failures", "LevelAdvice", "LevelCosts", "LevelPlan", "advise_levels", "plan_lost"]
+__all__ = ["Failures", "LevelAdvice", "LevelCosts", "LevelPlan", "advise_levels", "best_remote_every", "plan_lost"]
 
 
 def _positive(name: str, value: float, *, zero: bool = True) -> None:
@@ -76,6 +77,18 @@ class Failures:
             return count / mtbf if mtbf else 0.0
 
         return rate(self.process_mtbf_s), rate(self.node_mtbf_s, self.nodes), rate(self.cluster_mtbf_s)
+
+    def split(self, replicas: int) -> tuple[float, float]:
+        """Failures per second that the local (and partner) level survives, and those only the
+        remote level does: a node loss is the partner level's with ``replicas >= 1``."""
+        crash, node, cluster = self.rates()
+        return crash + (node if replicas else 0.0), cluster + (0.0 if replicas else node)
+
+    def local_mtbf_s(self, replicas: int) -> float | None:
+        """The mean time between the failures the local level survives (None: there are none);
+        ``every="auto"`` sets ``every`` against these."""
+        local, _ = self.split(replicas)
+        return 1.0 / local if local > 0 else None
 
 
 @dataclass(frozen=True)
@@ -121,10 +134,9 @@ class LevelPlan:
 
 
 def plan_lost(replicas: int, every: int, remote_every: int | None, c: LevelCosts, f: Failures) -> LevelPlan:
-    """The expected lost time of one setting (``remote_every=None``: no remote level)."""
-    crash, node, cluster = f.rates()
-    local_rate = crash + (node if replicas else 0.0)
-    remote_rate = cluster + (0.0 if replicas else node)
+    """The expected lost time of one setting (``remote_every``: steps between drains, a drain at
+    the first save that crosses a multiple of it; None: no remote level)."""
+    local_rate, remote_rate = f.split(replicas)
     write = c.write_s + c.replicate_s * replicas
     period = max(every * c.step_s + c.stall_s, write)
     stall = (period - every * c.step_s) / period
@@ -132,7 +144,7 @@ def plan_lost(replicas: int, every: int, remote_every: int | None, c: LevelCosts
     drain = 0.0
     remote_period = None
     if remote_every is not None:
-        remote_period = max(remote_every * period, c.drain_s)
+        remote_period = max(max(1, math.ceil(remote_every / every)) * period, c.drain_s)
         drain = c.drain_overhead_s / remote_period
         failure += remote_rate * (c.remote_restart_s + remote_period / 2 + c.drain_s)
     elif remote_rate:
@@ -146,10 +158,31 @@ def _around(optimum_steps: float, at_least: int = 1) -> list[int]:
     return sorted({low, max(at_least, math.ceil(optimum_steps))})
 
 
+def _remote_candidates(period: float, c: LevelCosts, remote_rate: float) -> list[int]:
+    """Whole numbers of saves between drains around Young's optimum, never a period below ``D``."""
+    young = math.sqrt(2 * c.drain_overhead_s / remote_rate) if remote_rate else 1e9 * period
+    target = max(young, c.drain_s)
+    return _around(target / period, at_least=max(1, math.ceil(c.drain_s / period)))
+
+
+def best_remote_every(replicas: int, every: int, c: LevelCosts, f: Failures, *, max_remote_every: int = 100_000) -> int:
+    """The ``remote_every`` (steps, a multiple of `every`) with the least expected lost time for a
+    fixed `replicas` and `every` (what a Checkpointer with ``remote_every=None`` and
+    ``failures=`` applies as it measures).
+
+    Example:
+        >>> c = LevelCosts(step_s=1.0, stall_s=0.05, write_s=0.6, drain_s=30.0, drain_overhead_s=1.0)
+        >>> best_remote_every(0, 10, c, Failures(process_mtbf_s=86400, cluster_mtbf_s=7 * 86400))
+        1090
+    """
+    _, remote_rate = f.split(replicas)
+    period = max(every * c.step_s + c.stall_s, c.write_s + c.replicate_s * replicas)
+    candidates = [min(n * every, max_remote_every) for n in _remote_candidates(period, c, remote_rate)]
+    return min(candidates, key=lambda n: (plan_lost(replicas, every, n, c, f).lost_fraction, n))
+
+
 def _best_for(replicas: int, c: LevelCosts, f: Failures, remote: bool) -> LevelPlan:
-    crash, node, cluster = f.rates()
-    local_rate = crash + (node if replicas else 0.0)
-    remote_rate = cluster + (0.0 if replicas else node)
+    local_rate, remote_rate = f.split(replicas)
     if local_rate > 0:
         compute = max(daly_interval_s(c.stall_s, 1.0 / local_rate), c.write_s - c.stall_s)
     else:
@@ -160,10 +193,8 @@ def _best_for(replicas: int, c: LevelCosts, f: Failures, remote: bool) -> LevelP
         if not remote:
             plans.append(plan_lost(replicas, every, None, c, f))
             continue
-        young = math.sqrt(2 * c.drain_overhead_s / remote_rate) if remote_rate else 1e9 * period
-        target = max(young, c.drain_s)
-        for n in _around(target / period, at_least=max(1, math.ceil(c.drain_s / period))):
-            plans.append(plan_lost(replicas, every, n, c, f))
+        for n in _remote_candidates(period, c, remote_rate):
+            plans.append(plan_lost(replicas, every, n * every, c, f))
     return min(plans, key=lambda p: (p.lost_fraction, p.every))
 
 

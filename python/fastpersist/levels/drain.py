@@ -3,8 +3,10 @@
 One thread per Checkpointer (per rank). :meth:`Drainer.submit` hands it a committed step that
 is due; at most one drain runs at a time, and a newer due step replaces one still waiting (the
 remote needs the newest, not every one). A drain copies this rank's share from the committed
-local copy (never from the training tensors), throttled to ``bytes_per_s`` and pausing while a
-save is staging (the part of a save that training waits for); rank 0 then commits the remote
+local copy (never from the training tensors), throttled to ``bytes_per_s``, pausing while a
+save is staging (the part of a save that training waits for) and yielding to a save that is
+writing: after each piece it then waits as long as the piece took, so it takes at most half of
+the drive and the cores from a running save and all of them between saves; rank 0 then commits the remote
 step and retires old ones, and every rank waits until the commit is visible, so every rank
 knows the outcome. A failed drain is logged at WARNING and retried with backoff (a newer step
 supersedes it); :meth:`close` waits for the drain in flight and raises if the newest submitted
@@ -29,6 +31,9 @@ log = logging.getLogger("fastpersist")
 #: Attempts per step before it is given up, and the first backoff (doubled each time).
 ATTEMPTS = 4
 BACKOFF_S = 0.5
+#: The longest a drain waits after one piece while a save is writing (a piece on a stalled remote
+#: can take long; the wait is only there to share the drive).
+YIELD_MAX_S = 1.0
 
 
 @dataclass
@@ -39,6 +44,8 @@ class DrainResult:
     nbytes: int = 0
     seconds: float = 0.0
     error: BaseException | None = None
+    #: CPU seconds the drain's thread used: what it takes from the training process's cores.
+    cpu_s: float = 0.0
 
 
 class Drainer:
@@ -55,16 +62,20 @@ class Drainer:
         timeout_s: float,
         bytes_per_s: float | None = None,
         staging: Callable[[], bool] = lambda: False,
+        writing: Callable[[], bool] = lambda: False,
         agree: Callable[[int], int] | None = None,
+        on_drained: Callable[[DrainResult], None] | None = None,
     ) -> None:
         self.remote, self.local_path = remote, local_path
         self.rank, self.size, self.keep, self.timeout_s = rank, size, keep, timeout_s
         self.bytes_per_s = bytes_per_s
         self.staging = staging  # whether a save is staging now (the drain pauses meanwhile)
+        self.writing = writing  # whether a save is writing now (the drain yields half its time)
         #: In a group: every rank's drain thread calls it with the step it would drain; it
         #: returns the step they all drain (the newest proposed: each rank replaced waiting steps
         #: on its own timing, but a step one rank committed, every rank committed).
         self.agree = agree
+        self.on_drained = on_drained  # called on the drain's thread after each step it drained
         self._cond = threading.Condition()
         self._pending: int | None = None
         self._busy = False
@@ -86,21 +97,27 @@ class Drainer:
             return {s for s in (self._pending, self._draining) if s is not None}
 
     def _throttle(self, started: float, done: list[int]) -> Callable[[int], None]:
+        piece_started = [started]
+
         def throttle(n: int) -> None:
             done[0] += n
             paused = time.monotonic()
+            piece_s = paused - piece_started[0]
             while self.staging() and time.monotonic() - paused < self.timeout_s:
                 time.sleep(0.005)
+            if self.writing():
+                time.sleep(min(piece_s, YIELD_MAX_S))
             if self.bytes_per_s:
                 ahead = done[0] / self.bytes_per_s - (time.monotonic() - started)
                 if ahead > 0:
                     time.sleep(ahead)
+            piece_started[0] = time.monotonic()
 
         return throttle
 
     def drain(self, step: int) -> DrainResult:
         """Drains one step now (on the calling thread); raises on failure."""
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.thread_time()
         local = self.local_path(step)
         m = read_manifest(local)
         done = [0]
@@ -117,7 +134,7 @@ class Drainer:
             )
         else:
             self.remote.wait_committed(step, m.checkpoint_id, self.timeout_s)
-        return DrainResult(step, nbytes, time.monotonic() - started)
+        return DrainResult(step, nbytes, time.monotonic() - started, cpu_s=time.thread_time() - cpu_started)
 
     def _run(self) -> None:
         while True:
@@ -139,6 +156,11 @@ class Drainer:
                     if self._pending is not None and self._pending <= step:
                         self._pending = None
                 self.last = self._attempts(step)
+                if self.last.error is None and self.on_drained is not None:
+                    try:
+                        self.on_drained(self.last)
+                    except Exception as e:  # advice is optional: the drains go on without it
+                        log.warning("after the drain of step %d to %s: %s", step, self.remote.root, e)
             with self._cond:
                 self._busy = False
                 self._draining = None

@@ -5,7 +5,8 @@ A remote step has the layout of a committed checkpoint (docs/format.md): its dat
 sharded step: its shard directories) and, written last, its manifest, whose presence is the
 commit. Each rank that owns a share uploads that share's files from its node's committed local
 copy (every chunk's crc32c checked on the way) and leaves a marker (``.fpdrained-RRRRR.json``);
-rank 0 waits for every owner's marker, writes the manifest, then the remote index
+rank 0 waits for every owner's marker, checks that every object is there at its recorded size
+(a stat or a HEAD each), writes the manifest, then the remote index
 (``latest.json``), then retires the remote steps beyond ``remote_keep`` (the manifest goes
 first). A committed remote step is never written again. A restore downloads a step into the
 local root, checked chunk by chunk, and commits it there (the local level is refilled), so it
@@ -20,7 +21,7 @@ import os
 import time
 from collections.abc import Callable
 
-from ..errors import FastPersistError
+from ..errors import CorruptCheckpointError, FastPersistError
 from ..format.layout import INDEX_NAME, MANIFEST_NAME, drained_marker_name, parse_step_dir, shard_name, step_dir_name
 from ..format.manifest import Manifest, parse, read_manifest
 from .holdings import shares_of
@@ -163,7 +164,8 @@ class Remote:
         return sorted({s.owner for s in shares}) if shares is not None else [0]
 
     def commit(self, step: int, local_dir: str, m: Manifest, timeout_s: float) -> None:
-        """Rank 0: waits for every owner's marker, then writes the manifest (the commit) and the index."""
+        """Rank 0: waits for every owner's marker, checks that every object is there at its
+        recorded size, then writes the manifest (the commit) and the index."""
         owners = self.owners(m)
         deadline = time.monotonic() + timeout_s
         pause = POLL_FIRST_S
@@ -175,10 +177,26 @@ class Remote:
             time.sleep(pause)
             pause = min(2 * pause, POLL_MAX_S)
         if self.committed_id(step) != m.checkpoint_id:  # a retry after the commit leaves it as it is
+            self._check_sizes(step, m)
             with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as f:
                 self.store.put_bytes(self._key(step, MANIFEST_NAME), f.read())
         doc = {"step": step, "path": step_dir_name(step), "checkpoint_id": m.checkpoint_id}
         self.store.put_bytes(INDEX_NAME, (json.dumps(doc) + "\n").encode())
+
+    def _check_sizes(self, step: int, m: Manifest) -> None:
+        """Raises unless every object of the step is in the store at its recorded size (a marker
+        vouches for its rank's uploads, but a store can lose or cut an object after it)."""
+        wrong = []
+        for f in self.files(step, m):
+            key = self._key(step, f.name)
+            found = self.store.size(key)
+            if found != f.len_bytes:
+                what = "missing" if found is None else f"{found} bytes"
+                wrong.append(f"{self.store.where(key)} ({what}, expected {f.len_bytes})")
+        if wrong:
+            raise CorruptCheckpointError(
+                f"{self.path(step)} was not committed: {len(wrong)} objects are not as drained: {'; '.join(wrong[:4])}"
+            )
 
     def wait_committed(self, step: int, checkpoint_id: str, timeout_s: float) -> None:
         """Any rank: waits until rank 0 has committed `step` with `checkpoint_id`."""

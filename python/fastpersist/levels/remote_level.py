@@ -4,11 +4,14 @@ directory: :mod:`fastpersist.levels.remote`)."""
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import os
+import statistics
 from typing import Any
 
+from ..advisor.levels import Failures, LevelCosts, best_remote_every
 from ..errors import FastPersistError
 from ..format.layout import MANIFEST_NAME
 from .drain import Drainer, DrainResult
@@ -30,6 +33,7 @@ class RemoteLevel:
         every: int | None,
         keep: int,
         bytes_per_s: float | None,
+        failures: Failures | None = None,
     ) -> None:
         if every is not None and (type(every) is not int or every < 1):
             raise ValueError(f"remote_every={every!r}: expected an integer >= 1 or None")
@@ -40,9 +44,14 @@ class RemoteLevel:
         self.ck = ck  # the Checkpointer (not imported: it imports this module)
         self.remote = Remote(target)
         #: None: every committed step is handed over and the drain takes the newest whenever it is
-        #: free, i.e. as often as one drain at a time allows (``fastpersist advise`` gives the
-        #: interval that the failure rates call for).
+        #: free, i.e. as often as one drain at a time allows; with `failures`, each drain's
+        #: measured cost then sets it to the multi-level advisor's choice (:meth:`_advise`).
         self.every = every
+        self.failures = failures if every is None else None
+        #: The costs the last advice used (None before the first drain, or without `failures`).
+        self.advised_costs: LevelCosts | None = None
+        self._drain_s: collections.deque[float] = collections.deque(maxlen=16)
+        self._drain_cpu_s: collections.deque[float] = collections.deque(maxlen=16)
         self.keep = keep
         self.bytes_per_s = bytes_per_s
         self.drainer: Drainer | None = None
@@ -81,7 +90,9 @@ class RemoteLevel:
                 timeout_s=self._timeout(),
                 bytes_per_s=self.bytes_per_s,
                 staging=self._staging,
+                writing=self._writing,
                 agree=self._agree if self._agree_pg is not None else None,
+                on_drained=self._advise if self.failures is not None else None,
             )
         self.drainer.submit(step)
 
@@ -93,6 +104,50 @@ class RemoteLevel:
         dist.all_gather_object(proposals, step, group=self._agree_pg)
         return max(int(p) for p in proposals)
 
+    def costs(self) -> LevelCosts | None:
+        """The Checkpointer's measured costs with this level's drains (medians), for the advisor;
+        None until a save and a drain were measured. A drain's cost to training is taken as the
+        CPU time of its thread; a restart from the remote as one drain's time plus the local
+        restart."""
+        local = self.ck.history.costs()
+        if local is None or not self._drain_s:
+            return None
+        last = self.ck._last
+        replicate = last.phases.get("replicate", 0.0) if last is not None else 0.0
+        drain = statistics.median(self._drain_s)
+        return LevelCosts(
+            step_s=local.step_s,
+            stall_s=local.stall_s,
+            write_s=max(local.write_s - replicate, 0.0),
+            replicate_s=replicate,
+            drain_s=drain,
+            drain_overhead_s=statistics.median(self._drain_cpu_s),
+            restart_s=local.restart_s,
+            remote_restart_s=drain + local.restart_s,
+        )
+
+    def _advise(self, result: DrainResult) -> None:
+        """After a drain (on its thread): sets `every` to the advisor's ``remote_every`` for the
+        measured costs and `failures` (docs/advisor.md, "Several levels")."""
+        self._drain_s.append(result.seconds)
+        self._drain_cpu_s.append(result.cpu_s)
+        costs = self.costs()
+        if costs is None or self.failures is None:
+            return
+        new = best_remote_every(self.ck.replicas, self.ck.every, costs, self.failures)
+        if new != self.every:
+            log.info(
+                "remote level %s: remote_every %s -> %d steps (drain %.2f s, drain CPU %.2f s, step %.3f s, every %d)",
+                self.remote.root,
+                self.every,
+                new,
+                costs.drain_s,
+                costs.drain_overhead_s,
+                costs.step_s,
+                self.ck.every,
+            )
+        self.advised_costs, self.every = costs, new
+
     def pinned(self) -> set[int]:
         """Local steps the drain still reads (kept by retention until it is done)."""
         return self.drainer.pinned() if self.drainer is not None else set()
@@ -100,6 +155,10 @@ class RemoteLevel:
     def _staging(self) -> bool:
         future = self.ck._future
         return future is not None and not future.staged()
+
+    def _writing(self) -> bool:
+        future = self.ck._future
+        return future is not None and future.staged() and not future.done()
 
     def close(self) -> None:
         """Waits for the drain (its thread stops; a later save starts another); raises its failure."""

@@ -147,6 +147,11 @@ class Store(abc.ABC):
     def get_range(self, key: str, lo: int, hi: int) -> bytes: ...
 
     @abc.abstractmethod
+    def size(self, key: str) -> int | None:
+        """The object's size in bytes (a stat or a HEAD: no data read), or None if there is none."""
+        ...
+
+    @abc.abstractmethod
     def children(self) -> list[str]:
         """The names directly under the store's root (step directories, the index)."""
         ...
@@ -223,6 +228,12 @@ class DirStore(Store):
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
         return sorted(os.listdir(self.root))
 
+    def size(self, key: str) -> int | None:
+        try:
+            return os.path.getsize(self.where(key))
+        except FileNotFoundError:
+            return None
+
     def remove_step(self, name: str, manifest: str) -> None:
         remove_owned_dir(self.where(name))  # renamed first: one atomic step out of sight
 
@@ -271,6 +282,14 @@ class S3Store(Store):
         import obstore
 
         return bytes(obstore.get_range(self.store, key, start=lo, end=hi))
+
+    def size(self, key: str) -> int | None:
+        import obstore
+
+        try:
+            return int(obstore.head(self.store, key)["size"])
+        except FileNotFoundError:
+            return None
 
     def read_pieces(self, key: str, f: FileCopy) -> Iterator[tuple[int, int, bytes]]:
         import obstore

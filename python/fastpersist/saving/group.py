@@ -65,6 +65,9 @@ class RankStatus:
     tensor_count: int = 0
     #: Sharded: the size of this rank's shard manifest.
     manifest_bytes: int = 0
+    #: Partner level, replicated state: the files this rank wrote as copies of other writers'
+    #: shares from its own (identical) state, with their checksums.
+    copies: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,8 @@ class Layout:
         writer_count: writers in the plan.
         owner: this process creates `tmp_dir` and commits it.
         tag: distinguishes this process's stripe directories from other ranks' ("" alone).
+        also_writers: other writers whose parts this process also writes, after its own (a
+            partner's copy of a replicated share, made from this process's identical state).
     """
 
     checkpoint_id: str
@@ -93,6 +95,7 @@ class Layout:
     writer_count: int
     owner: bool
     tag: str = ""
+    also_writers: tuple[int, ...] = ()
 
 
 def single_layout(path: str) -> Layout:
@@ -197,7 +200,9 @@ class SaveJob:
         # Held for the whole save: memory pinned for the device copies stays pinned while it lives.
         self.pool = self.pool if self.pool is not None else pool_for(self.config)
         self._copiers = prepare_device_blobs(flat.blobs, self.pool)
-        self.my_parts = [part for part in map(PlanPart._make, self.plan.parts) if part.writer == layout.writer]
+        parts = list(map(PlanPart._make, self.plan.parts))
+        writers = self.writers
+        self.my_parts = [part for w in writers for part in parts if part.writer == w]
         used = {self.stripe_dirs[part.stripe] for part in self.my_parts} if stripe_roots else set()
         self.stripe_dirs_used = sorted(used)
         for part in self.my_parts:
@@ -226,13 +231,19 @@ class SaveJob:
         take_recycled(os.path.dirname(self.path), layout.tmp_dir, paths)  # a memory root's retired files
         return paths
 
+    @property
+    def writers(self) -> tuple[int, ...]:
+        """The writers whose parts this process writes: its own first, then `also_writers`."""
+        own = () if self.layout.writer is None else (self.layout.writer,)
+        return own + self.layout.also_writers
+
     def _start_engine(self, paths: list[str], background: bool) -> None:
         """Hands this process's parts to the engine (stage, checksum, write, fsync)."""
         flat, config, pool = self._flat, self.config, self.pool
-        assert flat is not None and self.layout.writer is not None and pool is not None
+        assert flat is not None and self.writers and pool is not None
         self.handle = _core.start_write(
             self.plan,
-            self.layout.writer,
+            self.writers[0],
             paths,
             [None if b.copier_factory is not None else b.data for b in flat.blobs],
             pool,
@@ -248,6 +259,7 @@ class SaveJob:
             copy_budget_bytes=EARLY_COPY_BUDGET_BYTES,
             device_copy=self._copy_from_device if self._copiers else None,
             device_wait=self._wait_for_device if self._copiers else None,
+            also_writers=self.writers[1:],
         )
         _warn_fallback_once(self.handle.fallback_reason)
 

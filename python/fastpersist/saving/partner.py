@@ -14,7 +14,11 @@ C. each share's files go to its partners (:mod:`fastpersist.levels.placement`) o
    read back with their checksums checked and checked again on arrival
    (:mod:`fastpersist.levels.transfer`); the ranks exchange a status. If any copy failed (a
    partner killed, ENOSPC), nothing is committed anywhere and every rank raises: a step
-   counts only once every share has its copies;
+   counts only once every share has its copies. With replicated state every rank holds the
+   same bytes, so in step B each partner already wrote its copies from its own state, in the
+   same engine job as its own share (no read-back, nothing on the wire); a copy is kept only
+   if its files and chunk checksums equal the owner's, else it is replaced by a transfer (ranks
+   whose "replicated" state differs cost time, never correctness);
 D. each leader writes the manifest (the same on every node, naming the placement in
    ``extra["levels"]``) and commits its node's directory atomically; the ranks exchange the
    outcome, and all raise if a node could not commit (the nodes that did keep the step; a
@@ -23,6 +27,8 @@ D. each leader writes the manifest (the same on every node, naming the placement
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
 import time
@@ -31,17 +37,19 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import Config, SaveResult
-from ..distributed.control import describe
+from ..distributed.control import describe, writer_map
 from ..errors import GroupSaveError
 from ..format.layout import MANIFEST_NAME, shard_name, tmp_dir_for
 from ..format.ownership import DirLock, make_locked_dir
 from ..levels.placement import Placement
 from ..levels.transfer import ShareFile, Transfer, send_and_receive
 from .group import GroupSaveJob, RankStatus, StartMessage
-from .job import SaveJob
+from .job import Layout, SaveJob
 from .target import check_name_fits, check_target
 
 __all__ = ["PartnerSaveJob", "share_files"]
+
+log = logging.getLogger("fastpersist")
 
 
 def share_files(status: RankStatus, sharded: bool) -> list[ShareFile]:
@@ -107,6 +115,33 @@ class PartnerSaveJob(GroupSaveJob):
             self.start_error = e
         return self
 
+    def layout_for(self, checkpoint_id: str, tmp: str, *, owner: bool) -> Layout:
+        """The group layout; with replicated state this rank also writes the shares it keeps copies of."""
+        layout = super().layout_for(checkpoint_id, tmp, owner=owner)
+        if self.sharded:
+            return layout
+        writers = writer_map(self.control.nodes, self.config.writers)
+        kept = tuple(writers[r] for r in self.placement.sources(self.rank, self.replicas) if r in writers)
+        return replace(layout, also_writers=kept)
+
+    def _split_copies(self, status: RankStatus) -> RankStatus:
+        """Moves the files written as copies of other writers' shares out of `status.files`."""
+        if self.sharded or not status.files:
+            return status
+        own = [f for f in status.files if f["writer"] == self.writer]
+        copies = [f for f in status.files if f["writer"] != self.writer]
+        return replace(status, files=own, copies=copies)
+
+    @staticmethod
+    def _copy_matches(owner: RankStatus, keeper: RankStatus) -> bool:
+        """Whether `keeper` wrote `owner`'s files with the same lengths and chunk checksums."""
+
+        def key(f: dict[str, Any]) -> tuple[str, int, tuple[int, ...]]:
+            return (f["name"], f["len_bytes"], tuple(f["chunk_crc32c"]))
+
+        made = sorted(key(f) for f in keeper.copies if f["writer"] == owner.writer)
+        return bool(made) and made == sorted(key(f) for f in owner.files)
+
     def _make_node_dir(self, tmp: str) -> tuple[DirLock | None, BaseException | None]:
         """The node leader checks its target and makes its node's temporary directory."""
         if not self.placement.is_leader(self.rank):
@@ -130,14 +165,21 @@ class PartnerSaveJob(GroupSaveJob):
             }
         }
 
-    def _replicate(self, statuses: list[RankStatus]) -> None:
-        """Step C: sends this rank's share to its partners and receives the shares it keeps."""
+    def _replicate(self, statuses: list[RankStatus]) -> int:
+        """Step C: sends this rank's share to the partners that lack a good copy of it and
+        receives the shares it keeps a copy of; returns the shares sent over the group."""
         transfers = [
             Transfer(src=s.rank, dst=p, files=share_files(s, self.sharded))
             for s in statuses
             if s.writer is not None
             for p in self.placement.partners(s.rank, self.replicas)
+            if self.sharded or not self._copy_matches(s, statuses[p])
         ]
+        for t in transfers:
+            if t.dst == self.rank:  # a copy made from this rank's state that differs: replaced
+                for f in t.files:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(self.layout.tmp_dir, f.name))
         send_and_receive(
             self.control.pg,
             self.rank,
@@ -148,6 +190,7 @@ class PartnerSaveJob(GroupSaveJob):
             timeout_s=self.config.timeout_s,
             durable=self.config.durable,
         )
+        return len(transfers)
 
     def _gather_errors(self, what: str, error: BaseException | None) -> list[tuple[int, str]]:
         try:
@@ -168,6 +211,7 @@ class PartnerSaveJob(GroupSaveJob):
 
     def finish(self, timeout: float | None = None) -> SaveResult:
         status, written, local_error = self._write_share(timeout)
+        status = self._split_copies(status)
         if status.error == "" and self.sharded:
             size = os.path.getsize(os.path.join(self.layout.data_dir, MANIFEST_NAME))
             status = replace(status, manifest_bytes=size)
@@ -182,11 +226,19 @@ class PartnerSaveJob(GroupSaveJob):
             self._raise_failed([(-1, f) for f in failures], local_error, "write every share")
         copy_error: BaseException | None = None
         copy_started = time.perf_counter()
+        sent = 0
         try:
-            self._replicate(statuses)
+            sent = self._replicate(statuses)
         except Exception as e:
             copy_error = e
         copy_seconds = time.perf_counter() - copy_started
+        if sent and not self.sharded:
+            log.info(
+                "%d copies of %s's replicated shares differed from their owners' (is the state the same on "
+                "every rank?) and were sent over the group instead",
+                sent,
+                self.path,
+            )
         failed = self._gather_errors("exchange replication results", copy_error)
         if failed:
             self._raise_failed(failed, copy_error, f"keep {self.replicas} copies of every share on other nodes")

@@ -141,7 +141,7 @@ def run_cli(args: argparse.Namespace) -> int:
     else:
         print(str(advice))
         if levels is not None:
-            print("\nAcross levels (replicas: the partner level; remote_every: saved steps between drains):")
+            print("\nAcross levels (replicas: the partner level; remote_every: steps between drains):")
             print(str(levels))
     return 0
 

@@ -15,7 +15,8 @@ use crate::buffers::HeldBuffer;
 use crate::handle::{PyDeviceCopier, PyStagingObserver, Shared, WriteHandle};
 use crate::{Plan, Pool};
 
-/// Starts writing `writer`'s parts of `plan` to `paths` from `sources` (one buffer per extent).
+/// Starts writing `writer`'s parts of `plan`, then those of each writer in `also_writers`, to
+/// `paths` (one per part, in that order) from `sources` (one buffer per extent).
 /// With `background=False` the write runs on this thread (GIL released) and the returned
 /// handle is already finished.
 ///
@@ -33,7 +34,7 @@ use crate::{Plan, Pool};
 /// slot's memory stays the job's, untouched, until then). Without it copies must be done on
 /// return.
 #[pyfunction]
-#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0, device_copy=None, device_wait=None))]
+#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0, device_copy=None, device_wait=None, also_writers=Vec::new()))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn start_write(
     py: Python<'_>,
@@ -54,6 +55,7 @@ pub(crate) fn start_write(
     copy_budget_bytes: u64,
     device_copy: Option<Py<PyAny>>,
     device_wait: Option<Py<PyAny>>,
+    also_writers: Vec<usize>,
 ) -> PyResult<WriteHandle> {
     let guard = guard_from(watched, on_staged, copy_max_extent_bytes, copy_budget_bytes)?;
     let (selection, direct) = crate::io_choices(py, backend, direct_io)?;
@@ -64,7 +66,7 @@ pub(crate) fn start_write(
         checksum,
         durable,
     };
-    let targets = writer_targets(&plan.inner, writer, paths)?;
+    let targets = writer_targets(&plan.inner, writer, &also_writers, paths)?;
     let extents = &plan.inner.extent_bytes;
     let (held, regions) = source_regions(&sources, extents)?;
     if guard
@@ -130,16 +132,30 @@ fn guard_from(
     }
 }
 
-/// `writer`'s parts of `plan`, each with the path it is written to.
+/// `writer`'s parts of `plan`, then each of `also_writers`' parts, each with the path it is
+/// written to.
 fn writer_targets(
     plan: &plan::Plan,
     writer: usize,
+    also_writers: &[usize],
     paths: Vec<PathBuf>,
 ) -> PyResult<Vec<WriteTarget>> {
-    let parts: Vec<_> = plan.parts_of_writer(writer).copied().collect();
+    if let Some(w) = also_writers
+        .iter()
+        .enumerate()
+        .find_map(|(i, w)| (*w == writer || also_writers[..i].contains(w)).then_some(w))
+    {
+        return Err(PyValueError::new_err(format!(
+            "writer {w} is named twice (writer={writer}, also_writers={also_writers:?})"
+        )));
+    }
+    let parts: Vec<_> = std::iter::once(writer)
+        .chain(also_writers.iter().copied())
+        .flat_map(|w| plan.parts_of_writer(w).copied())
+        .collect();
     if parts.len() != paths.len() {
         return Err(PyValueError::new_err(format!(
-            "writer {writer} has {} parts but {} paths were given",
+            "writers {writer} and {also_writers:?} have {} parts but {} paths were given",
             parts.len(),
             paths.len()
         )));
