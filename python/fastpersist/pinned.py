@@ -73,21 +73,28 @@ def _libcudart() -> ctypes.CDLL | None:
 
 class CudaRuntime:
     """:class:`HostRuntime` over ``torch.cuda.cudart()``, clearing the runtime's last error
-    through the library torch loaded (``cudaGetLastError``; torch does not expose it)."""
+    through the library torch loaded (``cudaGetLastError``; torch does not expose it). A
+    registration is undone with the device current that made it: any CUDA call creates a
+    context on the current device, and the thread that drops the owner may have another."""
 
     def __init__(self) -> None:
         self.cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        self.devices: dict[int, int] = {}  # address -> the device current at its registration
 
     def register(self, address: int, nbytes: int) -> int:
         code = int(self.cudart.cudaHostRegister(address, nbytes, REGISTER_PORTABLE))
         if code:
             self.clear_error()
+        else:
+            self.devices[address] = torch.cuda.current_device()
         return code
 
     def unregister(self, address: int) -> int:
-        code = int(self.cudart.cudaHostUnregister(address))
-        if code:
-            self.clear_error()
+        device = self.devices.pop(address, None)
+        with torch.cuda.device(device if device is not None else torch.cuda.current_device()):
+            code = int(self.cudart.cudaHostUnregister(address))
+            if code:
+                self.clear_error()
         return code
 
     def describe(self, code: int) -> str:
