@@ -48,7 +48,7 @@ class FakeEvent:
         self.cuda.calls.append(("record", self.cuda.current))
 
     def synchronize(self) -> None:
-        pass
+        self.cuda.calls.append(("event_synchronize", self.cuda.current))
 
 
 class FakeStream:
@@ -59,7 +59,7 @@ class FakeStream:
         self.cuda.calls.append(("wait_event", self.cuda.current))
 
     def wait_stream(self, stream: object) -> None:
-        pass
+        self.cuda.calls.append(("wait_stream", self.cuda.current))
 
     def synchronize(self) -> None:
         self.cuda.calls.append(("synchronize", self.cuda.current))

@@ -195,7 +195,8 @@ class CudaLoader:
         self.stream: Any = cuda.Stream(self.device)
 
     def begin(self) -> None:
-        self.stream.wait_stream(cuda.current_stream(self.device))
+        with cuda.device(self.device):
+            self.stream.wait_stream(cuda.current_stream(self.device))
 
     def register(self, host: torch.Tensor) -> None:
         with cuda.device(self.device):
@@ -215,11 +216,23 @@ class CudaLoader:
         with cuda.device(self.device):
             event: Any = cuda.Event()
             event.record(self.stream)
-        fence: CopyFence = event
-        return fence
+        return _DeviceFence(event, self.device)
 
     def finish(self) -> None:
-        cuda.current_stream(self.device).wait_stream(self.stream)
+        with cuda.device(self.device):
+            cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+class _DeviceFence:
+    """A CUDA event, waited for with its device current: it may be waited for on any thread,
+    by a later load, and a CUDA call creates a context on the current device if it has none."""
+
+    def __init__(self, event: Any, device: torch.device) -> None:
+        self.event, self.device = event, device
+
+    def synchronize(self) -> None:
+        with cuda.device(self.device):
+            self.event.synchronize()
 
 
 #: The loader installed by :func:`use_loader` (the predicate choosing its target devices, its
