@@ -133,6 +133,7 @@ class _Registration(NamedTuple):
     owner: int  # id() of the object whose memory it is
     pinned: bool  # registered, by us or by someone else before us
     ours: bool  # registered by us: to be unregistered
+    runtime: HostRuntime  # the runtime that registered it, and will unregister it
 
 
 #: Host buffers registered (or tried) by address; and, per owner, the addresses it holds.
@@ -179,16 +180,17 @@ def pin_host(host: torch.Tensor, owner: object) -> bool:
             return found.pinned
         if _exiting or sys.is_finalizing():
             return False
-        code = _the_runtime().register(address, nbytes)
+        runtime = _the_runtime()
+        code = runtime.register(address, nbytes)
         pinned = code in (0, ALREADY_REGISTERED)
-        _registered[address] = _Registration(nbytes, id(owner), pinned, code == 0)
+        _registered[address] = _Registration(nbytes, id(owner), pinned, code == 0, runtime)
         addresses = _by_owner.get(id(owner))
         if addresses is None:
             addresses = _by_owner[id(owner)] = []
             _when_freed(owner, functools.partial(_unpin_owner, id(owner)))
         addresses.append(address)
     if not pinned:
-        _warn_once(nbytes, _the_runtime().describe(code))
+        _warn_once(nbytes, runtime.describe(code))
     return pinned
 
 
@@ -214,7 +216,7 @@ def _unpin_owner(owner_id: int) -> None:
         return
     for address, registration in zip(addresses, gone, strict=True):
         if registration.ours:
-            _the_runtime().unregister(address)
+            registration.runtime.unregister(address)
 
 
 def unpin_host(host: torch.Tensor) -> None:
@@ -229,4 +231,4 @@ def unpin_host(host: torch.Tensor) -> None:
         if address in addresses:
             addresses.remove(address)
     if found.ours and not (_exiting or sys.is_finalizing()):
-        _the_runtime().unregister(address)
+        found.runtime.unregister(address)

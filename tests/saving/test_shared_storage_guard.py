@@ -140,10 +140,10 @@ def test_cuda_shared_storages_save_and_their_writes_are_seen(workdir: str) -> No
     for key, value in state["lstm"].items():
         assert torch.equal(loaded["lstm"][key], value), key
 
-    buf = torch.zeros(4 << 20, device="cuda")
+    buf = torch.zeros(16 << 20, device="cuda")  # 64 MiB through a 2 MiB pool: staging takes a while
     params = [torch.nn.Parameter(torch.empty(0, device="cuda")) for _ in range(2)]
     for k, p in enumerate(params):
-        p.data = buf[k * (2 << 20) : (k + 1) * (2 << 20)]
+        p.data = buf[k * (8 << 20) : (k + 1) * (8 << 20)]
     config = fp.Config(chunk_bytes=1 << 20, pool_bytes=2 << 20, queue_depth=2)
     torch.cuda.synchronize()
     fut = fp.save_async({"p0": params[0], "p1": params[1]}, os.path.join(workdir, "torn"), config=config)
