@@ -186,3 +186,83 @@ def test_pool_supports_callbacks_before_free() -> None:
     del pool
     gc.collect()
     assert calls == ["first", "second"]
+
+
+class SpyRuntime:
+    """The CUDA runtime, noting which registrations succeeded and whether each address was
+    still mapped when it was undone."""
+
+    def __init__(self, runtime: pinned.HostRuntime) -> None:
+        self.runtime = runtime
+        self.registered: list[int] = []
+        self.still_mapped: dict[int, bool] = {}
+
+    def register(self, address: int, nbytes: int) -> int:
+        code = self.runtime.register(address, nbytes)
+        if code == 0:
+            self.registered.append(address)
+        return code
+
+    def unregister(self, address: int) -> int:
+        self.still_mapped[address] = _mapped(address)
+        return self.runtime.unregister(address)
+
+    def describe(self, code: int) -> str:
+        return self.runtime.describe(code)
+
+
+@cuda_test
+def test_cuda_pool_slots_are_unregistered_before_the_pool_frees_them(workdir: str) -> None:
+    spy = SpyRuntime(pinned.CudaRuntime())
+    previous = pinned.use_runtime(spy)
+    try:
+        chunk = 64 << 20
+        config = fp.Config(chunk_bytes=chunk, pool_bytes=2 * chunk)
+        fp.save({"w": torch.randn(1 << 20, device="cuda")}, os.path.join(workdir, "ckpt"), config=config)
+        assert spy.registered, "the slots were not registered"
+        with pools._pools_lock:
+            pools._pools.pop((chunk, 2 * chunk))
+        gc.collect()
+        assert sorted(spy.still_mapped) == sorted(spy.registered)
+        assert all(spy.still_mapped.values()), "a slot was unregistered after its memory was freed"
+    finally:
+        pinned.use_runtime(previous)
+
+
+_ON_DEVICE_1 = """
+import ctypes, os, sys
+import torch
+import fastpersist as fp
+
+def primary_context_active(index):
+    cuda = ctypes.CDLL("libcuda.so.1")
+    device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    assert cuda.cuDeviceGet(ctypes.byref(device), index) == 0
+    assert cuda.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) == 0
+    return bool(active.value)
+
+x = torch.randn(1 << 22, device="cuda:1")  # torch's current device stays 0
+torch.cuda.synchronize("cuda:1")
+if primary_context_active(0):
+    print("torch-made-one")
+    sys.exit(0)
+root = sys.argv[1]
+fp.save({"x": x}, os.path.join(root, "a"))
+y = fp.load(os.path.join(root, "a"), map_location="cuda:1")["x"]
+assert torch.equal(x, y)
+print("context-on-0" if primary_context_active(0) else "none-on-0")
+"""
+
+
+@cuda_test
+def test_cuda_a_rank_on_another_device_creates_no_context_on_device_0(workdir: str) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run(
+        [sys.executable, "-c", _ON_DEVICE_1, workdir], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    if done.stdout.split() == ["torch-made-one"]:
+        pytest.skip("this torch creates a context on device 0 by itself")
+    assert done.stdout.split() == ["none-on-0"], done.stdout
