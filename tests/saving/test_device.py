@@ -287,3 +287,20 @@ def test_cuda_copy_guard_and_resized_tensors(workdir: str) -> None:
     flat.untyped_storage().resize_(0)  # FSDP frees the flat parameter between uses
     with pytest.raises(RuntimeError, match="resized"):
         fut.wait()
+
+
+@cuda_test
+def test_cuda_chunks_copied_ahead_of_their_checksum_round_trip(workdir: str) -> None:
+    # Each chunk's device-to-host copy is queued while the chunk before it is checksummed: a
+    # slot read before its copy completed would show as a checksum or value mismatch here.
+    state = {f"w{k}": torch.randn(8 << 20, device="cuda") for k in range(4)}  # 4 x 32 MiB
+    for name, config in {
+        "snapshot": fp.Config(chunk_bytes=4 << 20, pool_bytes=256 << 20),
+        "bounded": fp.Config(chunk_bytes=4 << 20, pool_bytes=16 << 20, queue_depth=2),
+    }.items():
+        path = os.path.join(workdir, name)
+        fp.save_async(state, path, config=config).wait()
+        fp.verify(path)
+        loaded = fp.load(path, map_location="cuda")
+        for key, value in state.items():
+            assert torch.equal(loaded[key], value), (name, key)
