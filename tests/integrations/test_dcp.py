@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 import fastpersist as fp
 from fastpersist.integrations.dcp import FastPersistReader, FastPersistWriter
 
-from dcp_workers import full_state, full_weight, run
+from dcp_workers import WIDE_CHUNK_BYTES, WIDE_SHAPE, full_state, full_weight, load_wide_counting, run, save_wide
 from gloo import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -97,3 +98,108 @@ def test_metadata_reader_refuses_foreign_globals(tmp_path: Any) -> None:
     (path / ".metadata").write_bytes(pickle.dumps(os.system))
     with pytest.raises(fp.CorruptCheckpointError, match="never needs"):
         FastPersistReader(str(path)).read_metadata()
+
+
+def test_four_ranks_read_only_their_share_of_what_two_ranks_saved(tmp_path: Any) -> None:
+    """Saved by 2 ranks (row shards), loaded by 4 (row shards, then column shards): each rank's
+    reads, counted at the engine's read function, come to about its share, not whole files."""
+    path = str(tmp_path / "ckpt")
+    for world, worker in ((2, save_wide), (4, load_wide_counting)):
+        workdir = tmp_path / f"run-{world}"
+        workdir.mkdir()
+        for res in run_ranks(worker, world, (str(workdir), path), str(workdir), timeout_s=240):
+            assert "traceback" not in res, res
+    results = [json.loads((tmp_path / "run-4" / f"result-{r}.json").read_text()) for r in range(4)]
+    tensor_bytes = WIDE_SHAPE[0] * WIDE_SHAPE[1] * 4
+    for rank, res in enumerate(results):
+        for layout in ("rows", "cols"):
+            got = res[layout]
+            assert got["equal"] and got["step"] == 9, (rank, layout, got)
+            share, read = got["share_bytes"], got["bytes_read"]
+            assert share == tensor_bytes // 4
+            # each file starts with its row shard, so row and column blocks both fall on chunk
+            # boundaries; the slack is the chunk holding "step" (and room for a shard's cut ends)
+            assert share <= read <= share + 4 * WIDE_CHUNK_BYTES, (rank, layout, share, read)
+    assert sum(r["rows"]["bytes_read"] for r in results) <= tensor_bytes + 16 * WIDE_CHUNK_BYTES
+
+
+class _BoxPlanner:
+    """The planner side of one ReadItem: receives the box the reader copies out."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.target = torch.full(lengths, float("nan"))
+        self.committed: list[torch.Tensor] = []
+
+    def resolve_tensor(self, item: Any) -> torch.Tensor:
+        return self.target
+
+    def commit_tensor(self, item: Any, tensor: torch.Tensor) -> None:
+        self.committed.append(tensor)
+
+
+def _flip(path: str, offset_bytes: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset_bytes)
+        byte = f.read(1)
+        f.seek(offset_bytes)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.fixture
+def two_matrices(tmp_path: Any) -> tuple[str, dict[str, torch.Tensor]]:
+    """Two (64, 1024) float32 matrices (4 KiB rows) in one file of 4 KiB chunks."""
+    path = str(tmp_path / "ckpt")
+    state = {"a": torch.randn(64, 1024), "b": torch.randn(64, 1024)}
+    dcp.save(state, storage_writer=FastPersistWriter(path, fp.Config(chunk_bytes=4096)))
+    return path, state
+
+
+def _read_box(path: str, fqn: str, offsets: list[int], lengths: list[int]) -> tuple[torch.Tensor, FastPersistReader]:
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    reader = FastPersistReader(path)
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    key = next(k for k in reader.storage if k.fqn == fqn)
+    item = ReadItem(LoadItemType.TENSOR, key, torch.Size([0, 0]), key, torch.Size(offsets), torch.Size(lengths))
+    planner = _BoxPlanner(lengths)
+    reader.read_data(LoadPlan([item]), planner).wait()  # type: ignore[arg-type]
+    assert len(planner.committed) == 1
+    return planner.target, reader
+
+
+def _file_offset(path: str, fqn: str, row: int, col: int) -> tuple[str, int]:
+    reader = FastPersistReader(path)
+    info = next(v for k, v in reader.read_metadata().storage_data.items() if k.fqn == fqn)
+    return os.path.join(path, info.relative_path), info.offset_bytes + (row * 1024 + col) * 4
+
+
+def test_a_box_reads_only_its_chunks(two_matrices: tuple[str, dict[str, torch.Tensor]]) -> None:
+    path, state = two_matrices
+    rows, reader = _read_box(path, "b", [10, 0], [3, 1024])
+    assert torch.equal(rows, state["b"][10:13]) and reader.read_stats["bytes"] == 3 * 4096
+    block, reader = _read_box(path, "a", [5, 256], [40, 512])  # half of each row: every chunk under it
+    assert torch.equal(block, state["a"][5:45, 256:768]) and reader.read_stats["bytes"] == 40 * 4096
+
+
+def test_damage_is_caught_in_a_needed_chunk_and_ignored_elsewhere(
+    two_matrices: tuple[str, dict[str, torch.Tensor]],
+) -> None:
+    path, state = two_matrices
+    data, where = _file_offset(path, "a", 40, 7)
+    _flip(data, where)
+    box, _ = _read_box(path, "a", [10, 0], [20, 1024])  # rows 10..29: the damaged row 40 is not read
+    assert torch.equal(box, state["a"][10:30])
+    with pytest.raises(fp.ChecksumMismatchError, match=rf"bytes \[{where // 4096 * 4096}, "):
+        _read_box(path, "a", [40, 512], [1, 512])  # the damaged byte is outside the box but in its chunk
+    with pytest.raises(fp.ChecksumMismatchError):
+        _read_box(path, "a", [38, 0], [4, 1024])
+    # through dcp.load: a state that needs only "b" loads; one that needs "a" fails
+    target = {"b": torch.zeros(64, 1024)}
+    dcp.load(target, storage_reader=FastPersistReader(path))
+    assert torch.equal(target["b"], state["b"])
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises((CheckpointException, fp.ChecksumMismatchError)) as info:
+        dcp.load({"a": torch.zeros(64, 1024)}, storage_reader=FastPersistReader(path))
+    failures = list(getattr(info.value, "failures", {}).values()) or [info.value]
+    assert "ChecksumMismatchError" in repr(failures)
