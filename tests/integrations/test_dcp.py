@@ -203,3 +203,124 @@ def test_damage_is_caught_in_a_needed_chunk_and_ignored_elsewhere(
         dcp.load({"a": torch.zeros(64, 1024)}, storage_reader=FastPersistReader(path))
     failures = list(getattr(info.value, "failures", {}).values()) or [info.value]
     assert "ChecksumMismatchError" in repr(failures)
+
+
+# FileSystemWriter's and FileSystemReader's arguments
+
+
+def test_sync_files_is_the_durable_switch(tmp_path: Any) -> None:
+    assert FastPersistWriter(tmp_path).config.durable and FastPersistWriter(tmp_path).sync_files
+    off = FastPersistWriter(tmp_path, fp.Config(chunk_bytes=8192), sync_files=False)
+    assert not off.config.durable and off.config.chunk_bytes == 8192 and not off.sync_files
+    assert not FastPersistWriter(tmp_path, fp.Config(durable=False)).sync_files
+    with pytest.raises(ValueError, match=r"sync_files=True.*durable=False"):
+        FastPersistWriter(tmp_path, fp.Config(durable=False), sync_files=True)
+
+
+def test_sync_files_false_skips_the_metadata_fsyncs(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data files' fsync is the engine's (``durable``, set above); these are Python's."""
+    from fastpersist import _core
+
+    synced: list[str] = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(str(fd)))
+    monkeypatch.setattr(_core, "fsync_dir", lambda path: synced.append(str(path)))
+    monkeypatch.setattr(_core, "fsync_path", lambda path: synced.append(str(path)))
+    state = {"w": torch.randn(32, 32)}
+    dcp.save(state, storage_writer=FastPersistWriter(tmp_path / "c", sync_files=False))
+    assert synced == []
+    dcp.save(state, storage_writer=FastPersistWriter(tmp_path / "d"))  # the default syncs (.metadata, its dir)
+    assert synced
+    target = {"w": torch.zeros(32, 32)}
+    dcp.load(target, storage_reader=FastPersistReader(tmp_path / "c"))
+    assert torch.equal(target["w"], state["w"])
+
+
+def test_thread_count_and_copy_ahead_are_taken_and_checked(tmp_path: Any) -> None:
+    state = {"w": torch.randn(64, 64), "v": torch.arange(7)}
+    writer = FastPersistWriter(tmp_path / "c", thread_count=8, per_thread_copy_ahead=0)
+    dcp.save(state, storage_writer=writer)
+    assert writer.thread_count == 8 and sum(n.endswith(".fpdcp") for n in os.listdir(tmp_path / "c")) == 1
+    target = {"w": torch.zeros(64, 64), "v": torch.zeros(7, dtype=torch.int64)}
+    dcp.load(target, storage_reader=FastPersistReader(tmp_path / "c"))
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["v"], state["v"])
+    with pytest.raises(ValueError, match="thread_count=0"):
+        FastPersistWriter(tmp_path, thread_count=0)
+    with pytest.raises(ValueError, match="per_thread_copy_ahead=-1"):
+        FastPersistWriter(tmp_path, per_thread_copy_ahead=-1)
+
+
+def test_single_file_per_rank_false_writes_one_file_per_item(tmp_path: Any) -> None:
+    state = {"w": torch.randn(40, 30), "v": torch.arange(7), "step": 3}
+    dcp.save(state, storage_writer=FastPersistWriter(tmp_path / "c", single_file_per_rank=False))
+    files = [n for n in os.listdir(tmp_path / "c") if n.endswith(".fpdcp")]
+    assert len(files) == 3, files
+    target = {"w": torch.zeros(40, 30), "v": torch.zeros(7, dtype=torch.int64), "step": 0}
+    dcp.load(target, storage_reader=FastPersistReader(tmp_path / "c"))
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["v"], state["v"]) and target["step"] == 3
+    dcp.save(state, storage_writer=FastPersistWriter(tmp_path / "c"))  # a later save removes the old files
+    assert sum(n.endswith(".fpdcp") for n in os.listdir(tmp_path / "c")) == 1
+
+
+def test_overwrite_false_refuses_an_existing_checkpoint(tmp_path: Any) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    state = {"w": torch.randn(8, 8)}
+    dcp.save(state, storage_writer=FastPersistWriter(tmp_path / "c", overwrite=False))  # a new directory: fine
+    before = sorted(os.listdir(tmp_path / "c"))
+    with pytest.raises((CheckpointException, RuntimeError)) as info:
+        dcp.save({"w": torch.zeros(8, 8)}, storage_writer=FastPersistWriter(tmp_path / "c", overwrite=False))
+    assert "already exists and self.overwrite=False" in repr(getattr(info.value, "failures", info.value))
+    assert sorted(os.listdir(tmp_path / "c")) == before
+    target = {"w": torch.zeros(8, 8)}
+    dcp.load(target, storage_reader=FastPersistReader(tmp_path / "c"))
+    assert torch.equal(target["w"], state["w"])
+    dcp.save({"w": torch.ones(8, 8)}, storage_writer=FastPersistWriter(tmp_path / "c", overwrite=True))
+    dcp.load(target, storage_reader=FastPersistReader(tmp_path / "c"))
+    assert torch.equal(target["w"], torch.ones(8, 8))
+
+
+def test_stream_transforms_are_refused_by_name(tmp_path: Any) -> None:
+    from torch.distributed.checkpoint._extension import StreamTransformExtension, ZStandard
+
+    # ZStandard() itself needs the zstandard module; its class is what a user would pass
+    zstd = ZStandard.__new__(ZStandard)
+    assert isinstance(zstd, StreamTransformExtension)
+    with pytest.raises(NotImplementedError, match=r"_extensions=\[ZStandard\].*FileSystemWriter"):
+        FastPersistWriter(tmp_path, _extensions=[zstd])
+    assert FastPersistWriter(tmp_path, _extensions=[]).path == str(tmp_path)
+
+
+def test_serialization_format_and_extension_registry_are_taken(tmp_path: Any) -> None:
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    state = {"w": torch.randn(5, 5)}
+    for fmt in SerializationFormat:
+        dcp.save(state, storage_writer=FastPersistWriter(tmp_path / fmt.name, serialization_format=fmt))
+        target = {"w": torch.zeros(5, 5)}
+        reader = FastPersistReader(tmp_path / fmt.name, _extension_registry=ExtensionRegistry())
+        dcp.load(target, storage_reader=reader)
+        assert torch.equal(target["w"], state["w"])
+
+
+def test_positional_torch_arguments_get_a_clear_type_error(tmp_path: Any) -> None:
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+    with pytest.raises(TypeError, match=r"config must be a fastpersist\.Config, not bool.*by keyword"):
+        FastPersistWriter(tmp_path, True)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"not ExtensionRegistry.*FileSystemReader"):
+        FastPersistReader(tmp_path, ExtensionRegistry())  # type: ignore[arg-type]
+
+
+def test_async_save_with_cache_staged_state_dict_reuses_its_copy(tmp_path: Any) -> None:
+    writer = FastPersistWriter(tmp_path / "c", cache_staged_state_dict=True)
+    state = {"w": torch.randn(16, 16)}
+    dcp.async_save(state, storage_writer=writer).result()
+    cached = writer.state_dict_cache
+    assert cached is not None
+    state["w"].add_(1)
+    dcp.async_save(state, storage_writer=writer).result()
+    assert writer.state_dict_cache is cached  # copied into, not made again
+    target = {"w": torch.zeros(16, 16)}
+    dcp.load(target, storage_reader=FastPersistReader(tmp_path / "c"))
+    assert torch.equal(target["w"], state["w"])

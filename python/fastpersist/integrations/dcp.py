@@ -27,6 +27,7 @@ import os
 import pickle
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +41,10 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
+    WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -75,19 +78,96 @@ class ItemInfo:
     chunk_crc32c: tuple[int, ...] | None = None
 
 
-class FastPersistWriter(StorageWriter):
+class FastPersistWriter(StorageWriter, BlockingAsyncStager):
     """A DCP ``StorageWriter`` that writes through the fastpersist engine.
+
+    It takes ``FileSystemWriter``'s arguments (by keyword) with the same meaning where the
+    engine has one, so code can swap the class; ``config`` holds the engine's own knobs.
 
     Args:
         path: the checkpoint directory (created if missing).
         config: engine knobs (``chunk_bytes``, ``backend``, ``direct_io``, ``checksum``,
             ``durable``, ...); ``stripes`` is not used here.
+        single_file_per_rank: ``True``: one data file per rank; ``False``: one per item, as
+            ``FileSystemWriter`` does (each still written with the engine and checksummed).
+        sync_files: fsync the data files, ``.metadata`` and the directory before the save
+            returns; the same switch as ``Config(durable=...)``, and it wins over the config's
+            (``None``: the config's, ``True`` unless set); ``True`` with ``durable=False`` is refused.
+        thread_count: accepted and kept, changes nothing: ``FileSystemWriter`` needs threads
+            to have several writes in flight, the engine keeps ``config.queue_depth`` aligned
+            writes in flight from one thread (io_uring, or its own thread pool).
+        per_thread_copy_ahead: accepted and kept, changes nothing: the engine stages through
+            ``config.pool_bytes`` of page-aligned memory whatever this says.
+        cache_staged_state_dict: for ``dcp.async_save``: keep the CPU copy of the state
+            between saves and copy into it (``BlockingAsyncStager``'s meaning).
+        overwrite: ``False`` refuses a directory that already holds a checkpoint (a
+            ``.metadata``), as ``FileSystemWriter`` does; ``True`` replaces it (the new
+            ``.metadata`` is renamed over the old one, then the old data files are removed).
+        _extensions: stream transforms (``ZStandard``, ...) are refused: see below.
+        serialization_format: accepted, changes nothing: items are always stored as raw
+            bytes in fastpersist's files (what ``SAFETENSORS`` stores), which only
+            :class:`FastPersistReader` reads.
+
+    Raises:
+        NotImplementedError: ``_extensions`` is not empty. Items are written as raw aligned
+            bytes checksummed per chunk so that a load can read only the ranges it needs; a
+            compressed stream has no such ranges. Use ``FileSystemWriter`` to compress.
+        ValueError: ``sync_files=True`` with ``config.durable=False``, or a count out of range.
+        TypeError: ``config`` is not a :class:`~fastpersist.Config` (pass
+            ``FileSystemWriter``'s arguments by keyword).
+
+    Example:
+        >>> w = FastPersistWriter("/tmp/fp-dcp-doc", sync_files=False, thread_count=4, overwrite=False)
+        >>> w.config.durable, w.thread_count
+        (False, 4)
     """
 
-    def __init__(self, path: str | os.PathLike[str], config: Config | None = None) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: Config | None = None,
+        *,
+        single_file_per_rank: bool = True,
+        sync_files: bool | None = None,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[object] | None = None,
+        serialization_format: object = None,
+    ) -> None:
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        config = _checked_config(config, "FastPersistWriter", "FileSystemWriter")
+        if _extensions:
+            names = ", ".join(type(e).__name__ for e in _extensions)
+            raise NotImplementedError(
+                f"FastPersistWriter(_extensions=[{names}]): stream transforms such as compression are not "
+                "supported: items are stored as raw aligned bytes checksummed per chunk, so that a load reads "
+                "only the byte ranges it needs, and a transformed stream has no such ranges; use "
+                "torch.distributed.checkpoint.FileSystemWriter for a compressed checkpoint"
+            )
+        if sync_files is not None:
+            if sync_files and not config.durable:  # durable=False is never a default: both were chosen
+                raise ValueError(
+                    "FastPersistWriter(sync_files=True) contradicts config.durable=False: they are one switch "
+                    "(fsync before the save returns); give one of them"
+                )
+            config = dataclasses.replace(config, durable=bool(sync_files))
+        for name, value, least in (
+            ("thread_count", thread_count, 1),
+            ("per_thread_copy_ahead", per_thread_copy_ahead, 0),
+        ):
+            if type(value) is not int or value < least:
+                raise ValueError(f"FastPersistWriter({name}={value!r}): expected an integer >= {least}")
         self.path = os.path.abspath(os.fspath(path))
-        self.config = config or Config()
+        self.config = config
+        self.single_file_per_rank = bool(single_file_per_rank)
+        self.sync_files = config.durable
+        self.thread_count = thread_count
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.overwrite = bool(overwrite)
+        self.serialization_format = serialization_format
         self.rank = 0
         self.is_coordinator = True
 
@@ -95,6 +175,18 @@ class FastPersistWriter(StorageWriter):
         """Points the writer at `checkpoint_id` (a directory) when DCP passes one."""
         if checkpoint_id is not None:
             self.path = os.path.abspath(os.fspath(checkpoint_id))
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``dcp.async_save``'s staging: a CPU copy of the state, kept and copied into again with
+        ``cache_staged_state_dict=True`` (pinned only where CUDA is there to copy from)."""
+        if not self.cache_staged_state_dict:
+            return super().stage(state_dict)
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        if self.state_dict_cache is None:
+            # BlockingAsyncStager always pins, which fails on a machine without a CUDA driver
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        return _copy_state_dict(state_dict, self.state_dict_cache)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Records this rank's role."""
@@ -105,8 +197,13 @@ class FastPersistWriter(StorageWriter):
         self.rank = int(rank or 0)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Creates the checkpoint directory."""
+        """Creates the checkpoint directory; with ``overwrite=False`` refuses one that holds a checkpoint."""
         os.makedirs(self.path, exist_ok=True)
+        if not self.overwrite and os.path.exists(os.path.join(self.path, DCP_METADATA_NAME)):
+            raise RuntimeError(
+                f"Checkpoint already exists and self.overwrite=False: {self.path}/{DCP_METADATA_NAME} "
+                "(pass overwrite=True to replace it, or save to another directory)"
+            )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -115,24 +212,27 @@ class FastPersistWriter(StorageWriter):
         return [dataclasses.replace(p, storage_data=dcp_data_file_name(i, save_id)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Writes this rank's items as one engine write; the future holds their WriteResults."""
-        started = time.perf_counter()
+        """Writes this rank's items as one engine write (or one per item with
+        ``single_file_per_rank=False``); the future holds their WriteResults."""
         name = str(plan.storage_data or dcp_data_file_name(self.rank, uuid.uuid4().hex[:12]))
-        sources: list[np.ndarray] = []
-        shapes: list[tuple[str | None, tuple[int, ...]]] = []
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                assert isinstance(data, io.BytesIO)
-                sources.append(np.frombuffer(data.getbuffer(), np.uint8).copy())
-                shapes.append((None, ()))
-            else:
-                assert isinstance(data, torch.Tensor)
-                t = data.detach().to("cpu").contiguous()
-                sources.append(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8))
-                shapes.append((str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+        items = [(item, *_source(item, planner.resolve_data(item))) for item in plan.items]
+        if self.single_file_per_rank:
+            results = self._write_file(name, items)
+        else:
+            stem = name.removesuffix(DCP_DATA_SUFFIX)
+            results = [
+                r for i, one in enumerate(items) for r in self._write_file(f"{stem}_{i}{DCP_DATA_SUFFIX}", [one])
+            ]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_file(
+        self, name: str, items: list[tuple[WriteItem, np.ndarray, str | None, tuple[int, ...]]]
+    ) -> list[WriteResult]:
+        started = time.perf_counter()
         cfg = self.config
-        engine_plan = _core.Plan([s.nbytes for s in sources], 1, 1, cfg.chunk_bytes)
+        engine_plan = _core.Plan([source.nbytes for _, source, _, _ in items], 1, 1, cfg.chunk_bytes)
         from ..saving.pools import pool_for
 
         report: Any = {"parts": [], "backend": "none"}
@@ -141,7 +241,7 @@ class FastPersistWriter(StorageWriter):
                 engine_plan,
                 0,
                 [os.path.join(self.path, name)],
-                sources,
+                [source for _, source, _, _ in items],
                 pool_for(cfg),
                 backend=cfg.backend,
                 direct_io=cfg.direct_io,
@@ -151,7 +251,7 @@ class FastPersistWriter(StorageWriter):
             ).wait()
         part = report["parts"][0] if report["parts"] else None
         results = []
-        for i, (item, source, (dtype, shape)) in enumerate(zip(plan.items, sources, shapes, strict=True)):
+        for i, (item, source, dtype, shape) in enumerate(items):
             info = ItemInfo(
                 name,
                 engine_plan.extent_offsets[i],
@@ -173,9 +273,7 @@ class FastPersistWriter(StorageWriter):
             report["backend"],
             os.path.join(self.path, name),
         )
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: writes ``.metadata`` last and durably; removes data files of older saves."""
@@ -196,6 +294,29 @@ class FastPersistWriter(StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Any local path will do."""
         return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+def _source(item: WriteItem, data: object) -> tuple[np.ndarray, str | None, tuple[int, ...]]:
+    """An item's bytes as a flat uint8 array, with its dtype name (None: bytes) and shape."""
+    if item.type == WriteItemType.BYTE_IO:
+        assert isinstance(data, io.BytesIO)
+        return np.frombuffer(data.getbuffer(), np.uint8).copy(), None, ()
+    assert isinstance(data, torch.Tensor)
+    t = data.detach().to("cpu").contiguous()
+    flat = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
+    return flat, str(t.dtype).removeprefix("torch."), tuple(t.shape)
+
+
+def _checked_config(config: object, ours: str, theirs: str) -> Config:
+    """`config`, or the default; a TypeError for anything else (torch's positional arguments)."""
+    if config is None:
+        return Config()
+    if not isinstance(config, Config):
+        raise TypeError(
+            f"{ours}(path, config): config must be a fastpersist.Config, not {type(config).__name__}; "
+            f"pass {theirs}'s other arguments by keyword"
+        )
+    return config
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -229,12 +350,31 @@ class FastPersistReader(StorageReader):
     load on many ranks reads each byte about once), all files in one engine call with every
     chunk's crc32c verified; a chunk needed only in part is read whole so that its checksum can
     be checked. Damage in a chunk no rank needs does not fail a load.
+
+    Args:
+        path: the checkpoint directory.
+        config: engine knobs for reading (``backend``, ``direct_io``, ``queue_depth``).
+        _extension_registry: ``FileSystemReader``'s, accepted (by keyword) and never needed:
+            checkpoints written by :class:`FastPersistWriter` hold no stream transforms.
+
+    Example:
+        >>> FastPersistReader("/tmp/fp-dcp-doc", Config(direct_io="off")).config.direct_io
+        'off'
     """
 
-    def __init__(self, path: str | os.PathLike[str], config: Config | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: Config | None = None,
+        *,
+        _extension_registry: object = None,
+    ) -> None:
         super().__init__()
         self.path = os.path.abspath(os.fspath(path))
-        self.config = config or Config()
+        self.config = _checked_config(config, "FastPersistReader", "FileSystemReader")
+        # Kept for FileSystemReader's callers; never consulted, as FastPersistWriter refuses
+        # stream transforms, so no item of a checkpoint it wrote names one.
+        self._extension_registry = _extension_registry
         self.storage: dict[MetadataIndex, ItemInfo] = {}
         self._crcs: dict[str, list[int]] = {}
         #: What the engine reported over this reader's loads: ``bytes`` read, ``crc32c_s``.
