@@ -126,8 +126,8 @@ def test_four_ranks_read_only_their_share_of_what_two_ranks_saved(tmp_path: Any)
 class _BoxPlanner:
     """The planner side of one ReadItem: receives the box the reader copies out."""
 
-    def __init__(self, lengths: list[int]) -> None:
-        self.target = torch.full(lengths, float("nan"))
+    def __init__(self, target: torch.Tensor) -> None:
+        self.target = target
         self.committed: list[torch.Tensor] = []
 
     def resolve_tensor(self, item: Any) -> torch.Tensor:
@@ -154,14 +154,18 @@ def two_matrices(tmp_path: Any) -> tuple[str, dict[str, torch.Tensor]]:
     return path, state
 
 
-def _read_box(path: str, fqn: str, offsets: list[int], lengths: list[int]) -> tuple[torch.Tensor, FastPersistReader]:
+def _read_box(
+    path: str, fqn: str, offsets: list[int], lengths: list[int], init: torch.Tensor | None = None
+) -> tuple[torch.Tensor, FastPersistReader]:
+    """Reads one box of `fqn` through the reader into `init` (default: float32 NaNs)."""
     from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
     reader = FastPersistReader(path)
     reader.set_up_storage_reader(reader.read_metadata(), True)
     key = next(k for k in reader.storage if k.fqn == fqn)
-    item = ReadItem(LoadItemType.TENSOR, key, torch.Size([0, 0]), key, torch.Size(offsets), torch.Size(lengths))
-    planner = _BoxPlanner(lengths)
+    zeros = torch.Size([0] * len(offsets))
+    item = ReadItem(LoadItemType.TENSOR, key, zeros, key, torch.Size(offsets), torch.Size(lengths))
+    planner = _BoxPlanner(torch.full(lengths, float("nan")) if init is None else init.clone())
     reader.read_data(LoadPlan([item]), planner).wait()  # type: ignore[arg-type]
     assert len(planner.committed) == 1
     return planner.target, reader
@@ -324,3 +328,30 @@ def test_async_save_with_cache_staged_state_dict_reuses_its_copy(tmp_path: Any) 
     target = {"w": torch.zeros(16, 16)}
     dcp.load(target, storage_reader=FastPersistReader(tmp_path / "c"))
     assert torch.equal(target["w"], state["w"])
+
+
+def test_random_boxes_of_every_dtype_come_back_bit_identical(tmp_path: Any) -> None:
+    path = str(tmp_path / "ckpt")
+    g = torch.Generator().manual_seed(25)
+    state = {
+        "f64": torch.randn(5, 7, 300, generator=g, dtype=torch.float64),
+        "bf16": torch.randn(33, 129, generator=g).to(torch.bfloat16),
+        "c128": torch.randn(9, 70, generator=g, dtype=torch.complex128),
+        "i8": torch.randint(-128, 127, (3, 1000), generator=g, dtype=torch.int8),
+        "bool": torch.rand(17, 61, generator=g) > 0.5,
+        "scalar": torch.tensor(2.5),
+    }
+    dcp.save(state, storage_writer=FastPersistWriter(path, fp.Config(chunk_bytes=4096)))
+    for name, tensor in state.items():
+        for _ in range(8):
+            offsets = [int(torch.randint(0, n, (1,), generator=g)) for n in tensor.shape]
+            shape = list(tensor.shape)
+            lengths = [int(torch.randint(1, n - o + 1, (1,), generator=g)) for n, o in zip(shape, offsets, strict=True)]
+            expected = tensor[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))]
+            unlike = ~expected if expected.dtype == torch.bool else expected + 1  # differs everywhere
+            box, _ = _read_box(path, name, offsets, lengths, unlike)
+            assert torch.equal(box, expected), (name, offsets, lengths)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(target, storage_reader=FastPersistReader(path))
+    for name, tensor in state.items():
+        assert target[name].dtype == tensor.dtype and torch.equal(target[name], tensor), name
