@@ -243,6 +243,7 @@ def test_thread_count_and_copy_ahead_are_taken_and_checked(tmp_path: Any) -> Non
     state = {"w": torch.randn(64, 64), "v": torch.arange(7)}
     writer = FastPersistWriter(tmp_path / "c", thread_count=8, per_thread_copy_ahead=0)
     dcp.save(state, storage_writer=writer)
+    assert writer.checkpoint_id == str(tmp_path / "c") == FastPersistReader(tmp_path / "c").checkpoint_id
     assert writer.thread_count == 8 and sum(n.endswith(".fpdcp") for n in os.listdir(tmp_path / "c")) == 1
     target = {"w": torch.zeros(64, 64), "v": torch.zeros(7, dtype=torch.int64)}
     dcp.load(target, storage_reader=FastPersistReader(tmp_path / "c"))

@@ -54,7 +54,7 @@ from ..errors import CorruptCheckpointError
 from ..format.layout import DCP_DATA_SUFFIX, DCP_METADATA_NAME, dcp_data_file_name, write_small_file
 from ..format.quote import shown
 from ..format.records import TORCH_DTYPES
-from .dcp_ranges import FileReads, plan_file_reads, region_spans
+from .dcp_ranges import FileReads, box_view, plan_file_reads, region_spans
 
 __all__ = ["FastPersistReader", "FastPersistWriter", "ItemInfo"]
 
@@ -290,6 +290,11 @@ class FastPersistWriter(StorageWriter, BlockingAsyncStager):
             if name.endswith(DCP_DATA_SUFFIX) and name not in live:
                 os.remove(os.path.join(self.path, name))
 
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory (``FileSystemWriter.checkpoint_id``)."""
+        return self.path
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Any local path will do."""
@@ -502,6 +507,11 @@ class FastPersistReader(StorageReader):
                 ranges.append((path, info.file_bytes, lo, hi - lo, slot + lo - window.lo_bytes, checked))
         return ranges
 
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory (``FileSystemReader.checkpoint_id``)."""
+        return self.path
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Any local path will do."""
@@ -541,17 +551,5 @@ def _copy_item(item: ReadItem, info: ItemInfo, raw: torch.Tensor, start_bytes: i
             f"DCP item {shown(item.storage_index.fqn)}: stored region {lengths} != requested {list(target.shape)}"
         )
     if target.numel():
-        itemsize = dtype.itemsize
-        strides = [itemsize] * len(info.shape)
-        for d in range(len(info.shape) - 2, -1, -1):
-            strides[d] = strides[d + 1] * info.shape[d + 1]
-        first = start_bytes + sum(o * s for o, s in zip(item.storage_offsets, strides, strict=True))
-        usable = raw[: raw.numel() // itemsize * itemsize].view(dtype)
-        stored = torch.as_strided(
-            usable,
-            lengths,
-            [s // itemsize for s in strides],
-            usable.storage_offset() + first // itemsize,
-        )
-        target.copy_(stored)
+        target.copy_(box_view(raw, start_bytes, info.shape, dtype, item.storage_offsets, lengths))
     planner.commit_tensor(item, target)

@@ -5,7 +5,8 @@ stored at some offset of a file. :func:`region_spans` turns the box into the byt
 hold it; :func:`plan_file_reads` turns every item's spans into whole checksummed chunks to
 read (a chunk needed only in part is read whole, so its crc32c can be checked) and into
 windows: contiguous stretches of the file, one buffer each, holding every needed chunk at its
-file position relative to the window, so that each box is a strided view of one window.
+file position relative to the window, so that each box is a strided view of one window
+(:func:`box_view`).
 
 Example:
     >>> region_spans((4, 1024), 4, (0, 256), (4, 256), merge_gap_bytes=4096)  # a column block
@@ -19,7 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["FileReads", "Window", "plan_file_reads", "region_spans"]
+import torch
+
+__all__ = ["FileReads", "Window", "box_view", "plan_file_reads", "region_spans"]
 
 
 def region_spans(
@@ -103,3 +106,32 @@ def plan_file_reads(item_spans: Sequence[Sequence[tuple[int, int]]], chunk_bytes
         else:
             runs.append((lo, hi))
     return FileReads(windows, window_of_item)
+
+
+def box_view(
+    raw: torch.Tensor,
+    start_bytes: int,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+) -> torch.Tensor:
+    """The box ``offsets``/``lengths`` of a row-major tensor of `shape` and `dtype` whose first
+    byte would be at `start_bytes` of the uint8 tensor `raw`, as a strided view of `raw`.
+
+    `raw` need only hold the box's bytes: `start_bytes` may be negative (the window starts past
+    the tensor's first byte) and `raw` may end before the tensor does. `start_bytes` plus the
+    box's first byte offset must be a multiple of the dtype's size, and the box not empty.
+
+    >>> raw = torch.arange(6, dtype=torch.int16).view(torch.uint8)  # bytes 2..13 of a (2, 4)
+    >>> box_view(raw, -2, (2, 4), torch.int16, (0, 1), (2, 2)).tolist()
+    [[0, 1], [4, 5]]
+    """
+    itemsize = dtype.itemsize
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    first_bytes = start_bytes + itemsize * sum(o * s for o, s in zip(offsets, strides, strict=True))
+    assert first_bytes >= 0 and first_bytes % itemsize == 0, (start_bytes, offsets)
+    usable = raw[: raw.numel() // itemsize * itemsize].view(dtype)
+    return torch.as_strided(usable, list(lengths), strides, usable.storage_offset() + first_bytes // itemsize)
