@@ -11,7 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import fastpersist as fp
-from fastpersist.integrations.dcp import FastPersistReader, FastPersistWriter
+from fastpersist.integrations.dcp import FastPersistReader, FastPersistWriter, ItemInfo
+from fastpersist.integrations.dcp_metadata import ITEM_INFO
 
 from dcp_workers import WIDE_CHUNK_BYTES, WIDE_SHAPE, full_state, full_weight, load_wide_counting, run, save_wide
 from gloo import run_ranks
@@ -98,6 +99,8 @@ def test_metadata_reader_refuses_foreign_globals(tmp_path: Any) -> None:
     (path / ".metadata").write_bytes(pickle.dumps(os.system))
     with pytest.raises(fp.CorruptCheckpointError, match="never needs"):
         FastPersistReader(str(path)).read_metadata()
+    # the allow-list names the writer's item record where it really lives
+    assert (ItemInfo.__module__, ItemInfo.__qualname__) == ITEM_INFO
 
 
 def test_four_ranks_read_only_their_share_of_what_two_ranks_saved(tmp_path: Any) -> None:

@@ -53,8 +53,8 @@ from ..config import Config
 from ..errors import CorruptCheckpointError
 from ..format.layout import DCP_DATA_SUFFIX, DCP_METADATA_NAME, dcp_data_file_name, write_small_file
 from ..format.quote import shown
-from ..format.records import TORCH_DTYPES
-from .dcp_ranges import FileReads, box_view, plan_file_reads, region_spans
+from .dcp_metadata import read_dcp_metadata
+from .dcp_ranges import FileReads, box_view, needed_spans, plan_file_reads, stored_dtype
 
 __all__ = ["FastPersistReader", "FastPersistWriter", "ItemInfo"]
 
@@ -324,30 +324,6 @@ def _checked_config(config: object, ours: str, theirs: str) -> Config:
     return config
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Reads DCP's metadata without running code from the file: only DCP's data classes,
-    torch dtypes / sizes / layouts / memory formats and a few builtins may appear."""
-
-    _BUILTINS = frozenset({"set", "frozenset", "slice", "tuple", "list", "dict", "bytearray", "complex"})
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint.") or (module == __name__ and name == "ItemInfo"):
-            return super().find_class(module, name)
-        if (module, name) == ("torch.serialization", "_get_layout"):  # a name -> torch.layout lookup
-            return super().find_class(module, name)
-        if module == "torch":
-            value = getattr(torch, name, None)
-            if value is torch.Size or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
-        if (module, name) in {("collections", "OrderedDict"), ("builtins", name)} and (
-            module != "builtins" or name in self._BUILTINS
-        ):
-            return super().find_class(module, name)
-        raise CorruptCheckpointError(
-            f"DCP metadata refers to {shown(f'{module}.{name}')}, which a checkpoint never needs"
-        )
-
-
 class FastPersistReader(StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by :class:`FastPersistWriter`.
 
@@ -392,15 +368,7 @@ class FastPersistReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Reads ``.metadata`` (a restricted unpickler: no code from the file runs)."""
-        path = os.path.join(self.path, DCP_METADATA_NAME)
-        with open(path, "rb") as f:
-            try:
-                metadata = _MetadataUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-                raise CorruptCheckpointError(f"{path}: unreadable DCP metadata ({e})") from None
-        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-            raise CorruptCheckpointError(f"{path}: not a checkpoint written by FastPersistWriter")
-        return metadata
+        return read_dcp_metadata(self.path)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Keeps the item locations and each file's chunk checksums from the metadata."""
@@ -489,7 +457,7 @@ class FastPersistReader(StorageReader):
         spans = []
         for item in items:
             at = self.storage[item.storage_index].offset_bytes
-            spans.append([(at + a, at + b) for a, b in _needed_spans(item, self.storage[item.storage_index])])
+            spans.append([(at + a, at + b) for a, b in needed_spans(item, self.storage[item.storage_index])])
         return plan_file_reads(spans, info.chunk_bytes, info.file_bytes)
 
     def _ranges(
@@ -518,32 +486,9 @@ class FastPersistReader(StorageReader):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
-def _dtype_of(item: ReadItem, info: ItemInfo) -> torch.dtype:
-    dtype = TORCH_DTYPES.get(info.dtype or "")
-    if dtype is None:
-        raise CorruptCheckpointError(f"DCP item {shown(item.storage_index.fqn)}: unknown dtype {shown(info.dtype)}")
-    return dtype
-
-
-def _needed_spans(item: ReadItem, info: ItemInfo) -> list[tuple[int, int]]:
-    """The byte spans of the item (from its first byte) that the request needs."""
-    if item.type == LoadItemType.BYTE_IO:
-        return [(0, info.len_bytes)] if info.len_bytes else []
-    itemsize = _dtype_of(item, info).itemsize
-    if len(item.storage_offsets) != len(info.shape) or any(
-        o < 0 or n < 0 or o + n > s for o, n, s in zip(item.storage_offsets, item.lengths, info.shape, strict=False)
-    ):
-        raise CorruptCheckpointError(
-            f"DCP item {shown(item.storage_index.fqn)}: requested offsets {list(item.storage_offsets)} lengths "
-            f"{list(item.lengths)} do not fit the stored shape {list(info.shape)}"
-        )
-    return region_spans(info.shape, itemsize, item.storage_offsets, item.lengths, max(info.chunk_bytes, 1))
-
-
 def _copy_item(item: ReadItem, info: ItemInfo, raw: torch.Tensor, start_bytes: int, planner: LoadPlanner) -> None:
     """Copies the requested box of the item stored at `start_bytes` of `raw` (which may begin
     after the item's first byte, so `start_bytes` may be negative) into the planner's tensor."""
-    dtype = _dtype_of(item, info)
     target = planner.resolve_tensor(item).detach()
     lengths = list(item.lengths)
     if target.shape != torch.Size(lengths):
@@ -551,5 +496,5 @@ def _copy_item(item: ReadItem, info: ItemInfo, raw: torch.Tensor, start_bytes: i
             f"DCP item {shown(item.storage_index.fqn)}: stored region {lengths} != requested {list(target.shape)}"
         )
     if target.numel():
-        target.copy_(box_view(raw, start_bytes, info.shape, dtype, item.storage_offsets, lengths))
+        target.copy_(box_view(raw, start_bytes, info.shape, stored_dtype(item, info), item.storage_offsets, lengths))
     planner.commit_tensor(item, target)

@@ -18,11 +18,61 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-__all__ = ["FileReads", "Window", "box_view", "plan_file_reads", "region_spans"]
+from ..errors import CorruptCheckpointError
+from ..format.quote import shown
+from ..format.records import TORCH_DTYPES
+
+__all__ = [
+    "FileReads",
+    "StoredItem",
+    "Window",
+    "box_view",
+    "needed_spans",
+    "plan_file_reads",
+    "region_spans",
+    "stored_dtype",
+]
+
+
+class StoredItem(Protocol):
+    """What the writer recorded of an item (``dcp.ItemInfo``): its bytes, dtype and shape."""
+
+    @property
+    def len_bytes(self) -> int: ...
+    @property
+    def dtype(self) -> str | None: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+
+
+def stored_dtype(item: ReadItem, info: StoredItem) -> torch.dtype:
+    """The torch dtype the item was stored with."""
+    dtype = TORCH_DTYPES.get(info.dtype or "")
+    if dtype is None:
+        raise CorruptCheckpointError(f"DCP item {shown(item.storage_index.fqn)}: unknown dtype {shown(info.dtype)}")
+    return dtype
+
+
+def needed_spans(item: ReadItem, info: StoredItem) -> list[tuple[int, int]]:
+    """The byte spans of the stored item (from its first byte) that `item` asks for."""
+    if item.type == LoadItemType.BYTE_IO:
+        return [(0, info.len_bytes)] if info.len_bytes else []
+    itemsize = stored_dtype(item, info).itemsize
+    if len(item.storage_offsets) != len(info.shape) or any(
+        o < 0 or n < 0 or o + n > s for o, n, s in zip(item.storage_offsets, item.lengths, info.shape, strict=False)
+    ):
+        raise CorruptCheckpointError(
+            f"DCP item {shown(item.storage_index.fqn)}: requested offsets {list(item.storage_offsets)} lengths "
+            f"{list(item.lengths)} do not fit the stored shape {list(info.shape)}"
+        )
+    return region_spans(info.shape, itemsize, item.storage_offsets, item.lengths, max(info.chunk_bytes, 1))
 
 
 def region_spans(
