@@ -138,3 +138,17 @@ def load_wide_counting(rank: int, world: int, init_file: str, workdir: str, path
         return results
 
     report_rank(rank, world, init_file, workdir, load)
+
+
+def save_rank_local(rank: int, world: int, init_file: str, workdir: str, path: str) -> None:
+    """Tries ``dcp.save(use_collectives=False)`` on every rank; reports the error each got."""
+    from fastpersist.integrations.dcp import FastPersistWriter
+
+    def save() -> dict[str, Any]:
+        try:
+            dcp.save({"w": torch.ones(4) * rank}, storage_writer=FastPersistWriter(path), use_collectives=False)
+        except Exception as e:
+            return {"error": repr(e)}
+        return {"error": None}
+
+    report_rank(rank, world, init_file, workdir, save)

@@ -14,7 +14,16 @@ import fastpersist as fp
 from fastpersist.integrations.dcp import FastPersistReader, FastPersistWriter, ItemInfo
 from fastpersist.integrations.dcp_metadata import ITEM_INFO
 
-from dcp_workers import WIDE_CHUNK_BYTES, WIDE_SHAPE, full_state, full_weight, load_wide_counting, run, save_wide
+from dcp_workers import (
+    WIDE_CHUNK_BYTES,
+    WIDE_SHAPE,
+    full_state,
+    full_weight,
+    load_wide_counting,
+    run,
+    save_rank_local,
+    save_wide,
+)
 from gloo import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -359,3 +368,16 @@ def test_random_boxes_of_every_dtype_come_back_bit_identical(tmp_path: Any) -> N
     dcp.load(target, storage_reader=FastPersistReader(path))
     for name, tensor in state.items():
         assert target[name].dtype == tensor.dtype and torch.equal(target[name], tensor), name
+
+
+def test_rank_local_metadata_is_refused_on_several_ranks(tmp_path: Any) -> None:
+    """use_collectives=False would have each rank commit .metadata alone (and drop the others' files)."""
+    path = str(tmp_path / "ckpt")
+    for res in run_ranks(save_rank_local, 2, (str(tmp_path), path), str(tmp_path), timeout_s=120):
+        assert "use_collectives=False" in str(res.get("error")) and "traceback" not in res, res
+    assert not os.path.exists(os.path.join(path, ".metadata"))
+    # one process without a group: the one rank's metadata is the checkpoint's
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=FastPersistWriter(path), use_collectives=False)
+    target = {"w": torch.zeros(4)}
+    dcp.load(target, storage_reader=FastPersistReader(path))
+    assert torch.equal(target["w"], torch.arange(4.0))

@@ -53,6 +53,7 @@ from ..config import Config
 from ..errors import CorruptCheckpointError
 from ..format.layout import DCP_DATA_SUFFIX, DCP_METADATA_NAME, dcp_data_file_name, write_small_file
 from ..format.quote import shown
+from .dcp_args import checked_config, refuse_rank_local_metadata, writer_config
 from .dcp_metadata import read_dcp_metadata
 from .dcp_ranges import FileReads, box_view, needed_spans, plan_file_reads, stored_dtype
 
@@ -138,28 +139,7 @@ class FastPersistWriter(StorageWriter, BlockingAsyncStager):
     ) -> None:
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
-        config = _checked_config(config, "FastPersistWriter", "FileSystemWriter")
-        if _extensions:
-            names = ", ".join(type(e).__name__ for e in _extensions)
-            raise NotImplementedError(
-                f"FastPersistWriter(_extensions=[{names}]): stream transforms such as compression are not "
-                "supported: items are stored as raw aligned bytes checksummed per chunk, so that a load reads "
-                "only the byte ranges it needs, and a transformed stream has no such ranges; use "
-                "torch.distributed.checkpoint.FileSystemWriter for a compressed checkpoint"
-            )
-        if sync_files is not None:
-            if sync_files and not config.durable:  # durable=False is never a default: both were chosen
-                raise ValueError(
-                    "FastPersistWriter(sync_files=True) contradicts config.durable=False: they are one switch "
-                    "(fsync before the save returns); give one of them"
-                )
-            config = dataclasses.replace(config, durable=bool(sync_files))
-        for name, value, least in (
-            ("thread_count", thread_count, 1),
-            ("per_thread_copy_ahead", per_thread_copy_ahead, 0),
-        ):
-            if type(value) is not int or value < least:
-                raise ValueError(f"FastPersistWriter({name}={value!r}): expected an integer >= {least}")
+        config = writer_config(config, sync_files, thread_count, per_thread_copy_ahead, _extensions)
         self.path = os.path.abspath(os.fspath(path))
         self.config = config
         self.single_file_per_rank = bool(single_file_per_rank)
@@ -189,7 +169,8 @@ class FastPersistWriter(StorageWriter, BlockingAsyncStager):
         return _copy_state_dict(state_dict, self.state_dict_cache)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Records this rank's role."""
+        """Records this rank's role; refuses ``use_collectives=False`` on several ranks."""
+        refuse_rank_local_metadata(kwargs.get("use_collectives", True))
         self.is_coordinator = is_coordinator
         rank = kwargs.get("rank")
         if rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -312,18 +293,6 @@ def _source(item: WriteItem, data: object) -> tuple[np.ndarray, str | None, tupl
     return flat, str(t.dtype).removeprefix("torch."), tuple(t.shape)
 
 
-def _checked_config(config: object, ours: str, theirs: str) -> Config:
-    """`config`, or the default; a TypeError for anything else (torch's positional arguments)."""
-    if config is None:
-        return Config()
-    if not isinstance(config, Config):
-        raise TypeError(
-            f"{ours}(path, config): config must be a fastpersist.Config, not {type(config).__name__}; "
-            f"pass {theirs}'s other arguments by keyword"
-        )
-    return config
-
-
 class FastPersistReader(StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by :class:`FastPersistWriter`.
 
@@ -352,7 +321,7 @@ class FastPersistReader(StorageReader):
     ) -> None:
         super().__init__()
         self.path = os.path.abspath(os.fspath(path))
-        self.config = _checked_config(config, "FastPersistReader", "FileSystemReader")
+        self.config = checked_config(config, "FastPersistReader", "FileSystemReader")
         # Kept for FileSystemReader's callers; never consulted, as FastPersistWriter refuses
         # stream transforms, so no item of a checkpoint it wrote names one.
         self._extension_registry = _extension_registry
