@@ -8,6 +8,7 @@ before any test module is imported.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -19,6 +20,12 @@ from backends import available_backends
 from budget import register_profiles
 
 register_profiles()
+
+# Saves resolve Config "auto" from the tuning cache: point every test (and every worker process
+# it starts) at a file nobody writes, so a developer's own `fastpersist tune` cannot change them.
+os.environ["FASTPERSIST_TUNE_CACHE"] = os.path.join(
+    tempfile.gettempdir(), f"fastpersist-tests-{os.getpid()}", "no-tune-cache.json"
+)
 
 
 @pytest.fixture(params=available_backends())

@@ -229,16 +229,20 @@ class Checkpointer:
     # -- saving ------------------------------------------------------------------------------
 
     def _config_for(self, state: object) -> Config:
+        # Resolved once for the root's device, so that the pool held for every save fits its chunks
+        # (resolving a config of integers returns it as it is).
+        tuned_chunk = self.group is None  # a group's ranks plan one stream: see Config.resolved_for
         if self.config is not None:
+            self.config = self.config.resolved_for(self.root, tuned_chunk=tuned_chunk)
             return self.config
         from .format.flatten import flatten
 
         nbytes = sum(b.nbytes for b in flatten(state).blobs)
-        chunk = Config().chunk_bytes
+        chunk = Config().resolved_for(self.root, tuned_chunk=tuned_chunk).resolved_chunk_bytes
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         wanted = -(-nbytes // chunk) * chunk
         pool = max(Config().pool_bytes, min(wanted, ram // 4 // chunk * chunk))
-        self.config = Config(pool_bytes=pool)
+        self.config = Config(pool_bytes=pool).resolved_for(self.root, tuned_chunk=tuned_chunk)
         return self.config
 
     def save(self, step: int, state: object) -> SaveFuture | None:

@@ -129,8 +129,8 @@ class FastPersistWriter(StorageWriter):
                 t = data.detach().to("cpu").contiguous()
                 sources.append(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8))
                 shapes.append((str(t.dtype).removeprefix("torch."), tuple(t.shape)))
-        cfg = self.config
-        engine_plan = _core.Plan([s.nbytes for s in sources], 1, 1, cfg.chunk_bytes)
+        cfg = self.config.resolved_for(self.path)  # each rank's file records its own chunk size
+        engine_plan = _core.Plan([s.nbytes for s in sources], 1, 1, cfg.resolved_chunk_bytes)
         from ..saving.pools import pool_for
 
         report: Any = {"parts": [], "backend": "none"}
@@ -143,7 +143,7 @@ class FastPersistWriter(StorageWriter):
                 pool_for(cfg),
                 backend=cfg.backend,
                 direct_io=cfg.direct_io,
-                queue_depth=cfg.queue_depth,
+                queue_depth=cfg.resolved_queue_depth,
                 checksum=cfg.checksum == "crc32c",
                 durable=cfg.durable,
             ).wait()
@@ -294,7 +294,7 @@ class FastPersistReader(StorageReader):
                 chunk_bytes=any_item.chunk_bytes,
                 backend=self.config.backend,
                 direct_io=self.config.direct_io,
-                queue_depth=self.config.queue_depth,
+                queue_depth=self.config.resolved_for(path, "read").resolved_queue_depth,
             )
         except FileNotFoundError:
             raise CorruptCheckpointError(

@@ -221,12 +221,12 @@ def torch_save(
     if not isinstance(path, (str, os.PathLike)):  # a file object: nothing to align, torch writes it
         torch.save(obj, path, pickle_protocol=pickle_protocol)
         return _result(repr(path), path.tell() if path.seekable() else 0, started, "torch.save")
-    config = config or Config()
     target = os.path.abspath(os.fspath(path))
+    config = (config or Config()).resolved_for(target)
     skel = capture_skeleton(obj, pickle_protocol)
     try:
         extents = compose_extents(skel)
-        plan = _core.Plan([e.nbytes for e in extents], 1, 1, config.chunk_bytes)
+        plan = _core.Plan([e.nbytes for e in extents], 1, 1, config.resolved_chunk_bytes)
         if plan.total_bytes != skel.total_bytes:
             raise ValueError(f"the plan has {plan.total_bytes} bytes but the archive {skel.total_bytes}")
     except ValueError as e:
@@ -243,7 +243,7 @@ def torch_save(
             pool_for(config),
             backend=config.backend,
             direct_io=config.direct_io,
-            queue_depth=config.queue_depth,
+            queue_depth=config.resolved_queue_depth,
             checksum=False,
             durable=config.durable,
         )
