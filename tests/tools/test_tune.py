@@ -11,9 +11,9 @@ import pytest
 
 from fastpersist.tools import cli
 from fastpersist.tools.bench.settings import settle_settings
-from fastpersist.tuning.cache import CACHE_ENV, lookup
+from fastpersist.tuning.cache import CACHE_ENV, Best, Figure, lookup
 from fastpersist.tuning.identity import device_identity
-from fastpersist.tuning.sweep import SweepLimits, sweep
+from fastpersist.tuning.sweep import SweepLimits, pick_best, sweep
 
 TINY = ["--seconds", "0.5", "--chunk-sizes", "64KiB,128KiB", "--depths", "1,2", "--max-trial-bytes", "1MiB"]
 
@@ -107,3 +107,13 @@ def test_bench_says_which_settings_it_used(cache_file: str, workdir: str) -> Non
     )
     explicit = _bench_args(chunk_bytes=1 << 20, queue_depth=2)
     assert "(explicit)" in settle_settings(explicit, workdir)
+
+
+def test_pick_best_prefers_fewer_bytes_in_flight_among_near_ties() -> None:
+    figures = [
+        Figure("write", 64 << 20, 4, 3.10, 1 << 30),
+        Figure("write", 8 << 20, 8, 3.05, 1 << 30),  # within 3%: 64 MiB in flight instead of 256
+        Figure("write", 1 << 20, 8, 2.00, 1 << 30),
+    ]
+    assert pick_best(figures) == Best(8 << 20, 8, 3.05)
+    assert pick_best(figures[:1] + figures[2:]) == Best(64 << 20, 4, 3.10)

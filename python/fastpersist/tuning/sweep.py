@@ -10,6 +10,11 @@ the depth at the chosen chunk size (a load reads with the chunk size its manifes
 Among settings within :data:`CLOSE_FRACTION` of the best figure it picks the one with the
 fewest bytes in flight. Each trial's file is removed at once, its directory at the end.
 
+Before a setting is timed, its pool's slots are made resident by an untimed write (a pool
+allocates a slot at first use; in a process that saves repeatedly they are resident, and
+faulting in 256 MiB at the first 64 MiB trial would count against large chunks only). Every
+extent of a trial's plan reads the same 16 MiB block, so a trial costs no memory for its source.
+
 Example:
     >>> result = sweep("/tmp", SweepLimits(seconds=0.5, chunk_sizes=(1 << 20,), depths=(1, 2),
     ...                                    max_trial_bytes=4 << 20))   # doctest: +SKIP
@@ -19,12 +24,15 @@ Example:
 
 from __future__ import annotations
 
+import collections
+import math
 import os
 import shutil
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,13 +42,14 @@ from ..loading.reading import aligned_uint8
 from .cache import Best, Figure
 from .identity import DeviceIdentity, device_identity
 
-__all__ = ["CLOSE_FRACTION", "SweepLimits", "SweepResult", "sweep"]
+__all__ = ["CLOSE_FRACTION", "SweepLimits", "SweepResult", "pick_best", "sweep"]
 
 MiB = 1 << 20
 #: Settings within this fraction of the best figure count as equally fast (the noise of a short trial).
 CLOSE_FRACTION = 0.03
 _WRITE_SHARE = 0.65
-_CALIBRATION_BYTES = 64 * MiB
+_BLOCK_BYTES = 16 * MiB
+_POOLS_KEPT = 2
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,7 @@ class SweepLimits:
         max_trial_bytes: the most bytes one trial writes or reads.
     """
 
-    seconds: float = 6.0
+    seconds: float = 10.0
     chunk_sizes: tuple[int, ...] = tuple(MiB << k for k in range(7))
     depths: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     pool_bytes: int = Config().pool_bytes
@@ -88,7 +97,7 @@ class SweepResult:
     seconds: float
 
 
-def _pick(figures: list[Figure]) -> Best:
+def pick_best(figures: list[Figure]) -> Best:
     """The best figure, preferring fewer bytes in flight among those within CLOSE_FRACTION."""
     top = max(f.gb_per_s for f in figures)
     close = [f for f in figures if f.gb_per_s >= top * (1 - CLOSE_FRACTION)]
@@ -106,8 +115,12 @@ class _Trials:
         self.rate_bytes_per_s = 0.0
         free = shutil.disk_usage(folder).free
         self.cap_bytes = max(_core.DIRECT_ALIGN_BYTES, min(limits.max_trial_bytes, free // 4))
-        self.source = aligned_uint8(0)
-        self.pools: dict[int, _core.Pool] = {}
+        # One incompressible block, given as the source of every extent of a trial: a trial of
+        # any size costs no more memory than this, and no time to fill.
+        block_bytes = min(_BLOCK_BYTES, self.cap_bytes) // _core.DIRECT_ALIGN_BYTES * _core.DIRECT_ALIGN_BYTES
+        self.block = torch.randint(0, 256, (block_bytes,), dtype=torch.uint8)
+        self.pools: collections.OrderedDict[int, _core.Pool] = collections.OrderedDict()
+        self.warm_slots: dict[int, int] = {}
         self.direct = False
 
     def left_s(self) -> float:
@@ -120,28 +133,36 @@ class _Trials:
         nbytes = min(int(want), self.cap_bytes) // chunk * chunk
         return max(nbytes, min(chunk, self.cap_bytes // _core.DIRECT_ALIGN_BYTES * _core.DIRECT_ALIGN_BYTES))
 
-    def _source(self, nbytes: int) -> torch.Tensor:
-        if self.source.numel() < nbytes:
-            self.source = aligned_uint8(nbytes)
-            block = torch.randint(0, 256, (min(nbytes, MiB),), dtype=torch.uint8)
-            for start in range(0, nbytes, block.numel()):  # incompressible, without a slow generator
-                end = min(nbytes, start + block.numel())
-                self.source[start:end] = block[: end - start]
-        return self.source[:nbytes]
+    def _extents(self, nbytes: int) -> tuple[list[int], list[Any]]:
+        whole, rest = divmod(nbytes, self.block.numel())
+        lengths = [self.block.numel()] * whole + ([rest] if rest else [])
+        return lengths, [self.block.numpy()] * whole + ([self.block[:rest].numpy()] if rest else [])
 
     def _pool(self, chunk: int) -> _core.Pool:
-        if chunk not in self.pools:
-            self.pools.clear()  # one pool's memory at a time
+        if chunk in self.pools:
+            self.pools.move_to_end(chunk)
+        else:
+            while len(self.pools) >= _POOLS_KEPT:  # the best chunk's pool and the one being tried
+                self.warm_slots.pop(self.pools.popitem(last=False)[0], None)
             self.pools[chunk] = _core.Pool(chunk, self.limits.pool_bytes)
         return self.pools[chunk]
+
+    def warm(self, chunk: int, depth: int) -> None:
+        """Makes the pool's slots that a trial at `depth` uses resident, untimed, as they are
+        in a process that saves repeatedly: a pool allocates a slot at its first use, and
+        faulting in 256 MiB would count against large chunks only."""
+        pool = self._pool(chunk)
+        wanted = min(pool.slot_count, 2 * (depth + 1))
+        if self.warm_slots.get(chunk, 0) < wanted:
+            self.write(chunk, depth, min(wanted * chunk, max(chunk, self.cap_bytes // chunk * chunk)))
+            self.warm_slots[chunk] = wanted
 
     def write(self, chunk: int, depth: int, nbytes: int, keep: bool = False) -> tuple[str, float]:
         """Writes `nbytes` as a save would; returns (path, GB/s). The file is removed unless `keep`."""
         path = os.path.join(self.folder, f"w-{chunk}-{depth}")
-        plan = _core.Plan([nbytes], 1, 1, chunk)
-        report = _core.start_write(
-            plan, 0, [path], [self._source(nbytes).numpy()], self._pool(chunk), queue_depth=depth
-        ).wait()
+        lengths, sources = self._extents(nbytes)
+        plan = _core.Plan(lengths, 1, 1, chunk)
+        report = _core.start_write(plan, 0, [path], sources, self._pool(chunk), queue_depth=depth).wait()
         self.direct = report["parts"][0]["direct"]
         if not keep:
             os.remove(path)
@@ -150,6 +171,7 @@ class _Trials:
         return path, gb_per_s
 
     def record_write(self, chunk: int, depth: int, slice_s: float) -> None:
+        self.warm(chunk, depth)
         nbytes = self.trial_bytes(chunk, depth, slice_s)
         _, gb_per_s = self.write(chunk, depth, nbytes)
         self.figures.append(Figure("write", chunk, depth, round(gb_per_s, 3), nbytes))
@@ -170,22 +192,24 @@ def _sweep_writes(t: _Trials, chunks: list[int], depths: tuple[int, ...], pool_b
         return max(2, pool_bytes // chunk)
 
     first_depth = _nearest(depths, DEFAULT_QUEUE_DEPTH)
-    calibrate = _nearest(tuple(chunks), DEFAULT_CHUNK_BYTES)
-    t.write(calibrate, first_depth, min(_CALIBRATION_BYTES, t.cap_bytes) // calibrate * calibrate or calibrate)
+    t.warm(_nearest(tuple(chunks), DEFAULT_CHUNK_BYTES), first_depth)  # also the first estimate of the rate
     todo = len(chunks) + len(depths) - 1
     deadline_s = t.limits.seconds * _WRITE_SHARE
-    for chunk in chunks:  # every chunk size at the default depth
-        if t.figures and t.clock() - t.started > deadline_s:
+    # Outward from the default size, so that a time box cut short still spans both directions.
+    outward = sorted(chunks, key=lambda c: (abs(math.log2(c / DEFAULT_CHUNK_BYTES)), c))
+    sizes_deadline_s = deadline_s * len(chunks) / todo  # leave the depths their share
+    for chunk in outward:  # every chunk size at the default depth
+        if t.figures and t.clock() - t.started > sizes_deadline_s:
             break
         t.record_write(chunk, min(first_depth, slots(chunk)), max(deadline_s - (t.clock() - t.started), 0) / todo)
         todo -= 1
-    best = _pick(t.figures)
+    best = pick_best(t.figures)
     for depth in depths:  # every depth at the best chunk size
         if depth == best.queue_depth or depth > slots(best.chunk_bytes) or t.clock() - t.started > deadline_s:
             continue
         t.record_write(best.chunk_bytes, depth, max(deadline_s - (t.clock() - t.started), 0) / max(todo, 1))
         todo -= 1
-    return _pick(t.figures)
+    return pick_best(t.figures)
 
 
 def _sweep_reads(t: _Trials, write: Best, depths: tuple[int, ...]) -> Best | None:
@@ -201,7 +225,7 @@ def _sweep_reads(t: _Trials, write: Best, depths: tuple[int, ...]) -> Best | Non
         t.record_read(path, nbytes, write.chunk_bytes, depth, dest)
     os.remove(path)
     figures = t.figures[reads_start:]
-    return _pick(figures) if figures else None
+    return pick_best(figures) if figures else None
 
 
 def sweep(
