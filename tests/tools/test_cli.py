@@ -100,7 +100,7 @@ def test_demo_runs_small(workdir: str, capsys: pytest.CaptureFixture[str]) -> No
     assert "reloaded bit-identical: True" in out and "torch.save + fsync" in out
 
 
-@pytest.mark.parametrize("command", ["demo", "bench", "inspect", "verify", "convert"])
+@pytest.mark.parametrize("command", ["demo", "bench", "tune", "inspect", "verify", "convert"])
 def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main([command, "--help"])
