@@ -213,3 +213,11 @@ def test_identity_reads_the_parent_disk_of_a_partition(tmp_path: pytest.TempPath
     assert ident.matches(ident.to_json())
     assert not ident.matches({**ident.to_json(), "serial": "S999"})
     assert "Fast SSD 990" in ident.describe()
+
+
+def test_with_stripes_the_first_stripe_device_decides(cache_file: str, workdir: str) -> None:
+    identity = device_identity(workdir)
+    store(_entry(identity, chunk=16 * MiB, depth=4))
+    striped = fp.Config(stripes=[workdir])
+    assert resolve(striped, "/dev/shm", "write").config.chunk_bytes == 16 * MiB  # not /dev/shm's device
+    assert resolve(fp.Config(stripes=["/dev/shm"]), workdir, "write").source == "default"

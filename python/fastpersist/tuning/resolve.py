@@ -61,11 +61,14 @@ def resolve(
     """`config` with its ``"auto"`` values settled for `op` on `path`'s device.
 
     `tuned_chunk=False` keeps an ``"auto"`` chunk at the default: the ranks of a process group
-    plan one stream together and must agree on it, while each may sit on another device.
+    plan one stream together and must agree on it, while each may sit on another device. With
+    ``config.stripes`` the first stripe's device is the one looked up.
     """
     if isinstance(config.chunk_bytes, int) and isinstance(config.queue_depth, int):
         return Resolved(config, "explicit")
-    entry, tuned = _entry_for(path)
+    # The data goes to the stripes when there are some (the directory keeps only the manifest);
+    # their first device speaks for all of them.
+    entry, tuned = _entry_for(config.stripes[0] if config.stripes else path)
     best = (entry.read or entry.write) if entry and op == "read" else entry.write if entry else None
     if isinstance(config.chunk_bytes, int):
         chunk, chunk_from = config.chunk_bytes, "explicit"
