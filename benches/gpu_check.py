@@ -279,7 +279,7 @@ def check_staging(ts: TrainingState, root: str, reps: int) -> None:
     state = ts.state()
     sources = _device_sources(state, device)
     nbytes = sum(s.numel() for s in sources)
-    chunk = fp.Config().chunk_bytes
+    chunk = fp.Config().resolved_for(root).resolved_chunk_bytes
     pool_bytes = -(-ts.nbytes // chunk) * chunk + 64 * MiB  # snapshot mode: staging never waits for the disk
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     gb = nbytes / 1e9

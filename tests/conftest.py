@@ -8,6 +8,7 @@ before any test module is imported.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -21,6 +22,13 @@ from budget import register_profiles
 from fake_cuda import FakeRuntime
 
 register_profiles()
+
+# Saves resolve Config "auto" from the tuning cache: point every test (and every worker process
+# it starts) at a file nobody writes, so a developer's own `fastpersist tune` cannot change them.
+os.environ["FASTPERSIST_TUNE_CACHE"] = os.path.join(
+    tempfile.gettempdir(), f"fastpersist-tests-{os.getpid()}", "no-tune-cache.json"
+)
+
 
 #: The GPU check (scripts/gpu_check.sh, docs/gpu.md) sets FASTPERSIST_GPU_CHECK=1 to run only the
 #: tests that need CUDA (a skip reason naming CUDA), those named for it, and the device path's

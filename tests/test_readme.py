@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fastpersist.tools import cli
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-SLOW_COMMANDS = {"demo", "bench"}  # run at small sizes by test_cli.py and test_bench.py
+SLOW_COMMANDS = {"demo", "bench", "tune"}  # run at small sizes by test_cli.py, test_bench.py, test_tune.py
 
 
 def blocks(language: str) -> list[str]:

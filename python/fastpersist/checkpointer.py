@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
-from .advisor.levels import Failures
+from .advisor.levels import Failures, local_mtbf_s
 from .api import load, verify
 from .cleanup import clean, stripe_leftovers
 from .config import Config, SaveResult
@@ -129,17 +129,7 @@ class Checkpointer:
             raise ValueError(f"replicas={replicas!r}: expected an integer >= 0")
         if replicas and group is None:
             raise ValueError("replicas= needs group=: the copies go to ranks on other nodes")
-        if failures is not None and not isinstance(failures, Failures):
-            raise TypeError(f"failures={failures!r}: expected a fastpersist.advisor.Failures")
-        if failures is not None and mtbf_s is not None:
-            raise ValueError("give mtbf_s= or failures=, not both: failures= sets the MTBF of each level")
-        if every == "auto" and failures is not None:
-            mtbf_s = failures.local_mtbf_s(replicas)
-            if mtbf_s is None:
-                raise ValueError(
-                    f'every="auto" with {failures}: no failure the local level survives (process crashes, or node '
-                    "losses with replicas >= 1), so there is no interval to choose; pass every= an integer"
-                )
+        mtbf_s = local_mtbf_s(mtbf_s, failures, replicas, auto=every == "auto")
         self.root = os.path.abspath(os.fspath(root))
         self.history = SaveHistory(self.root, every=every, mtbf_s=mtbf_s, max_every=max_every)
         self.keep = keep
@@ -229,16 +219,20 @@ class Checkpointer:
     # -- saving ------------------------------------------------------------------------------
 
     def _config_for(self, state: object) -> Config:
+        # Resolved once for the root's device, so that the pool held for every save fits its chunks
+        # (resolving a config of integers returns it as it is).
+        tuned_chunk = self.group is None  # a group's ranks plan one stream: see Config.resolved_for
         if self.config is not None:
+            self.config = self.config.resolved_for(self.root, tuned_chunk=tuned_chunk)
             return self.config
         from .format.flatten import flatten
 
         nbytes = sum(b.nbytes for b in flatten(state).blobs)
-        chunk = Config().chunk_bytes
+        chunk = Config().resolved_for(self.root, tuned_chunk=tuned_chunk).resolved_chunk_bytes
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         wanted = -(-nbytes // chunk) * chunk
         pool = max(Config().pool_bytes, min(wanted, ram // 4 // chunk * chunk))
-        self.config = Config(pool_bytes=pool)
+        self.config = Config(pool_bytes=pool).resolved_for(self.root, tuned_chunk=tuned_chunk)
         return self.config
 
     def save(self, step: int, state: object) -> SaveFuture | None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import Literal, NamedTuple
 
 from . import _core
+from .tuning.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
+from .tuning.resolve import settle
 
-__all__ = ["Config", "SaveResult"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_QUEUE_DEPTH", "Config", "Resolved", "SaveResult", "resolve"]
 
 _BACKENDS = ("auto", "io_uring", "threads")
 _DIRECT = ("auto", "require", "off")
@@ -25,8 +27,12 @@ class Config:
         stripes: directories (one per SSD) to spread the data files over; ``None`` keeps them
             inside the checkpoint directory. Each must be on a filesystem that survives as long
             as the checkpoint; the manifest records their absolute paths.
-        chunk_bytes: size of one aligned write (a multiple of 4096, at most 1 GiB).
-        queue_depth: writes in flight per save.
+        chunk_bytes: size of one aligned write (a multiple of 4096, at most 1 GiB), or
+            ``"auto"``: the size ``fastpersist tune`` measured best for the target's device
+            (docs/performance.md), else 8 MiB. A tuned size is capped so that the pool holds
+            two chunks. A load reads with the chunk size its manifest records.
+        queue_depth: writes (or reads) in flight per save (or load), or ``"auto"``: the tuned
+            depth for the device, else 8 (capped by the pool's slots).
         pool_bytes: page-aligned staging memory. When it is at least the state's size a save
             snapshots the whole state at once ("snapshot mode": ``wait_staged()`` returns after
             one memory copy); otherwise staging proceeds as writes drain the pool ("bounded
@@ -53,12 +59,14 @@ class Config:
         >>> import fastpersist as fp
         >>> cfg = fp.Config(pool_bytes=1 << 30, queue_depth=16)
         >>> cfg.chunk_bytes
+        'auto'
+        >>> fp.Config(chunk_bytes=8 << 20, queue_depth=16).resolved_for("/tmp").chunk_bytes
         8388608
     """
 
     stripes: Sequence[str | os.PathLike[str]] | None = None
-    chunk_bytes: int = 8 << 20
-    queue_depth: int = 8
+    chunk_bytes: int | Literal["auto"] = "auto"
+    queue_depth: int | Literal["auto"] = "auto"
     pool_bytes: int = 256 << 20
     backend: Literal["auto", "io_uring", "threads"] = "auto"
     direct_io: Literal["auto", "require", "off"] = "auto"
@@ -72,15 +80,17 @@ class Config:
         def bad(name: str, value: object, expected: str) -> ValueError:
             return ValueError(f"Config.{name}={value!r}: expected {expected}")
 
-        if type(self.chunk_bytes) is not int or not 0 < self.chunk_bytes < 1 << 63:
-            raise bad("chunk_bytes", self.chunk_bytes, f"a positive integer (a multiple of {_core.DIRECT_ALIGN_BYTES})")
-        try:
-            _core.check_chunk_bytes(self.chunk_bytes)  # the engine's one rule
-        except ValueError as e:
-            raise ValueError(f"Config.chunk_bytes={self.chunk_bytes!r}: {e}") from None
+        if self.chunk_bytes != "auto":
+            if type(self.chunk_bytes) is not int or not 0 < self.chunk_bytes < 1 << 63:
+                expected = f'"auto" or a positive integer (a multiple of {_core.DIRECT_ALIGN_BYTES})'
+                raise bad("chunk_bytes", self.chunk_bytes, expected)
+            try:
+                _core.check_chunk_bytes(self.chunk_bytes)  # the engine's one rule
+            except ValueError as e:
+                raise ValueError(f"Config.chunk_bytes={self.chunk_bytes!r}: {e}") from None
         max_depth = _core.MAX_QUEUE_DEPTH
-        if type(self.queue_depth) is not int or not 1 <= self.queue_depth <= max_depth:
-            raise bad("queue_depth", self.queue_depth, f"an integer in 1..{max_depth}")
+        if self.queue_depth != "auto" and (type(self.queue_depth) is not int or not 1 <= self.queue_depth <= max_depth):
+            raise bad("queue_depth", self.queue_depth, f'"auto" or an integer in 1..{max_depth}')
         if type(self.pool_bytes) is not int or self.pool_bytes < 0:
             raise bad("pool_bytes", self.pool_bytes, "a non-negative integer")
         if self.backend not in _BACKENDS:
@@ -101,6 +111,62 @@ class Config:
             if isinstance(self.stripes, (str, bytes)) or not len(self.stripes):
                 raise bad("stripes", self.stripes, "None or a non-empty list of directories")
             object.__setattr__(self, "stripes", tuple(os.path.abspath(os.fspath(s)) for s in self.stripes))
+
+    def resolved_for(
+        self, path: str | os.PathLike[str], op: Literal["write", "read"] = "write", *, tuned_chunk: bool = True
+    ) -> Config:
+        """This config with ``"auto"`` chunk size and queue depth settled for `op` on `path`'s
+        device: from ``fastpersist tune``'s cache, else the defaults (8 MiB, 8). Integers stay.
+        `tuned_chunk=False` keeps an ``"auto"`` chunk at the default (a process group's ranks
+        plan one stream and must agree on it). Never measures anything.
+
+        Example:
+            >>> Config(queue_depth=4).resolved_for("/tmp").queue_depth
+            4
+        """
+        return resolve(self, path, op, tuned_chunk=tuned_chunk).config
+
+    @property
+    def resolved_chunk_bytes(self) -> int:
+        """``chunk_bytes`` of a resolved config (see :meth:`resolved_for`); raises on ``"auto"``."""
+        if isinstance(self.chunk_bytes, int):
+            return self.chunk_bytes
+        raise ValueError('Config.chunk_bytes is still "auto": resolve it with config.resolved_for(path) first')
+
+    @property
+    def resolved_queue_depth(self) -> int:
+        """``queue_depth`` of a resolved config (see :meth:`resolved_for`); raises on ``"auto"``."""
+        if isinstance(self.queue_depth, int):
+            return self.queue_depth
+        raise ValueError('Config.queue_depth is still "auto": resolve it with config.resolved_for(path) first')
+
+
+class Resolved(NamedTuple):
+    """A config with integer ``chunk_bytes`` and ``queue_depth``, and where they came from."""
+
+    config: Config
+    #: ``"explicit"``, ``"default"`` or ``"tuned YYYY-MM-DD for <device>"``; when the chunk
+    #: size and the depth differ, ``"chunk <source>, depth <source>"``.
+    source: str
+
+
+def resolve(
+    config: Config, path: str | os.PathLike[str], op: Literal["write", "read"], *, tuned_chunk: bool = True
+) -> Resolved:
+    """`config` with its ``"auto"`` values settled for `op` on `path`'s device
+    (:mod:`fastpersist.tuning.resolve`), and where they came from.
+
+    Example:
+        >>> r = resolve(Config(queue_depth=4), "/tmp", "write")
+        >>> r.config.queue_depth, isinstance(r.config.chunk_bytes, int)
+        (4, True)
+    """
+    chunk, depth, source = settle(
+        config.chunk_bytes, config.queue_depth, config.pool_bytes, config.stripes, path, op, tuned_chunk=tuned_chunk
+    )
+    if (chunk, depth) == (config.chunk_bytes, config.queue_depth):
+        return Resolved(config, source)
+    return Resolved(replace(config, chunk_bytes=chunk, queue_depth=depth), source)
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ def test_demo_refuses_bad_arguments(workdir: str) -> None:
         cli.main(["demo", "--size", "1000TiB", "--dir", workdir])
 
 
-@pytest.mark.parametrize("command", ["demo", "bench", "inspect", "verify", "convert"])
+@pytest.mark.parametrize("command", ["demo", "bench", "tune", "inspect", "verify", "convert"])
 def test_every_command_has_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main([command, "--help"])

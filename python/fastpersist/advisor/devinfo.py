@@ -17,7 +17,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["DeviceInfo", "device_info"]
+__all__ = ["DeviceInfo", "device_info", "mount_of"]
 
 _MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
 _NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "fuse", "fuse.sshfs", "ceph", "lustre", "gpfs", "9p", "virtiofs"}
@@ -73,7 +73,7 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _mount_of(path: str, dev: int, mountinfo: str) -> tuple[str | None, str | None, list[str]]:
+def mount_of(path: str, dev: int, mountinfo: str) -> tuple[str | None, str | None, list[str]]:
     """(fs type, mount point, options) of the mount holding `path`: same device, longest prefix."""
     text = _read(mountinfo) or ""
     want = f"{os.major(dev)}:{os.minor(dev)}"
@@ -177,7 +177,7 @@ def device_info(
     """
     real = os.path.realpath(os.fspath(path))
     dev = os.stat(real).st_dev
-    fs_type, point, options = _mount_of(real, dev, mountinfo)
+    fs_type, point, options = mount_of(real, dev, mountinfo)
     facts = _block_facts(dev, sysfs)
     percent = _nvme_percent_used(facts["disk"]) if facts.get("nvme") else None
     return DeviceInfo(

@@ -44,7 +44,16 @@ from dataclasses import dataclass, field
 
 from .model import daly_interval_s
 
-__all__ = ["Failures", "LevelAdvice", "LevelCosts", "LevelPlan", "advise_levels", "best_remote_every", "plan_lost"]
+__all__ = [
+    "Failures",
+    "LevelAdvice",
+    "LevelCosts",
+    "LevelPlan",
+    "advise_levels",
+    "best_remote_every",
+    "local_mtbf_s",
+    "plan_lost",
+]
 
 
 def _positive(name: str, value: float, *, zero: bool = True) -> None:
@@ -89,6 +98,24 @@ class Failures:
         ``every="auto"`` sets ``every`` against these."""
         local, _ = self.split(replicas)
         return 1.0 / local if local > 0 else None
+
+
+def local_mtbf_s(mtbf_s: float | None, failures: Failures | None, replicas: int, *, auto: bool) -> float | None:
+    """The MTBF a Checkpointer's ``every="auto"`` sets `every` against: `mtbf_s` as given, or from
+    `failures` the failures the local (and, with replicas, partner) level survives."""
+    if failures is not None and not isinstance(failures, Failures):
+        raise TypeError(f"failures={failures!r}: expected a fastpersist.advisor.Failures")
+    if failures is not None and mtbf_s is not None:
+        raise ValueError("give mtbf_s= or failures=, not both: failures= sets the MTBF of each level")
+    if not auto or failures is None:
+        return mtbf_s
+    local = failures.local_mtbf_s(replicas)
+    if local is None:
+        raise ValueError(
+            f'every="auto" with {failures}: no failure the local level survives (process crashes, or node '
+            "losses with replicas >= 1), so there is no interval to choose; pass every= an integer"
+        )
+    return local
 
 
 @dataclass(frozen=True)

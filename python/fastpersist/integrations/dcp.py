@@ -212,8 +212,8 @@ class FastPersistWriter(StorageWriter, BlockingAsyncStager):
         self, name: str, items: list[tuple[WriteItem, np.ndarray, str | None, tuple[int, ...]]]
     ) -> list[WriteResult]:
         started = time.perf_counter()
-        cfg = self.config
-        engine_plan = _core.Plan([source.nbytes for _, source, _, _ in items], 1, 1, cfg.chunk_bytes)
+        cfg = self.config.resolved_for(self.path)  # each rank's file records its own chunk size
+        engine_plan = _core.Plan([source.nbytes for _, source, _, _ in items], 1, 1, cfg.resolved_chunk_bytes)
         from ..saving.pools import pool_for
 
         report: Any = {"parts": [], "backend": "none"}
@@ -226,7 +226,7 @@ class FastPersistWriter(StorageWriter, BlockingAsyncStager):
                 pool_for(cfg),
                 backend=cfg.backend,
                 direct_io=cfg.direct_io,
-                queue_depth=cfg.queue_depth,
+                queue_depth=cfg.resolved_queue_depth,
                 checksum=cfg.checksum == "crc32c",
                 durable=cfg.durable,
             ).wait()
@@ -384,7 +384,7 @@ class FastPersistReader(StorageReader):
                     chunk_bytes=chunk_bytes,
                     backend=self.config.backend,
                     direct_io=self.config.direct_io,
-                    queue_depth=self.config.queue_depth,
+                    queue_depth=self.config.resolved_for(self.path, "read").resolved_queue_depth,
                     stats=stats,
                 )
             except FileNotFoundError as e:

@@ -332,15 +332,15 @@ def torch_save(
     if why is not None or not isinstance(f, (str, os.PathLike)):  # (the second for the type checker)
         log.debug("torch_save hands %r to torch.save: %s", f, why)
         return _save_elsewhere(obj, f, args, config, started)
-    config = config or Config()
     target = os.path.abspath(os.fspath(f))
     if os.path.islink(target):  # replace the file the link names, not the link (as torch.save does)
         target = os.path.realpath(target)
+    config = (config or Config()).resolved_for(target)
     with_crc32 = torch.serialization.get_crc32_options()  # set_crc32_options(False) is honoured
     skel = capture_skeleton(obj, pickle_protocol, _disable_byteorder_record)
     try:
         extents = compose_extents(skel)
-        plan = _core.Plan([e.nbytes for e in extents], 1, 1, config.chunk_bytes)
+        plan = _core.Plan([e.nbytes for e in extents], 1, 1, config.resolved_chunk_bytes)
         if plan.total_bytes != skel.total_bytes:
             raise ValueError(f"the plan has {plan.total_bytes} bytes but the archive {skel.total_bytes}")
         fields = crc32_fields(skel) if with_crc32 else []
@@ -359,7 +359,7 @@ def torch_save(
             pool_for(config),
             backend=config.backend,
             direct_io=config.direct_io,
-            queue_depth=config.queue_depth,
+            queue_depth=config.resolved_queue_depth,
             checksum=False,
             durable=config.durable,
             crc32_fields=fields,

@@ -33,6 +33,7 @@ __all__ = [
     "checksum_error",
     "direct_padded",
     "paged_uint8",
+    "read_queue_depth",
     "read_stream",
     "read_window",
     "stream_windows",
@@ -73,6 +74,13 @@ def direct_padded(nbytes: int) -> int:
     return max(align, -(-nbytes // align) * align)
 
 
+def read_queue_depth(config: Config, root: str) -> int:
+    """Reads in flight for a load from `root`: the config's integer, else the depth tuned for
+    reads on its device (the chunk size is the manifest's). The device lookup is remembered,
+    so calling this per window costs a stat and a small file read."""
+    return config.resolved_for(root, "read").resolved_queue_depth
+
+
 def _mapping_errors(root: str, m: Manifest, read: Callable[[], T]) -> T:
     try:
         return read()
@@ -104,7 +112,7 @@ def read_stream(
             chunk_bytes=m.chunk_bytes,
             backend=config.backend,
             direct_io=config.direct_io,
-            queue_depth=config.queue_depth,
+            queue_depth=read_queue_depth(config, root),
             stats=stats,
         ),
     )
@@ -187,7 +195,7 @@ def read_window(
             chunk_bytes=chunk,
             backend=config.backend,
             direct_io=config.direct_io,
-            queue_depth=config.queue_depth,
+            queue_depth=read_queue_depth(config, root),
             stats=stats,
         ),
     )

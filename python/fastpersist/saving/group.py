@@ -94,7 +94,8 @@ class GroupSaveJob:
         pool: Any = None,
     ) -> None:
         self.path = os.path.abspath(os.fspath(path))
-        self.config = config
+        # Every rank plans the same stream, so an "auto" chunk stays at the default here.
+        self.config = config.resolved_for(self.path, tuned_chunk=False)
         self.sharded = sharded
         self.group = group
         self.pool = pool
@@ -287,7 +288,7 @@ class GroupSaveJob:
         if self.sharded:
             doc = build(
                 checkpoint_id=self.layout.checkpoint_id,
-                chunk_bytes=self.config.chunk_bytes,
+                chunk_bytes=self.config.resolved_chunk_bytes,
                 checksum=self.config.checksum,
                 total_bytes=0,
                 blobs=[],

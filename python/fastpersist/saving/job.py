@@ -141,7 +141,7 @@ class SaveJob:
     ) -> None:
         self.started = self._laid_out = self._written = time.perf_counter()
         self.path = os.path.abspath(os.fspath(path))
-        self.config = config
+        self.config = config.resolved_for(self.path)  # a group's job gets a resolved config
         self.layout = layout or single_layout(self.path)
         self.pool = pool
         #: Held from the temporary directory's creation until commit or discard: a cleaner in
@@ -192,7 +192,7 @@ class SaveJob:
         stripe_name = stripe_dir_name(name, layout.checkpoint_id, layout.tag)
         self.stripe_dirs = [os.path.join(r, stripe_name) for r in stripe_roots]
         self.plan = _core.Plan(
-            [b.nbytes for b in flat.blobs], layout.writer_count, max(1, len(stripe_roots)), config.chunk_bytes
+            [b.nbytes for b in flat.blobs], layout.writer_count, max(1, len(stripe_roots)), config.resolved_chunk_bytes
         )
         self.records = flat.tensors  # hold no tensors: kept after the save is staged
         self.tree = flat.spec
@@ -247,7 +247,7 @@ class SaveJob:
             pool,
             backend=config.backend,
             direct_io=config.direct_io,
-            queue_depth=config.queue_depth,
+            queue_depth=config.resolved_queue_depth,
             checksum=config.checksum == "crc32c",
             durable=config.durable,
             background=background,
@@ -400,7 +400,7 @@ class SaveJob:
         """This job's manifest, listing `entries` (from every writer, stripes indexing `stripes`)."""
         return build(
             checkpoint_id=self.layout.checkpoint_id,
-            chunk_bytes=self.config.chunk_bytes,
+            chunk_bytes=self.config.resolved_chunk_bytes,
             checksum=self.config.checksum,
             total_bytes=self.plan.total_bytes,
             blobs=list(zip(self.plan.extent_offsets, self.blob_lengths, strict=True)),

@@ -186,7 +186,7 @@ class PartnerSaveJob(GroupSaveJob):
             transfers,
             src_dir=self.layout.tmp_dir,
             dst_dir=self.layout.tmp_dir,
-            chunk_bytes=self.config.chunk_bytes,
+            chunk_bytes=self.config.resolved_chunk_bytes,
             timeout_s=self.config.timeout_s,
             durable=self.config.durable,
         )

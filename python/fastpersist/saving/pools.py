@@ -18,10 +18,10 @@ _pools_lock = threading.Lock()
 
 
 def pool_for(config: Config) -> _core.Pool:
-    """The process-wide staging pool for this chunk size and budget (reused across saves)."""
-    key = (config.chunk_bytes, config.pool_bytes)
+    """The process-wide staging pool for this (resolved) chunk size and budget, reused across saves."""
+    key = (config.resolved_chunk_bytes, config.pool_bytes)
     with _pools_lock:
-        pool = _pools.pop(key, None) or _core.Pool(config.chunk_bytes, config.pool_bytes)
+        pool = _pools.pop(key, None) or _core.Pool(*key)
         _pools[key] = pool
         while len(_pools) > _POOLS_KEPT:
             _pools.popitem(last=False)

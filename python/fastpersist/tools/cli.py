@@ -1,4 +1,5 @@
-"""The ``fastpersist`` command line: ``demo``, ``bench``, ``inspect PATH``, ``verify PATH``, ``convert``."""
+"""The ``fastpersist`` command line: ``demo``, ``bench``, ``tune DIR...``, ``inspect PATH``, ``verify PATH``,
+``convert``, ``advise``, ``clean``."""
 
 from __future__ import annotations
 
@@ -88,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import advise as advise_cli
 
     advise_cli.register(sub)
+    from . import tune
+
+    tune.register(sub)
     add_clean_parser(sub)
     return parser
 

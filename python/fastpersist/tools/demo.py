@@ -32,6 +32,7 @@ from .bench.harness import Bench
 from .bench.loads import add_fastpersist_load, add_safetensors_loads, add_torch_load
 from .bench.measure import Row
 from .bench.saves import add_fastpersist_save, add_safetensors_save, add_save_async, add_torch_save
+from .bench.settings import settle_settings
 from .bench.system import GB, run_dirs_for
 from .units import parse_size
 
@@ -102,7 +103,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         pool_bytes=defaults.pool_bytes,
     )
     status = StatusLine()
-    notes: list[str] = []
+    notes: list[str] = [settle_settings(bench_args, parent)]
     with run_dirs_for([parent], prefix=".fastpersist-demo-") as run_dirs:
         bench = Bench(bench_args, run_dirs, notes, say=status.show)
         try:

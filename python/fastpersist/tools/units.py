@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable
+from typing import Literal, TypeVar
 
-__all__ = ["parse_size"]
+T = TypeVar("T")
+
+__all__ = ["auto_or", "parse_size"]
 
 
 def parse_size(text: str) -> int:
@@ -21,3 +25,17 @@ def parse_size(text: str) -> int:
     number, unit, binary = float(match.group(1)), match.group(2).upper(), match.group(3)
     base = 1024 if binary or not unit else 1000
     return int(number * base ** " KMGT".index(unit or " "))
+
+
+def auto_or(parse: Callable[[str], T]) -> Callable[[str], T | Literal["auto"]]:
+    """An argparse type accepting ``"auto"`` or what `parse` accepts: ``auto_or(int)("auto")``."""
+
+    def parse_or_auto(text: str) -> T | Literal["auto"]:
+        if text.strip().lower() == "auto":
+            return "auto"
+        try:
+            return parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not auto or a valid value: {text!r}") from None
+
+    return parse_or_auto

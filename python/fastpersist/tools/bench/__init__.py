@@ -36,12 +36,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..units import parse_size
+from ..units import auto_or, parse_size
 from .harness import Bench
 from .loads import add_load_methods
 from .probes import flatten_plan_seconds, rss_probe, run_rss_probe_subprocess
 from .report import plot, summarise, table
 from .saves import add_save_methods
+from .settings import settle_settings
 from .state import GptShape, build_small_state, build_state, gpt_shape, state_summary
 from .system import machine_info, progress, run_dirs_for, status_bytes
 
@@ -80,8 +81,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=3, help="repetitions per method (default 3, at least 1)")
     parser.add_argument("--json", default="bench.json", help="write the results here (default bench.json)")
     parser.add_argument("--plot", help="draw a PNG chart here (needs matplotlib: pip install 'fastpersist[plot]')")
-    parser.add_argument("--chunk-bytes", type=parse_size, default=defaults.chunk_bytes, help="fastpersist Config")
-    parser.add_argument("--queue-depth", type=int, default=defaults.queue_depth, help="fastpersist Config")
+    parser.add_argument(
+        "--chunk-bytes",
+        type=auto_or(parse_size),
+        default=defaults.chunk_bytes,
+        help='fastpersist Config (default "auto": tuned for the first --dir by fastpersist tune, else 8MiB)',
+    )
+    parser.add_argument(
+        "--queue-depth",
+        type=auto_or(int),
+        default=defaults.queue_depth,
+        help='fastpersist Config (default "auto": tuned, for saves and loads apart, else 8)',
+    )
     parser.add_argument("--pool-bytes", type=parse_size, default=defaults.pool_bytes, help="fastpersist Config")
     parser.add_argument("--no-fio", action="store_true", help="skip fio even where it is installed")
     parser.add_argument("--rss-probe", action="store_true", help=argparse.SUPPRESS)
@@ -122,6 +133,8 @@ def _report(
             "dirs": dirs,
             "chunk_bytes": args.chunk_bytes,
             "queue_depth": args.queue_depth,
+            "read_queue_depth": args.read_queue_depth,
+            "settings_source": {"write": args.write_source, "read": args.read_source},
             "pool_bytes": args.pool_bytes,
             "backends": bench.backends,
             "direct_io": bench.direct,
@@ -165,6 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     Prints the table to stdout, progress to stderr, writes ``args.json`` and (if set) ``args.plot``.
     """
     dirs = _checked_dirs(args)
+    progress(settle_settings(args, dirs[0]))
     notes: list[str] = []
     extras: dict[str, Any] = {}
     with run_dirs_for(dirs) as run_dirs:
@@ -221,6 +235,7 @@ def run_cli(args: argparse.Namespace) -> int:
     """Runs what the parsed command line asks for: the benchmark, or the internal RSS probe."""
     if args.rss_probe:
         dirs = args.dirs or [os.getcwd()]
+        settle_settings(args, dirs[0])
         print(json.dumps(rss_probe(args.size, dirs, args.chunk_bytes, args.pool_bytes, args.queue_depth)), flush=True)
         return 0
     run(args)

@@ -43,7 +43,7 @@ def _add_engine_reads(bench: Bench) -> None:
             chunk_bytes=args.chunk_bytes,
             backend=backend,
             direct_io=bench.direct,
-            queue_depth=args.queue_depth,
+            queue_depth=args.read_queue_depth,
         )
         seconds = time.perf_counter() - start
         assert got == bench.nbytes
@@ -65,7 +65,7 @@ def _add_engine_reads(bench: Bench) -> None:
             chunk_bytes=args.chunk_bytes,
             backend=backend,
             direct_io=bench.direct,
-            queue_depth=args.queue_depth,
+            queue_depth=args.read_queue_depth,
         )
         seconds = time.perf_counter() - start
         del dest
@@ -82,7 +82,7 @@ def add_fastpersist_load(bench: Bench) -> None:
     if bench.backends:
         fp_path = bench.path(f"fp-{bench.backends[0]}")
         fp_key = bench.add_row("fastpersist_load", "fastpersist.load", "load", "fastpersist")
-        load_config = fp.Config(backend=backend, queue_depth=bench.args.queue_depth)
+        load_config = fp.Config(backend=backend, queue_depth=bench.args.read_queue_depth)
 
         def fp_load() -> dict[str, float]:
             phases: dict[str, float] = {}

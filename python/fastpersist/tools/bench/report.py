@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .measure import Row
+from .settings import settings_line
 from .system import GB, MiB
 
 if TYPE_CHECKING:
@@ -172,6 +173,9 @@ def table(report: dict[str, Any]) -> str:
         f"{state['tensors']} tensors), {report['config']['reps']} reps, dirs {', '.join(report['config']['dirs'])} "
         f"[{'; '.join(report['machine']['filesystems'])}]"
     )
+    config = report["config"]
+    if "settings_source" in config:
+        lines.append(settings_line(config))
     head = f"{'method':<50}{'median s':>9}{'min s':>8}{'max s':>8}{'GB/s':>8}{'x limit':>9}"
     for kind, title in (
         ("save", "SAVE (durable: fsync included)"),

@@ -1,0 +1,217 @@
+"""The tuning cache: the best write and read settings measured per device, as JSON.
+
+Where: ``$FASTPERSIST_TUNE_CACHE`` (a file path) if set, else
+``$XDG_CACHE_HOME/fastpersist/tune.json``, else ``~/.cache/fastpersist/tune.json``.
+
+The file holds ``{"version": 1, "devices": {"MAJ:MIN": entry}}``; an entry records the device's
+identity (:class:`~fastpersist.tuning.identity.DeviceIdentity`), when it was tuned, the best
+settings and every figure measured. Reading is forgiving (a save never fails because of the
+cache: a missing, unreadable or malformed file means "not tuned"); writing is strict (``tune``
+fails with a message naming the file and the fix).
+
+Example:
+    >>> entry = TuneEntry(device={"key": "254:0"}, tuned_at="2026-12-02T15:00:00+00:00",
+    ...                   write=Best(64 << 20, 4, 3.1), read=Best(64 << 20, 8, 3.4))
+    >>> entry.write.chunk_bytes >> 20, entry.read.queue_depth
+    (64, 8)
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .identity import DeviceIdentity
+
+__all__ = [
+    "CACHE_ENV",
+    "MAX_AGE_DAYS",
+    "Best",
+    "Figure",
+    "TuneEntry",
+    "cache_path",
+    "check_writable",
+    "lookup",
+    "store",
+]
+
+log = logging.getLogger("fastpersist")
+
+#: Environment variable naming the cache file (tests point it at a temporary file).
+CACHE_ENV = "FASTPERSIST_TUNE_CACHE"
+#: Entries older than this are ignored: firmware, filesystems and neighbours change.
+MAX_AGE_DAYS = 180
+_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Best:
+    """The chosen setting for one direction and what it measured."""
+
+    chunk_bytes: int
+    queue_depth: int
+    gb_per_s: float
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured setting: ``op`` is ``"write"`` or ``"read"``."""
+
+    op: str
+    chunk_bytes: int
+    queue_depth: int
+    gb_per_s: float
+    bytes: int
+
+
+@dataclass(frozen=True)
+class TuneEntry:
+    """What ``fastpersist tune`` found for one device."""
+
+    device: dict[str, Any]
+    tuned_at: str
+    write: Best
+    read: Best | None = None
+    figures: list[Figure] = field(default_factory=list)
+    pool_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def date(self) -> str:
+        """The day it was tuned (``YYYY-MM-DD``)."""
+        return self.tuned_at[:10]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> TuneEntry:
+        """Parses an entry; raises ``ValueError``/``TypeError``/``KeyError`` when malformed."""
+        read = doc.get("read")
+        entry = cls(
+            device=dict(doc["device"]),
+            tuned_at=str(doc["tuned_at"]),
+            write=_best(doc["write"]),
+            read=_best(read) if read is not None else None,
+            figures=[Figure(**f) for f in doc.get("figures", [])],
+            pool_bytes=int(doc.get("pool_bytes", 0)),
+            seconds=float(doc.get("seconds", 0.0)),
+        )
+        datetime.datetime.fromisoformat(entry.tuned_at)  # a malformed date is a malformed entry
+        return entry
+
+
+def _best(doc: dict[str, Any]) -> Best:
+    best = Best(int(doc["chunk_bytes"]), int(doc["queue_depth"]), float(doc["gb_per_s"]))
+    if best.chunk_bytes <= 0 or best.queue_depth <= 0:
+        raise ValueError(f"not a setting: {doc!r}")
+    return best
+
+
+def cache_path() -> str:
+    """The cache file this process reads and ``tune`` writes."""
+    override = os.environ.get(CACHE_ENV)
+    if override:
+        return override
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fastpersist", "tune.json")
+
+
+def _read_devices(path: str) -> dict[str, Any]:
+    """The ``devices`` table of the cache file; empty when missing, unreadable or malformed."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.info("tuning cache %s unreadable (%s): using the default settings", path, e)
+        return {}
+    if not isinstance(doc, dict) or doc.get("version") != _VERSION or not isinstance(doc.get("devices"), dict):
+        log.info("tuning cache %s has an unknown layout: using the default settings", path)
+        return {}
+    devices: dict[str, Any] = doc["devices"]
+    return devices
+
+
+_noted: set[tuple[str, str, str]] = set()
+
+
+def _note_once(path: str, key: str, why: str) -> None:
+    """Logs why an entry was ignored, once per process (saves run this on every call)."""
+    if (path, key, why) not in _noted:
+        _noted.add((path, key, why))
+        log.info("tuning cache %s: entry for %s ignored: %s; using the default settings", path, key, why)
+
+
+def lookup(identity: DeviceIdentity, *, now: datetime.datetime | None = None) -> TuneEntry | None:
+    """The cached entry for this device, or None (not tuned, another device, too old, malformed)."""
+    path = cache_path()
+    raw = _read_devices(path).get(identity.key)
+    if raw is None:
+        log.debug("tuning cache %s: no entry for %s", path, identity.describe())
+        return None
+    try:
+        entry = TuneEntry.from_json(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        _note_once(path, identity.key, f"malformed ({e!r})")
+        return None
+    if not identity.matches(entry.device):
+        _note_once(path, identity.key, f"it was measured on another device ({entry.device}, now {identity.to_json()})")
+        return None
+    tuned = datetime.datetime.fromisoformat(entry.tuned_at)
+    if tuned.tzinfo is None:
+        tuned = tuned.replace(tzinfo=datetime.UTC)
+    age_days = ((now or datetime.datetime.now(datetime.UTC)) - tuned).total_seconds() / 86400
+    if age_days > MAX_AGE_DAYS:
+        _note_once(
+            path, identity.key, f"tuned {age_days:.0f} days ago (more than {MAX_AGE_DAYS}); run fastpersist tune"
+        )
+        return None
+    return entry
+
+
+def _scratch_file(path: str) -> tuple[int, str]:
+    """A new temporary file beside the cache file (made with its folder); OSError names the fix."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        return tempfile.mkstemp(prefix=".tune-", suffix=".json", dir=folder)
+    except OSError as e:
+        raise OSError(
+            e.errno, f"cannot write the tuning cache {path}: {e.strerror}; set {CACHE_ENV} to a writable file", path
+        ) from e
+
+
+def check_writable() -> str:
+    """Raises ``OSError`` (naming the file and the fix) unless the cache file can be written;
+    returns its path. ``tune`` asks before it measures."""
+    path = cache_path()
+    fd, tmp = _scratch_file(path)
+    os.close(fd)
+    os.unlink(tmp)
+    if os.path.exists(path) and not os.access(path, os.W_OK):  # replacing it needs only the folder
+        log.debug("tuning cache %s is read-only; it is replaced, not modified", path)
+    return path
+
+
+def store(entry: TuneEntry) -> str:
+    """Adds or replaces `entry` (keyed by its device) in the cache file, atomically; returns the
+    file's path. Raises ``OSError`` naming the file when it cannot be written."""
+    path = cache_path()
+    devices = _read_devices(path)
+    devices[str(entry.device["key"])] = entry.to_json()
+    fd, tmp = _scratch_file(path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": _VERSION, "devices": devices}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
