@@ -1,4 +1,4 @@
-"""The ``fastpersist`` command line: ``demo``, ``bench``, ``inspect PATH``, ``verify PATH``, ``convert``."""
+"""The ``fastpersist`` command line: ``demo``, ``bench``, ``inspect PATH``, ``verify PATH``, ``convert``, ``export``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from .bench.state import build_state
-from .clitools import STRIPES_HELP, Progress, add_convert_parser, add_inspect_parser
+from .clitools import STRIPES_HELP, Progress, add_convert_parser, add_export_parser, add_inspect_parser
 from .units import parse_size
 
 __all__ = ["main", "parse_size"]
@@ -175,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--stripes", nargs="+", metavar="DIR", help=STRIPES_HELP)
     ver.set_defaults(func=cmd_verify)
     add_convert_parser(sub)
+    add_export_parser(sub)
     from . import advise as advise_cli
 
     advise_cli.register(sub)
