@@ -39,6 +39,7 @@ from ..format.layout import DCP_METADATA_NAME, MANIFEST_NAME
 from ..format.manifest import Manifest
 from ..format.quote import shown
 from ..format.records import TORCH_DTYPES
+from ..loading import reading
 from ..loading.opened import OpenedCheckpoint, opened_checkpoint, opened_shard
 from ..loading.reading import paged_uint8, read_window, stream_windows
 from ..loading.relocate import check_stripes_present, read_opened
@@ -150,7 +151,7 @@ class CheckpointSource:
         for n in wanted:
             by_blob.setdefault(m.tensors[n.ref].blob, []).append(n)
         paged: Any = None
-        for lo, hi, blobs in stream_windows(m):
+        for lo, hi, blobs in stream_windows(m, reading.WINDOW_BYTES):
             if not any(b in by_blob for b in blobs):
                 continue
             if paged is None or paged[1].numel() < hi - lo:
@@ -189,6 +190,7 @@ class DcpSource:
         self.where = path
         self._reader = FastPersistReader(path, config)
         metadata = self._reader.read_metadata()
+        self._reader.set_up_storage_reader(metadata, True)
         self._storage = metadata.storage_data
         self._named: list[Named] = []
         skipped = []
