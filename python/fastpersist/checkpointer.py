@@ -84,6 +84,12 @@ class Checkpointer:
             ``remote_every=None``, each drain's measured cost sets `remote_every` to the
             multi-level advisor's choice against the failures only the remote level survives
             (docs/advisor.md, "Several levels").
+        export_hf_every: export a committed step as Hugging Face safetensors shards into
+            `export_dir` whenever a multiple of it was crossed since the last export, in a
+            background thread (:mod:`fastpersist.interop.hfbackground`); `export_hf_key` and
+            `export_hf_prefix` are :func:`fastpersist.export_hf`'s `key` and `prefix` (e.g.
+            ``export_hf_key="model"`` for a ``{"model": ..., "optimizer": ...}`` state). A failed
+            export is logged at WARNING and raised by :meth:`close`. Not with `replicas`.
 
     Levels (docs/levels.md): **local**, `root` itself (an NVMe directory, or a directory under
     ``/dev/shm`` for an in-memory level that survives the process but not the node); **partner**,
@@ -118,6 +124,10 @@ class Checkpointer:
         remote_keep: int = 2,
         remote_bytes_per_s: float | None = None,
         failures: Failures | None = None,
+        export_hf_every: int | None = None,
+        export_dir: str | os.PathLike[str] | None = None,
+        export_hf_key: str | None = None,
+        export_hf_prefix: str = "",
     ) -> None:
         if every == "auto" and group is not None:
             raise ValueError('every="auto" is not supported with group= yet: every rank must save the same steps')
@@ -169,6 +179,15 @@ class Checkpointer:
 
             self._remote = RemoteLevel(self, remote, remote_every, remote_keep, remote_bytes_per_s, failures)
 
+        self._hf: Any = None
+        if (export_hf_every is None) != (export_dir is None):
+            raise ValueError("export_hf_every= and export_dir= go together")
+        if export_hf_every is not None and export_dir is not None:
+            if replicas:
+                raise ValueError("export_hf_every= is not supported with replicas= yet")
+            from .interop.hfbackground import HfExports
+
+            self._hf = HfExports(self.path, export_hf_every, export_dir, key=export_hf_key, prefix=export_hf_prefix)
         if replicas:
             from .levels.partner import PartnerLevel
 
@@ -293,6 +312,8 @@ class Checkpointer:
         """On every rank, once `step` committed: the index (rank 0), then retention, then the costs."""
         stripes = self.config.stripes if self.config else None
         pinned = self._remote.pinned() if self._remote is not None else set()
+        if self._hf is not None:
+            pinned |= self._hf.pinned()
         candidates = [self.path(s) for s in retired_steps(self.steps(), step, self.keep) if s not in pinned]
         if self._partner is not None:
             self._partner.after_commit(step, result, candidates)  # per node: index and retention
@@ -308,6 +329,8 @@ class Checkpointer:
             self.history.committed(result, stripes=stripes, group=self.group is not None)  # costs and wear
         if self._remote is not None:
             self._remote.after_commit(step)
+        if self._hf is not None and self.rank == 0:
+            self._hf.after_commit(step)
 
     def _retire_in_group(self, step: int, candidates: list[str]) -> None:
         from .distributed.control import control_for, forget_control
@@ -473,11 +496,16 @@ class Checkpointer:
         return found
 
     def close(self) -> None:
-        """Waits for every pending copy, the remote drain included (raising a failure nobody has
-        seen yet, or the newest drain's); the Checkpointer can still be used afterwards."""
+        """Waits for every pending copy, the remote drain and the Hugging Face export included
+        (raising a failure nobody has seen yet, or the newest drain's or export's); the
+        Checkpointer can still be used afterwards."""
         self._finish_previous()
-        if self._remote is not None:
-            self._remote.close()
+        try:
+            if self._remote is not None:
+                self._remote.close()
+        finally:
+            if self._hf is not None:
+                self._hf.close()
 
     def __enter__(self) -> Checkpointer:
         return self

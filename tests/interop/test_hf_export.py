@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -178,3 +179,47 @@ def test_sharded_two_rank_checkpoint_is_merged(tmp_path: Any) -> None:
     _assert_same_model(model, _from_pretrained(str(tmp_path / "hf"), model))
     with pytest.raises(FastPersistError, match=r"tensor 'w' differs between .*shard-00000 and .*shard-00001"):
         fp.export_hf(tmp_path / "differ", tmp_path / "hf2", key="model")
+
+
+def test_checkpointer_exports_in_the_background(tmp_path: Any) -> None:
+    model = tiny_gpt2()
+    out = str(tmp_path / "hf")
+    ck = fp.Checkpointer(tmp_path / "root", keep=1, export_hf_every=2, export_dir=out, export_hf_key="model")
+    for step in range(1, 5):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        ck.save(step, {"model": model.state_dict(), "step": step})
+        ck.wait()
+    ck.close()
+    assert ck._hf.last.source == ck.path(4)  # 4 crossed a multiple of 2: the newest export
+    _assert_same_model(model, _from_pretrained(out, model))
+
+
+def test_background_export_never_blocks_the_loop_and_close_raises_its_failure(
+    tmp_path: Any, monkeypatch: Any, caplog: Any
+) -> None:
+    from fastpersist.interop import hfbackground
+
+    release = threading.Event()
+    started: list[str] = []
+
+    def slow_failing_export(src: str, outdir: str, **kwargs: Any) -> Any:
+        started.append(src)
+        assert release.wait(60)
+        raise FastPersistError("no tensor under key='nope'")
+
+    monkeypatch.setattr(hfbackground, "export_hf", slow_failing_export)
+    ck = fp.Checkpointer(tmp_path / "root", keep=1, export_hf_every=1, export_dir=tmp_path / "hf")
+    ck.save(1, {"w": torch.ones(2)})
+    ck.wait()
+    ck.save(2, {"w": torch.ones(2)})
+    ck.wait()  # both saves commit while the first export is still running
+    assert started == [ck.path(1)]
+    assert os.path.isdir(ck.path(1))  # pinned: retention (keep=1) leaves the step being exported
+    release.set()
+    with caplog.at_level(logging.WARNING, logger="fastpersist"), pytest.raises(FastPersistError, match="step 2"):
+        ck.close()
+    assert "the Hugging Face export of step 1" in caplog.text
+    assert started == [ck.path(1), ck.path(2)]  # the step waiting was exported after the one in flight
+    ck.close()  # raised once
