@@ -127,10 +127,12 @@ def test_non_tensors_are_skipped_and_listed_at_debug(tmp_path: Any, caplog: Any)
     assert list(_read_all(str(tmp_path / "hf"))) == ["w"]
 
 
-def test_bad_key_and_foreign_dtype_are_refused_by_name(tmp_path: Any) -> None:
+def test_bad_key_and_foreign_dtype_are_refused_by_name(tmp_path: Any, capsys: Any) -> None:
     fp.save({"model": {"w": torch.ones(2)}, "opt": {"m": torch.ones(2)}}, tmp_path / "ck")
     with pytest.raises(FastPersistError, match=r"no tensor under key='encoder'.*'model', 'opt'"):
         fp.export_hf(tmp_path / "ck", tmp_path / "hf", key="encoder")
+    assert main(["export", str(tmp_path / "ck"), "--to", "hf", str(tmp_path / "hf"), "--key", "encoder"]) == 1
+    assert "FAILED: no tensor under key='encoder'" in capsys.readouterr().err
     fp.save({"model": {"z": torch.ones(2, dtype=torch.complex128)}}, tmp_path / "ck2")
     with pytest.raises(FastPersistError, match=r"'z' has dtype torch.complex128"):
         fp.export_hf(tmp_path / "ck2", tmp_path / "hf", key="model")

@@ -159,6 +159,7 @@ def export_hf(
     latest committed step). `key`: the sub-tree to export, by its dotted name (``"model"``);
     None: the whole state. `prefix`: stripped from each name that starts with it.
     `max_shard_bytes`: tensor bytes per shard file (``save_pretrained``'s 5 GB by default).
+    `config`: the read's engine knobs (``stripes`` as for :func:`fastpersist.load`).
     Each file is written under a temporary name, fsynced (`durable`) and renamed; the index
     goes last, and files of an earlier export to `outdir` that this one does not write are
     removed. Every chunk read is checksummed. See the module docstring for names and ties.

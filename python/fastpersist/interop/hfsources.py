@@ -4,7 +4,8 @@ A :class:`Source` lists its tensors (:class:`Named`: a dotted name built from th
 dtype and the shape, known from the manifest before any data byte is read) and then yields
 them, each as a contiguous CPU tensor, reading only the windows that hold the wanted ones
 (:func:`fastpersist.loading.reading.stream_windows`: 64 MiB of blobs, or one larger blob,
-checksums checked). Each yielded tensor is a view of the current window: use it before
+checksums checked), the next window read in the background while the current one is used (two
+window buffers in all). Each yielded tensor may be a view of the current window: use it before
 asking for the next.
 
 * :class:`CheckpointSource`: one plain fastpersist checkpoint (replicated, or one shard of a
@@ -28,6 +29,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -38,7 +40,7 @@ from ..format.confine import check_data_files
 from ..format.layout import DCP_METADATA_NAME, MANIFEST_NAME
 from ..format.manifest import Manifest
 from ..format.quote import shown
-from ..format.records import TORCH_DTYPES
+from ..format.records import TORCH_DTYPES, span_elems
 from ..loading import reading
 from ..loading.opened import OpenedCheckpoint, opened_checkpoint, opened_shard
 from ..loading.reading import paged_uint8, read_window, stream_windows
@@ -150,30 +152,36 @@ class CheckpointSource:
         by_blob: dict[int, list[Named]] = {}
         for n in wanted:
             by_blob.setdefault(m.tensors[n.ref].blob, []).append(n)
-        paged: Any = None
-        for lo, hi, blobs in stream_windows(m, reading.WINDOW_BYTES):
-            if not any(b in by_blob for b in blobs):
-                continue
-            if paged is None or paged[1].numel() < hi - lo:
-                paged = None  # the old window goes before the larger one is allocated
-                paged = paged_uint8(hi - lo)
-            read_window(root, m, lo, hi, paged[0], True, self._config)
-            window = paged[1]
-            for b in blobs:
-                for n in by_blob.get(b, ()):
-                    rec = m.tensors[n.ref]
-                    start = m.blobs[b][0] - lo + rec.offset_bytes
-                    raw = window[start:]
-                    if raw.storage_offset() % n.dtype.itemsize:
-                        raw = raw[: _span_bytes(rec.shape, rec.stride, n.dtype)].clone()
-                    t = raw[: _span_bytes(rec.shape, rec.stride, n.dtype)].view(n.dtype)
-                    yield n, t.as_strided(rec.shape, rec.stride).contiguous()
+        windows = [w for w in stream_windows(m, reading.WINDOW_BYTES) if any(b in by_blob for b in w[2])]
+        if not windows:
+            return
+        # Two buffers of the largest window: the next window is read while this one is written.
+        size = max(hi - lo for lo, hi, _ in windows)
+        buffers = [paged_uint8(size), paged_uint8(size)]
 
+        def read(k: int) -> None:
+            lo, hi, _ = windows[k]
+            read_window(root, m, lo, hi, buffers[k % 2][0], True, self._config)
 
-def _span_bytes(shape: list[int], stride: list[int], dtype: torch.dtype) -> int:
-    from ..format.records import span_elems
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastpersist-export-read") as reader:
+            pending = reader.submit(read, 0)
+            for k, (lo, _hi, blobs) in enumerate(windows):
+                pending.result()
+                if k + 1 < len(windows):
+                    pending = reader.submit(read, k + 1)
+                window = buffers[k % 2][1]
+                for b in blobs:
+                    for n in by_blob.get(b, ()):
+                        yield n, self._tensor(window, m.blobs[b][0] - lo, n)
 
-    return span_elems(shape, stride) * dtype.itemsize
+    def _tensor(self, window: torch.Tensor, blob_start: int, n: Named) -> torch.Tensor:
+        """`n`'s values, contiguous: a view of `window` where they are stored contiguously."""
+        rec = self._m.tensors[n.ref]
+        span = span_elems(rec.shape, rec.stride) * n.dtype.itemsize
+        raw = window[blob_start + rec.offset_bytes : blob_start + rec.offset_bytes + span]
+        if raw.storage_offset() % n.dtype.itemsize:
+            raw = raw.clone()
+        return raw.view(n.dtype).as_strided(rec.shape, rec.stride).contiguous()
 
 
 # ----------------------------------------------------------------------------- DCP
