@@ -20,7 +20,7 @@ from fastpersist.loading import reading
 from fastpersist.tools.cli import main
 
 from gloo import run_ranks
-from hf_workers import sharded_save, tiny_gpt2
+from hf_workers import dcp_sharded_save, sharded_save, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
@@ -225,3 +225,16 @@ def test_background_export_never_blocks_the_loop_and_close_raises_its_failure(
     assert "the Hugging Face export of step 1" in caplog.text
     assert started == [ck.path(1), ck.path(2)]  # the step waiting was exported after the one in flight
     ck.close()  # raised once
+
+
+@pytest.mark.slow
+def test_dcp_tensors_saved_in_chunks_by_two_ranks_are_assembled(tmp_path: Any) -> None:
+    results = run_ranks(dcp_sharded_save, 2, (str(tmp_path),), str(tmp_path))
+    assert all("tensors" in r for r in results), results
+    from fastpersist.integrations.dcp import FastPersistReader
+
+    metadata = FastPersistReader(tmp_path / "dcp").read_metadata().state_dict_metadata
+    assert len(metadata["model.transformer.wte.weight"].chunks) == 2  # one chunk in each rank's file
+    model = tiny_gpt2()
+    fp.export_hf(tmp_path / "dcp", tmp_path / "hf", key="model", max_shard_bytes=100_000)
+    _assert_same_model(model, _from_pretrained(str(tmp_path / "hf"), model))
