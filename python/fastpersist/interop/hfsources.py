@@ -12,8 +12,8 @@ asking for the next.
   sharded one). Names come from the manifest's tree: dict keys and list indices joined by
   ``.`` (``model.transformer.h.0.attn.c_attn.weight``), as ``state_dict()`` names them.
 * :class:`DcpSource`: a checkpoint written through :mod:`fastpersist.integrations.dcp`; names
-  are DCP's fully qualified names, a tensor saved in chunks (by several ranks) is assembled
-  from them, reading one data file at a time.
+  are DCP's fully qualified names; read with ``dcp.load`` in batches of about a window, so a
+  tensor saved in chunks (by several ranks) is assembled by DCP's own planner.
 
 Example:
     >>> import fastpersist as fp, torch
@@ -35,7 +35,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from ..config import Config
-from ..errors import CorruptCheckpointError, FastPersistError
+from ..errors import FastPersistError
 from ..format.confine import check_data_files
 from ..format.layout import DCP_METADATA_NAME, MANIFEST_NAME
 from ..format.manifest import Manifest
@@ -188,7 +188,13 @@ class CheckpointSource:
 
 
 class DcpSource:
-    """The tensors of a checkpoint written by :class:`~fastpersist.integrations.dcp.FastPersistWriter`."""
+    """The tensors of a checkpoint written by :class:`~fastpersist.integrations.dcp.FastPersistWriter`.
+
+    Read through DCP's own ``dcp.load`` with a :class:`~fastpersist.integrations.dcp.FastPersistReader`
+    (every chunk checksummed), in batches of about :data:`~fastpersist.loading.reading.WINDOW_BYTES`
+    of tensors (or one larger tensor): DCP's planner assembles a tensor saved in chunks by
+    several ranks, and the reader reads what each batch needs.
+    """
 
     def __init__(self, path: str, config: Config) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -196,10 +202,8 @@ class DcpSource:
         from ..integrations.dcp import FastPersistReader
 
         self.where = path
-        self._reader = FastPersistReader(path, config)
-        metadata = self._reader.read_metadata()
-        self._reader.set_up_storage_reader(metadata, True)
-        self._storage = metadata.storage_data
+        self._config = config
+        metadata = FastPersistReader(path, config).read_metadata()
         self._named: list[Named] = []
         skipped = []
         for fqn, meta in metadata.state_dict_metadata.items():
@@ -214,39 +218,23 @@ class DcpSource:
         return list(self._named)
 
     def stream(self, wanted: list[Named]) -> Iterator[tuple[Named, torch.Tensor]]:
-        by_fqn = {n.ref: n for n in wanted}
-        items = [(index, info) for index, info in self._storage.items() if index.fqn in by_fqn]
-        assembling: dict[str, tuple[torch.Tensor, int]] = {}  # fqn -> (tensor, elements still missing)
-        done: set[str] = set()
-        for file in sorted({info.relative_path for _, info in items}):
-            data = self._reader._read_file(file)
-            for index, info in items:
-                if info.relative_path != file:
-                    continue
-                n = by_fqn[index.fqn]
-                raw = data[info.offset_bytes : info.offset_bytes + info.len_bytes]
-                stored = raw.view(n.dtype).reshape(info.shape) if raw.numel() else torch.empty(0, dtype=n.dtype)
-                if tuple(info.shape) == n.shape:
-                    done.add(index.fqn)
-                    yield n, stored.reshape(n.shape)
-                    continue
-                target, left = assembling.get(index.fqn) or (torch.empty(n.shape, dtype=n.dtype), _numel(n.shape))
-                region = target
-                for dim, (offset, length) in enumerate(zip(index.offset, info.shape, strict=True)):
-                    region = region.narrow(dim, offset, length)
-                region.copy_(stored)
-                assembling[index.fqn] = (target, left - stored.numel())
-                if left - stored.numel() <= 0:
-                    del assembling[index.fqn]
-                    done.add(index.fqn)
-                    yield n, target
-            del data
-        short = sorted(set(by_fqn) - done)
-        if short:
-            raise CorruptCheckpointError(
-                f"{self.where}/{DCP_METADATA_NAME}: the saved chunks of {', '.join(map(shown, short[:5]))} do not "
-                "cover the whole tensor"
-            )
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        from ..integrations.dcp import FastPersistReader
+
+        batch: list[Named] = []
+        batch_bytes = 0
+        for k, n in enumerate(wanted):
+            batch.append(n)
+            batch_bytes += _numel(n.shape) * n.dtype.itemsize
+            if k + 1 < len(wanted) and batch_bytes < reading.WINDOW_BYTES:
+                continue
+            targets = {b.ref: torch.empty(b.shape, dtype=b.dtype) for b in batch}
+            # no_dist: one process reads the whole tensors, whatever group it may belong to.
+            load(targets, storage_reader=FastPersistReader(self.where, self._config), no_dist=True)
+            for b in batch:
+                yield b, targets[b.ref]
+            batch, batch_bytes = [], 0
 
 
 def _numel(shape: tuple[int, ...]) -> int:
