@@ -23,8 +23,8 @@ from .errors import (
     SaveCancelledError,
     UnsupportedValueError,
 )
+from .export import export_hf
 from .futures import SaveFuture
-from .interop.hfexport import export_hf
 from .interop.torchfile import torch_save
 
 __version__: str = _core.__version__

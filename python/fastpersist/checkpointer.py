@@ -33,7 +33,8 @@ from .errors import CorruptCheckpointError
 from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name, write_small_file
 from .format.manifest import read_manifest
 from .futures import SaveFuture
-from .retention import retire, retired_steps
+from .levels.hfexports import hf_exports_for
+from .retention import retire, retire_in_group, retired_steps
 from .saving.optimizer_guard import guard_optimizer
 from .saving.pools import pool_for
 from .saving.start import start_save
@@ -84,12 +85,9 @@ class Checkpointer:
             ``remote_every=None``, each drain's measured cost sets `remote_every` to the
             multi-level advisor's choice against the failures only the remote level survives
             (docs/advisor.md, "Several levels").
-        export_hf_every: export a committed step as Hugging Face safetensors shards into
-            `export_dir` whenever a multiple of it was crossed since the last export, in a
-            background thread (:mod:`fastpersist.interop.hfbackground`); `export_hf_key` and
-            `export_hf_prefix` are :func:`fastpersist.export_hf`'s `key` and `prefix` (e.g.
-            ``export_hf_key="model"`` for a ``{"model": ..., "optimizer": ...}`` state). A failed
-            export is logged at WARNING and raised by :meth:`close`. Not with `replicas`.
+        export_hf_every: export a committed step to `export_dir` as Hugging Face safetensors
+            whenever a multiple of it was crossed, in the background (:mod:`fastpersist.levels.hfexports`);
+            `export_hf_key`/`export_hf_prefix`: :func:`fastpersist.export_hf`'s `key`/`prefix`.
 
     Levels (docs/levels.md): **local**, `root` itself (an NVMe directory, or a directory under
     ``/dev/shm`` for an in-memory level that survives the process but not the node); **partner**,
@@ -179,15 +177,7 @@ class Checkpointer:
 
             self._remote = RemoteLevel(self, remote, remote_every, remote_keep, remote_bytes_per_s, failures)
 
-        self._hf: Any = None
-        if (export_hf_every is None) != (export_dir is None):
-            raise ValueError("export_hf_every= and export_dir= go together")
-        if export_hf_every is not None and export_dir is not None:
-            if replicas:
-                raise ValueError("export_hf_every= is not supported with replicas= yet")
-            from .interop.hfbackground import HfExports
-
-            self._hf = HfExports(self.path, export_hf_every, export_dir, key=export_hf_key, prefix=export_hf_prefix)
+        self._hf = hf_exports_for(self, export_hf_every, export_dir, export_hf_key, export_hf_prefix)
         if replicas:
             from .levels.partner import PartnerLevel
 
@@ -323,7 +313,8 @@ class Checkpointer:
             if self.group is None:
                 retire(self.root, self.path(step), candidates, stripes, rank=0)
             else:
-                self._retire_in_group(step, candidates)
+                assert self.config is not None
+                retire_in_group(self.root, self.path(step), candidates, self.config, self.group, self.rank)
         self._last = result
         if self.rank == 0:
             self.history.committed(result, stripes=stripes, group=self.group is not None)  # costs and wear
@@ -331,27 +322,6 @@ class Checkpointer:
             self._remote.after_commit(step)
         if self._hf is not None and self.rank == 0:
             self._hf.after_commit(step)
-
-    def _retire_in_group(self, step: int, candidates: list[str]) -> None:
-        from .distributed.control import control_for, forget_control
-
-        assert self.config is not None
-        control = control_for(self.group, self.config.timeout_s)
-        try:
-            retire(
-                self.root,
-                self.path(step),
-                candidates,
-                self.config.stripes,
-                rank=self.rank,
-                all_gather=control.all_gather,
-                broadcast=control.broadcast,
-            )
-        except Exception as e:
-            forget_control(control)
-            log.warning(
-                "retention after step %d skipped on rank %d (the group stopped answering): %s", step, self.rank, e
-            )
 
     def _write_index(self, step: int) -> None:
         doc = {
@@ -496,16 +466,14 @@ class Checkpointer:
         return found
 
     def close(self) -> None:
-        """Waits for every pending copy, the remote drain and the Hugging Face export included
-        (raising a failure nobody has seen yet, or the newest drain's or export's); the
-        Checkpointer can still be used afterwards."""
+        """Waits for every pending copy, the remote drain and Hugging Face export included (raising
+        a failure nobody has seen yet, or the newest drain's or export's); the Checkpointer can
+        still be used afterwards."""
         self._finish_previous()
-        try:
-            if self._remote is not None:
-                self._remote.close()
-        finally:
-            if self._hf is not None:
-                self._hf.close()
+        if self._remote is not None:
+            self._remote.close()
+        if self._hf is not None:
+            self._hf.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -201,7 +201,7 @@ def test_checkpointer_exports_in_the_background(tmp_path: Any) -> None:
 def test_background_export_never_blocks_the_loop_and_close_raises_its_failure(
     tmp_path: Any, monkeypatch: Any, caplog: Any
 ) -> None:
-    from fastpersist.interop import hfbackground
+    from fastpersist.levels import hfexports
 
     release = threading.Event()
     started: list[str] = []
@@ -211,7 +211,7 @@ def test_background_export_never_blocks_the_loop_and_close_raises_its_failure(
         assert release.wait(60)
         raise FastPersistError("no tensor under key='nope'")
 
-    monkeypatch.setattr(hfbackground, "export_hf", slow_failing_export)
+    monkeypatch.setattr(hfexports, "export_checkpoint", slow_failing_export)
     ck = fp.Checkpointer(tmp_path / "root", keep=1, export_hf_every=1, export_dir=tmp_path / "hf")
     ck.save(1, {"w": torch.ones(2)})
     ck.wait()

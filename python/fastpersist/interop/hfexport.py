@@ -1,7 +1,8 @@
 """Consolidation to Hugging Face format: a checkpoint's model tensors as sharded safetensors.
 
-:func:`export_hf` reads a replicated, sharded or DCP-written checkpoint (or a Checkpointer
-root's latest step) and writes what ``from_pretrained`` loads: ``model.safetensors``, or
+:func:`export_checkpoint` (public as :func:`fastpersist.export_hf`, which also takes a
+Checkpointer root) reads a replicated, sharded or DCP-written checkpoint and writes what
+``from_pretrained`` loads: ``model.safetensors``, or
 size-limited ``model-0000K-of-0000N.safetensors`` shards and ``model.safetensors.index.json``
 (:mod:`.hfshards`). Memory stays bounded: the tensors are read one window at a time
 (:mod:`.hfsources`) and written at their place in the shard files as they arrive; nothing
@@ -19,12 +20,13 @@ Values that are not tensors are skipped (listed at DEBUG).
 Example:
     >>> import fastpersist as fp, torch
     >>> _ = fp.save({"model": torch.nn.Linear(2, 2).state_dict(), "step": 3}, "/tmp/fp-doc-hf")
-    >>> export_hf("/tmp/fp-doc-hf", "/tmp/fp-doc-hf-out", key="model").files
+    >>> export_checkpoint("/tmp/fp-doc-hf", "/tmp/fp-doc-hf-out", key="model").files
     ['model.safetensors']
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -34,6 +36,7 @@ from typing import NamedTuple
 from .. import _core
 from ..config import Config
 from ..errors import FastPersistError
+from ..format.layout import atomic_file
 from ..format.quote import shown
 from .hfshards import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -48,7 +51,7 @@ from .hfshards import (
 )
 from .hfsources import Named, Source, opened_sources
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportResult", "export_hf", "resolve_source"]
+__all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportResult", "export_checkpoint"]
 
 log = logging.getLogger("fastpersist")
 
@@ -56,29 +59,13 @@ log = logging.getLogger("fastpersist")
 class ExportResult(NamedTuple):
     """What :func:`export_hf` wrote."""
 
-    source: str  # the checkpoint read (a root's latest step resolved)
+    source: str  # the checkpoint read
     outdir: str
     files: list[str]  # shard file names, in order (the index not included)
     tensors: int
     total_bytes: int  # tensor bytes written (the index's ``metadata.total_size``)
     tied: list[str]  # names dropped as ties of a name written
     seconds: float
-
-
-def resolve_source(src: str | os.PathLike[str]) -> str:
-    """The checkpoint `src` names: itself, or a Checkpointer root's latest committed step."""
-    from ..tools.rootinfo import is_checkpointer_root
-
-    path = os.path.abspath(os.fspath(src))
-    if not is_checkpointer_root(path):
-        return path
-    from ..checkpointer import Checkpointer
-
-    ck = Checkpointer(path)
-    step = ck.latest()
-    if step is None:
-        raise FileNotFoundError(2, "no committed, verified checkpoint in this Checkpointer root", path)
-    return ck.path(step)
 
 
 class _Planned(NamedTuple):
@@ -142,7 +129,7 @@ def _selected(sources: Sequence[Source], key: str | None, prefix: str) -> tuple[
     return list(planned.values()), tied
 
 
-def export_hf(
+def export_checkpoint(
     src: str | os.PathLike[str],
     outdir: str | os.PathLike[str],
     *,
@@ -152,12 +139,12 @@ def export_hf(
     config: Config | None = None,
     durable: bool = True,
 ) -> ExportResult:
-    """Writes the tensors of the checkpoint `src` as Hugging Face safetensors shards in `outdir`.
+    """Writes the tensors of the checkpoint `src` as Hugging Face safetensors shards in `outdir`
+    (:func:`fastpersist.export_hf`, which also takes a Checkpointer root, documents it all).
 
     `src`: a checkpoint directory (replicated, sharded, or written through DCP with
-    :class:`~fastpersist.integrations.dcp.FastPersistWriter`) or a Checkpointer root (its
-    latest committed step). `key`: the sub-tree to export, by its dotted name (``"model"``);
-    None: the whole state. `prefix`: stripped from each name that starts with it.
+    :class:`~fastpersist.integrations.dcp.FastPersistWriter`). `key`: the sub-tree to export, by
+    its dotted name (``"model"``); None: the whole state. `prefix`: stripped from each name that starts with it.
     `max_shard_bytes`: tensor bytes per shard file (``save_pretrained``'s 5 GB by default).
     `config`: the read's engine knobs (``stripes`` as for :func:`fastpersist.load`).
     Each file is written under a temporary name, fsynced (`durable`) and renamed; the index
@@ -170,12 +157,12 @@ def export_hf(
         CorruptCheckpointError / ChecksumMismatchError: the checkpoint is damaged.
 
     Example:
-        >>> res = export_hf("/tmp/fp-doc-hf", "/tmp/fp-doc-hf-out2", key="model", max_shard_bytes=10)
+        >>> res = export_checkpoint("/tmp/fp-doc-hf", "/tmp/fp-doc-hf-out2", key="model", max_shard_bytes=10)
         >>> res.files
         ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
     """
     started = time.perf_counter()
-    source_path = resolve_source(src)
+    source_path = os.path.abspath(os.fspath(src))
     out = os.path.abspath(os.fspath(outdir))
     with opened_sources(source_path, config) as sources:
         planned, tied = _selected(sources, key, prefix)
@@ -183,17 +170,15 @@ def export_hf(
         shards = plan_shards(tensors, max_shard_bytes)
         names = shard_names(len(shards))
         os.makedirs(out, exist_ok=True)
-        files: list[ShardFile] = []
-        try:
+        # Each file under a temporary name until every shard is whole, then fsynced and renamed.
+        with contextlib.ExitStack() as stack:
+            files = []
             for name, shard in zip(names, shards, strict=True):
-                files.append(ShardFile(os.path.join(out, name), shard))
+                files.append(
+                    ShardFile(stack.enter_context(atomic_file(os.path.join(out, name), durable=durable)), shard)
+                )
+                stack.callback(files[-1].close)
             _copy(sources, planned, {t.name: f for f, shard in zip(files, shards, strict=True) for t in shard})
-            for f in files:
-                f.commit(durable)
-        except BaseException:
-            for f in files:
-                f.discard()
-            raise
     total = sum(t.nbytes for t in tensors)
     if len(names) > 1:
         write_index(out, {t.name: n for n, shard in zip(names, shards, strict=True) for t in shard}, total, durable)

@@ -8,7 +8,7 @@ filled in order, and ``model.safetensors.index.json`` with ``metadata.total_size
 
 A shard's header (JSON: each tensor's dtype, shape and byte range) is known before any tensor
 byte is read, so the file is created at its final size with its header, and each tensor's bytes
-are written at their offset as they arrive, in any order: a tensor is never held longer than
+are written at their offset (``pwrite``) as they arrive, in any order: a tensor is never held longer than
 its read window. Within a shard, tensors are laid out by decreasing element size, as
 safetensors' own writer does, so every tensor starts aligned to its element size.
 
@@ -130,22 +130,19 @@ def _header(tensors: list[OutTensor]) -> tuple[bytes, dict[str, int]]:
 
 
 class ShardFile:
-    """One safetensors file being written: created whole (header, then room for the data) under a
-    temporary name; :meth:`write` puts a tensor's bytes at its offset; :meth:`commit` fsyncs it
-    and renames it into place."""
+    """One safetensors file being written at `path` (a temporary name: the caller renames it into
+    place, e.g. with :func:`~fastpersist.format.layout.atomic_file`): created whole, header first;
+    :meth:`write` puts a tensor's bytes at its offset."""
 
     def __init__(self, path: str, tensors: list[OutTensor]) -> None:
-        self.path = path
-        self.tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
         head, self.offsets = _header(tensors)
         self.sizes = {t.name: t.nbytes for t in tensors}
-        self.total_bytes = len(head) + sum(self.sizes.values())
-        self._fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
-            os.ftruncate(self._fd, self.total_bytes)
+            os.ftruncate(self._fd, len(head) + sum(self.sizes.values()))
             _pwrite_all(self._fd, memoryview(head), 0)
         except BaseException:
-            self.discard()
+            self.close()
             raise
 
     def write(self, name: str, data: torch.Tensor) -> None:
@@ -159,23 +156,10 @@ class ShardFile:
         """Whether the bytes written for `name` are those of `data` (a later copy of the tensor)."""
         return os.pread(self._fd, self.sizes[name], self.offsets[name]) == bytes(_bytes_of(data))
 
-    def commit(self, durable: bool) -> None:
-        """Makes the file durable and gives it its final name."""
-        if durable:
-            os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = -1
-        os.replace(self.tmp, self.path)
-
-    def discard(self) -> None:
-        """Closes and removes the temporary file (after a failure)."""
+    def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        try:
-            os.remove(self.tmp)
-        except FileNotFoundError:
-            pass
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

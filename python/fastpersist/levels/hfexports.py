@@ -1,8 +1,8 @@
-"""A Checkpointer's Hugging Face export: committed steps exported in the background.
+"""A Checkpointer's Hugging Face exports: committed steps copied out in another format, in the background.
 
 ``Checkpointer(..., export_hf_every=N, export_dir=D)`` hands every committed step that crossed a
 multiple of N since the last export (the first committed step too) to one thread of its own,
-which runs :func:`~fastpersist.interop.hfexport.export_hf` from the committed checkpoint on
+which runs :func:`~fastpersist.interop.hfexport.export_checkpoint` from the committed checkpoint on
 disk into D (never from the training tensors, so the loop is never blocked; one export at a
 time, and a newer due step replaces one still waiting). Retention keeps the step being
 exported. A failed export is logged at WARNING; :meth:`HfExports.close` (``ck.close()``) waits
@@ -25,13 +25,27 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import FastPersistError
-from .hfexport import DEFAULT_MAX_SHARD_BYTES, ExportResult, export_hf
+from ..interop.hfexport import ExportResult, export_checkpoint
 
-__all__ = ["HfExports"]
+__all__ = ["HfExports", "hf_exports_for"]
 
 log = logging.getLogger("fastpersist")
+
+
+def hf_exports_for(
+    ck: Any, every: int | None, export_dir: str | os.PathLike[str] | None, key: str | None, prefix: str
+) -> HfExports | None:
+    """The exports of the Checkpointer `ck` for its ``export_hf_*`` arguments (checked), or None."""
+    if (every is None) != (export_dir is None):
+        raise ValueError("export_hf_every= and export_dir= go together")
+    if every is None or export_dir is None:
+        return None
+    if ck.replicas:
+        raise ValueError("export_hf_every= is not supported with replicas= yet")
+    return HfExports(ck.path, every, export_dir, key=key, prefix=prefix)
 
 
 class HfExports:
@@ -45,14 +59,13 @@ class HfExports:
         *,
         key: str | None = None,
         prefix: str = "",
-        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     ) -> None:
         if type(every) is not int or every < 1:
             raise ValueError(f"export_hf_every={every!r}: expected an integer >= 1")
         self.step_path = step_path
         self.every = every
         self.export_dir = os.path.abspath(os.fspath(export_dir))
-        self.key, self.prefix, self.max_shard_bytes = key, prefix, max_shard_bytes
+        self.key, self.prefix = key, prefix
         self.last: ExportResult | None = None
         self._last_submitted = -1
         self._cond = threading.Condition()
@@ -88,12 +101,11 @@ class HfExports:
                 step, self._pending = self._pending, None
                 self._exporting = step
             try:
-                result = export_hf(
+                result = export_checkpoint(
                     self.step_path(step),
                     self.export_dir,
                     key=self.key,
                     prefix=self.prefix,
-                    max_shard_bytes=self.max_shard_bytes,
                 )
             except Exception as e:
                 log.warning("the Hugging Face export of step %d to %s failed: %s", step, self.export_dir, e)
