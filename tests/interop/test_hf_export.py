@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import fastpersist as fp
 from fastpersist.errors import FastPersistError
@@ -23,7 +25,7 @@ from gloo import run_ranks
 from hf_workers import dcp_sharded_save, sharded_save, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
-safetensors = pytest.importorskip("safetensors")
+safetensors_torch = pytest.importorskip("safetensors.torch")
 
 
 def _from_pretrained(outdir: str, model: torch.nn.Module) -> torch.nn.Module:
@@ -91,8 +93,8 @@ def test_names_match_save_pretrained(tmp_path: Any) -> None:
     res = fp.export_hf(tmp_path / "ck", tmp_path / "ours", key="model")
     assert res.files == ["model.safetensors"]  # fits: one file, no index, as save_pretrained
     assert not os.path.exists(tmp_path / "ours" / "model.safetensors.index.json")
-    theirs = safetensors.torch.load_file(str(tmp_path / "theirs" / "model.safetensors"))
-    ours = safetensors.torch.load_file(str(tmp_path / "ours" / "model.safetensors"))
+    theirs = safetensors_torch.load_file(str(tmp_path / "theirs" / "model.safetensors"))
+    ours = safetensors_torch.load_file(str(tmp_path / "ours" / "model.safetensors"))
     assert set(ours) == set(theirs)
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
@@ -238,3 +240,38 @@ def test_dcp_tensors_saved_in_chunks_by_two_ranks_are_assembled(tmp_path: Any) -
     model = tiny_gpt2()
     fp.export_hf(tmp_path / "dcp", tmp_path / "hf", key="model", max_shard_bytes=100_000)
     _assert_same_model(model, _from_pretrained(str(tmp_path / "hf"), model))
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.float64]
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from(_DTYPES), st.lists(st.integers(0, 9), max_size=3)), max_size=12),
+    st.integers(1, 400),
+)
+def test_shard_plan_and_files_hold_every_tensor_aligned(tmp_path_factory: Any, specs: list[Any], limit: int) -> None:
+    """Every tensor in exactly one shard, in order, each shard within the limit unless it holds one
+    larger tensor; safetensors' reader takes each file, every tensor aligned to its element size."""
+    from fastpersist.interop.hfshards import OutTensor, ShardFile, plan_shards
+
+    tensors = [OutTensor(f"t{i}", dtype, tuple(shape)) for i, (dtype, shape) in enumerate(specs)]
+    shards = plan_shards(tensors, limit)
+    assert [t for shard in shards for t in shard] == tensors
+    assert all(sum(t.nbytes for t in shard) <= limit or len(shard) == 1 for shard in shards)
+    directory = tmp_path_factory.mktemp("shards")
+    for k, shard in enumerate(shards):
+        path = str(directory / f"{k}.safetensors")
+        f = ShardFile(path, shard)
+        values = {t.name: torch.arange(max(t.nbytes, 1), dtype=torch.uint8)[: t.nbytes] for t in shard}
+        for t in shard:
+            assert f.offsets[t.name] % max(t.dtype.itemsize, 1) == 0
+            f.write(
+                t.name,
+                values[t.name].view(t.dtype).reshape(t.shape) if t.nbytes else torch.empty(t.shape, dtype=t.dtype),
+            )
+        f.close()
+        back = safetensors_torch.load_file(path)
+        assert set(back) == {t.name for t in shard}
+        for t in shard:
+            assert back[t.name].dtype == t.dtype and tuple(back[t.name].shape) == t.shape
+            assert torch.equal(back[t.name].reshape(-1).view(torch.uint8), values[t.name])
