@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -275,3 +276,18 @@ def test_shard_plan_and_files_hold_every_tensor_aligned(tmp_path_factory: Any, s
         for t in shard:
             assert back[t.name].dtype == t.dtype and tuple(back[t.name].shape) == t.shape
             assert torch.equal(back[t.name].reshape(-1).view(torch.uint8), values[t.name])
+
+
+def test_background_export_pauses_while_a_save_is_staging(tmp_path: Any, monkeypatch: Any) -> None:
+    from fastpersist.levels.hfexports import HfExports
+
+    fp.save({"a": torch.ones(4), "b": torch.zeros(4)}, tmp_path / "ck")
+    staging = threading.Event()
+    staging.set()
+    exports = HfExports(lambda step: str(tmp_path / "ck"), 1, tmp_path / "hf", staging=staging.is_set)
+    exports.after_commit(1)
+    time.sleep(0.3)
+    assert exports.last is None and not os.path.exists(tmp_path / "hf" / "model.safetensors")  # waiting
+    staging.clear()
+    exports.close()
+    assert exports.last is not None and exports.last.tensors == 2

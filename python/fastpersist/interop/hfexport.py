@@ -30,7 +30,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from .. import _core
@@ -138,6 +138,7 @@ def export_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     config: Config | None = None,
     durable: bool = True,
+    pause: Callable[[], None] | None = None,
 ) -> ExportResult:
     """Writes the tensors of the checkpoint `src` as Hugging Face safetensors shards in `outdir`
     (:func:`fastpersist.export_hf`, which also takes a Checkpointer root, documents it all).
@@ -147,6 +148,8 @@ def export_checkpoint(
     its dotted name (``"model"``); None: the whole state. `prefix`: stripped from each name that starts with it.
     `max_shard_bytes`: tensor bytes per shard file (``save_pretrained``'s 5 GB by default).
     `config`: the read's engine knobs (``stripes`` as for :func:`fastpersist.load`).
+    `pause`: called before each tensor is written (a background export waits there while a
+    save is staging).
     Each file is written under a temporary name, fsynced (`durable`) and renamed; the index
     goes last, and files of an earlier export to `outdir` that this one does not write are
     removed. Every chunk read is checksummed. See the module docstring for names and ties.
@@ -178,7 +181,8 @@ def export_checkpoint(
                     ShardFile(stack.enter_context(atomic_file(os.path.join(out, name), durable=durable)), shard)
                 )
                 stack.callback(files[-1].close)
-            _copy(sources, planned, {t.name: f for f, shard in zip(files, shards, strict=True) for t in shard})
+            file_of = {t.name: f for f, shard in zip(files, shards, strict=True) for t in shard}
+            _copy(sources, planned, file_of, pause or (lambda: None))
     total = sum(t.nbytes for t in tensors)
     if len(names) > 1:
         write_index(out, {t.name: n for n, shard in zip(names, shards, strict=True) for t in shard}, total, durable)
@@ -191,7 +195,9 @@ def export_checkpoint(
     return ExportResult(source_path, out, names, len(tensors), total, tied, seconds)
 
 
-def _copy(sources: Sequence[Source], planned: list[_Planned], file_of: dict[str, ShardFile]) -> None:
+def _copy(
+    sources: Sequence[Source], planned: list[_Planned], file_of: dict[str, ShardFile], pause: Callable[[], None]
+) -> None:
     """Streams every planned tensor into its shard file; a copy in a later source is compared."""
     first: dict[int, list[Named]] = {}
     again: dict[int, list[Named]] = {}
@@ -204,6 +210,7 @@ def _copy(sources: Sequence[Source], planned: list[_Planned], file_of: dict[str,
     for s, source in enumerate(sources):
         repeated = {id(n) for n in again.get(s, [])}
         for n, values in source.stream(first.get(s, []) + again.get(s, [])):
+            pause()
             f = file_of[n.name]
             if id(n) not in repeated:
                 f.write(n.name, values)

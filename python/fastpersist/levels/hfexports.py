@@ -4,7 +4,8 @@
 multiple of N since the last export (the first committed step too) to one thread of its own,
 which runs :func:`~fastpersist.interop.hfexport.export_checkpoint` from the committed checkpoint on
 disk into D (never from the training tensors, so the loop is never blocked; one export at a
-time, and a newer due step replaces one still waiting). Retention keeps the step being
+time, and a newer due step replaces one still waiting). It pauses between tensors while a save
+is staging (what ``wait_staged`` waits for), up to :data:`STAGING_WAIT_MAX_S` at a time. Retention keeps the step being
 exported. A failed export is logged at WARNING; :meth:`HfExports.close` (``ck.close()``) waits
 for the export in flight and raises if the newest one failed, as the remote drain does.
 
@@ -24,15 +25,19 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import FastPersistError
 from ..interop.hfexport import ExportResult, export_checkpoint
 
-__all__ = ["HfExports", "hf_exports_for"]
+__all__ = ["STAGING_WAIT_MAX_S", "HfExports", "hf_exports_for"]
 
 log = logging.getLogger("fastpersist")
+
+#: The longest an export waits at once for a staging save (a stuck save must not stop exports).
+STAGING_WAIT_MAX_S = 60.0
 
 
 def hf_exports_for(
@@ -45,7 +50,12 @@ def hf_exports_for(
         return None
     if ck.replicas:
         raise ValueError("export_hf_every= is not supported with replicas= yet")
-    return HfExports(ck.path, every, export_dir, key=key, prefix=prefix)
+
+    def staging() -> bool:
+        future = ck._future
+        return future is not None and not future.staged()
+
+    return HfExports(ck.path, every, export_dir, key=key, prefix=prefix, staging=staging)
 
 
 class HfExports:
@@ -59,6 +69,7 @@ class HfExports:
         *,
         key: str | None = None,
         prefix: str = "",
+        staging: Callable[[], bool] = lambda: False,
     ) -> None:
         if type(every) is not int or every < 1:
             raise ValueError(f"export_hf_every={every!r}: expected an integer >= 1")
@@ -66,6 +77,7 @@ class HfExports:
         self.every = every
         self.export_dir = os.path.abspath(os.fspath(export_dir))
         self.key, self.prefix = key, prefix
+        self.staging = staging  # whether a save is staging now (the export pauses meanwhile)
         self.last: ExportResult | None = None
         self._last_submitted = -1
         self._cond = threading.Condition()
@@ -91,6 +103,12 @@ class HfExports:
         with self._cond:
             return {s for s in (self._pending, self._exporting) if s is not None}
 
+    def pause(self) -> None:
+        """Waits while a save is staging, at most :data:`STAGING_WAIT_MAX_S`."""
+        started = time.monotonic()
+        while self.staging() and time.monotonic() - started < STAGING_WAIT_MAX_S:
+            time.sleep(0.005)
+
     def _run(self) -> None:
         while True:
             with self._cond:
@@ -106,6 +124,7 @@ class HfExports:
                     self.export_dir,
                     key=self.key,
                     prefix=self.prefix,
+                    pause=self.pause,
                 )
             except Exception as e:
                 log.warning("the Hugging Face export of step %d to %s failed: %s", step, self.export_dir, e)
