@@ -236,7 +236,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         done = export_hf(args.src, args.outdir, prefix=args.prefix, key=args.key, max_shard_bytes=args.max_shard_size)
-    except (FastPersistError, FileNotFoundError, NotADirectoryError) as e:
+    except (FastPersistError, FileNotFoundError, NotADirectoryError, ValueError) as e:
         print(f"FAILED: {e}", file=sys.stderr)
         return 1
     if args.config:
