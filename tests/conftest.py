@@ -14,9 +14,11 @@ import pytest
 from s3server import s3_bucket, s3_server  # noqa: F401 (fixtures: a real S3-compatible server)
 
 import fastpersist as fp
+from fastpersist import pinned
 
 from backends import available_backends
 from budget import register_profiles
+from fake_cuda import FakeRuntime
 
 register_profiles()
 
@@ -61,3 +63,17 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def is_root() -> bool:
     return os.geteuid() == 0
+
+
+@pytest.fixture
+def fake_runtime() -> Iterator[FakeRuntime]:
+    """Pinning (fastpersist.pinned) goes through a FakeRuntime; the once-per-process warning is
+    reset."""
+    runtime = FakeRuntime()
+    previous = pinned.use_runtime(runtime)
+    warned, pinned._warned = pinned._warned, False
+    try:
+        yield runtime
+    finally:
+        pinned.use_runtime(previous)
+        pinned._warned = warned

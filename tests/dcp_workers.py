@@ -64,3 +64,91 @@ def save_then_reshard(rank: int, workdir: str) -> dict[str, Any]:
 
 def run(rank: int, world: int, init_file: str, workdir: str) -> None:
     report_rank(rank, world, init_file, workdir, lambda: save_then_reshard(rank, workdir))
+
+
+#: A tensor whose rows (16 KiB) are larger than the chunks (4 KiB) the resharding test writes,
+#: so that a column block is a set of separate chunks, not the whole file.
+WIDE_SHAPE = (64, 4096)
+WIDE_CHUNK_BYTES = 4096
+
+
+def wide_weight() -> torch.Tensor:
+    return torch.arange(WIDE_SHAPE[0] * WIDE_SHAPE[1], dtype=torch.float32).reshape(WIDE_SHAPE) * 0.25 - 7
+
+
+def _wide_state(placement: Any) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    return {"w": distribute_tensor(wide_weight(), mesh, [placement]), "step": 9}
+
+
+def save_wide(rank: int, world: int, init_file: str, workdir: str, path: str) -> None:
+    """Saves the wide tensor sharded by rows over the `world` ranks, in 4 KiB chunks."""
+    from torch.distributed.tensor import Shard
+
+    import fastpersist as fp
+    from fastpersist.integrations.dcp import FastPersistWriter
+
+    def save() -> dict[str, Any]:
+        writer = FastPersistWriter(path, fp.Config(chunk_bytes=WIDE_CHUNK_BYTES))
+        dcp.save(_wide_state(Shard(0)), storage_writer=writer)
+        return {}
+
+    report_rank(rank, world, init_file, workdir, save)
+
+
+def load_wide_counting(rank: int, world: int, init_file: str, workdir: str, path: str) -> None:
+    """Loads the wide tensor sharded by rows, then by columns, counting the bytes the engine
+    reads for each load (at the engine's read function) and checking the values."""
+    from torch.distributed.tensor import Shard
+
+    from fastpersist import _core
+    from fastpersist.integrations.dcp import FastPersistReader
+
+    engine_read = _core.read_ranges_into
+    counted = {"bytes": 0}
+
+    def counting_read(ranges: Any, dest: Any, **kwargs: Any) -> int:
+        nbytes = engine_read(ranges, dest, **kwargs)
+        counted["bytes"] += nbytes
+        return nbytes
+
+    _core.read_ranges_into = counting_read  # type: ignore[assignment]
+
+    def load() -> dict[str, Any]:
+        results: dict[str, Any] = {}
+        for name, placement in (("rows", Shard(0)), ("cols", Shard(1))):
+            target = _wide_state(placement)
+            target["w"].to_local().zero_()
+            target["step"] = 0
+            counted["bytes"] = 0
+            dist.barrier()
+            dcp.load(target, storage_reader=FastPersistReader(path))
+            local = target["w"].to_local()
+            size = WIDE_SHAPE[placement.dim] // world
+            expected = wide_weight().narrow(placement.dim, rank * size, size)
+            results[name] = {
+                "bytes_read": counted["bytes"],
+                "share_bytes": local.numel() * local.element_size(),
+                "equal": bool(torch.equal(local, expected)),
+                "step": target["step"],
+            }
+        return results
+
+    report_rank(rank, world, init_file, workdir, load)
+
+
+def save_rank_local(rank: int, world: int, init_file: str, workdir: str, path: str) -> None:
+    """Tries ``dcp.save(use_collectives=False)`` on every rank; reports the error each got."""
+    from fastpersist.integrations.dcp import FastPersistWriter
+
+    def save() -> dict[str, Any]:
+        try:
+            dcp.save({"w": torch.ones(4) * rank}, storage_writer=FastPersistWriter(path), use_collectives=False)
+        except Exception as e:
+            return {"error": repr(e)}
+        return {"error": None}
+
+    report_rank(rank, world, init_file, workdir, save)

@@ -132,6 +132,9 @@ class Pool:
     @property
     def allocated_bytes(self) -> int:
         """Bytes allocated so far (slots are allocated on first use)."""
+    def call_before_free(self, callback: Callable[[], object]) -> None:
+        """Calls ``callback()`` when the pool goes, before its memory is freed (an exception is
+        reported as unraisable). It must not refer to the pool."""
 
 @final
 class WriteHandle:
@@ -181,6 +184,7 @@ def start_write(
     copy_max_extent_bytes: int = 0,
     copy_budget_bytes: int = 0,
     device_copy: Callable[[int, int, memoryview, int, int], None] | None = None,
+    device_wait: Callable[[], None] | None = None,
     also_writers: Sequence[int] | None = None,
     crc32_fields: Sequence[tuple[int, int, Sequence[int]]] | None = None,
 ) -> WriteHandle:
@@ -199,8 +203,12 @@ def start_write(
     thread once each other watched extent is staged whole, and a false result fails the job.
 
     A source given as ``None`` lives in device memory: ``device_copy(extent, offset_bytes, slot,
-    start, end)`` copies that extent's bytes from ``offset_bytes`` into ``slot[start:end]`` (a
-    memoryview over a whole staging slot, valid only during the call) and returns when done.
+    start, end)`` copies, or queues the copy of, that extent's bytes from ``offset_bytes`` into
+    ``slot[start:end]`` (a memoryview over a whole staging slot, valid only during the call).
+    ``device_wait()`` returns once every copy asked for has completed; the job calls it before
+    it reads a slot it asked copies into (the next chunk's copies are asked for before the
+    current one is checksummed). Without ``device_wait`` a copy must be done when
+    ``device_copy`` returns.
 
     ``crc32_fields``: ``(start_bytes, len_bytes, [write_at_bytes, ...])`` per range of the
     stream whose CRC-32 (IEEE, ``zlib.crc32``) is written little-endian at each offset while

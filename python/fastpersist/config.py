@@ -45,7 +45,8 @@ class Config:
             if torch's version counter shows an in-place change before a tensor was staged; it
             cannot see writes through ``.data``, ``.numpy()``, other storages or CUDA kernels.
             ``"copy"``: ``save_async`` and ``Checkpointer.save`` return only once every byte is
-            in the staging pool, so no later write of any kind can tear the save (with a pool
+            in the staging pool (a GPU tensor's device-to-host copies included), so no later
+            write of any kind can tear the save (with a pool
             smaller than the state, that waits until the disk has taken all but ``pool_bytes``).
 
     Example:

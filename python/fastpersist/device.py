@@ -29,16 +29,17 @@ Example:
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
 
+from .pinned import pin_host, unpin_host
+
 __all__ = [
     "CopierFactory",
+    "CopyFence",
     "CudaCopier",
     "CudaLoader",
     "DeviceCopier",
@@ -62,7 +63,13 @@ class DeviceCopier(Protocol):
         go into (the save's pool): memory pinned for them must stay pinned only while it lives."""
 
     def copy_to_host(self, src: torch.Tensor, slot: memoryview, start: int, end: int) -> None:
-        """Copies `src` (1-D uint8, on the device) into ``slot[start:end]``; returns when done."""
+        """Copies `src` (1-D uint8, on the device) into ``slot[start:end]``, or queues the copy.
+        The slot's memory stays untouched by the save until :meth:`wait` returned (the memoryview
+        itself is valid only during the call)."""
+
+    def wait(self) -> None:
+        """Returns once every copy asked for so far has completed. The save asks for the next
+        chunk's copies before it checksums the current one, so that the two overlap."""
 
 
 def device_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -71,93 +78,42 @@ def device_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
 
 
-#: Host buffers registered with CUDA (address -> bytes). A registration must end before its
-#: memory is freed: CUDA keeps the old pages pinned and, by address, would go on copying into
-#: them after the address is reused for new memory. So every registration is tied to the
-#: object that owns the memory (a save pool, the load ring) and undone when it is dropped.
-_pinned: dict[int, int] = {}
-_pinned_lock = threading.Lock()
-#: The addresses pinned for each owner (released by a weakref.finalize on the owner).
-_pinned_by_owner: dict[int, list[int]] = {}
-
-
-def _cudart() -> Any:
-    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
-
-
-def pin_host(host: torch.Tensor, owner: object) -> None:
-    """Registers the CPU buffer `host` (1-D uint8, memory that `owner` keeps alive) with CUDA
-    once, so that copies from or to it run at pinned speed; a failure only means a slower copy.
-    The registration is undone when `owner` is garbage collected (it must support weak
-    references), before its memory can be freed."""
-    address, nbytes = host.data_ptr(), host.numel()
-    with _pinned_lock:
-        if _pinned.get(address) == nbytes:
-            return
-        _pinned[address] = nbytes
-        addresses = _pinned_by_owner.get(id(owner))
-        if addresses is None:
-            addresses = _pinned_by_owner[id(owner)] = []
-            weakref.finalize(owner, _unpin_owner, id(owner))
-        addresses.append(address)
-    try:
-        _cudart().cudaHostRegister(address, nbytes, 0)
-    except Exception:  # already registered, or not allowed: copy unpinned
-        pass
-
-
-def _unregister(address: int) -> None:
-    try:
-        _cudart().cudaHostUnregister(address)
-    except Exception:  # never registered (the register call failed): nothing to undo
-        pass
-
-
-def _unpin_owner(owner_id: int) -> None:
-    with _pinned_lock:
-        addresses = _pinned_by_owner.pop(owner_id, [])
-        for address in addresses:
-            del _pinned[address]
-    for address in addresses:
-        _unregister(address)
-
-
-def unpin_host(host: torch.Tensor) -> None:
-    """Undoes :func:`pin_host` before `host`'s memory is freed (a no-op if it was not pinned)."""
-    address = host.data_ptr()
-    with _pinned_lock:
-        if _pinned.get(address) != host.numel():
-            return
-        del _pinned[address]
-        for addresses in _pinned_by_owner.values():
-            if address in addresses:
-                addresses.remove(address)
-                break
-    _unregister(address)
+#: ``torch.cuda`` as the CUDA copier and loader use it: a fake stands in for it in the CPU tests
+#: of their ordering (which device is current when memory is registered and copies are queued).
+cuda: Any = torch.cuda
 
 
 class CudaCopier:
-    """Side-stream, event-ordered copies from one CUDA device into pinned slots."""
+    """Side-stream, event-ordered copies from one CUDA device into pinned slots.
+
+    The staging thread is new per save and its current device is 0: every CUDA call of a copy
+    (the registration included, which would otherwise create a context on device 0 for a rank
+    on ``cuda:k``) runs with the source's device made current."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream: Any = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self.stream: Any = cuda.Stream(device)
         self.ready: Any = None
         self.slots_owner: object = None
 
     def begin(self, slots_owner: object) -> None:
         self.slots_owner = slots_owner
-        self.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self.ready.record(torch.cuda.current_stream(self.device))
+        with cuda.device(self.device):
+            self.ready = cuda.Event()
+            self.ready.record(cuda.current_stream(self.device))
 
     def copy_to_host(self, src: torch.Tensor, slot: memoryview, start: int, end: int) -> None:
-        host = torch.frombuffer(slot, dtype=torch.uint8)
-        pin_host(host, self.slots_owner)
-        with torch.cuda.stream(self.stream):
-            if self.ready is not None:
-                self.stream.wait_event(self.ready)
-            host[start:end].copy_(src, non_blocking=True)
-        self.stream.synchronize()
+        with cuda.device(self.device):
+            host = torch.frombuffer(slot, dtype=torch.uint8)
+            pin_host(host, self.slots_owner)
+            with cuda.stream(self.stream):
+                if self.ready is not None:
+                    self.stream.wait_event(self.ready)
+                host[start:end].copy_(src, non_blocking=True)
+
+    def wait(self) -> None:
+        with cuda.device(self.device):
+            self.stream.synchronize()
 
 
 #: The copier installed by :func:`use_copier` (the predicate choosing its tensors, its factory),
@@ -190,13 +146,21 @@ def use_copier(selects: Callable[[torch.Tensor], bool], factory: CopierFactory) 
         installed_copier = previous
 
 
+class CopyFence(Protocol):
+    """The end of some queued copies (a CUDA event recorded after them)."""
+
+    def synchronize(self) -> None:
+        """Returns once the copies queued before the fence have completed."""
+
+
 class DeviceLoader(Protocol):
     """Copies windows of a load's host ring buffers into device memory, for one load and one
     target device. Copies are queued (asynchronous); the ordering is:
 
-    ``begin`` (copies come after the caller's queued work) -> per window ``copy_to_device``
-    for each blob piece -> ``mark(slot)`` -> ... -> ``wait(slot)`` before the loader refills
-    that ring buffer -> ``finish`` (the caller's current stream waits for every copy).
+    ``begin`` (copies come after the caller's queued work) -> per window ``copy_to_device`` for
+    each blob piece -> ``fence()`` -> ... -> ``finish`` (the caller's current stream waits for
+    every copy). The ring keeps each window's fence and waits on it before that buffer is
+    refilled, by this load or a later one (a load returns before its last copies ran).
     """
 
     def begin(self) -> None:
@@ -210,15 +174,12 @@ class DeviceLoader(Protocol):
     def empty(self, nbytes: int) -> torch.Tensor:
         """A new, uninitialised 1-D uint8 destination of `nbytes` on the target device."""
 
-    def copy_to_device(self, host: torch.Tensor, dst: torch.Tensor, slot: int) -> None:
-        """Queues the copy of `host` (1-D uint8, a part of ring buffer `slot`) into `dst` (1-D
-        uint8 on the device, same length); may return before the copy has run."""
+    def copy_to_device(self, host: torch.Tensor, dst: torch.Tensor) -> None:
+        """Queues the copy of `host` (1-D uint8, a part of a ring buffer) into `dst` (1-D uint8
+        on the device, same length); may return before the copy has run."""
 
-    def mark(self, slot: int) -> None:
-        """Every copy queued so far from ring buffer `slot` belongs to its current window."""
-
-    def wait(self, slot: int) -> None:
-        """Returns once the copies marked for ring buffer `slot` have completed (it may be refilled)."""
+    def fence(self) -> CopyFence:
+        """A fence after every copy queued so far (it may outlive this loader)."""
 
     def finish(self) -> None:
         """Makes the caller's current stream wait for every queued copy (without blocking the
@@ -226,18 +187,20 @@ class DeviceLoader(Protocol):
 
 
 class CudaLoader:
-    """Host-to-device copies on a side CUDA stream, one event per ring buffer."""
+    """Host-to-device copies on a side CUDA stream; an event per window is its fence. Every
+    CUDA call runs with the target device made current (the caller's may be another)."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-        self.stream: Any = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-        self.events: dict[int, Any] = {}
+        self.device = device if device.index is not None else torch.device("cuda", cuda.current_device())
+        self.stream: Any = cuda.Stream(self.device)
 
     def begin(self) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with cuda.device(self.device):
+            self.stream.wait_stream(cuda.current_stream(self.device))
 
     def register(self, host: torch.Tensor) -> None:
-        pin_host(host, host)  # unpinned when the ring drops the buffer (or the tensor dies)
+        with cuda.device(self.device):
+            pin_host(host, host)  # unpinned when the ring drops the buffer (or the tensor dies)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         # Allocated on the caller's current stream, which owns the memory from here on: the side
@@ -245,23 +208,31 @@ class CudaLoader:
         # work (finish), so the caching allocator's per-stream reuse stays correct.
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def copy_to_device(self, host: torch.Tensor, dst: torch.Tensor, slot: int) -> None:
-        with torch.cuda.stream(self.stream):
+    def copy_to_device(self, host: torch.Tensor, dst: torch.Tensor) -> None:
+        with cuda.device(self.device), cuda.stream(self.stream):
             dst.copy_(host, non_blocking=True)
 
-    def mark(self, slot: int) -> None:
-        event = self.events.get(slot)
-        if event is None:
-            event = self.events[slot] = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(self.stream)
-
-    def wait(self, slot: int) -> None:
-        event = self.events.get(slot)
-        if event is not None:
-            event.synchronize()
+    def fence(self) -> CopyFence:
+        with cuda.device(self.device):
+            event: Any = cuda.Event()
+            event.record(self.stream)
+        return _DeviceFence(event, self.device)
 
     def finish(self) -> None:
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        with cuda.device(self.device):
+            cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+class _DeviceFence:
+    """A CUDA event, waited for with its device current: it may be waited for on any thread,
+    by a later load, and a CUDA call creates a context on the current device if it has none."""
+
+    def __init__(self, event: Any, device: torch.device) -> None:
+        self.event, self.device = event, device
+
+    def synchronize(self) -> None:
+        with cuda.device(self.device):
+            self.event.synchronize()
 
 
 #: The loader installed by :func:`use_loader` (the predicate choosing its target devices, its

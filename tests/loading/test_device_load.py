@@ -2,15 +2,18 @@
 (fastpersist.device.use_loader), and on a real GPU where there is one.
 
 The fake loader treats every target whose type is "cuda" as a device but allocates its
-destinations on the CPU. Its copies run only when they are waited for (as an asynchronous copy
-completes later), so a ring buffer refilled too early would show up as wrong values; it also
-checks the contract directly: copies only from registered ring buffers whose previous window
-was waited for, every destination byte written once, and window k+1 read before window k's
-copies were waited for.
+destinations on the CPU. Its copies run in order on one queue, only when a fence after them is
+waited for or the test synchronizes the fake device (as an asynchronous copy completes some time
+later, and ``finish`` does not block the host), so a ring buffer refilled too early, in this
+load or the next, shows up as wrong values; the tests also check the contract directly: no read
+into a ring buffer that copies not yet run read from, copies only from registered ring buffers,
+every destination byte written once, and window k+1 read before window k's copies were waited
+for.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 from collections.abc import Iterator
@@ -21,32 +24,82 @@ import pytest
 import torch
 
 import fastpersist as fp
+from fastpersist import device
 from fastpersist.device import DeviceLoader, use_loader
 from fastpersist.format.manifest import seal, unseal
 from fastpersist.loading import pipeline, todevice
 from fastpersist.loading.reading import direct_padded
 
+from cuda_marks import cuda_test
+from fake_cuda import FakeCuda, FakeRuntime
+
 CHUNK = 64 << 10
 WINDOW = 2 * CHUNK
 
 
+class FakeQueue:
+    """The fake device's copy queue (one stream): copies run in the order they were queued, and
+    only when a fence after them is waited for or the device is synchronized, as an
+    asynchronous copy completes some time after it was queued."""
+
+    def __init__(self) -> None:
+        self.pending: collections.deque[tuple[torch.Tensor, torch.Tensor, int]] = collections.deque()
+        self.queued = 0
+        self.done = 0
+        self.log = FakeLoader.log  # a stale fence (a ring cached by an earlier test) logs elsewhere
+
+    def push(self, host: torch.Tensor, dst: torch.Tensor, window: int) -> None:
+        self.pending.append((host, dst, window))
+        self.queued += 1
+
+    def run_until(self, count: int) -> None:
+        """Runs the copies queued before the `count`-th one."""
+        while self.done < count:
+            host, dst, window = self.pending.popleft()
+            dst.copy_(host)
+            self.done += 1
+            self.log.append(("ran", window))
+
+    def reads_from(self, base: int) -> bool:
+        """Whether a copy not yet run reads from the host buffer that starts at `base`."""
+        return any(host.untyped_storage().data_ptr() == base for host, _, _ in self.pending)
+
+
+class FakeFence:
+    """The end of the copies queued on `queue` before the `count`-th."""
+
+    def __init__(self, queue: FakeQueue, count: int) -> None:
+        self.queue, self.count = queue, count
+
+    def synchronize(self) -> None:
+        self.queue.log.append(("wait", self.count))
+        self.queue.run_until(self.count)
+
+
 class FakeLoader:
-    """A DeviceLoader over CPU memory whose copies complete when waited for."""
+    """A DeviceLoader over CPU memory whose copies complete only when waited for."""
 
     log: ClassVar[list[tuple[str, object]]] = []
     reads: ClassVar[list[int]] = []
     registered: ClassVar[dict[int, int]] = {}
     allocated: ClassVar[dict[int, int]] = {}
     written: ClassVar[dict[int, list[tuple[int, int]]]] = {}
+    #: Ring buffers read into while copies from them had not run (the read spy notes them).
+    busy_refills: ClassVar[list[int]] = []
+    queue: FakeQueue
     fail_at_copy: int | None = None
     copies = 0
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.pending: dict[int, list[tuple[torch.Tensor, torch.Tensor, int]]] = {0: [], 1: []}
-        self.marked = {0: False, 1: False}
         self.begun = False
         FakeLoader.log.append(("new", str(device)))
+
+    @staticmethod
+    def synchronize() -> None:
+        """Runs every queued copy (``torch.cuda.synchronize()``, or using the loaded tensors on
+        the stream that was current during the load)."""
+        FakeLoader.queue.run_until(FakeLoader.queue.queued)
 
     def begin(self) -> None:
         self.begun = True
@@ -60,38 +113,23 @@ class FakeLoader:
         FakeLoader.allocated[dst.untyped_storage().data_ptr()] = nbytes
         return dst
 
-    def copy_to_device(self, host: torch.Tensor, dst: torch.Tensor, slot: int) -> None:
+    def copy_to_device(self, host: torch.Tensor, dst: torch.Tensor) -> None:
         FakeLoader.copies += 1
         if FakeLoader.fail_at_copy is not None and FakeLoader.copies >= FakeLoader.fail_at_copy:
             raise RuntimeError("the fake device fell off the bus")
         base = host.untyped_storage().data_ptr()
         assert FakeLoader.registered.get(base) == host.untyped_storage().nbytes(), "not from a ring buffer"
-        assert not self.marked[slot], f"ring buffer {slot} refilled before its copies were waited for"
         assert host.numel() == dst.numel() and dst.dtype == torch.uint8
         storage = dst.untyped_storage().data_ptr()
         assert storage in FakeLoader.allocated
         FakeLoader.written.setdefault(storage, []).append((dst.storage_offset(), dst.numel()))
-        self.pending[slot].append((host, dst, len(FakeLoader.reads) - 1))
+        FakeLoader.queue.push(host, dst, len(FakeLoader.reads) - 1)
 
-    def mark(self, slot: int) -> None:
-        self.marked[slot] = True
-
-    def _run(self, slot: int) -> None:
-        for host, dst, _ in self.pending[slot]:
-            dst.copy_(host)
-        self.pending[slot] = []
-        self.marked[slot] = False
-
-    def wait(self, slot: int) -> None:
-        for _, _, window in self.pending[slot]:
-            assert len(FakeLoader.reads) >= window + 2, "window k+1 must be read before window k is waited for"
-        FakeLoader.log.append(("wait", slot))
-        self._run(slot)
+    def fence(self) -> FakeFence:
+        return FakeFence(FakeLoader.queue, FakeLoader.queue.queued)
 
     def finish(self) -> None:
-        for slot in self.pending:
-            assert not self.pending[slot] or self.marked[slot]
-            self._run(slot)
+        # The caller's stream waits for the copies; the host does not: nothing runs here.
         FakeLoader.log.append(("finish", str(self.device)))
 
 
@@ -99,10 +137,13 @@ def _install(monkeypatch: pytest.MonkeyPatch) -> None:
     """Resets FakeLoader, reads in windows of two chunks and records each window's read."""
     FakeLoader.log, FakeLoader.reads, FakeLoader.registered = [], [], {}
     FakeLoader.allocated, FakeLoader.written, FakeLoader.fail_at_copy, FakeLoader.copies = {}, {}, None, 0
+    FakeLoader.busy_refills, FakeLoader.queue = [], FakeQueue()
     monkeypatch.setattr(todevice, "DEVICE_WINDOW_BYTES", WINDOW)
     read_window = todevice.read_window
 
     def spy(root: str, m: Any, lo: int, hi: int, dest: Any, verify: bool, config: fp.Config, stats: Any) -> None:
+        if FakeLoader.queue.reads_from(torch.frombuffer(dest, dtype=torch.uint8).data_ptr()):
+            FakeLoader.busy_refills.append(lo)
         FakeLoader.reads.append(lo)
         FakeLoader.log.append(("read", lo))
         read_window(root, m, lo, hi, dest, verify, config, stats)
@@ -120,6 +161,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeLoader]]:
     _install(monkeypatch)
     with use_loader(lambda d: d.type == "cuda", _factory):
         yield FakeLoader
+    assert FakeLoader.busy_refills == [], "a ring buffer was refilled while copies from it had not run"
 
 
 @pytest.fixture
@@ -128,6 +170,7 @@ def fake_cpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeLoader]]:
     _install(monkeypatch)
     with use_loader(lambda d: d.type == "cpu", _factory):
         yield FakeLoader
+    assert FakeLoader.busy_refills == [], "a ring buffer was refilled while copies from it had not run"
 
 
 def _config(backend: str) -> fp.Config:
@@ -183,6 +226,8 @@ def _on_fake(t: torch.Tensor) -> bool:
 
 
 def _assert_equal(loaded: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Compares on the caller's stream: the load's queued copies run first."""
+    FakeLoader.synchronize()
     for key, value in expected.items():
         if isinstance(value, torch.Tensor):
             assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
@@ -190,6 +235,11 @@ def _assert_equal(loaded: dict[str, Any], expected: dict[str, Any]) -> None:
             assert np.array_equal(loaded[key], value), key
         else:
             assert type(loaded[key]) is type(value) and loaded[key] == value, key
+
+
+def _last_call() -> tuple[str, object]:
+    """The last call the load made to a loader (the queue's own runs left out)."""
+    return next(e for e in reversed(FakeLoader.log) if e[0] != "ran")
 
 
 def _assert_every_byte_once() -> None:
@@ -220,7 +270,7 @@ def test_round_trip_to_the_saved_device(
     assert loaded["view"].storage_offset() == 1000
     _assert_every_byte_once()
     assert [e for e in FakeLoader.log if e[0] == "new"] == [("new", "cuda:0")]
-    assert FakeLoader.log[-1] == ("finish", "cuda:0")
+    assert _last_call() == ("finish", "cuda:0")
 
 
 def test_host_memory_is_two_windows_and_reads_overlap_copies(
@@ -233,10 +283,13 @@ def test_host_memory_is_two_windows_and_reads_overlap_copies(
     assert all(n == direct_padded(WINDOW) for n in FakeLoader.registered.values())
     assert len(FakeLoader.reads) == -(-total // WINDOW) >= 4
     assert FakeLoader.reads == list(range(0, total, WINDOW))
-    # Each wait comes after the read of the next window (FakeLoader.wait asserts it per copy),
-    # so window k+1 was being read while window k's copies were in flight.
-    waits = [i for i, e in enumerate(FakeLoader.log) if e[0] == "wait"]
-    assert len(waits) >= len(FakeLoader.reads) - 2
+    # Window k's copies ran (were waited for) only after window k+1 had been read: the read of
+    # one window overlapped the copies of the one before.
+    log = FakeLoader.log
+    read_at = [i for i, e in enumerate(log) if e[0] == "read"]
+    ran_at = {e[1]: i for i, e in reversed(list(enumerate(log))) if e[0] == "ran"}  # first run of each
+    assert set(ran_at) == set(range(len(read_at) - 2))  # the last two are still in flight
+    assert all(ran_at[k] > read_at[k + 1] for k in ran_at)
 
 
 @pytest.mark.parametrize(
@@ -304,7 +357,7 @@ def test_a_corrupt_chunk_in_a_later_window_names_file_and_tensor(
     assert info.value.filename == damaged and damaged in str(info.value)
     assert info.value.tensors and "u8" in str(info.value)
     assert len(FakeLoader.reads) > 2  # found in a later window, after copies were queued
-    assert FakeLoader.log[-1][0] == "finish"  # copies in flight were let finish
+    assert _last_call()[0] == "finish"  # copies in flight were let finish
 
 
 def test_a_file_missing_at_read_time_is_a_corrupt_checkpoint(
@@ -322,7 +375,7 @@ def test_a_file_missing_at_read_time_is_a_corrupt_checkpoint(
     with pytest.raises(fp.CorruptCheckpointError, match="missing") as info:
         fp.load(path)
     assert str(last) in str(info.value) and len(FakeLoader.reads) > 1
-    assert FakeLoader.log[-1][0] == "finish"
+    assert _last_call()[0] == "finish"
 
 
 def test_a_failing_copy_names_the_checkpoint_and_returns_nothing(
@@ -333,7 +386,7 @@ def test_a_failing_copy_names_the_checkpoint_and_returns_nothing(
     with pytest.raises(fp.FastPersistError, match="fell off the bus") as info:
         fp.load(path)
     assert path in str(info.value) and "cuda:0" in str(info.value)
-    assert FakeLoader.log[-1][0] == "finish"
+    assert _last_call()[0] == "finish"
     FakeLoader.fail_at_copy = None
     _assert_equal(fp.load(path), _state())  # the ring is reusable after a failed load
 
@@ -383,7 +436,76 @@ def test_a_failed_out_load_through_the_loader_leaves_out_as_it_was(
         assert torch.equal(t, before[key]), f"out[{key!r}] was modified"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def _saved_one(workdir: str, name: str, value: torch.Tensor, config: fp.Config) -> str:
+    path = os.path.join(workdir, name)
+    fp.save({"w": value}, path, config=config)
+    _record_device(path, "cuda:0")
+    return path
+
+
+def test_a_load_does_not_refill_the_ring_under_the_last_loads_copies(
+    workdir: str, backend: str, fake_cuda: type[FakeLoader]
+) -> None:
+    # A load returns once its copies are queued (the caller's stream waits for them, the host
+    # does not), and its ring goes back to the cache: the next load must not read into a
+    # buffer the last window's copies still read from, or A ends up holding B's bytes.
+    a, b = torch.full((20_000,), 1.0), torch.full((20_000,), 2.0)  # each fits in one window
+    a_path = _saved_one(workdir, "a", a, _config(backend))
+    b_path = _saved_one(workdir, "b", b, _config(backend))
+    loaded_a = fp.load(a_path)
+    loaded_b = fp.load(b_path)
+    FakeLoader.synchronize()  # the caller uses both on its stream
+    assert torch.equal(loaded_a["w"], a) and torch.equal(loaded_b["w"], b)
+    assert FakeLoader.busy_refills == []
+
+
+def test_a_dropped_ring_is_unpinned_only_once_its_copies_ran(
+    workdir: str, backend: str, fake_cuda: type[FakeLoader], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unpinned: list[tuple[int, bool]] = []
+
+    def spy(host: torch.Tensor) -> None:
+        unpinned.append((host.data_ptr(), FakeLoader.queue.reads_from(host.data_ptr())))
+
+    monkeypatch.setattr(todevice, "unpin_host", spy)
+    monkeypatch.setattr(todevice, "_rings", collections.OrderedDict())
+    values = [torch.full((20_000,), float(k)) for k in range(4)]
+    paths = [_saved_one(workdir, f"s{k}", v, _config(backend)) for k, v in enumerate(values)]
+    loaded = []
+    for k, path in enumerate(paths):  # a ring size per load: the cache keeps two, drops the rest
+        monkeypatch.setattr(todevice, "DEVICE_WINDOW_BYTES", WINDOW << k)
+        loaded.append(fp.load(path))
+    assert len(unpinned) == 2 * (len(paths) - todevice._RINGS_KEPT)  # two buffers per dropped ring
+    assert not any(busy for _, busy in unpinned), "a ring buffer was unpinned while copies from it were queued"
+    FakeLoader.synchronize()
+    for got, value in zip(loaded, values, strict=True):
+        assert torch.equal(got["w"], value)
+
+
+def test_cuda_loader_calls_cuda_with_the_target_device_current(
+    fake_runtime: FakeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The caller's current device may be another GPU: registering the ring or queueing copies
+    # there would create a context on it (or pin for the wrong one).
+    cuda = FakeCuda()
+    monkeypatch.setattr(device, "cuda", cuda)
+    fake_runtime.current = lambda: cuda.current
+    loader = device.CudaLoader(torch.device("cuda", 2))
+    loader.begin()
+    host = torch.arange(256, dtype=torch.uint8)
+    dst = torch.empty(256, dtype=torch.uint8)
+    loader.register(host)
+    loader.copy_to_device(host, dst)
+    loader.fence().synchronize()
+    loader.finish()
+    device.unpin_host(host)
+    assert torch.equal(dst, host)
+    assert fake_runtime.devices == [2]
+    assert cuda.calls and all(index == 2 for _, index in cuda.calls), cuda.calls
+    assert cuda.current == 0
+
+
+@cuda_test
 def test_cuda_load_round_trip(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(todevice, "DEVICE_WINDOW_BYTES", 1 << 20)  # several windows
     state = {k: v for k, v in _state().items() if k != "np"}
@@ -404,7 +526,7 @@ def test_cuda_load_round_trip(workdir: str, monkeypatch: pytest.MonkeyPatch) -> 
     assert torch.equal(again["gpu"].sum(), state["gpu"].sum())
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@cuda_test
 def test_cuda_out_is_filled_in_place(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(todevice, "DEVICE_WINDOW_BYTES", 1 << 20)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512)).cuda()
@@ -420,7 +542,7 @@ def test_cuda_out_is_filled_in_place(workdir: str, monkeypatch: pytest.MonkeyPat
         assert torch.equal(model.state_dict()[key], value), key
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@cuda_test
 def test_a_failed_cuda_out_load_leaves_the_model_as_it_was(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(todevice, "DEVICE_WINDOW_BYTES", 1 << 20)
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)).cuda()
@@ -435,3 +557,21 @@ def test_a_failed_cuda_out_load_leaves_the_model_as_it_was(workdir: str, monkeyp
     torch.cuda.synchronize()
     for key, value in before.items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+@cuda_test
+def test_cuda_a_load_does_not_refill_the_ring_under_the_last_loads_copies(
+    workdir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Load A's copies wait for the caller's stream (busy here), so they have not run when the
+    # load returns; load B then takes the same ring and must wait for them before its read.
+    monkeypatch.setattr(todevice, "DEVICE_WINDOW_BYTES", 1 << 20)
+    a, b = torch.full((100_000,), 1.0, device="cuda"), torch.full((100_000,), 2.0, device="cuda")
+    a_path, b_path = os.path.join(workdir, "a"), os.path.join(workdir, "b")
+    fp.save({"w": a}, a_path)
+    fp.save({"w": b}, b_path)
+    for _ in range(3):
+        torch.cuda._sleep(1 << 30)  # type: ignore[no-untyped-call]  # about a second of GPU time
+        loaded_a = fp.load(a_path, map_location="cuda")
+        loaded_b = fp.load(b_path, map_location="cuda")
+        assert torch.equal(loaded_a["w"], a) and torch.equal(loaded_b["w"], b)

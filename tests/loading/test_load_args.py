@@ -87,3 +87,31 @@ def test_a_device_this_machine_lacks_is_refused_before_reading_and_says_what_to_
     with pytest.raises(fp.FastPersistError, match=r"'state.w' \(saved on cuda:99\).*no CUDA.*map_location='cpu'"):
         fp.load(path)
     assert torch.equal(fp.load(path, map_location="cpu")["w"], torch.arange(3.0))
+
+
+def test_map_location_to_another_device_keeps_views_and_sharing(workdir: str) -> None:
+    """A tensor moved by map_location keeps its strides and storage offset, and views of one
+    storage share the moved one (each blob moves once; torch.load does the same). The meta
+    device stands in for a GPU here: it has strides, offsets and storages but no data."""
+    w = torch.arange(24.0).view(4, 6)
+    state = {
+        "w": w,
+        "t": w.t(),
+        "corner": w[1:, 2:],
+        "cl": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+    }
+    path = os.path.join(workdir, "views")
+    fp.save(state, path)
+    for location in ("meta", {"cpu": "meta"}, torch.device("meta")):
+        loaded = fp.load(path, map_location=location)
+        for key, saved in state.items():
+            got = loaded[key]
+            assert got.device.type == "meta", key
+            assert (got.shape, got.stride(), got.storage_offset()) == (
+                saved.shape,
+                saved.stride(),
+                saved.storage_offset(),
+            )
+        cdata = {key: loaded[key].untyped_storage()._cdata for key in ("w", "t", "corner")}
+        assert len(set(cdata.values())) == 1, cdata
+        assert loaded["cl"].untyped_storage()._cdata != cdata["w"]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import json
 import math
+import mmap
 import os
 import shutil
 from pathlib import Path
@@ -17,6 +19,7 @@ import torch
 from fastpersist.format.flatten import flatten
 from fastpersist.tools import bench, cli
 from fastpersist.tools.bench import state as bench_state
+from fastpersist.tools.bench import system
 from fastpersist.tools.bench.report import miss_bound
 
 from backends import uring_available
@@ -58,6 +61,44 @@ def test_flatten_plan_of_10k_tensors_is_measured() -> None:
     assert result["tensors"] == 10_000
     assert len(result["seconds"]) == 3
     assert 0 < result["min_s"] <= result["median_s"] <= result["max_s"] < 5
+
+
+def _resident_pages(path: str) -> int:
+    """How many of `path`'s pages are in the page cache (mincore of a read-only mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    vec = ctypes.create_string_buffer(pages)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in vec.raw)
+
+
+def test_evict_files_empties_the_page_cache_of_a_runs_files(workdir: str) -> None:
+    nested = os.path.join(workdir, "ckpt")
+    os.makedirs(nested)
+    paths = [os.path.join(workdir, "a.bin"), os.path.join(nested, "b.bin")]
+    for p in paths:
+        with open(p, "wb") as f:
+            f.write(os.urandom(4 * MiB))
+        with open(p, "rb") as f:
+            f.read()
+    if _resident_pages(paths[0]) == 0:
+        pytest.skip("this file system keeps no page cache for the files (nothing to evict)")
+    system.evict_files([workdir])
+    assert [_resident_pages(p) for p in paths] == [0, 0]
 
 
 def test_reps_must_be_positive(tmp_path: Path) -> None:

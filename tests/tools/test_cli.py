@@ -13,6 +13,7 @@ import torch
 
 import fastpersist as fp
 from fastpersist.tools import cli
+from fastpersist.tools.bench import harness
 from fastpersist.tools.clitools import group_tensors, top_key
 
 
@@ -108,10 +109,80 @@ def test_convert_unpickles_a_pt_file_only_with_unsafe_pickle(workdir: str, capsy
     assert torch.equal(state["w"], torch.ones(3)) and state["rng"].tolist() == [0, 1, 2, 3]
 
 
-def test_demo_runs_small(workdir: str, capsys: pytest.CaptureFixture[str]) -> None:
+DEMO_SAVES = [
+    "torch.save + fsync",
+    "safetensors.save_file + fsync",
+    "fastpersist.save (",
+    "fastpersist.save_async: return",
+    "fastpersist.save_async: staged (",
+    "fastpersist.save_async: durable",
+]
+DEMO_LOADS = ["torch.load (weights_only)", "safetensors.load_file (mmap, pages touched)", "fastpersist.load"]
+
+
+def _demo_rows(out: str) -> dict[str, list[str]]:
+    """The demo table's rows: label -> [median, min-max, GB/s, ratio]."""
+    rows = {}
+    for line in out.splitlines():
+        if line.startswith("  ") and line.rstrip().endswith("x"):
+            *label, median, spread, rate, ratio = line.split()
+            rows[" ".join(label)] = [median, spread, rate, ratio]
+    return rows
+
+
+def test_demo_prints_every_method_with_numbers_and_removes_its_files(
+    workdir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["demo", "--size", "4MiB", "--reps", "2", "--dir", workdir]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "reloaded bit-identical: True" in out and "2 round(s)" in out
+    rows = _demo_rows(out)
+    labels = list(rows)
+    assert len(labels) == len(DEMO_SAVES) + len(DEMO_LOADS)
+    for label, expected in zip(labels, DEMO_SAVES + DEMO_LOADS, strict=True):
+        assert label.startswith(expected)
+    for label, (median, spread, rate, ratio) in rows.items():
+        low, high = (float(x) for x in spread.split("-"))
+        assert 0 < low <= float(median) <= high, label
+        assert float(ratio.removesuffix("x")) > 0, label
+        assert (rate == "-") if label.endswith("return") else (float(rate) > 0), label
+    assert rows["torch.save + fsync"][3] == rows["torch.load (weights_only)"][3] == "1.00x"
+    assert ("page cache: dropped" in out) != ("not permitted" in out)  # dropped, or the output says why not
+    assert "save 2/2: fastpersist.save_async" in captured.err  # progress, one line per step off a terminal
+    assert os.listdir(workdir) == []
+
+
+def test_demo_evicts_its_files_where_dropping_the_cache_is_refused(
+    workdir: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    evicted: list[list[str]] = []
+    monkeypatch.setattr(harness, "drop_caches", lambda: False)
+    monkeypatch.setattr(harness, "evict_files", lambda dirs: evicted.append(list(dirs)))
     assert cli.main(["demo", "--size", "4MiB", "--reps", "1", "--dir", workdir]) == 0
     out = capsys.readouterr().out
-    assert "reloaded bit-identical: True" in out and "torch.save + fsync" in out
+    assert "page cache: dropped" not in out
+    assert "not permitted" in out and "posix_fadvise" in out
+    timed_saves = len(DEMO_SAVES) - 2  # save_async is one timed call with three rows
+    assert len(evicted) == timed_saves + len(DEMO_LOADS)  # before each timed save and load
+    assert all(dirs[0].startswith(workdir) for dirs in evicted)
+
+
+def test_demo_keep_leaves_the_checkpoint_and_nothing_else(workdir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--size", "4MiB", "--reps", "1", "--dir", workdir, "--keep"]) == 0
+    kept = os.path.join(workdir, "fastpersist-demo-ckpt")
+    assert f"kept at {kept}" in capsys.readouterr().out
+    assert os.listdir(workdir) == ["fastpersist-demo-ckpt"]
+    assert fp.load(kept)["step"] == 1000
+    with pytest.raises(SystemExit, match="exists"):
+        cli.main(["demo", "--size", "4MiB", "--reps", "1", "--dir", workdir, "--keep"])
+
+
+def test_demo_refuses_bad_arguments(workdir: str) -> None:
+    with pytest.raises(SystemExit, match="--reps"):
+        cli.main(["demo", "--size", "4MiB", "--reps", "0", "--dir", workdir])
+    with pytest.raises(SystemExit, match="free"):
+        cli.main(["demo", "--size", "1000TiB", "--dir", workdir])
 
 
 @pytest.mark.parametrize("command", ["demo", "bench", "inspect", "verify", "convert"])

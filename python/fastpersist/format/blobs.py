@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +38,14 @@ _NUMPY_VIEWABLE = frozenset(d for d in TORCH_DTYPES.values() if _numpy_views(d))
 U8 = np.dtype(np.uint8)
 
 
+class Member(NamedTuple):
+    """A tensor of a shared storage, as the mutation guard watches it."""
+
+    record: int  # its record's index in the flat state
+    tensor: torch.Tensor
+    version: int  # its ``_version`` at flatten time
+
+
 class Blob:
     """One contiguous run of bytes to write: a storage range or one tensor's values.
 
@@ -57,7 +66,7 @@ class Blob:
             (12, dtype('uint8'))
     """
 
-    __slots__ = ("_data", "copier_factory", "nbytes", "source", "version")
+    __slots__ = ("_data", "copier_factory", "members", "nbytes", "source", "version")
 
     def __init__(
         self,
@@ -66,6 +75,7 @@ class Blob:
         version: int | None,
         nbytes: int = -1,
         copier_factory: CopierFactory | None = None,
+        members: tuple[Member, ...] = (),
     ) -> None:
         self._data = data
         self.source = source
@@ -74,6 +84,10 @@ class Blob:
         #: For a device-resident blob (`source` a contiguous device tensor): the factory of the
         #: copier that stages it (see fastpersist.device); its bytes are never read on the host.
         self.copier_factory = copier_factory
+        #: For a storage shared by several tensors: each of them with its version at flatten
+        #: time. Tensors of one storage need not share a version counter (``p.data = buf[a:b]``
+        #: gives ``p`` its own), so a watched blob is unchanged only if every member is.
+        self.members = members
 
     @property
     def source_tensor(self) -> torch.Tensor:

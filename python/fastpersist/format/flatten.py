@@ -29,7 +29,7 @@ from .. import device as _device
 from ..device import copier_for as _copier_for
 from ..errors import UnsupportedValueError
 from ..gcpause import paused_gc
-from .blobs import U8, Blob, byte_view
+from .blobs import U8, Blob, Member, byte_view
 from .kinds import checked_attrs, meta_record, set_node, sparse_node
 from .limits import MAX_DEPTH, MAX_DIMS, namedtuple_problem
 from .quote import shown
@@ -436,16 +436,14 @@ class _Walker:
         raw.set_(owner.untyped_storage(), lo, (hi - lo,), (1,))
         blob = self.records[group[0][0]].blob
         copier = _copier_for(owner) if not owner.is_cpu or _device.installed_copier is not None else None
-        version = None
-        if raw.is_cpu or copier is not None:  # the source itself, not a host copy: watched
-            try:
-                version = owner._version
-            except RuntimeError:  # inference tensors track no version
-                pass
+        # The source itself, not a host copy, is watched: through every member, as each may
+        # have a version counter of its own (`raw` is a new tensor with one of its own, too).
+        members = _members(group) if raw.is_cpu or copier is not None else ()
+        version = raw._version if members else None
         if copier is not None:
-            self.blobs[blob] = Blob(None, raw, version, hi - lo, copier)
+            self.blobs[blob] = Blob(None, raw, version, hi - lo, copier, members)
         else:
-            self.blobs[blob] = Blob(raw.cpu().numpy(), owner, version)
+            self.blobs[blob] = Blob(raw.cpu().numpy(), raw, version, members=members)
         for (i, t, path), start in zip(group, starts, strict=True):
             self.records[i] = TensorRecord(
                 path,
@@ -459,3 +457,14 @@ class _Walker:
                 t.requires_grad,
                 type(t) is _Parameter,
             )
+
+
+def _members(group: list[tuple[int, torch.Tensor, str]]) -> tuple[Member, ...]:
+    """The tensors of a shared storage with their versions (inference tensors track none)."""
+    members = []
+    for i, t, _ in group:
+        try:
+            members.append(Member(i, t, t._version))
+        except RuntimeError:
+            pass
+    return tuple(members)

@@ -14,7 +14,8 @@ What lies where (docs/format.md):
 * on a memory root (tmpfs), the recycle directory ``.fprecycle/`` holding retired steps' data
   files for a later save to overwrite in place (:mod:`fastpersist.saving.recycle`): one entry
   ``NAME.ID`` per retired step, never a checkpoint (its manifest is removed on the way in);
-* a DCP directory (:mod:`fastpersist.integrations.dcp`): ``.metadata`` and ``__R_ID.fpdcp``;
+* a DCP directory (:mod:`fastpersist.integrations.dcp`): ``.metadata`` and ``__R_ID.fpdcp``
+  (``__R_ID_I.fpdcp``, one per item, with ``single_file_per_rank=False``);
 * the owner marker and the live-save lock of :mod:`fastpersist.format.ownership` (which owns
   those two names).
 

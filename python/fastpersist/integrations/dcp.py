@@ -5,7 +5,8 @@ and what each rank loads (resharding to whatever layout the loading job has). Th
 only store the bytes: each rank writes all its items as one file through the fastpersist
 engine (large aligned O_DIRECT writes, crc32c per chunk, fsync), and the coordinator commits
 the checkpoint by writing DCP's ``.metadata`` last (temporary name, fsync, rename, fsync the
-directory). Reads go through the engine too, and every chunk's checksum is verified.
+directory). Reads go through the engine too, only the chunks holding what the load plan asks
+for, and every chunk read has its checksum verified.
 
 Example:
     >>> import torch.distributed.checkpoint as dcp
@@ -26,6 +27,7 @@ import os
 import pickle
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +41,10 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
+    WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -49,7 +53,9 @@ from ..config import Config
 from ..errors import CorruptCheckpointError
 from ..format.layout import DCP_DATA_SUFFIX, DCP_METADATA_NAME, dcp_data_file_name, write_small_file
 from ..format.quote import shown
-from ..format.records import TORCH_DTYPES
+from .dcp_args import checked_config, refuse_rank_local_metadata, writer_config
+from .dcp_metadata import read_dcp_metadata
+from .dcp_ranges import FileReads, box_view, needed_spans, plan_file_reads, stored_dtype
 
 __all__ = ["FastPersistReader", "FastPersistWriter", "ItemInfo"]
 
@@ -73,19 +79,75 @@ class ItemInfo:
     chunk_crc32c: tuple[int, ...] | None = None
 
 
-class FastPersistWriter(StorageWriter):
+class FastPersistWriter(StorageWriter, BlockingAsyncStager):
     """A DCP ``StorageWriter`` that writes through the fastpersist engine.
+
+    It takes ``FileSystemWriter``'s arguments (by keyword) with the same meaning where the
+    engine has one, so code can swap the class; ``config`` holds the engine's own knobs.
 
     Args:
         path: the checkpoint directory (created if missing).
         config: engine knobs (``chunk_bytes``, ``backend``, ``direct_io``, ``checksum``,
             ``durable``, ...); ``stripes`` is not used here.
+        single_file_per_rank: ``True``: one data file per rank; ``False``: one per item, as
+            ``FileSystemWriter`` does (each still written with the engine and checksummed).
+        sync_files: fsync the data files, ``.metadata`` and the directory before the save
+            returns; the same switch as ``Config(durable=...)``, and it wins over the config's
+            (``None``: the config's, ``True`` unless set); ``True`` with ``durable=False`` is refused.
+        thread_count: accepted and kept, changes nothing: ``FileSystemWriter`` needs threads
+            to have several writes in flight, the engine keeps ``config.queue_depth`` aligned
+            writes in flight from one thread (io_uring, or its own thread pool).
+        per_thread_copy_ahead: accepted and kept, changes nothing: the engine stages through
+            ``config.pool_bytes`` of page-aligned memory whatever this says.
+        cache_staged_state_dict: for ``dcp.async_save``: keep the CPU copy of the state
+            between saves and copy into it (``BlockingAsyncStager``'s meaning).
+        overwrite: ``False`` refuses a directory that already holds a checkpoint (a
+            ``.metadata``), as ``FileSystemWriter`` does; ``True`` replaces it (the new
+            ``.metadata`` is renamed over the old one, then the old data files are removed).
+        _extensions: stream transforms (``ZStandard``, ...) are refused: see below.
+        serialization_format: accepted, changes nothing: items are always stored as raw
+            bytes in fastpersist's files (what ``SAFETENSORS`` stores), which only
+            :class:`FastPersistReader` reads.
+
+    Raises:
+        NotImplementedError: ``_extensions`` is not empty. Items are written as raw aligned
+            bytes checksummed per chunk so that a load can read only the ranges it needs; a
+            compressed stream has no such ranges. Use ``FileSystemWriter`` to compress.
+        ValueError: ``sync_files=True`` with ``config.durable=False``, or a count out of range.
+        TypeError: ``config`` is not a :class:`~fastpersist.Config` (pass
+            ``FileSystemWriter``'s arguments by keyword).
+
+    Example:
+        >>> w = FastPersistWriter("/tmp/fp-dcp-doc", sync_files=False, thread_count=4, overwrite=False)
+        >>> w.config.durable, w.thread_count
+        (False, 4)
     """
 
-    def __init__(self, path: str | os.PathLike[str], config: Config | None = None) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: Config | None = None,
+        *,
+        single_file_per_rank: bool = True,
+        sync_files: bool | None = None,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Sequence[object] | None = None,
+        serialization_format: object = None,
+    ) -> None:
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        config = writer_config(config, sync_files, thread_count, per_thread_copy_ahead, _extensions)
         self.path = os.path.abspath(os.fspath(path))
-        self.config = config or Config()
+        self.config = config
+        self.single_file_per_rank = bool(single_file_per_rank)
+        self.sync_files = config.durable
+        self.thread_count = thread_count
+        self.per_thread_copy_ahead = per_thread_copy_ahead
+        self.overwrite = bool(overwrite)
+        self.serialization_format = serialization_format
         self.rank = 0
         self.is_coordinator = True
 
@@ -94,8 +156,21 @@ class FastPersistWriter(StorageWriter):
         if checkpoint_id is not None:
             self.path = os.path.abspath(os.fspath(checkpoint_id))
 
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``dcp.async_save``'s staging: a CPU copy of the state, kept and copied into again with
+        ``cache_staged_state_dict=True`` (pinned only where CUDA is there to copy from)."""
+        if not self.cache_staged_state_dict:
+            return super().stage(state_dict)
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        if self.state_dict_cache is None:
+            # BlockingAsyncStager always pins, which fails on a machine without a CUDA driver
+            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        return _copy_state_dict(state_dict, self.state_dict_cache)
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Records this rank's role."""
+        """Records this rank's role; refuses ``use_collectives=False`` on several ranks."""
+        refuse_rank_local_metadata(kwargs.get("use_collectives", True))
         self.is_coordinator = is_coordinator
         rank = kwargs.get("rank")
         if rank is None and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -103,8 +178,13 @@ class FastPersistWriter(StorageWriter):
         self.rank = int(rank or 0)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """Creates the checkpoint directory."""
+        """Creates the checkpoint directory; with ``overwrite=False`` refuses one that holds a checkpoint."""
         os.makedirs(self.path, exist_ok=True)
+        if not self.overwrite and os.path.exists(os.path.join(self.path, DCP_METADATA_NAME)):
+            raise RuntimeError(
+                f"Checkpoint already exists and self.overwrite=False: {self.path}/{DCP_METADATA_NAME} "
+                "(pass overwrite=True to replace it, or save to another directory)"
+            )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -113,24 +193,27 @@ class FastPersistWriter(StorageWriter):
         return [dataclasses.replace(p, storage_data=dcp_data_file_name(i, save_id)) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Writes this rank's items as one engine write; the future holds their WriteResults."""
-        started = time.perf_counter()
+        """Writes this rank's items as one engine write (or one per item with
+        ``single_file_per_rank=False``); the future holds their WriteResults."""
         name = str(plan.storage_data or dcp_data_file_name(self.rank, uuid.uuid4().hex[:12]))
-        sources: list[np.ndarray] = []
-        shapes: list[tuple[str | None, tuple[int, ...]]] = []
-        for item in plan.items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                assert isinstance(data, io.BytesIO)
-                sources.append(np.frombuffer(data.getbuffer(), np.uint8).copy())
-                shapes.append((None, ()))
-            else:
-                assert isinstance(data, torch.Tensor)
-                t = data.detach().to("cpu").contiguous()
-                sources.append(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8))
-                shapes.append((str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+        items = [(item, *_source(item, planner.resolve_data(item))) for item in plan.items]
+        if self.single_file_per_rank:
+            results = self._write_file(name, items)
+        else:
+            stem = name.removesuffix(DCP_DATA_SUFFIX)
+            results = [
+                r for i, one in enumerate(items) for r in self._write_file(f"{stem}_{i}{DCP_DATA_SUFFIX}", [one])
+            ]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_file(
+        self, name: str, items: list[tuple[WriteItem, np.ndarray, str | None, tuple[int, ...]]]
+    ) -> list[WriteResult]:
+        started = time.perf_counter()
         cfg = self.config
-        engine_plan = _core.Plan([s.nbytes for s in sources], 1, 1, cfg.chunk_bytes)
+        engine_plan = _core.Plan([source.nbytes for _, source, _, _ in items], 1, 1, cfg.chunk_bytes)
         from ..saving.pools import pool_for
 
         report: Any = {"parts": [], "backend": "none"}
@@ -139,7 +222,7 @@ class FastPersistWriter(StorageWriter):
                 engine_plan,
                 0,
                 [os.path.join(self.path, name)],
-                sources,
+                [source for _, source, _, _ in items],
                 pool_for(cfg),
                 backend=cfg.backend,
                 direct_io=cfg.direct_io,
@@ -149,7 +232,7 @@ class FastPersistWriter(StorageWriter):
             ).wait()
         part = report["parts"][0] if report["parts"] else None
         results = []
-        for i, (item, source, (dtype, shape)) in enumerate(zip(plan.items, sources, shapes, strict=True)):
+        for i, (item, source, dtype, shape) in enumerate(items):
             info = ItemInfo(
                 name,
                 engine_plan.extent_offsets[i],
@@ -171,9 +254,7 @@ class FastPersistWriter(StorageWriter):
             report["backend"],
             os.path.join(self.path, name),
         )
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: writes ``.metadata`` last and durably; removes data files of older saves."""
@@ -190,48 +271,64 @@ class FastPersistWriter(StorageWriter):
             if name.endswith(DCP_DATA_SUFFIX) and name not in live:
                 os.remove(os.path.join(self.path, name))
 
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory (``FileSystemWriter.checkpoint_id``)."""
+        return self.path
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Any local path will do."""
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Reads DCP's metadata without running code from the file: only DCP's data classes,
-    torch dtypes / sizes / layouts / memory formats and a few builtins may appear."""
-
-    _BUILTINS = frozenset({"set", "frozenset", "slice", "tuple", "list", "dict", "bytearray", "complex"})
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint.") or (module == __name__ and name == "ItemInfo"):
-            return super().find_class(module, name)
-        if (module, name) == ("torch.serialization", "_get_layout"):  # a name -> torch.layout lookup
-            return super().find_class(module, name)
-        if module == "torch":
-            value = getattr(torch, name, None)
-            if value is torch.Size or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
-        if (module, name) in {("collections", "OrderedDict"), ("builtins", name)} and (
-            module != "builtins" or name in self._BUILTINS
-        ):
-            return super().find_class(module, name)
-        raise CorruptCheckpointError(
-            f"DCP metadata refers to {shown(f'{module}.{name}')}, which a checkpoint never needs"
-        )
+def _source(item: WriteItem, data: object) -> tuple[np.ndarray, str | None, tuple[int, ...]]:
+    """An item's bytes as a flat uint8 array, with its dtype name (None: bytes) and shape."""
+    if item.type == WriteItemType.BYTE_IO:
+        assert isinstance(data, io.BytesIO)
+        return np.frombuffer(data.getbuffer(), np.uint8).copy(), None, ()
+    assert isinstance(data, torch.Tensor)
+    t = data.detach().to("cpu").contiguous()
+    flat = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
+    return flat, str(t.dtype).removeprefix("torch."), tuple(t.shape)
 
 
 class FastPersistReader(StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by :class:`FastPersistWriter`.
 
-    Each rank reads the files holding the items its load plan asks for (through the engine,
-    every chunk's crc32c verified) and copies each item's requested region into place.
+    Each rank reads only the chunks holding the regions its load plan asks for (a resharded
+    load on many ranks reads each byte about once), all files in one engine call with every
+    chunk's crc32c verified; a chunk needed only in part is read whole so that its checksum can
+    be checked. Damage in a chunk no rank needs does not fail a load.
+
+    Args:
+        path: the checkpoint directory.
+        config: engine knobs for reading (``backend``, ``direct_io``, ``queue_depth``).
+        _extension_registry: ``FileSystemReader``'s, accepted (by keyword) and never needed:
+            checkpoints written by :class:`FastPersistWriter` hold no stream transforms.
+
+    Example:
+        >>> FastPersistReader("/tmp/fp-dcp-doc", Config(direct_io="off")).config.direct_io
+        'off'
     """
 
-    def __init__(self, path: str | os.PathLike[str], config: Config | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: Config | None = None,
+        *,
+        _extension_registry: object = None,
+    ) -> None:
         super().__init__()
         self.path = os.path.abspath(os.fspath(path))
-        self.config = config or Config()
+        self.config = checked_config(config, "FastPersistReader", "FileSystemReader")
+        # Kept for FileSystemReader's callers; never consulted, as FastPersistWriter refuses
+        # stream transforms, so no item of a checkpoint it wrote names one.
+        self._extension_registry = _extension_registry
         self.storage: dict[MetadataIndex, ItemInfo] = {}
+        self._crcs: dict[str, list[int]] = {}
+        #: What the engine reported over this reader's loads: ``bytes`` read, ``crc32c_s``.
+        self.read_stats: dict[str, float] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Points the reader at `checkpoint_id` (a directory) when DCP passes one."""
@@ -240,19 +337,12 @@ class FastPersistReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Reads ``.metadata`` (a restricted unpickler: no code from the file runs)."""
-        path = os.path.join(self.path, DCP_METADATA_NAME)
-        with open(path, "rb") as f:
-            try:
-                metadata = _MetadataUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-                raise CorruptCheckpointError(f"{path}: unreadable DCP metadata ({e})") from None
-        if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
-            raise CorruptCheckpointError(f"{path}: not a checkpoint written by FastPersistWriter")
-        return metadata
+        return read_dcp_metadata(self.path)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Keeps the item locations from the metadata."""
+        """Keeps the item locations and each file's chunk checksums from the metadata."""
         self.storage = metadata.storage_data
+        self._crcs = {i.relative_path: list(i.chunk_crc32c) for i in self.storage.values() if i.chunk_crc32c}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Unchanged: DCP's planner decides what this rank reads."""
@@ -263,44 +353,101 @@ class FastPersistReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Reads the needed files (checksums verified) and hands every item to the planner."""
-        files = {self.storage[item.storage_index].relative_path for item in plan.items}
-        buffers = {name: self._read_file(name) for name in sorted(files)}
+        """Reads only the chunks holding the requested regions, of every file in one engine call
+        (checksums verified), and hands every item to the planner."""
+        from ..loading.reading import aligned_uint8, direct_padded
+
+        started = time.perf_counter()
+        per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
-            info = self.storage[item.storage_index]
-            raw = buffers[info.relative_path][info.offset_bytes : info.offset_bytes + info.len_bytes]
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(raw.numpy().tobytes()))
-                continue
-            _copy_item(item, info, raw, planner)
+            per_file.setdefault(self.storage[item.storage_index].relative_path, []).append(item)
+        planned: list[tuple[list[ReadItem], FileReads, list[int]]] = []
+        # by chunk size (the engine reads one chunk size per call; ranks may have had their own)
+        ranges: dict[int, list[tuple[str, int, int, int, int, list[int]]]] = {}
+        total = 0
+        for _, items in sorted(per_file.items()):
+            reads = self._file_reads(items)
+            slots = []  # each window's offset in the one buffer all files are read into
+            for window in reads.windows:
+                slots.append(total)
+                total += direct_padded(window.hi_bytes - window.lo_bytes)
+            chunk_bytes = self.storage[items[0].storage_index].chunk_bytes
+            ranges.setdefault(chunk_bytes, []).extend(self._ranges(items[0], reads, slots))
+            planned.append((items, reads, slots))
+        buf = aligned_uint8(total)
+        stats: dict[str, float] = {}
+        for chunk_bytes, chunk_ranges in ranges.items():
+            try:
+                _core.read_ranges_into(
+                    chunk_ranges,
+                    buf.numpy(),
+                    chunk_bytes=chunk_bytes,
+                    backend=self.config.backend,
+                    direct_io=self.config.direct_io,
+                    queue_depth=self.config.queue_depth,
+                    stats=stats,
+                )
+            except FileNotFoundError as e:
+                raise CorruptCheckpointError(
+                    f"{shown(e.filename, 300)}, named in {self.path}/{DCP_METADATA_NAME}, is missing"
+                ) from None
+        for items, reads, slots in planned:
+            for item, w in zip(items, reads.window_of_item, strict=True):
+                info = self.storage[item.storage_index]
+                if w < 0:  # nothing to read: an empty region
+                    raw, start = buf[:0], 0
+                else:
+                    window = reads.windows[w]
+                    raw = buf[slots[w] : slots[w] + window.hi_bytes - window.lo_bytes]
+                    start = info.offset_bytes - window.lo_bytes
+                if item.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(item, io.BytesIO(raw[start : start + info.len_bytes].numpy().tobytes()))
+                else:
+                    _copy_item(item, info, raw, start, planner)
+        for key, value in stats.items():
+            self.read_stats[key] = self.read_stats.get(key, 0) + value
+        log.info(
+            "dcp read: %d bytes of %d files in %.3f s for %d items from %s",
+            stats.get("bytes", 0),
+            len(per_file),
+            time.perf_counter() - started,
+            len(plan.items),
+            self.path,
+        )
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_file(self, name: str) -> torch.Tensor:
-        from ..loading.reading import aligned_uint8
+    def _file_reads(self, items: list[ReadItem]) -> FileReads:
+        """The windows and chunks of one file that `items` (all in that file) need."""
+        info = self.storage[items[0].storage_index]
+        if not info.file_bytes:
+            return FileReads([], [-1] * len(items))
+        spans = []
+        for item in items:
+            at = self.storage[item.storage_index].offset_bytes
+            spans.append([(at + a, at + b) for a, b in needed_spans(item, self.storage[item.storage_index])])
+        return plan_file_reads(spans, info.chunk_bytes, info.file_bytes)
 
-        first = next((i for i in self.storage.values() if i.relative_path == name and i.chunk_crc32c is not None), None)
-        any_item = first or next(i for i in self.storage.values() if i.relative_path == name)
-        if not any_item.file_bytes:
-            return torch.empty(0, dtype=torch.uint8)
-        buf = aligned_uint8(any_item.file_bytes)
-        crcs = list(first.chunk_crc32c or ()) if first else []
-        path = os.path.join(self.path, name)
-        try:
-            _core.read_ranges_into(
-                [(path, any_item.file_bytes, 0, any_item.file_bytes, 0, crcs)],
-                buf.numpy(),
-                chunk_bytes=any_item.chunk_bytes,
-                backend=self.config.backend,
-                direct_io=self.config.direct_io,
-                queue_depth=self.config.queue_depth,
-            )
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"{shown(path, 300)}, named in {self.path}/{DCP_METADATA_NAME}, is missing"
-            ) from None
-        return buf[: any_item.file_bytes]
+    def _ranges(
+        self, item: ReadItem, reads: FileReads, slots: list[int]
+    ) -> list[tuple[str, int, int, int, int, list[int]]]:
+        """The engine's read ranges, with their checksums, for the chunks of the file holding `item`."""
+        info = self.storage[item.storage_index]
+        crcs = self._crcs.get(info.relative_path, [])
+        path = os.path.join(self.path, info.relative_path)
+        ranges = []
+        for window, slot in zip(reads.windows, slots, strict=True):
+            for lo, hi in window.chunks:
+                first = lo // info.chunk_bytes
+                checked = crcs[first : first + _core.chunk_count(hi - lo, info.chunk_bytes)]
+                ranges.append((path, info.file_bytes, lo, hi - lo, slot + lo - window.lo_bytes, checked))
+        return ranges
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory (``FileSystemReader.checkpoint_id``)."""
+        return self.path
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -308,18 +455,15 @@ class FastPersistReader(StorageReader):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
-def _copy_item(item: ReadItem, info: ItemInfo, raw: torch.Tensor, planner: LoadPlanner) -> None:
-    dtype = TORCH_DTYPES.get(info.dtype or "")
-    if dtype is None:
-        raise CorruptCheckpointError(f"DCP item {shown(item.storage_index.fqn)}: unknown dtype {shown(info.dtype)}")
-    stored = raw.view(dtype).reshape(info.shape) if raw.numel() else torch.empty(info.shape, dtype=dtype)
-    for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
-        stored = stored.narrow(dim, offset, length)
+def _copy_item(item: ReadItem, info: ItemInfo, raw: torch.Tensor, start_bytes: int, planner: LoadPlanner) -> None:
+    """Copies the requested box of the item stored at `start_bytes` of `raw` (which may begin
+    after the item's first byte, so `start_bytes` may be negative) into the planner's tensor."""
     target = planner.resolve_tensor(item).detach()
-    if target.shape != stored.shape:
+    lengths = list(item.lengths)
+    if target.shape != torch.Size(lengths):
         raise CorruptCheckpointError(
-            f"DCP item {shown(item.storage_index.fqn)}: stored region {list(stored.shape)} != requested "
-            f"{list(target.shape)}"
+            f"DCP item {shown(item.storage_index.fqn)}: stored region {lengths} != requested {list(target.shape)}"
         )
-    target.copy_(stored)
+    if target.numel():
+        target.copy_(box_view(raw, start_bytes, info.shape, stored_dtype(item, info), item.storage_offsets, lengths))
     planner.commit_tensor(item, target)

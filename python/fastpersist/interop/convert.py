@@ -28,7 +28,7 @@ import json
 import logging
 import os
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -98,7 +98,9 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Any:
         if rec.blob in buffers:
             continue
         length = m.blobs[rec.blob][1]
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "meta":  # no bytes: its blob is empty
+            buffers[rec.blob] = torch.zeros(length, dtype=torch.uint8)
+        elif isinstance(leaf, torch.Tensor):
             raw = torch.empty(0, dtype=torch.uint8).set_(leaf.untyped_storage())
             start = leaf.storage_offset() * leaf.element_size() - rec.offset_bytes
             buffers[rec.blob] = raw[start : start + length].clone()
@@ -126,9 +128,15 @@ def read_any(path: str | os.PathLike[str], *, unsafe_pickle: bool = False) -> An
     return read_safetensors(path)
 
 
+#: Globals a weights_only load may build besides torch's defaults: constructors of plain values
+#: that fastpersist stores too (torch.save writes a frozenset as a call of its type).
+SAFE_GLOBALS: list[Any] = [frozenset]
+
+
 def _read_torch_file(path: str, unsafe_pickle: bool) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as e:
         if not unsafe_pickle:
             lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
@@ -188,6 +196,8 @@ def _storable(leaf: object) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(leaf).reshape(-1).view(np.uint8).copy())
     else:
         assert isinstance(leaf, torch.Tensor)
+        if leaf.device.type == "meta":  # shape and dtype only: its record says them, no bytes to store
+            return torch.zeros(0, dtype=torch.uint8)
         t = leaf.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
     if t.dtype not in _SAFETENSORS_DTYPES:
         return t.reshape(-1).view(torch.uint8).clone() if t.numel() else torch.zeros(0, dtype=torch.uint8)
@@ -254,16 +264,63 @@ def _blob_buffers(records: list[TensorRecord], values: list[torch.Tensor]) -> li
         sizes[r.blob] = max(sizes.get(r.blob, 0), end)
     buffers = [torch.zeros(sizes.get(b, 0), dtype=torch.uint8) for b in range(max(sizes, default=-1) + 1)]
     for r, v in zip(records, values, strict=True):
+        if r.device == "meta" and r.kind == "torch":  # no bytes in the blob
+            continue
         buf = buffers[r.blob]
-        span = span_elems(r.shape, r.stride) * dtype_itemsize(r.kind, r.dtype)
+        itemsize = dtype_itemsize(r.kind, r.dtype)
+        span = span_elems(r.shape, r.stride) * itemsize
         raw = buf[r.offset_bytes : r.offset_bytes + span]
-        if r.kind == "numpy" or (v.dtype == torch.uint8 and r.dtype != "uint8"):
+        if r.kind == "numpy":
             raw.copy_(v.reshape(-1).view(torch.uint8) if v.numel() else raw)
+            continue
+        if v.dtype == torch.uint8 and r.dtype != "uint8":  # a dtype safetensors lacks, stored as its bytes
+            _place_bytes(raw, v, tuple(r.shape), tuple(r.stride), itemsize)
             continue
         dest = raw.view(TORCH_DTYPES[r.dtype]).as_strided(r.shape, r.stride)
         with torch.no_grad():
-            dest.copy_(v)
+            _copy_into(dest, v)
     return buffers
+
+
+def _may_overlap(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """False when no two elements of a view with `shape` and `stride` can share a location:
+    taken by increasing stride, each dimension steps past everything the smaller ones reach."""
+    reach = 0
+    for n, step in sorted(((n, step) for n, step in zip(shape, stride, strict=True) if n > 1), key=lambda d: d[1]):
+        if step <= reach:
+            return True
+        reach += (n - 1) * step
+    return False
+
+
+def _copy_into(dest: torch.Tensor, values: torch.Tensor) -> None:
+    """``dest.copy_(values)``, also where `dest`'s elements overlap (an expanded view: torch
+    refuses to write one location twice, so those go by index; the values there agree)."""
+    if not _may_overlap(dest.shape, dest.stride()):
+        dest.copy_(values)
+        return
+    index = torch.zeros(dest.shape, dtype=torch.int64)
+    for dim, (n, step) in enumerate(zip(dest.shape, dest.stride(), strict=True)):
+        index += (torch.arange(n) * step).view([n if d == dim else 1 for d in range(dest.dim())])
+    flat = dest.as_strided((dest.storage_offset() + int(index.max()) + 1,), (1,), 0)
+    flat[dest.storage_offset() + index.reshape(-1)] = values.reshape(-1).to(dest.dtype)
+
+
+#: An integer dtype per element size, to move elements of any dtype as whole words.
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _place_bytes(
+    raw: torch.Tensor, values: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...], itemsize: int
+) -> None:
+    """Writes `values` (the elements' bytes in row-major order) into `raw` at `stride` (in
+    elements of `itemsize` bytes), moving each element as whole words of an integer dtype."""
+    if not values.numel():
+        return
+    word = 8 if itemsize % 8 == 0 else max(w for w in _WORDS if itemsize % w == 0)
+    per = itemsize // word
+    dest = raw.view(_WORDS[word]).as_strided((*shape, per), (*(s * per for s in stride), 1))
+    _copy_into(dest, values.view(_WORDS[word]).reshape(*shape, per))
 
 
 # ----------------------------------------------------------------------------- convert

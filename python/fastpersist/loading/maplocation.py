@@ -31,8 +31,9 @@ from ..format.quote import shown
 __all__ = ["MapLocation", "MappedStorages", "check_load_flags", "check_targets_exist", "map_tensor", "target_device"]
 
 MapLocation = str | torch.device | Mapping[str, str | torch.device] | Callable[[torch.UntypedStorage, str], Any] | None
-#: Mapped storages by the data pointer of their source storage (so shared storages stay shared).
-MappedStorages = dict[int, Any]
+#: Mapped storages by the data pointer of their source storage (and the target device, for a
+#: moved one), so that tensors which shared a storage share the mapped one.
+MappedStorages = dict[Any, Any]
 
 
 def check_load_flags(weights_only: bool | None, mmap: bool | None) -> None:
@@ -101,6 +102,8 @@ def map_tensor(location: MapLocation, tensor: torch.Tensor, saved_device: str, c
         ValueError: the target device does not exist here (a checkpoint saved on a GPU loaded
             without ``map_location`` on a machine without that GPU).
     """
+    if tensor.device.type == "meta":  # no data to move: torch.load keeps meta tensors whatever the target
+        return tensor
     target = target_device(location, saved_device)
     if target is None:
         assert callable(location)
@@ -108,14 +111,27 @@ def map_tensor(location: MapLocation, tensor: torch.Tensor, saved_device: str, c
     if target == tensor.device:
         return tensor
     try:
-        moved = tensor.to(target)
+        storage = _moved_storage(tensor.untyped_storage(), target, cache)
     except (RuntimeError, AssertionError) as e:  # torch asserts when it was built without CUDA
         raise ValueError(
             f"a tensor saved on {shown(saved_device)} cannot go to {target} here ({type(e).__name__}: "
             f"{shown(str(e), 160)}); pass map_location='cpu', a device this machine has, or a "
             "{saved: target} dict"
         ) from None
+    with torch.no_grad():
+        moved = torch.empty(0, dtype=tensor.dtype, device=target)
+        moved.set_(storage, tensor.storage_offset(), tensor.shape, tensor.stride())
     return _like(tensor, moved)
+
+
+def _moved_storage(storage: torch.UntypedStorage, target: torch.device, cache: MappedStorages) -> Any:
+    """`storage` (one blob's bytes, as read) on `target`, moved once: the tensors viewing it keep
+    their strides and offsets there, and their sharing."""
+    key = (storage.data_ptr(), str(target))
+    if key not in cache:
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+        cache[key] = raw.to(target).untyped_storage()
+    return cache[key]
 
 
 def _like(source: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,12 @@ memory and call ``.to(device)`` per tensor. Instead:
    every chunk's crc32c checked by ``read_window``) into a ring of two page-aligned host
    buffers, registered with CUDA once and kept for later loads;
 3. each window's bytes are queued host-to-device (``loader.copy_to_device``, non-blocking on a
-   side stream) into the blobs' destinations, then the ring buffer's event is recorded
-   (``mark``); while those copies run, the next window is read into the other buffer (the read
-   releases the GIL). A ring buffer is refilled only after ``wait`` on its event returned;
+   side stream) into the blobs' destinations, then a fence (a CUDA event) is recorded after
+   them and kept with the ring buffer (``loader.fence``); while those copies run, the next
+   window is read into the other buffer (the read releases the GIL). A ring buffer is refilled
+   only once its fences completed: the load returns before its last two windows' copies have
+   run, so the fences go back to the cache with the ring and the next load that takes it
+   waits on them first; a ring dropped from the cache is unpinned and freed only after them;
 4. blobs bound for the CPU (or a device without a loader) are copied out of the ring into host
    memory of their own and placed as today.
 
@@ -44,7 +47,7 @@ import torch
 
 from .. import _core
 from ..config import Config
-from ..device import DeviceLoader, loader_for, unpin_host
+from ..device import CopyFence, DeviceLoader, loader_for, unpin_host
 from ..errors import FastPersistError
 from ..format.manifest import Manifest
 from .maplocation import MapLocation, target_device
@@ -66,8 +69,45 @@ DEVICE_WINDOW_BYTES = WINDOW_BYTES
 RING_SLOTS = 2
 
 RingBuffer = tuple[_core.PagedBuffer, torch.Tensor]
+
+
+class Ring:
+    """The host buffers of a device load and, per buffer, the fences of the copies last queued
+    from it (one per loader). A load returns before its last copies have run, so the fences go
+    back to the cache with the buffers: a buffer is refilled, and a dropped ring unpinned and
+    freed, only once they completed."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffers: list[RingBuffer] = [paged_uint8(nbytes) for _ in range(RING_SLOTS)]
+        self.fences: list[list[tuple[torch.device, CopyFence]]] = [[] for _ in range(RING_SLOTS)]
+
+    def wait(self, slot: int) -> None:
+        """Returns once the copies from buffer `slot` have completed; a fence that fails raises
+        (and stays, so that :meth:`settle` still waits for the others)."""
+        for _, fence in self.fences[slot]:
+            fence.synchronize()
+        self.fences[slot] = []
+
+    def settle(self) -> None:
+        """Waits for every copy from the ring, whatever fails (a device error: already raised,
+        or the device is gone)."""
+        for slot in range(RING_SLOTS):
+            for _, fence in self.fences[slot]:
+                try:
+                    fence.synchronize()
+                except Exception:
+                    pass
+            self.fences[slot] = []
+
+    def release(self) -> None:
+        """Unpins the buffers once no copy reads them (they are freed when dropped)."""
+        self.settle()
+        for _, host in self.buffers:
+            unpin_host(host)
+
+
 #: Rings kept between loads by buffer size, most recently used last (bounded, like save pools).
-_rings: collections.OrderedDict[int, list[RingBuffer]] = collections.OrderedDict()
+_rings: collections.OrderedDict[int, Ring] = collections.OrderedDict()
 _rings_lock = threading.Lock()
 _RINGS_KEPT = 2
 
@@ -91,23 +131,23 @@ def device_targets(m: Manifest, location: MapLocation) -> dict[int, torch.device
     return {b: t for b, t in targets.items() if t is not None}
 
 
-def _take_ring(nbytes: int) -> list[RingBuffer]:
+def _take_ring(nbytes: int) -> Ring:
     with _rings_lock:
         ring = _rings.pop(nbytes, None)
-    if ring is None:
-        ring = [paged_uint8(nbytes) for _ in range(RING_SLOTS)]
-    return ring
+    return ring if ring is not None else Ring(nbytes)
 
 
-def _give_back_ring(nbytes: int, ring: list[RingBuffer]) -> None:
-    dropped: list[RingBuffer] = []
+def _give_back_ring(nbytes: int, ring: Ring) -> None:
+    dropped: list[Ring] = []
     with _rings_lock:
-        dropped.extend(_rings.pop(nbytes, []))  # a concurrent load's ring of the same size
+        previous = _rings.pop(nbytes, None)  # a concurrent load's ring of the same size
+        if previous is not None:
+            dropped.append(previous)
         _rings[nbytes] = ring
         while len(_rings) > _RINGS_KEPT:
-            dropped.extend(_rings.popitem(last=False)[1])
-    for _, host in dropped:
-        unpin_host(host)
+            dropped.append(_rings.popitem(last=False)[1])
+    for old in dropped:
+        old.release()
 
 
 def _copy_failed(root: str, device: torch.device, error: BaseException) -> FastPersistError:
@@ -118,8 +158,8 @@ def _copy_failed(root: str, device: torch.device, error: BaseException) -> FastP
 
 
 class DeviceCopies:
-    """The loaders of one load (one per target device) and which of them have copies in flight
-    from each ring buffer; a loader's failure becomes one error naming the checkpoint."""
+    """The loaders of one load (one per target device); a loader's failure becomes one error
+    naming the checkpoint."""
 
     def __init__(self, root: str, devices: set[torch.device]) -> None:
         self.root = root
@@ -128,7 +168,6 @@ class DeviceCopies:
             factory = loader_for(device)
             assert factory is not None, f"{device} has no loader"
             self.loaders[device] = factory(device)
-        self.busy: list[set[torch.device]] = [set() for _ in range(RING_SLOTS)]
         for device in self.loaders:
             self.call(device, "begin")
 
@@ -139,25 +178,29 @@ class DeviceCopies:
         except Exception as e:
             raise _copy_failed(self.root, device, e) from e
 
-    def reuse(self, slot: int) -> None:
-        """Returns once ring buffer `slot` may be refilled (its previous copies completed)."""
-        for device in sorted(self.busy[slot], key=str):
-            self.call(device, "wait", slot)
-        self.busy[slot] = set()
+    def reuse(self, ring: Ring, slot: int) -> None:
+        """Returns once ring buffer `slot` may be refilled: the copies last queued from it, by
+        this load or an earlier one, have completed."""
+        for device, fence in ring.fences[slot]:
+            try:
+                fence.synchronize()
+            except Exception as e:
+                raise _copy_failed(self.root, device, e) from e
+        ring.fences[slot] = []
 
-    def mark(self, slot: int) -> None:
-        """Records the end of the current window's copies from ring buffer `slot`."""
-        for device in sorted(self.busy[slot], key=str):
-            self.call(device, "mark", slot)
+    def mark(self, ring: Ring, slot: int, devices: set[torch.device]) -> None:
+        """Keeps with the ring the end of the window's copies from buffer `slot` (made by the
+        loaders of `devices`)."""
+        for device in sorted(devices, key=str):
+            try:
+                fence = self.loaders[device].fence()
+            except Exception as e:
+                raise _copy_failed(self.root, device, e) from e
+            ring.fences[slot].append((device, fence))
 
-    def drain(self) -> None:
+    def drain(self, ring: Ring) -> None:
         """After a failure: lets every copy in flight finish (errors are already being raised)."""
-        for slot in range(RING_SLOTS):
-            for device in self.busy[slot]:
-                try:
-                    self.loaders[device].wait(slot)
-                except Exception:
-                    pass
+        ring.settle()
         for loader in self.loaders.values():
             try:
                 loader.finish()
@@ -216,14 +259,14 @@ def copy_extents(
     nbytes = direct_padded(window)
     ring = _take_ring(nbytes)
     try:
-        for _, host in ring:
+        for _, host in ring.buffers:
             for device in copies.loaders:
                 copies.call(device, "register", host)
         _fill(root, m, verify, config, window, ring, copies, extents, stats)
         for device in copies.loaders:
             copies.call(device, "finish")
     except BaseException:
-        copies.drain()
+        copies.drain(ring)
         raise
     finally:
         _give_back_ring(nbytes, ring)
@@ -235,7 +278,7 @@ def _fill(
     verify: bool,
     config: Config,
     window: int,
-    ring: list[RingBuffer],
+    ring: Ring,
     copies: DeviceCopies,
     extents: list[Extent],
     stats: dict[str, float] | None,
@@ -249,11 +292,12 @@ def _fill(
             by_window.setdefault(w, []).append(e)
     for k, w in enumerate(sorted(by_window)):
         slot = k % RING_SLOTS
-        copies.reuse(slot)
+        copies.reuse(ring, slot)
         lo = w * window
         hi = min(lo + window, m.total_bytes)
-        paged, host = ring[slot]
+        paged, host = ring.buffers[slot]
         read_window(root, m, lo, hi, paged, verify, config, stats)  # the engine adds to `stats`
+        devices: set[torch.device] = set()
         try:
             for offset, dst, device in by_window[w]:
                 a, z = max(lo, offset), min(hi, offset + dst.numel())
@@ -261,7 +305,7 @@ def _fill(
                 if device is None:
                     piece.copy_(src)
                     continue
-                copies.busy[slot].add(device)
-                copies.call(device, "copy_to_device", src, piece, slot)
+                devices.add(device)
+                copies.call(device, "copy_to_device", src, piece)
         finally:
-            copies.mark(slot)
+            copies.mark(ring, slot, devices)

@@ -3,13 +3,15 @@ copier per device for the rest (:mod:`fastpersist.device`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import _core
-from ..device import CopierFactory, DeviceCopier
+from ..device import CopierFactory, DeviceCopier, device_bytes
 from ..format.blobs import Blob
 
-__all__ = ["EARLY_COPY_BUDGET_BYTES", "EARLY_COPY_MAX_BYTES", "copier_key", "prepare_device_blobs"]
+__all__ = ["EARLY_COPY_BUDGET_BYTES", "EARLY_COPY_MAX_BYTES", "copier_key", "prepare_device_blobs", "source_bytes"]
 
 #: The early copy: watched tensors of at most EARLY_COPY_MAX_BYTES are copied before the save
 #: call returns, smallest first and up to EARLY_COPY_BUDGET_BYTES in all, so that nothing the
@@ -29,7 +31,7 @@ def prepare_device_blobs(blobs: list[Blob], pool: _core.Pool) -> dict[tuple[Copi
         if blob.version is None or blob.nbytes > EARLY_COPY_MAX_BYTES or blob.nbytes > budget:
             continue
         blob.source = blob.source_tensor.clone()
-        blob.version = None
+        blob.version, blob.members = None, ()
         budget -= blob.nbytes
     copiers: dict[tuple[CopierFactory, torch.device], DeviceCopier] = {}
     for blob in on_device:
@@ -46,3 +48,19 @@ def copier_key(blob: Blob) -> tuple[CopierFactory, torch.device]:
     factory = blob.copier_factory
     assert factory is not None, "a blob staged from the host has no copier"
     return factory, blob.source_tensor.device
+
+
+def source_bytes(blob: Blob, key_path: Callable[[], str]) -> torch.Tensor:
+    """The bytes of the device-resident `blob` as they are now (1-D uint8 on its device),
+    checked as a host blob's are: RuntimeError naming ``key_path()`` if its tensor was resized,
+    or its storage shrunk or freed (as FSDP frees flat parameters), since flatten(); copying
+    then would read past the storage's end."""
+    src = device_bytes(blob.source_tensor)
+    storage_bytes = src.untyped_storage().nbytes()
+    if src.numel() != blob.nbytes or src.storage_offset() + src.numel() > storage_bytes:
+        raise RuntimeError(
+            f"tensor {key_path()!r} of {blob.nbytes} bytes was resized (now {src.numel()} bytes, in a storage "
+            f"of {storage_bytes}) between the save call and its device-to-host copy; do not resize tensors or "
+            "free their storage while a save is staging (wait_staged() first)"
+        )
+    return src

@@ -28,7 +28,7 @@ import torch
 
 from .. import _core
 from ..config import Config, SaveResult
-from ..device import CopierFactory, DeviceCopier, device_bytes
+from ..device import CopierFactory, DeviceCopier
 from ..errors import SaveCancelledError
 from ..format.flatten import FlatState, TensorRecord, flatten, records_to_json
 from ..format.layout import data_file_name, stripe_dir_name, tmp_dir_for
@@ -37,7 +37,13 @@ from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write
 from ..format.quote import shown
 from ..gcpause import paused_gc
 from ..logs import log_save, log_save_call
-from .device_blobs import EARLY_COPY_BUDGET_BYTES, EARLY_COPY_MAX_BYTES, copier_key, prepare_device_blobs
+from .device_blobs import (
+    EARLY_COPY_BUDGET_BYTES,
+    EARLY_COPY_MAX_BYTES,
+    copier_key,
+    prepare_device_blobs,
+    source_bytes,
+)
 from .pools import pool_for
 from .recycle import take_recycled
 from .target import (
@@ -194,9 +200,7 @@ class SaveJob:
         # Held for the whole save: memory pinned for the device copies stays pinned while it lives.
         self.pool = self.pool if self.pool is not None else pool_for(self.config)
         self._copiers = prepare_device_blobs(flat.blobs, self.pool)
-        parts = list(map(PlanPart._make, self.plan.parts))
-        writers = self.writers
-        self.my_parts = [part for w in writers for part in parts if part.writer == w]
+        self.my_parts = [p for w in self.writers for p in map(PlanPart._make, self.plan.parts) if p.writer == w]
         used = {self.stripe_dirs[part.stripe] for part in self.my_parts} if stripe_roots else set()
         self.stripe_dirs_used = sorted(used)
         for part in self.my_parts:
@@ -252,6 +256,7 @@ class SaveJob:
             copy_max_extent_bytes=EARLY_COPY_MAX_BYTES,
             copy_budget_bytes=EARLY_COPY_BUDGET_BYTES,
             device_copy=self._copy_from_device if self._copiers else None,
+            device_wait=self._wait_for_device if self._copiers else None,
             also_writers=self.writers[1:],
         )
         _warn_fallback_once(self.handle.fallback_reason)
@@ -288,16 +293,23 @@ class SaveJob:
             # Only torch sources are watched; a plain attribute read, as this runs once per tensor.
             now = blob.source._version  # type: ignore[union-attr]
             if now != blob.version:
-                self.verdict.fail(
-                    SaveCancelledError(
-                        f"tensor {shown(self.blob_owner(index))} was modified in place before "
-                        f"the save of {self.path} had copied it (version {blob.version} -> {now}); call "
-                        "wait_staged() before optimizer.step(). The checkpoint was not committed; the "
-                        "previous one is untouched."
-                    )
-                )
-                return False
+                return self._torn(self.blob_owner(index), blob.version, now)
+            for member in blob.members:  # a shared storage: each tensor of it, by its own counter
+                now = member.tensor._version
+                if now != member.version:
+                    return self._torn(self.records[member.record].key_path, member.version, now)
         return True
+
+    def _torn(self, key_path: str, before: int | None, now: int) -> bool:
+        """Fails the save: the tensor at `key_path` changed before it was staged. Returns False."""
+        self.verdict.fail(
+            SaveCancelledError(
+                f"tensor {shown(key_path)} was modified in place before the save of {self.path} had "
+                f"copied it (version {before} -> {now}); call wait_staged() before optimizer.step(). The "
+                "checkpoint was not committed; the previous one is untouched."
+            )
+        )
+        return False
 
     def _copy_from_device(self, blob_index: int, offset_bytes: int, slot: memoryview, start: int, end: int) -> None:
         """Stages bytes of a device-resident blob into a slot (called by the job's thread)."""
@@ -306,8 +318,17 @@ class SaveJob:
         blob = flat.blobs[blob_index]
         try:
             copier = self._copiers[copier_key(blob)]
-            src = device_bytes(blob.source_tensor)[offset_bytes : offset_bytes + end - start]
+            src = source_bytes(blob, lambda: self.blob_owner(blob_index))[offset_bytes : offset_bytes + end - start]
             copier.copy_to_host(src, slot, start, end)
+        except BaseException as e:
+            self.verdict.fail(e)
+            raise
+
+    def _wait_for_device(self) -> None:
+        """Returns once every device-to-host copy asked for has completed (the job's thread)."""
+        try:
+            for copier in self._copiers.values():
+                copier.wait()
         except BaseException as e:
             self.verdict.fail(e)
             raise

@@ -115,14 +115,16 @@ impl StagingObserver for PyStagingObserver {
 }
 
 /// The device-to-host copy, in Python (e.g. a CUDA copy into a pinned slot): called from the
-/// job's thread with the GIL, with a memoryview over the slot that is released on return.
+/// job's thread with the GIL, with a memoryview over the slot that is released on return; and
+/// the wait for the copies it queued, if it queues them.
 pub(crate) struct PyDeviceCopier {
     callback: Py<PyAny>,
+    wait: Option<Py<PyAny>>,
 }
 
 impl PyDeviceCopier {
-    pub fn new(callback: Py<PyAny>) -> Self {
-        PyDeviceCopier { callback }
+    pub fn new(callback: Py<PyAny>, wait: Option<Py<PyAny>>) -> Self {
+        PyDeviceCopier { callback, wait }
     }
 }
 
@@ -135,8 +137,9 @@ impl DeviceCopier for PyDeviceCopier {
         range: std::ops::Range<usize>,
     ) -> fastpersist_core::Result<()> {
         let outcome = Python::try_attach(|py| -> PyResult<()> {
-            // SAFETY: `slot` is memory this job owns for the whole call; the memoryview is
-            // released below before the slot can be submitted or reused.
+            // SAFETY: `slot` is memory this job owns for the whole call, and (DeviceCopier's
+            // contract) untouched by the job until `wait` returned, so a copy queued into it
+            // may complete later; the memoryview is released below, before the job reads it.
             let view = unsafe {
                 Bound::from_owned_ptr_or_err(
                     py,
@@ -158,6 +161,22 @@ impl DeviceCopier for PyDeviceCopier {
             Some(Ok(())) => Ok(()),
             Some(Err(raised)) => Err(Error::Hook {
                 what: format!("the device-to-host copy of extent {extent} failed"),
+                source: Box::new(raised),
+            }),
+            None => Err(Error::Cancelled(
+                "the interpreter is shutting down; device memory cannot be staged".into(),
+            )),
+        }
+    }
+
+    fn wait(&mut self) -> fastpersist_core::Result<()> {
+        let Some(wait) = self.wait.as_ref() else {
+            return Ok(()); // copies are done when device_copy returns
+        };
+        match Python::try_attach(|py| wait.call0(py).map(|_| ())) {
+            Some(Ok(())) => Ok(()),
+            Some(Err(raised)) => Err(Error::Hook {
+                what: "waiting for the device-to-host copies failed".into(),
                 source: Box::new(raised),
             }),
             None => Err(Error::Cancelled(

@@ -8,7 +8,7 @@ mod read;
 mod write;
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use fastpersist_core::probe::{self, BackendChoice, DirectMode};
 use fastpersist_core::{checksum, durable, plan, pool};
@@ -73,11 +73,35 @@ impl Plan {
     }
 }
 
-/// Page-aligned staging memory, reused across saves. Weak references let Python release what
-/// it tied to the pool's memory (CUDA registrations of its slots) when the pool goes.
+/// Page-aligned staging memory, reused across saves. What Python tied to the pool's memory (CUDA
+/// registrations of its slots) is released by callbacks the pool calls before that memory is
+/// freed: a weak reference's callback would run only after (pyo3 drops the value first).
 #[pyclass(frozen, weakref, module = "fastpersist._core")]
 struct Pool {
     inner: pool::Pool,
+    before_free: Mutex<Vec<Py<PyAny>>>,
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let callbacks = std::mem::take(
+            self.before_free
+                .get_mut()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+        if callbacks.is_empty() {
+            return;
+        }
+        // Not attached (the interpreter is finalizing): skipped, as nothing may call into
+        // Python or CUDA then; the process's exit releases the registrations.
+        Python::try_attach(|py| {
+            for callback in callbacks {
+                if let Err(raised) = callback.call0(py) {
+                    raised.write_unraisable(py, None);
+                }
+            }
+        });
+    }
 }
 
 #[pymethods]
@@ -92,7 +116,17 @@ impl Pool {
         }
         Ok(Pool {
             inner: pool::Pool::new(slot_bytes, pool_bytes),
+            before_free: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Calls `callback()` when the pool goes, before its memory is freed (in the order given;
+    /// an exception is reported as unraisable). It must not refer to the pool.
+    fn call_before_free(&self, callback: Py<PyAny>) {
+        self.before_free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(callback);
     }
 
     /// Bytes per slot.

@@ -27,15 +27,18 @@ use crate::{Plan, Pool};
 /// (or an exception) fails the job.
 ///
 /// A source given as None lives in device memory: `device_copy(extent, offset_bytes, slot,
-/// start, end)` is called (job's thread, GIL held) to copy that extent's bytes from
-/// `offset_bytes` into `slot[start:end]`; `slot` is a writable memoryview over a whole staging
-/// slot, valid only during the call.
+/// start, end)` is called (job's thread, GIL held) to copy, or queue the copy of, that extent's
+/// bytes from `offset_bytes` into `slot[start:end]`; `slot` is a writable memoryview over a
+/// whole staging slot, valid only during the call. `device_wait()` is called before the job
+/// reads a slot it asked copies into: it returns once every copy asked for has completed (the
+/// slot's memory stays the job's, untouched, until then). Without it copies must be done on
+/// return.
 ///
 /// `crc32_fields`: `(start_bytes, len_bytes, [write_at_bytes, ...])` per stream range whose
 /// CRC-32 (IEEE) is written little-endian at each offset while staging (a zip archive's record
 /// CRCs); the plan must then have one part.
 #[pyfunction]
-#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0, device_copy=None, also_writers=None, crc32_fields=None))]
+#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0, device_copy=None, device_wait=None, also_writers=None, crc32_fields=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn start_write(
     py: Python<'_>,
@@ -55,10 +58,10 @@ pub(crate) fn start_write(
     copy_max_extent_bytes: u64,
     copy_budget_bytes: u64,
     device_copy: Option<Py<PyAny>>,
+    device_wait: Option<Py<PyAny>>,
     also_writers: Option<Vec<usize>>,
     crc32_fields: Option<Vec<(u64, u64, Vec<u64>)>>,
 ) -> PyResult<WriteHandle> {
-    let guard = guard_from(watched, on_staged, copy_max_extent_bytes, copy_budget_bytes)?;
     let (selection, direct) = crate::io_choices(py, backend, direct_io)?;
     let options = WriteOptions {
         backend: selection.kind,
@@ -75,19 +78,18 @@ pub(crate) fn start_write(
     )?;
     let extents = &plan.inner.extent_bytes;
     let (held, regions) = source_regions(&sources, extents)?;
-    if guard
-        .as_ref()
-        .is_some_and(|g| g.watched.len() != extents.len())
-    {
-        return Err(PyValueError::new_err(format!(
-            "watched= has an entry per source, and the plan has {} extents",
-            extents.len()
-        )));
-    }
+    let guard = guard_from(
+        watched,
+        on_staged,
+        copy_max_extent_bytes,
+        copy_budget_bytes,
+        extents.len(),
+    )?;
     let hooks = JobHooks {
         guard,
         device: device_copy.map(|callback| {
-            Box::new(PyDeviceCopier::new(callback)) as Box<dyn fastpersist_core::job::DeviceCopier>
+            Box::new(PyDeviceCopier::new(callback, device_wait))
+                as Box<dyn fastpersist_core::job::DeviceCopier>
         }),
         crc32_fields: crc32_fields_from(crc32_fields),
     };
@@ -119,14 +121,19 @@ pub(crate) fn start_write(
     })
 }
 
-/// The mutation guard that `watched=` and `on_staged=` describe (both or neither).
+/// The mutation guard that `watched=` (an entry per extent) and `on_staged=` describe (both or
+/// neither).
 fn guard_from(
     watched: Option<Vec<bool>>,
     on_staged: Option<Py<PyAny>>,
     copy_max_extent_bytes: u64,
     copy_budget_bytes: u64,
+    extent_count: usize,
 ) -> PyResult<Option<Guard>> {
     match (watched, on_staged) {
+        (Some(watched), Some(_)) if watched.len() != extent_count => Err(PyValueError::new_err(
+            format!("watched= has an entry per source, and the plan has {extent_count} extents"),
+        )),
         (Some(watched), Some(callback)) => Ok(Some(Guard {
             watched,
             copy_max_extent_bytes,

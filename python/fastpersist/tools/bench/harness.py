@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import gc
 import os
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -15,7 +16,17 @@ import numpy as np
 from ... import _core
 from .measure import Method, Row
 from .state import build_state, count_tensors, gpt_shape, safetensors_view, state_summary
-from .system import GB, Backend, drop_caches, progress, release_memory, remove_path, reset_peak_rss, status_bytes
+from .system import (
+    GB,
+    Backend,
+    drop_caches,
+    evict_files,
+    progress,
+    release_memory,
+    remove_path,
+    reset_peak_rss,
+    status_bytes,
+)
 
 
 class Bench:
@@ -30,11 +41,18 @@ class Bench:
     fio_raw: list[dict[str, Any]]
     weights_only: bool
 
-    def __init__(self, args: argparse.Namespace, run_dirs: list[str], notes: list[str]) -> None:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        run_dirs: list[str],
+        notes: list[str],
+        say: Callable[[str], None] = progress,
+    ) -> None:
         import torch
 
         import fastpersist as fp
 
+        self.say = say  # where progress messages go
         self.args = args
         self.dirs = run_dirs
         self.notes = notes
@@ -46,7 +64,7 @@ class Bench:
         self.save_phases: dict[str, list[dict[str, float]]] = {}
         #: fp.load(phases=...) of each repetition of the fastpersist.load row
         self.load_phases: dict[str, list[dict[str, float]]] = {}
-        progress(f"building a {args.size / 2**30:.2f} GiB training state ...")
+        say(f"building a {args.size / 2**30:.2f} GiB training state ...")
         self.state = build_state(args.size)
         summary = state_summary(self.state)
         self.nbytes = summary["bytes"]
@@ -71,8 +89,8 @@ class Bench:
         self.cold = drop_caches()
         if not self.cold:
             notes.append(
-                "dropping the page cache is not permitted (/proc/sys/vm/drop_caches): buffered loads "
-                "(torch.load, safetensors) read WARM from the page cache; O_DIRECT loads are cold anyway"
+                "dropping the page cache is not permitted (/proc/sys/vm/drop_caches needs root): instead, "
+                "this run's files are evicted with posix_fadvise(DONTNEED) before each cold step"
             )
         stripes = list(run_dirs) if len(run_dirs) > 1 else None
         self.config_kwargs: dict[str, Any] = {
@@ -111,36 +129,48 @@ class Bench:
             parts.append(f"{what}{seconds:.3f} s{rate}")
         return ", ".join(parts) + f"; peak RSS {peak_rss_bytes / 2**30:.2f} GiB"
 
-    def run_saves(self) -> None:
+    def make_cold(self) -> None:
+        """Empties the page cache before a timed step: drops it (sync, then /proc/sys/vm/drop_caches),
+        or where that is refused evicts this run's files with posix_fadvise(DONTNEED)."""
+        if self.cold:
+            self.cold = drop_caches()
+        if not self.cold:
+            evict_files(self.dirs)
+
+    def run_saves(self, *, cold: bool = False) -> None:
+        """Times every save method `args.reps` times, interleaved; `cold` empties the page cache before each."""
         reps = self.args.reps
         for rep in range(reps):
             last = rep == reps - 1
             for method in self.save_methods:
-                progress(f"save {rep + 1}/{reps}: {method.name} ...")
+                self.say(f"save {rep + 1}/{reps}: {method.name} ...")
                 for p in method.outputs:
                     remove_path(p)
-                os.sync()
+                if cold:
+                    self.make_cold()
+                else:
+                    os.sync()
                 reset_peak_rss()
                 times = method.run()
                 peak = status_bytes("VmHWM")
-                progress(f"save {rep + 1}/{reps}: {method.name}: {self._record(times, peak)}")
+                self.say(f"save {rep + 1}/{reps}: {method.name}: {self._record(times, peak)}")
                 if not (last and method.keep_last):
                     for p in method.outputs:
                         remove_path(p)
                 release_memory()
 
     def run_loads(self) -> None:
+        """Times every load method `args.reps` times, interleaved, each after :meth:`make_cold`."""
         reps = self.args.reps
         for rep in range(reps):
             for method in self.load_methods:
-                if self.cold:
-                    self.cold = drop_caches()
-                progress(f"load {rep + 1}/{reps}: {method.name}{'' if self.cold else ' (warm)'} ...")
+                self.make_cold()
+                self.say(f"load {rep + 1}/{reps}: {method.name} ...")
                 reset_peak_rss()
                 times = method.run()
                 peak = status_bytes("VmHWM")
                 release_memory()  # the loaded state is gone before the next load
-                progress(f"load {rep + 1}/{reps}: {method.name}: {self._record(times, peak)}")
+                self.say(f"load {rep + 1}/{reps}: {method.name}: {self._record(times, peak)}")
 
     def cleanup(self) -> None:
         for method in self.save_methods:

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 from ... import _core
 from ...loading.reading import aligned_uint8
 from .measure import Method
-from .system import drop_caches
 
 if TYPE_CHECKING:
     import torch
@@ -22,9 +21,9 @@ if TYPE_CHECKING:
 def add_load_methods(bench: Bench) -> None:
     """Adds the load rows and methods to `bench`; they read what the saves kept of their last repetition."""
     _add_engine_reads(bench)
-    _add_fastpersist_load(bench)
-    _add_torch_load(bench)
-    _add_safetensors_loads(bench)
+    add_fastpersist_load(bench)
+    add_torch_load(bench)
+    add_safetensors_loads(bench)
 
 
 def _add_engine_reads(bench: Bench) -> None:
@@ -75,7 +74,8 @@ def _add_engine_reads(bench: Bench) -> None:
     bench.load_methods.append(Method("O_DIRECT read into fresh memory (engine)", raw_read_fresh, []))
 
 
-def _add_fastpersist_load(bench: Bench) -> None:
+def add_fastpersist_load(bench: Bench) -> None:
+    """``fastpersist.load`` of what ``fastpersist.save`` on the first backend kept."""
     import fastpersist as fp
 
     backend = bench.backends[0] if bench.backends else "threads"
@@ -96,7 +96,8 @@ def _add_fastpersist_load(bench: Bench) -> None:
         bench.load_methods.append(Method("fastpersist.load", fp_load, []))
 
 
-def _add_torch_load(bench: Bench) -> None:
+def add_torch_load(bench: Bench) -> None:
+    """``torch.load`` of what ``torch.save`` kept (``weights_only=False`` if the safe loader refuses)."""
     torch = bench.torch
     pt_path = bench.path("torch-save.pt")
     pt_key = bench.add_row("torch_load", "torch.load (weights_only)", "load", "peer")
@@ -112,7 +113,7 @@ def _add_torch_load(bench: Bench) -> None:
             bench.weights_only = False
             bench.rows[pt_key].label = "torch.load (weights_only=False)"
             bench.notes.append(f"torch.load(weights_only=True) refused the state ({e}); timed weights_only=False")
-            bench.cold = drop_caches()
+            bench.make_cold()
             start = time.perf_counter()
             loaded = torch.load(pt_path, weights_only=False, mmap=False)
         seconds = time.perf_counter() - start
@@ -122,7 +123,9 @@ def _add_torch_load(bench: Bench) -> None:
     bench.load_methods.append(Method("torch.load", torch_load, []))
 
 
-def _add_safetensors_loads(bench: Bench) -> None:
+def add_safetensors_loads(bench: Bench, *, pread: bool = True) -> None:
+    """``safetensors.torch.load_file`` of what ``save_file`` kept: its default (mmap, every page
+    touched) and, where this version has it and `pread` asks for it, ``backend="pread"``."""
     try:
         from safetensors.torch import load_file
     except ImportError:
@@ -144,7 +147,7 @@ def _add_safetensors_loads(bench: Bench) -> None:
         has_pread = "backend" in inspect.signature(load_file).parameters
     except (TypeError, ValueError):
         has_pread = False
-    if has_pread:
+    if pread and has_pread:
         pread_key = bench.add_row("safetensors_load_pread", "safetensors.load_file (pread)", "load", "peer")
 
         def st_load_pread() -> dict[str, float]:

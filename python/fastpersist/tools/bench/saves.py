@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ... import _core
 from .fio import fio_engine, run_fio_write
 from .measure import Method
-from .system import aligned_buffer
+from .system import Backend, aligned_buffer
 
 if TYPE_CHECKING:
     from .harness import Bench
@@ -78,23 +78,36 @@ def _add_limit_methods(bench: Bench) -> None:
 
 
 def _add_fastpersist_methods(bench: Bench) -> None:
-    import fastpersist as fp
-
     for backend in bench.backends:
-        config = fp.Config(backend=backend, **bench.config_kwargs)
-        path = bench.path(f"fp-{backend}")
-        key = bench.add_row(f"fastpersist_save_{backend}", f"fastpersist.save ({backend})", "save", "fastpersist")
-
-        def save(config: fp.Config = config, path: str = path, key: str = key) -> dict[str, float]:
-            start = time.perf_counter()
-            result = fp.save(bench.state, path, config=config)
-            seconds = time.perf_counter() - start
-            bench.save_phases.setdefault(key, []).append(result.phases)
-            return {key: seconds}
-
-        bench.save_methods.append(Method(f"fastpersist.save ({backend})", save, [path], keep_last=True))
+        add_fastpersist_save(bench, backend)
     if not bench.backends:
         return
+    add_save_async(bench)
+    _add_fastpersist_torch_save(bench)
+
+
+def add_fastpersist_save(bench: Bench, backend: Backend) -> None:
+    """``fastpersist.save`` on `backend`; its checkpoint is kept for ``fastpersist.load``."""
+    import fastpersist as fp
+
+    config = fp.Config(backend=backend, **bench.config_kwargs)
+    path = bench.path(f"fp-{backend}")
+    key = bench.add_row(f"fastpersist_save_{backend}", f"fastpersist.save ({backend})", "save", "fastpersist")
+
+    def save() -> dict[str, float]:
+        start = time.perf_counter()
+        result = fp.save(bench.state, path, config=config)
+        seconds = time.perf_counter() - start
+        bench.save_phases.setdefault(key, []).append(result.phases)
+        return {key: seconds}
+
+    bench.save_methods.append(Method(f"fastpersist.save ({backend})", save, [path], keep_last=True))
+
+
+def add_save_async(bench: Bench) -> None:
+    """``fastpersist.save_async``: three rows, the time to return, to staged and to durable."""
+    import fastpersist as fp
+
     async_config = fp.Config(**bench.config_kwargs)
     path = bench.path("fp-async")
     mode = "snapshot" if bench.args.pool_bytes >= bench.nbytes else "bounded"
@@ -117,6 +130,11 @@ def _add_fastpersist_methods(bench: Bench) -> None:
         return {k_ret: returned - start, k_staged: staged - start, k_done: durable - start}
 
     bench.save_methods.append(Method("fastpersist.save_async", save_async, [path]))
+
+
+def _add_fastpersist_torch_save(bench: Bench) -> None:
+    import fastpersist as fp
+
     ts_path = bench.path("fp-torch-save.pt")
     ts_key = bench.add_row("fastpersist_torch_save", "fastpersist.torch_save (.pt)", "save", "fastpersist")
     ts_config = fp.Config(**bench.config_kwargs)
@@ -150,6 +168,13 @@ def _add_export_method(bench: Bench, config: Any) -> None:
 
 
 def _add_peer_methods(bench: Bench) -> None:
+    add_torch_save(bench)
+    add_safetensors_save(bench)
+    _add_dcp_methods(bench)
+
+
+def add_torch_save(bench: Bench) -> None:
+    """``torch.save`` + fsync; its file is kept for ``torch.load``."""
     torch = bench.torch
     path = bench.path("torch-save.pt")
     key = bench.add_row("torch_save", "torch.save + fsync", "save", "peer")
@@ -161,22 +186,25 @@ def _add_peer_methods(bench: Bench) -> None:
         return {key: time.perf_counter() - start}
 
     bench.save_methods.append(Method("torch.save + fsync", torch_save, [path], keep_last=True))
+
+
+def add_safetensors_save(bench: Bench) -> None:
+    """``safetensors.torch.save_file`` + fsync (a note where safetensors is missing); its file is kept."""
     try:
         from safetensors.torch import save_file
     except ImportError:
-        bench.notes.append("safetensors is not installed: its rows are skipped")
-    else:
-        st_path = bench.path("state.safetensors")
-        st_key = bench.add_row("safetensors_save", "safetensors.save_file + fsync", "save", "peer")
+        bench.notes.append("safetensors is not installed (pip install safetensors): its rows are skipped")
+        return
+    path = bench.path("state.safetensors")
+    key = bench.add_row("safetensors_save", "safetensors.save_file + fsync", "save", "peer")
 
-        def st_save() -> dict[str, float]:
-            start = time.perf_counter()
-            save_file(bench.safetensors_dict, st_path, metadata=bench.safetensors_meta)
-            _core.fsync_path(st_path)
-            return {st_key: time.perf_counter() - start}
+    def st_save() -> dict[str, float]:
+        start = time.perf_counter()
+        save_file(bench.safetensors_dict, path, metadata=bench.safetensors_meta)
+        _core.fsync_path(path)
+        return {key: time.perf_counter() - start}
 
-        bench.save_methods.append(Method("safetensors.save_file + fsync", st_save, [st_path], keep_last=True))
-    _add_dcp_methods(bench)
+    bench.save_methods.append(Method("safetensors.save_file + fsync", st_save, [path], keep_last=True))
 
 
 def _add_dcp_methods(bench: Bench) -> None:

@@ -62,10 +62,14 @@ impl SourceRegion {
 }
 
 /// Copies bytes of device-resident extents into host slots (a GPU's device-to-host copy).
+///
+/// A copy may be asynchronous: the job issues the next chunk's copies before it checksums the
+/// current chunk, and calls [`DeviceCopier::wait`] before it reads a slot it asked copies into.
+/// Until `wait` has returned the job neither reads, writes, submits nor frees that slot, and
+/// keeps the sources, so a copier may go on writing `slot[range]` after `copy_to_host` returned.
 pub trait DeviceCopier: Send {
-    /// Copies the bytes of extent `extent` starting at `offset_bytes` into `slot[range]`, and
-    /// returns only once they are all there (the slot is submitted for writing right after).
-    /// The whole slot is passed so that a copier can register (pin) it once.
+    /// Copies (or queues the copy of) the bytes of extent `extent` starting at `offset_bytes`
+    /// into `slot[range]`. The whole slot is passed so that a copier can register (pin) it once.
     fn copy_to_host(
         &mut self,
         extent: usize,
@@ -73,6 +77,12 @@ pub trait DeviceCopier: Send {
         slot: &mut [u8],
         range: std::ops::Range<usize>,
     ) -> Result<()>;
+
+    /// Returns once every copy asked for so far has completed (a synchronous copier has
+    /// nothing to wait for).
+    fn wait(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Where each plan extent sits in the stream, for finding the extents under a byte range.

@@ -40,6 +40,11 @@ pub(super) struct Staging<'p> {
     device: Option<Box<dyn DeviceCopier>>,
     /// The CRC-32 fields filled in while staging (the stream is then staged in order).
     crc32: Option<Crc32Patcher>,
+    /// Device copies were asked for and not yet waited for (see [`DeviceCopier`]).
+    device_in_flight: bool,
+    /// A slot for the chunk staged next, its device copies already asked for: they run while
+    /// the chunk before it is checksummed.
+    prefetched: Option<Slot>,
 }
 
 /// A chunk copied into a pool slot, not yet submitted.
@@ -74,6 +79,8 @@ impl<'p> Staging<'p> {
             guard: None,
             device: hooks.device,
             crc32: None,
+            device_in_flight: false,
+            prefetched: None,
         };
         let sources = staging.sources.as_mut().expect("just set");
         check_sources(plan, sources, pool, staging.device.is_some())?;
@@ -102,9 +109,33 @@ impl<'p> Staging<'p> {
         Ok(staging)
     }
 
+    /// Lets go of the sources (the caller may modify them), once no device copy reads them.
     pub fn release_sources(&mut self) {
+        self.settle_device();
         self.sources = None;
         self.progress.mark_sources_released();
+    }
+
+    /// Waits for the device copies in flight, whatever they return (the job is failing, or
+    /// they were waited for already), then lets go of the slot they were going into.
+    fn settle_device(&mut self) {
+        if self.device_in_flight {
+            self.device_in_flight = false;
+            if let Some(device) = self.device.as_mut() {
+                let _ = device.wait();
+            }
+        }
+        self.prefetched = None;
+    }
+
+    fn wait_device(&mut self) -> Result<()> {
+        if self.device_in_flight {
+            self.device_in_flight = false;
+            if let Some(device) = self.device.as_mut() {
+                device.wait()?;
+            }
+        }
+        Ok(())
     }
 
     /// Copies stream bytes `[start, start + dst.len())` into `dst`, zero-filling gaps.
@@ -136,7 +167,8 @@ impl<'p> Staging<'p> {
         dst[(cursor - start) as usize..].fill(0);
     }
 
-    /// Copies the device-resident extents overlapping `chunk` into `slot`, one call each.
+    /// Asks for the copies of the device-resident extents overlapping `chunk` into `slot`,
+    /// one call each (they may still be running on return).
     fn copy_from_device(&mut self, slot: &mut Slot, chunk: &Chunk) -> Result<()> {
         let Some(device) = self.device.as_mut() else {
             return Ok(());
@@ -147,14 +179,57 @@ impl<'p> Staging<'p> {
             if sources[overlap.index].device {
                 let range = (overlap.from - start) as usize..(overlap.to - start) as usize;
                 let offset_bytes = overlap.from - overlap.extent_start;
+                self.device_in_flight = true;
                 device.copy_to_host(overlap.index, offset_bytes, slot.buf_mut(), range)?;
             }
         }
         Ok(())
     }
 
-    fn stage(&mut self, slot: &mut Slot, chunk: &Chunk) -> Result<u32> {
-        self.copy_from_device(slot, chunk)?;
+    /// Whether some of `chunk`'s bytes are device-resident.
+    fn has_device_bytes(&self, chunk: &Chunk) -> bool {
+        let (Some(sources), Some(_)) = (self.sources.as_ref(), self.device.as_ref()) else {
+            return false;
+        };
+        let start = chunk.stream_offset_bytes;
+        self.extents
+            .overlapping(start, start + chunk.len_bytes)
+            .any(|overlap| sources[overlap.index].device)
+    }
+
+    /// Asks for the device copies of the chunk staged next, into a free slot kept for it, if
+    /// it has device bytes and a slot is free now.
+    fn prefetch_next(&mut self) -> Result<()> {
+        if self.prefetched.is_some() || self.next == self.chunks.len() {
+            return Ok(());
+        }
+        let (_, _, chunk) = self.chunks[self.next];
+        if !self.has_device_bytes(&chunk) {
+            return Ok(());
+        }
+        let Some(mut slot) = self.pool.try_acquire() else {
+            return Ok(());
+        };
+        let asked = self.copy_from_device(&mut slot, &chunk);
+        self.prefetched = Some(slot); // settled (waited for, then freed) with the others on failure
+        asked
+    }
+
+    /// Stages `chunk` into `slot` (`issued`: its device copies were asked for already) and
+    /// returns its crc32c; the next chunk's device copies are asked for before this chunk is
+    /// checksummed, so that they overlap.
+    fn stage(&mut self, slot: &mut Slot, chunk: &Chunk, issued: bool) -> Result<u32> {
+        let staged = (|| {
+            if !issued {
+                self.copy_from_device(slot, chunk)?;
+            }
+            self.wait_device()?;
+            self.prefetch_next()
+        })();
+        if let Err(e) = staged {
+            self.settle_device(); // before `slot` can go back to the pool
+            return Err(e);
+        }
         self.fill_checksummed(&mut slot.buf_mut()[..chunk.len_bytes as usize], chunk)
     }
 
@@ -220,12 +295,30 @@ impl<'p> Staging<'p> {
         self.progress.check_cancelled("while staging")
     }
 
-    /// Stages the next chunk into `slot`.
-    fn stage_next(&mut self, mut slot: Slot) -> Result<StagedChunk> {
+    /// The slot for the chunk staged next and whether its device copies were asked for
+    /// already; None when no slot is free and `may_block` is false.
+    fn next_slot(&mut self, may_block: bool) -> Result<Option<(Slot, bool)>> {
+        if let Some(slot) = self.prefetched.take() {
+            return Ok(Some((slot, true)));
+        }
+        match self.pool.try_acquire() {
+            Some(slot) => Ok(Some((slot, false))),
+            None if !may_block => Ok(None),
+            None => loop {
+                if let Some(slot) = self.pool.acquire_timeout(Duration::from_millis(50)) {
+                    break Ok(Some((slot, false)));
+                }
+                self.check_cancelled()?;
+            },
+        }
+    }
+
+    /// Stages the next chunk into `slot` (`issued`: its device copies were asked for already).
+    fn stage_next(&mut self, mut slot: Slot, issued: bool) -> Result<StagedChunk> {
         let index = self.next;
         let (file, chunk_in_file, chunk) = self.chunks[index];
         self.next += 1;
-        let crc = self.stage(&mut slot, &chunk)?;
+        let crc = self.stage(&mut slot, &chunk, issued)?;
         self.crcs[file][chunk_in_file] = crc;
         if let Some(guard) = self.guard.as_mut() {
             guard.note_staged(&self.extents, chunk.stream_offset_bytes, chunk.len_bytes)?;
@@ -324,17 +417,10 @@ impl<'a> OpSource<'a> for Staging<'_> {
         if let Some(staged) = self.ahead.pop_front() {
             return Ok(Next::Op(self.op_for(staged)));
         }
-        let slot = match self.pool.try_acquire() {
-            Some(slot) => slot,
-            None if !may_block => return Ok(Next::NotYet),
-            None => loop {
-                if let Some(slot) = self.pool.acquire_timeout(Duration::from_millis(50)) {
-                    break slot;
-                }
-                self.check_cancelled()?;
-            },
+        let Some((slot, issued)) = self.next_slot(may_block)? else {
+            return Ok(Next::NotYet);
         };
-        let staged = self.stage_next(slot)?;
+        let staged = self.stage_next(slot, issued)?;
         Ok(Next::Op(self.op_for(staged)))
     }
 
@@ -343,10 +429,10 @@ impl<'a> OpSource<'a> for Staging<'_> {
             return Ok(false);
         }
         self.check_cancelled()?;
-        let Some(slot) = self.pool.try_acquire() else {
+        let Some((slot, issued)) = self.next_slot(false)? else {
             return Ok(false);
         };
-        let staged = self.stage_next(slot)?;
+        let staged = self.stage_next(slot, issued)?;
         self.ahead.push_back(staged);
         Ok(true)
     }

@@ -1,0 +1,78 @@
+//! What the job-hook tests share: a small plan over temporary files and its source regions.
+
+#![allow(dead_code)] // each test crate uses its own part of this
+
+use std::sync::{Arc, Mutex};
+
+use fastpersist_core::error::{Error, Result};
+use fastpersist_core::job::{SourceRegion, StagingObserver, WriteOptions, WriteTarget};
+use fastpersist_core::plan::Plan;
+use fastpersist_core::probe::{BackendKind, DirectMode};
+
+pub const CHUNK: u64 = 64 << 10;
+
+pub fn options() -> WriteOptions {
+    WriteOptions {
+        backend: BackendKind::Threads,
+        direct: DirectMode::Off,
+        queue_depth: 2,
+        checksum: true,
+        durable: false,
+    }
+}
+
+pub struct Setup {
+    pub _root: tempfile::TempDir,
+    pub data: Vec<Vec<u8>>,
+    pub plan: Plan,
+    pub targets: Vec<WriteTarget>,
+}
+
+pub fn setup(sizes: &[usize], writers: usize, writer: usize) -> Setup {
+    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let data: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| vec![i as u8 + 1; n])
+        .collect();
+    let lens: Vec<u64> = sizes.iter().map(|&n| n as u64).collect();
+    let plan = Plan::new(&lens, writers, 1, CHUNK).unwrap();
+    let targets = plan
+        .parts_of_writer(writer)
+        .map(|p| WriteTarget {
+            part: *p,
+            path: root.path().join(format!("w{}.bin", p.writer)),
+        })
+        .collect();
+    Setup {
+        _root: root,
+        data,
+        plan,
+        targets,
+    }
+}
+
+pub fn regions(data: &mut [Vec<u8>]) -> Vec<SourceRegion> {
+    data.iter()
+        // SAFETY: every test keeps `data` alive until write_parts_guarded returns.
+        .map(|d| unsafe { SourceRegion::new(d.as_ptr(), d.len()) })
+        .collect()
+}
+
+/// Records what it is told; fails when it hears of `fail_on`.
+pub struct Recorder {
+    pub seen: Arc<Mutex<Vec<usize>>>,
+    pub fail_on: Option<usize>,
+}
+
+impl StagingObserver for Recorder {
+    fn extents_staged(&mut self, extents: &[usize]) -> Result<()> {
+        self.seen.lock().unwrap().extend_from_slice(extents);
+        if self.fail_on.is_some_and(|f| extents.contains(&f)) {
+            return Err(Error::Cancelled(
+                "extent changed before it was staged".into(),
+            ));
+        }
+        Ok(())
+    }
+}
