@@ -171,10 +171,11 @@ ON_DISK_NAMES = (
     ".metadata",
     "data-w",
     ".tmp-",
-    "shard-",
 )
 #: A step directory ("step-00000120", f"step-{step:08d}", r"^step-(\d{8,})$"), not a CLI flag like --step-seconds.
 STEP_DIR = re.compile(r"(?<![\w-])step-(?:\d|\(|$)")
+#: A shard directory ("shard-00001", f"shard-{rank:05d}", r"^shard-\d{5}$"), not a flag like --max-shard-size.
+SHARD_DIR = re.compile(r"(?<![\w-])shard-(?:\d|\\|$)")
 
 
 def _docstrings(tree: ast.Module) -> set[int]:
@@ -194,7 +195,11 @@ def _spelled_names(source: str) -> list[str]:
     hits = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
-            if any(name in node.value for name in ON_DISK_NAMES) or STEP_DIR.search(node.value):
+            if (
+                any(name in node.value for name in ON_DISK_NAMES)
+                or STEP_DIR.search(node.value)
+                or SHARD_DIR.search(node.value)
+            ):
                 hits.append(f"line {node.lineno}: {node.value!r}")
     return hits
 
@@ -202,8 +207,9 @@ def _spelled_names(source: str) -> list[str]:
 def test_the_check_sees_names_in_literals_fstrings_and_regexes_but_not_docstrings() -> None:
     source = (
         '"""Writes manifest.json."""\nA = f"step-{s:08d}"\nB = re.compile(r"^\\.(.+)\\.fptmp-")\nC = "--step-seconds"\n'
+        'D = f"shard-{r:05d}"\nE = re.compile(r"^shard-\\d{5}$")\nF = "--max-shard-size"\n'
     )
-    assert [hit.split(":")[0] for hit in _spelled_names(source)] == ["line 2", "line 3"]
+    assert [hit.split(":")[0] for hit in _spelled_names(source)] == ["line 2", "line 3", "line 5", "line 6"]
 
 
 def test_only_format_spells_an_on_disk_name() -> None:

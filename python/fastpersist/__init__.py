@@ -2,7 +2,8 @@
 
 Large page-aligned O_DIRECT writes through io_uring (thread-pool fallback), striped across
 drives and data-parallel ranks, overlapped with training. See ``fastpersist.save``,
-``fastpersist.save_async`` and ``fastpersist.load``; ``fastpersist.torch_save`` writes files ``torch.load`` reads.
+``fastpersist.save_async`` and ``fastpersist.load``; ``fastpersist.torch_save`` writes files ``torch.load`` reads;
+``fastpersist.export_hf`` writes a checkpoint's model as Hugging Face safetensors shards.
 """
 
 from . import _core
@@ -22,6 +23,7 @@ from .errors import (
     SaveCancelledError,
     UnsupportedValueError,
 )
+from .export import export_hf
 from .futures import SaveFuture
 from .interop.torchfile import torch_save
 
@@ -46,6 +48,7 @@ __all__ = [
     "advise",
     "advise_levels",
     "clean",
+    "export_hf",
     "inspect",
     "load",
     "save",

@@ -33,7 +33,8 @@ from .errors import CorruptCheckpointError
 from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name, write_small_file
 from .format.manifest import read_manifest
 from .futures import SaveFuture
-from .retention import retire, retired_steps
+from .levels.hfexports import hf_exports_for
+from .retention import retire, retire_in_group, retired_steps
 from .saving.optimizer_guard import guard_optimizer
 from .saving.pools import pool_for
 from .saving.start import start_save
@@ -84,6 +85,9 @@ class Checkpointer:
             ``remote_every=None``, each drain's measured cost sets `remote_every` to the
             multi-level advisor's choice against the failures only the remote level survives
             (docs/advisor.md, "Several levels").
+        export_hf_every: export a committed step to `export_dir` as Hugging Face safetensors
+            whenever a multiple of it was crossed, in the background (:mod:`fastpersist.levels.hfexports`);
+            `export_hf_key`/`export_hf_prefix`: :func:`fastpersist.export_hf`'s `key`/`prefix`.
 
     Levels (docs/levels.md): **local**, `root` itself (an NVMe directory, or a directory under
     ``/dev/shm`` for an in-memory level that survives the process but not the node); **partner**,
@@ -118,6 +122,10 @@ class Checkpointer:
         remote_keep: int = 2,
         remote_bytes_per_s: float | None = None,
         failures: Failures | None = None,
+        export_hf_every: int | None = None,
+        export_dir: str | os.PathLike[str] | None = None,
+        export_hf_key: str | None = None,
+        export_hf_prefix: str = "",
     ) -> None:
         if every == "auto" and group is not None:
             raise ValueError('every="auto" is not supported with group= yet: every rank must save the same steps')
@@ -159,6 +167,7 @@ class Checkpointer:
 
             self._remote = RemoteLevel(self, remote, remote_every, remote_keep, remote_bytes_per_s, failures)
 
+        self._hf = hf_exports_for(self, export_hf_every, export_dir, export_hf_key, export_hf_prefix)
         if replicas:
             from .levels.partner import PartnerLevel
 
@@ -287,6 +296,8 @@ class Checkpointer:
         """On every rank, once `step` committed: the index (rank 0), then retention, then the costs."""
         stripes = self.config.stripes if self.config else None
         pinned = self._remote.pinned() if self._remote is not None else set()
+        if self._hf is not None:
+            pinned |= self._hf.pinned()
         candidates = [self.path(s) for s in retired_steps(self.steps(), step, self.keep) if s not in pinned]
         if self._partner is not None:
             self._partner.after_commit(step, result, candidates)  # per node: index and retention
@@ -296,33 +307,15 @@ class Checkpointer:
             if self.group is None:
                 retire(self.root, self.path(step), candidates, stripes, rank=0)
             else:
-                self._retire_in_group(step, candidates)
+                assert self.config is not None
+                retire_in_group(self.root, self.path(step), candidates, self.config, self.group, self.rank)
         self._last = result
         if self.rank == 0:
             self.history.committed(result, stripes=stripes, group=self.group is not None)  # costs and wear
         if self._remote is not None:
             self._remote.after_commit(step)
-
-    def _retire_in_group(self, step: int, candidates: list[str]) -> None:
-        from .distributed.control import control_for, forget_control
-
-        assert self.config is not None
-        control = control_for(self.group, self.config.timeout_s)
-        try:
-            retire(
-                self.root,
-                self.path(step),
-                candidates,
-                self.config.stripes,
-                rank=self.rank,
-                all_gather=control.all_gather,
-                broadcast=control.broadcast,
-            )
-        except Exception as e:
-            forget_control(control)
-            log.warning(
-                "retention after step %d skipped on rank %d (the group stopped answering): %s", step, self.rank, e
-            )
+        if self._hf is not None and self.rank == 0:
+            self._hf.after_commit(step)
 
     def _write_index(self, step: int) -> None:
         doc = {
@@ -467,11 +460,14 @@ class Checkpointer:
         return found
 
     def close(self) -> None:
-        """Waits for every pending copy, the remote drain included (raising a failure nobody has
-        seen yet, or the newest drain's); the Checkpointer can still be used afterwards."""
+        """Waits for every pending copy, the remote drain and Hugging Face export included (raising
+        a failure nobody has seen yet, or the newest drain's or export's); the Checkpointer can
+        still be used afterwards."""
         self._finish_previous()
         if self._remote is not None:
             self._remote.close()
+        if self._hf is not None:
+            self._hf.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -32,7 +32,7 @@ from .format.manifest import Manifest, read_manifest
 from .saving.recycle import recycle_checkpoint
 from .saving.target import remove_checkpoint_tree
 
-__all__ = ["ShareCheck", "check_share", "retire", "retired_steps"]
+__all__ = ["ShareCheck", "check_share", "retire", "retire_in_group", "retired_steps"]
 
 log = logging.getLogger("fastpersist")
 
@@ -141,3 +141,24 @@ def retire(
         if rank != 0 and removed and stripe_roots:
             stripe_leftovers(root, stripe_roots, names={os.path.basename(p) for p in removed})
     return removed
+
+
+def retire_in_group(root: str, kept: str, candidates: list[str], config: Any, group: object, rank: int) -> None:
+    """:func:`retire` on every rank of `group`, agreeing over its control group; if the group
+    stops answering, this retention is skipped (logged) and the next commit's tries again."""
+    from .distributed.control import control_for, forget_control
+
+    control = control_for(group, config.timeout_s)
+    try:
+        retire(
+            root,
+            kept,
+            candidates,
+            config.stripes,
+            rank=rank,
+            all_gather=control.all_gather,
+            broadcast=control.broadcast,
+        )
+    except Exception as e:
+        forget_control(control)
+        log.warning("retention after %s skipped on rank %d (the group stopped answering): %s", kept, rank, e)

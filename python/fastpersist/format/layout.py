@@ -57,6 +57,7 @@ __all__ = [
     "STRIPE_SUFFIX",
     "TMP_MARKER",
     "atomic_file",
+    "is_checkpointer_root",
     "drained_marker_name",
     "check_stripe_dirs",
     "data_file_name",
@@ -200,6 +201,14 @@ def parse_step_dir(name: str) -> int | None:
     """The step a Checkpointer's checkpoint directory is named after, or None if it is not one."""
     match = _STEP_DIR.match(name)
     return int(match.group(1)) if match else None
+
+
+def is_checkpointer_root(path: str) -> bool:
+    """A directory that is not a checkpoint (no manifest) but holds step directories or an index."""
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, MANIFEST_NAME)):
+        return False
+    names = os.listdir(path)
+    return INDEX_NAME in names or any(parse_step_dir(n) is not None for n in names)
 
 
 @contextlib.contextmanager

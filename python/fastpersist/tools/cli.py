@@ -1,5 +1,5 @@
 """The ``fastpersist`` command line: ``demo``, ``bench``, ``tune DIR...``, ``inspect PATH``, ``verify PATH``,
-``convert``, ``advise``, ``clean``."""
+``convert``, ``export``, ``advise``, ``clean``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .clitools import STRIPES_HELP, Progress, add_convert_parser, add_inspect_parser
+from .clitools import STRIPES_HELP, Progress, add_convert_parser, add_export_parser, add_inspect_parser
 from .demo import add_demo_parser
 from .units import parse_size
 
@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--stripes", nargs="+", metavar="DIR", help=STRIPES_HELP)
     ver.set_defaults(func=cmd_verify)
     add_convert_parser(sub)
+    add_export_parser(sub)
     from . import advise as advise_cli
 
     advise_cli.register(sub)

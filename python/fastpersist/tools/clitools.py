@@ -1,4 +1,4 @@
-"""The ``inspect`` and ``convert`` commands of the ``fastpersist`` CLI, and its progress bars.
+"""The ``inspect``, ``convert`` and ``export`` commands of the ``fastpersist`` CLI, and its progress bars.
 
 Each command is a function taking the parsed arguments plus an ``add_*_parser`` function that
 registers it on the CLI's subparsers (``fastpersist.tools.cli.build_parser`` calls them).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -18,8 +19,10 @@ __all__ = [
     "STRIPES_HELP",
     "Progress",
     "add_convert_parser",
+    "add_export_parser",
     "add_inspect_parser",
     "cmd_convert",
+    "cmd_export",
     "cmd_inspect",
     "group_tensors",
 ]
@@ -222,3 +225,54 @@ def add_convert_parser(sub: Any) -> None:
         "names, so only for files you trust",
     )
     conv.set_defaults(func=cmd_convert)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``fastpersist export SRC --to hf OUTDIR [--key K] [--prefix P] [--max-shard-size 5GB] [--config C]``."""
+    import shutil
+
+    from ..errors import FastPersistError
+    from ..export import export_hf
+
+    try:
+        done = export_hf(args.src, args.outdir, prefix=args.prefix, key=args.key, max_shard_bytes=args.max_shard_size)
+    except (FastPersistError, FileNotFoundError, NotADirectoryError, ValueError) as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        return 1
+    if args.config:
+        config = os.path.join(args.config, "config.json") if os.path.isdir(args.config) else args.config
+        shutil.copyfile(config, os.path.join(done.outdir, "config.json"))
+    tied = f", {len(done.tied)} tied name(s) written once" if done.tied else ""
+    print(
+        f"exported {done.source} -> {done.outdir}: {done.tensors} tensors, {_human(done.total_bytes)} in "
+        f"{len(done.files)} file(s){tied}, {done.seconds:.2f} s"
+    )
+    return 0
+
+
+def add_export_parser(sub: Any) -> None:
+    """Registers ``export`` on the CLI's subparsers."""
+    from ..interop.hfshards import DEFAULT_MAX_SHARD_BYTES
+    from .units import parse_size
+
+    exp = sub.add_parser(
+        "export",
+        help="write a checkpoint's model as Hugging Face safetensors shards (from_pretrained loads them)",
+        description="Writes the tensors of SRC (a replicated, sharded or DCP-written checkpoint, or a Checkpointer "
+        "root: its latest step) to OUTDIR as model.safetensors, or model-0000K-of-0000N.safetensors shards and "
+        "model.safetensors.index.json, as save_pretrained does. Names are the state's key paths joined by '.'; "
+        "tied weights are written once; values that are not tensors are skipped. Reads one window at a time.",
+    )
+    exp.add_argument("src", help="checkpoint directory or Checkpointer root")
+    exp.add_argument("--to", required=True, choices=["hf"], help="output format (hf: Hugging Face safetensors)")
+    exp.add_argument("outdir", help="output directory (created if missing)")
+    exp.add_argument("--key", help="the sub-tree to export, by its dotted name (e.g. model); default: everything")
+    exp.add_argument("--prefix", default="", help="stripped from the names that start with it (e.g. module.)")
+    exp.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        help="tensor bytes per shard file (default 5GB, as save_pretrained)",
+    )
+    exp.add_argument("--config", help="a config.json (or a directory holding one) to copy into OUTDIR")
+    exp.set_defaults(func=cmd_export)

@@ -25,20 +25,12 @@ import os
 from typing import Any
 
 from ..errors import FastPersistError
-from ..format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, shard_name
+from ..format.layout import INDEX_NAME, MANIFEST_NAME, is_checkpointer_root, parse_step_dir, shard_name
 from ..format.manifest import Manifest, read_manifest
 from ..levels.holdings import Share, share_problem, shares_of
 from ..levels.placement import Placement, node_name
 
 __all__ = ["describe_root", "is_checkpointer_root", "print_root"]
-
-
-def is_checkpointer_root(path: str) -> bool:
-    """A directory that is not a checkpoint (no manifest) but holds step directories or an index."""
-    if not os.path.isdir(path) or os.path.exists(os.path.join(path, MANIFEST_NAME)):
-        return False
-    names = os.listdir(path)
-    return INDEX_NAME in names or any(parse_step_dir(n) is not None for n in names)
 
 
 def _index_step(root: str) -> int | None:

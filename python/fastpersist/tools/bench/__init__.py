@@ -8,7 +8,8 @@ interleaved (A B C A B C ...) so that drift of a shared disk hits every method a
 * saves (each one durable: fsync included): the drive's limit (a write-only O_DIRECT stream of
   the same bytes through the engine's raw path, and ``fio`` when installed), ``fastpersist.save``
   on each backend, ``fastpersist.save_async`` (time to return, to staged, to durable),
-  ``fastpersist.torch_save`` (a file ``torch.load`` reads),
+  ``fastpersist.torch_save`` (a file ``torch.load`` reads), ``fastpersist.export_hf`` (Hugging
+  Face safetensors shards, read back from a checkpoint of the state),
   ``torch.save``, ``safetensors.torch.save_file`` and ``torch.distributed.checkpoint`` with a
   ``FileSystemWriter`` of 1 and 4 threads;
 * cold loads (page cache dropped before each, when permitted): the O_DIRECT read limit,

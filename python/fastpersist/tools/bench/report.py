@@ -53,6 +53,10 @@ def _speedups(results: dict[str, dict[str, Any]], fp_save: str | None) -> dict[s
         peers["fastpersist_torch_save vs torch_save"] = (
             results["torch_save"]["median_s"] / results["fastpersist_torch_save"]["median_s"]
         )
+    if "fastpersist_export_hf" in results and "safetensors_save" in results:
+        peers["fastpersist_export_hf vs safetensors_save"] = (
+            results["safetensors_save"]["median_s"] / results["fastpersist_export_hf"]["median_s"]
+        )
     if "fastpersist_load" in results:
         for k, r in results.items():
             if r["role"] == "peer" and r["kind"] == "load":

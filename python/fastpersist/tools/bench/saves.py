@@ -145,6 +145,26 @@ def _add_fastpersist_torch_save(bench: Bench) -> None:
         return {ts_key: time.perf_counter() - start}
 
     bench.save_methods.append(Method("fastpersist.torch_save", torch_save_fp, [ts_path]))
+    _add_export_method(bench, fp.Config(**bench.config_kwargs))
+
+
+def _add_export_method(bench: Bench, config: Any) -> None:
+    """``fastpersist.export_hf`` of the whole state from a checkpoint of it (saved once, untimed)
+    to Hugging Face safetensors shards: read back, checksummed, written, fsynced; against
+    ``safetensors.save_file`` of the same tensors from memory."""
+    import fastpersist as fp
+
+    src, out = bench.path("fp-export-src"), bench.path("hf-export")
+    key = bench.add_row("fastpersist_export_hf", "fastpersist.export_hf (from a checkpoint)", "save", "fastpersist")
+
+    def export() -> dict[str, float]:
+        if not os.path.exists(src):
+            fp.save(bench.state, src, config=config)
+        start = time.perf_counter()
+        fp.export_hf(src, out, config=config)
+        return {key: time.perf_counter() - start}
+
+    bench.save_methods.append(Method("fastpersist.export_hf", export, [out]))
 
 
 def _add_peer_methods(bench: Bench) -> None:
