@@ -14,9 +14,10 @@ from the usual AWS environment variables (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
 from __future__ import annotations
 
 import abc
+import errno
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -93,10 +94,11 @@ def _local_pieces(
             throttle(len(data))
 
 
-def _engine_pieces(path: str, f: FileCopy, throttle: Callable[[int], None]) -> Iterator[memoryview]:
+def _engine_pieces(path: str, f: FileCopy, throttle: Callable[[int], None]) -> Generator[memoryview, None, None]:
     """The local data file's pieces read by the engine (O_DIRECT where the filesystem takes it,
     each chunk's crc32c checked in Rust, the GIL released), one piece ahead into the other of two
-    page-aligned buffers; a piece stays valid until the next is asked for."""
+    page-aligned buffers; a piece stays valid until the next is asked for. Each view is the
+    piece's bytes; the buffer behind it (``view.obj``) is page-aligned and padded to the page."""
     pieces = f.pieces()
     align = _core.DIRECT_ALIGN_BYTES
     size = -(-max((hi - lo for lo, hi in pieces), default=align) // align) * align
@@ -116,6 +118,38 @@ def _engine_pieces(path: str, f: FileCopy, throttle: Callable[[int], None]) -> I
             ahead = reader.submit(read, k + 1) if k + 1 < len(pieces) else None
             yield memoryview(buffers[k % 2])[: hi - lo]
             throttle(hi - lo)
+
+
+def _direct_copy(dst: str, pieces: Generator[memoryview, None, None], len_bytes: int) -> bool:
+    """Writes `pieces` (page-aligned buffers, from :func:`_engine_pieces`) to the new file `dst`
+    with O_DIRECT: no second copy into the page cache and no flush of it at the end, while the
+    next piece is read. False, with nothing written, where the filesystem refuses O_DIRECT."""
+    try:
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_DIRECT, 0o644)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        raise
+    align = _core.DIRECT_ALIGN_BYTES
+    try:
+        offset = 0
+        for data in pieces:
+            padded = memoryview(data.obj)[: -(-len(data) // align) * align]
+            done = 0
+            while done < len(padded):
+                try:
+                    done += os.pwrite(fd, padded[done:], offset + done)
+                except OSError as e:  # the open took O_DIRECT but the writes do not: write buffered
+                    if e.errno != errno.EINVAL or offset + done:
+                        raise
+                    pieces.close()
+                    return False
+            offset += len(data)
+        os.ftruncate(fd, len_bytes)  # the last piece's padding
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
 
 
 class Store(abc.ABC):
@@ -195,15 +229,16 @@ class DirStore(Store):
     def upload(self, key: str, local: str, f: FileCopy, throttle: Callable[[int], None]) -> None:
         dst = self.where(key)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
-        with open(dst, "wb", buffering=0) as out:
+        if not f.chunk_crc32c or not _direct_copy(dst, _engine_pieces(local, f, throttle), f.len_bytes):
             pieces = (
                 _engine_pieces(local, f, throttle) if f.chunk_crc32c else _local_pieces(local, f, throttle, reuse=True)
             )
-            for data in pieces:
-                view = memoryview(data)
-                while view:
-                    view = view[out.write(view) :]
-            os.fsync(out.fileno())
+            with open(dst, "wb", buffering=0) as out:
+                for data in pieces:
+                    view = memoryview(data)
+                    while view:
+                        view = view[out.write(view) :]
+                os.fsync(out.fileno())
         _core.fsync_dir(os.path.dirname(dst))
 
     def put_bytes(self, key: str, data: bytes, *, durable: bool = True) -> None:
