@@ -1,39 +1,23 @@
 //! CRC-32 fields (the record CRCs of a zip archive) filled in while a job stages its stream, on
 //! every way a job writes: both backends, O_DIRECT on and off, and files on a memory filesystem.
 
+mod common;
+
 use std::path::PathBuf;
+
+use common::{CHUNK, Setup, options, setup_with};
 
 use fastpersist_core::checksum::crc32;
 use fastpersist_core::error::Error;
 use fastpersist_core::job::{
-    Crc32Field, JobHooks, JobProgress, SourceRegion, WriteOptions, WriteTarget, write_parts_with,
+    Crc32Field, JobHooks, JobProgress, SourceRegion, WriteOptions, write_parts_with,
 };
-use fastpersist_core::plan::Plan;
 use fastpersist_core::pool::Pool;
 use fastpersist_core::probe::{self, BackendKind, DirectMode};
 
-const CHUNK: u64 = 64 << 10;
-
-struct Setup {
-    _root: tempfile::TempDir,
-    data: Vec<Vec<u8>>,
-    plan: Plan,
-    targets: Vec<WriteTarget>,
-}
-
-fn options() -> WriteOptions {
-    WriteOptions {
-        backend: BackendKind::Threads,
-        direct: DirectMode::Off,
-        queue_depth: 2,
-        checksum: true,
-        durable: false,
-    }
-}
-
+/// Extents of `sizes` bytes with varied contents (a constant fill would hide a CRC of the wrong range).
 fn setup(sizes: &[usize], writers: usize, writer: usize) -> Setup {
-    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let data: Vec<Vec<u8>> = sizes
+    let data = sizes
         .iter()
         .enumerate()
         .map(|(i, &n)| {
@@ -42,21 +26,7 @@ fn setup(sizes: &[usize], writers: usize, writer: usize) -> Setup {
                 .collect()
         })
         .collect();
-    let lens: Vec<u64> = sizes.iter().map(|&n| n as u64).collect();
-    let plan = Plan::new(&lens, writers, 1, CHUNK).unwrap();
-    let targets = plan
-        .parts_of_writer(writer)
-        .map(|p| WriteTarget {
-            part: *p,
-            path: root.path().join(format!("w{}.bin", p.writer)),
-        })
-        .collect();
-    Setup {
-        _root: root,
-        data,
-        plan,
-        targets,
-    }
+    setup_with(data, writers, writer)
 }
 
 fn regions(data: &[Vec<u8>]) -> Vec<SourceRegion> {

@@ -28,14 +28,20 @@ pub struct Setup {
     pub targets: Vec<WriteTarget>,
 }
 
+/// A plan over extents of `sizes` bytes, each filled with its index + 1, and `writer`'s targets.
 pub fn setup(sizes: &[usize], writers: usize, writer: usize) -> Setup {
-    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let data: Vec<Vec<u8>> = sizes
+    let data = sizes
         .iter()
         .enumerate()
         .map(|(i, &n)| vec![i as u8 + 1; n])
         .collect();
-    let lens: Vec<u64> = sizes.iter().map(|&n| n as u64).collect();
+    setup_with(data, writers, writer)
+}
+
+/// A plan over the extents `data` and `writer`'s targets, in a fresh temporary directory.
+pub fn setup_with(data: Vec<Vec<u8>>, writers: usize, writer: usize) -> Setup {
+    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let lens: Vec<u64> = data.iter().map(|d| d.len() as u64).collect();
     let plan = Plan::new(&lens, writers, 1, CHUNK).unwrap();
     let targets = plan
         .parts_of_writer(writer)
