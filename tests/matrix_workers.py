@@ -94,6 +94,7 @@ def _one_config(rank: int, workdir: str, backend: str, mode: str, kind: str) -> 
         ck.save(step, step_state(step, rank, sharded))
         ck.wait()
         committed.append(step)
+    ck.close()  # and the background removal of what retention retired
     dist.barrier()
     first = _report(ck, roots, rank, sharded)
     dist.barrier()
@@ -105,6 +106,7 @@ def _one_config(rank: int, workdir: str, backend: str, mode: str, kind: str) -> 
         ck.save(step, step_state(step, rank, sharded))
         ck.wait()
         committed.append(step)
+    ck.close()
     dist.barrier()
     restart = _report(ck, roots, rank, sharded)
     dist.barrier()

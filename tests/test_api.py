@@ -297,6 +297,7 @@ def test_stripes_spread_files_and_load(workdir: str, config: fp.Config) -> None:
     assert {os.path.dirname(os.path.dirname(f)) for f in res.files} == set(stripes)
     assert torch.equal(fp.load(path)["w"], state["w"])
     fp.save({"w": torch.zeros(1)}, path, config=cfg)  # replacing removes the old stripe dirs
+    fp.wait_removed()  # (after the commit, on the remover's thread)
     assert sum(len(os.listdir(s)) for s in stripes) == 1
 
 

@@ -111,7 +111,8 @@ def test_retention_waits_until_the_new_step_verifies(
     assert retire(workdir, new, [old], cfg.stripes, rank=0) == []
     fp.save(_state(2), new, config=cfg)
     assert retire(workdir, new, [old], cfg.stripes, rank=0) == [old]
-    assert not os.path.exists(old)
+    assert not os.path.exists(old)  # out of sight at once; its bytes go in the background
+    assert fp.wait_removed(timeout=60)
     assert {n for d in cfg.stripes or [] for n in os.listdir(d)} == {
         os.path.basename(d) for d in read_manifest(new).stripes
     }

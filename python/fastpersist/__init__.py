@@ -26,6 +26,7 @@ from .errors import (
 from .export import export_hf
 from .futures import SaveFuture
 from .interop.torchfile import torch_save
+from .saving.remover import wait_removed
 
 __version__: str = _core.__version__
 
@@ -55,4 +56,5 @@ __all__ = [
     "save_async",
     "torch_save",
     "verify",
+    "wait_removed",
 ]

@@ -37,6 +37,7 @@ from .levels.hfexports import hf_exports_for
 from .retention import retire, retire_in_group, retired_steps
 from .saving.optimizer_guard import guard_optimizer
 from .saving.pools import pool_for
+from .saving.remover import wait_removed
 from .saving.start import start_save
 
 __all__ = ["Checkpointer"]
@@ -461,13 +462,14 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for every pending copy, the remote drain and Hugging Face export included (raising
-        a failure nobody has seen yet, or the newest drain's or export's); the Checkpointer can
-        still be used afterwards."""
+        a failure nobody has seen yet, or the newest drain's or export's), and for the removal of
+        retired steps; the Checkpointer can still be used afterwards."""
         self._finish_previous()
         if self._remote is not None:
             self._remote.close()
         if self._hf is not None:
             self._hf.close()
+        wait_removed()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -48,6 +48,7 @@ from .format.layout import INDEX_TMP, MANIFEST_NAME, parse_stripe_dir, parse_tmp
 from .format.manifest import read_manifest
 from .format.ownership import REMOVING, cleaning, is_live, lock_state, read_owner, remove_owned_dir
 from .saving.recycle import free_recycled, recycled_entries
+from .saving.remover import wait_removed
 
 __all__ = ["clean", "stripe_leftovers"]
 
@@ -63,6 +64,7 @@ class _RootView:
     root: str
     real_root: str
     dead_tmp: dict[tuple[str, str], str] = field(default_factory=dict)  # (name, id12) -> path
+    retired: dict[str, str] = field(default_factory=dict)  # name -> id of a step the group retired
     committed: dict[str, str | None] = field(default_factory=dict)  # name -> checkpoint id
 
     def committed_id(self, name: str, *, fresh: bool = False) -> str | None:
@@ -107,6 +109,8 @@ def _is_leftover(view: _RootView, path: str, name: str, id12: str) -> bool:
         return False  # another root's (a shared drive), or a marker that does not match its name
     if view.committed_id(owner_name) in (owner.checkpoint_id, _UNREADABLE):
         return False
+    if view.retired.get(owner_name) == owner.checkpoint_id:
+        return True  # retired by rank 0 (its tree, held until deleted, looks like a live save's)
     if is_live(tmp_dir_for(os.path.join(view.root, owner_name), id12)):
         return False
     # The save may have committed between the two looks above (its rename is atomic): look again.
@@ -136,15 +140,22 @@ def _scan_stripes(view: _RootView, stripes: Sequence[str | os.PathLike[str]], na
 
 
 def stripe_leftovers(
-    root: str | os.PathLike[str], stripes: Sequence[str | os.PathLike[str]], *, names: set[str] | None = None
+    root: str | os.PathLike[str],
+    stripes: Sequence[str | os.PathLike[str]],
+    *,
+    names: set[str] | None = None,
+    retired: dict[str, str] | None = None,
 ) -> list[str]:
     """Removes the stripe directories under `stripes` that are provably leftovers of `root`; returns them.
 
-    `names` limits the search to checkpoints of those names (a rank's share of retired steps, or
-    the old tree of a replaced checkpoint).
+    `names` limits the search to checkpoints of those names (the old tree of a replaced
+    checkpoint); `retired` (name -> checkpoint id) names the steps a group's rank 0 retired,
+    whose stripe directories go (and only those).
     """
     root = os.path.abspath(os.fspath(root))
-    view = _RootView(root=root, real_root=os.path.realpath(root))
+    view = _RootView(root=root, real_root=os.path.realpath(root), retired=dict(retired or {}))
+    if retired is not None:
+        names = set(retired)
     with cleaning(root):
         found = _scan_stripes(view, stripes, names)
     for path in found:
@@ -201,6 +212,7 @@ def clean(
         >>> fp.clean("/tmp/fp-doc-runs")  # doctest: +SKIP
         ['/tmp/fp-doc-runs/.step-00000007.fptmp-1f2e3d4c5b6a']
     """
+    wait_removed()  # this process's own removals finish first: they are not leftovers
     root = os.path.abspath(os.fspath(root))
     view = _RootView(root=root, real_root=os.path.realpath(root))
     with cleaning(root):

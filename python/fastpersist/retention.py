@@ -7,7 +7,8 @@ The rules (docs/failure-model.md, "Deletion"):
 * Nothing is retired until *s* is verified loadable: its manifests readable and every data file
   present with its recorded size. In a group each rank checks the files on its own drives and
   rank 0 checks that every file was checked by someone.
-* Rank 0 removes the retired checkpoint directories and their stripe directories on its drives
+* Rank 0 removes the retired checkpoint directories (moved out of sight at once, deleted after
+  the commit returns by :mod:`fastpersist.saving.remover`) and their stripe directories on its drives
   (on a memory root it recycles the newest one's data files instead, for the next save to
   overwrite in place: :mod:`fastpersist.saving.recycle`);
   then every other rank removes its own stripe directories of those steps, found by their
@@ -30,7 +31,7 @@ from .errors import FastPersistError
 from .format.confine import data_file_problem, real_roots, under_roots
 from .format.manifest import Manifest, read_manifest
 from .saving.recycle import recycle_checkpoint
-from .saving.target import remove_checkpoint_tree
+from .saving.remover import remove_checkpoint_later, run_later
 
 __all__ = ["ShareCheck", "check_share", "retire", "retire_in_group", "retired_steps"]
 
@@ -125,22 +126,36 @@ def retire(
     check = check_share(step_path, stripe_roots, checks_dir=rank == 0)
     checks = all_gather(check) if all_gather is not None else [check]
     removed: list[str] = []
+    ids: dict[str, str] = {}
     if rank == 0:
         why = _verdict(step_path, checks)
         if why and candidates:
             log.warning("keeping %s: the new checkpoint %s does not verify yet (%s)", list(candidates), step_path, why)
         else:
             removed = list(candidates)
+        ids = _checkpoint_ids(removed)
         # On a memory root the newest retired step's files are recycled for the next save; the
         # older ones (and anything not recyclable) are deleted.
         recycled = bool(removed) and recycle_checkpoint(root, removed[-1])  # candidates: oldest first
         for path in removed[:-1] if recycled else removed:
-            remove_checkpoint_tree(path, stripe_roots)
+            remove_checkpoint_later(path, stripe_roots)
     if broadcast is not None:
-        removed = broadcast(removed)
-        if rank != 0 and removed and stripe_roots:
-            stripe_leftovers(root, stripe_roots, names={os.path.basename(p) for p in removed})
+        removed, ids = broadcast((removed, ids))
+        if rank != 0 and ids and stripe_roots:
+            run_later(stripe_leftovers, root, stripe_roots, retired=ids)
     return removed
+
+
+def _checkpoint_ids(paths: Sequence[str]) -> dict[str, str]:
+    """Name -> checkpoint id of each of `paths` whose manifest reads (the others' stripe
+    directories stay for ``clean``, which proves them leftovers once their tree is gone)."""
+    ids = {}
+    for path in paths:
+        try:
+            ids[os.path.basename(path)] = read_manifest(path).checkpoint_id
+        except (FastPersistError, OSError):
+            pass
+    return ids
 
 
 def retire_in_group(root: str, kept: str, candidates: list[str], config: Any, group: object, rank: int) -> None:

@@ -257,6 +257,7 @@ def test_a_hostile_manifest_cannot_make_fastpersist_delete_outside_its_stripe_ro
     _rewrite(path, lambda d: d["stripes"].append(victim))
     assert fp.load(path)["w"].sum() == 10  # the manifest is accepted: only deletion is at stake
     fp.save({"w": torch.zeros(10)}, path, config=cfg)  # replaces the hostile checkpoint, deleting it
+    assert fp.wait_removed(timeout=60)  # (after the commit, in the background)
     assert Path(victim, "keep.txt").read_text() == "mine"
     assert torch.equal(fp.load(path)["w"], torch.zeros(10)) and len(os.listdir(ssd)) == 1
     # Retention in a Checkpointer is confined the same way.
@@ -266,7 +267,7 @@ def test_a_hostile_manifest_cannot_make_fastpersist_delete_outside_its_stripe_ro
     victim2 = _victim(precious, ck.path(1))
     _rewrite(ck.path(1), lambda d: d["stripes"].append(victim2))
     ck.save(2, {"w": torch.ones(2)})
-    ck.wait()
+    ck.close()  # the save and the removal of step 1
     assert ck.steps() == [2] and Path(victim2, "keep.txt").read_text() == "mine"
     assert len(os.listdir(ssd)) == 2  # step 1's own stripe directory went with it
 

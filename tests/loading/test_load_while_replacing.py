@@ -1,9 +1,10 @@
 """A load sees exactly one checkpoint, even while a save replaces it (docs/format.md).
 
-A save replaces a checkpoint by exchanging directories and then deletes the old tree; a load
-opens the checkpoint directory once and reads everything through that handle, so it returns
-one save's state whole, or raises CheckpointNotFoundError: never a checksum mismatch caused by
-the other save's files, never the step of one save with the tensors of the other.
+A save replaces a checkpoint by exchanging directories, and the old tree is deleted in the
+background after the commit; a load opens the checkpoint directory once and reads everything
+through that handle, so it returns one save's state whole (the old one, if its tree was not
+deleted yet), or raises CheckpointNotFoundError: never a checksum mismatch caused by the other
+save's files, never the step of one save with the tensors of the other.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 import fastpersist as fp
 from fastpersist.loading import examine, pipeline, reading
+from fastpersist.saving import remover
 
 from gloo import TESTS_DIR
 from replace_workers import TENSORS, replace_in_a_loop, stepped_state
@@ -69,15 +71,19 @@ def test_loads_while_another_process_replaces_see_one_checkpoint(
     assert seen["step 1"] and seen["step 2"], seen  # the loads did run across replacements
 
 
-def _replace_before_reading(monkeypatch: pytest.MonkeyPatch, path: str, config: fp.Config) -> list[int]:
-    """Makes the next read of data replace the checkpoint at `path` first (a save, which deletes
-    the old tree); returns the list of replacements done."""
+def _replace_before_reading(
+    monkeypatch: pytest.MonkeyPatch, path: str, config: fp.Config, *, removed: bool = True
+) -> list[int]:
+    """Makes the next read of data replace the checkpoint at `path` first (a save, whose old
+    tree is deleted in the background: waited for if `removed`); returns the replacements done."""
     done: list[int] = []
     read_ranges_into = reading._core.read_ranges_into
 
     def replace_then_read(*args: Any, **kwargs: Any) -> Any:
         if not done:
             fp.save(stepped_state(2), path, config=config)
+            if removed:
+                assert fp.wait_removed(timeout=60)
             done.append(1)
         return read_ranges_into(*args, **kwargs)
 
@@ -95,6 +101,25 @@ def test_a_checkpoint_replaced_under_a_load_is_not_found(
         fp.load(path, config=config)
     assert done and info.value.filename == path and "/proc/self/fd" not in str(info.value)
     assert _whole(fp.load(path, config=config)) and fp.load(path)["step"] == 2
+
+
+def test_a_load_that_began_before_a_replace_returns_the_old_checkpoint_whole(
+    workdir: str, config: fp.Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Until the background removal reaches it, the replaced tree is still readable through the
+    load's directory handle: the load returns the checkpoint it opened, whole."""
+    path = os.path.join(workdir, "ck")
+    fp.save(stepped_state(1), path, config=config)
+    queued: list[tuple[Any, ...]] = []
+    remove_later = remover.remove_later
+    monkeypatch.setattr(remover, "remove_later", lambda *a, **k: queued.append((a, k)))  # removal held back
+    done = _replace_before_reading(monkeypatch, path, config, removed=False)
+    state = fp.load(path, config=config)
+    assert done and queued and state["step"] == 1 and _whole(state)
+    assert fp.load(path, config=config)["step"] == 2  # a new load sees the new checkpoint
+    (root, stripes), kwargs = queued[0]
+    remove_later(root, stripes, **kwargs)
+    assert fp.wait_removed(timeout=60) and not os.path.exists(root)
 
 
 @pytest.mark.parametrize("operation", ["load", "verify"])

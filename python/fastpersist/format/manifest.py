@@ -16,6 +16,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +33,11 @@ __all__ = [
     "FORMAT_VERSION",
     "FileEntry",
     "Manifest",
+    "StreamText",
+    "build",
     "read_manifest",
     "seal",
+    "stream_text",
 ]
 
 FORMAT_NAME = "fastpersist"
@@ -93,27 +97,60 @@ class Manifest:
         return os.path.join(base, entry.name)
 
 
+def _dumps(value: Any) -> str:
+    return json.dumps(value, allow_nan=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class StreamText:
+    """The manifest members fixed once a save is planned (blobs, tensors, tree), as JSON text.
+
+    They are most of a manifest's bytes (~8 ms of serialising for 1,000 tensors), so a save
+    serialises them while its data is written (:func:`stream_text`) and :func:`build` only
+    joins them with the members known at the commit.
+    """
+
+    blobs: str
+    tensors_tree: str
+    tensors: list[dict[str, Any]]
+    tree: dict[str, Any]
+
+
+def stream_text(
+    offsets: Sequence[int], lengths: Sequence[int], tensors: list[dict[str, Any]], tree: dict[str, Any]
+) -> StreamText:
+    """:class:`StreamText` of a planned save's blobs (stream `offsets`, `lengths`), `tensors` and `tree`."""
+    body = _dumps({"tensors": tensors, "tree": tree})
+    blobs = [{"offset_bytes": o, "len_bytes": n} for o, n in zip(offsets, lengths, strict=True)]
+    return StreamText(_dumps(blobs), body[1:-1], tensors, tree)
+
+
 def build(
     *,
     checkpoint_id: str,
     chunk_bytes: int,
     checksum: str,
     total_bytes: int,
-    blobs: list[tuple[int, int]],
     files: list[FileEntry],
     stripes: list[str],
-    tensors: list[dict[str, Any]],
-    tree: dict[str, Any],
+    stream: StreamText | None = None,
+    blobs: list[tuple[int, int]] | None = None,
+    tensors: list[dict[str, Any]] | None = None,
+    tree: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
     shards: list[str] | None = None,
 ) -> bytes:
-    """Serialises a manifest (the inverse of :func:`parse`).
+    """Serialises a manifest (the inverse of :func:`parse`): from `stream`, or from `blobs`,
+    `tensors` and `tree` (the same bytes either way).
 
     Raises:
         UnsupportedValueError: the manifest would be larger than a reader accepts
             (:func:`~fastpersist.format.limits.check_manifest_size`); nothing is written.
     """
-    doc = {
+    if stream is None:
+        assert blobs is not None and tensors is not None and tree is not None
+        stream = stream_text([o for o, _ in blobs], [n for _, n in blobs], tensors, tree)
+    head = {
         "format": FORMAT_NAME,
         "format_version": list(FORMAT_VERSION),
         "checkpoint_id": checkpoint_id,
@@ -123,17 +160,17 @@ def build(
         "checksum": checksum,
         "extent_align_bytes": 64,
         "total_bytes": total_bytes,
-        "blobs": [{"offset_bytes": o, "len_bytes": n} for o, n in blobs],
-        "files": [f.to_json() for f in files],
-        "stripes": stripes,
-        "tensors": tensors,
-        "tree": tree,
-        "extra": extra or {},
     }
+    tail: dict[str, Any] = {"extra": extra or {}}
     if shards:
-        doc["shards"] = shards
-    manifest = seal(json.dumps(doc, allow_nan=False, separators=(",", ":")).encode())
-    check_manifest_size(manifest, tree, tensors)
+        tail["shards"] = shards
+    # The members in the order json.dumps of one dict would give them.
+    text = (
+        f'{_dumps(head)[:-1]},"blobs":{stream.blobs},"files":{_dumps([f.to_json() for f in files])},'
+        f'"stripes":{_dumps(stripes)},{stream.tensors_tree},{_dumps(tail)[1:]}'
+    )
+    manifest = seal(text.encode())
+    check_manifest_size(manifest, stream.tree, stream.tensors)
     return manifest
 
 

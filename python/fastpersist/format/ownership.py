@@ -51,6 +51,7 @@ __all__ = [
     "make_locked_dir",
     "read_owner",
     "remove_owned_dir",
+    "try_lock",
     "write_owner",
 ]
 
@@ -172,11 +173,37 @@ class DirLock:
             self.release()
             raise
 
+    def holds(self, path: str) -> bool:
+        """Whether the directory now at `path` is the one this lock holds (it may have been renamed)."""
+        if self._fd is None:
+            return False
+        try:
+            held, now = os.fstat(self._fd), os.lstat(path)
+        except FileNotFoundError:
+            return False
+        return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+
     def release(self) -> None:
         """Drops the lock (idempotent). The directory may have been renamed or removed meanwhile."""
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+
+def try_lock(path: str) -> DirLock | None:
+    """The lock of the directory at `path`, or None if it is gone, not a directory, or held.
+
+    A checkpoint tree awaiting deletion is held this way, so that a cleaner in another process
+    takes it for a live save's (not a crash's leftover) until its deletion is done.
+    """
+    try:
+        return DirLock(path)
+    except (BlockingIOError, FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return None
+        raise
 
 
 @contextlib.contextmanager

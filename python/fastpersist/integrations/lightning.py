@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections import OrderedDict
 from typing import Any
 
@@ -35,6 +34,7 @@ from ..api import load, save
 from ..config import Config
 from ..format.layout import MANIFEST_NAME
 from ..format.quote import shown
+from ..saving.remover import remove_checkpoint_later, wait_removed
 
 __all__ = ["FastPersistCheckpointIO"]
 
@@ -69,12 +69,17 @@ class FastPersistCheckpointIO(CheckpointIO):
         return load(os.fspath(path), map_location, weights_only=weights_only, config=self.config)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Removes the checkpoint directory at `path` (only if it is one of ours)."""
+        """Removes the checkpoint directory at `path` (only if it is one of ours) and its stripe
+        directories: it is out of sight at once, its bytes are deleted in the background."""
         target = os.fspath(path)
         if os.path.isdir(target) and os.path.exists(os.path.join(target, MANIFEST_NAME)):
-            shutil.rmtree(target)
+            remove_checkpoint_later(target, self.config.stripes)
         elif os.path.isfile(target):
             os.remove(target)
+
+    def teardown(self) -> None:
+        """At the end of fit: the background removals of replaced and pruned checkpoints finish."""
+        wait_removed()
 
     def _plain(self, x: Any, where: str) -> Any:
         """`x` with dict subclasses as dicts and unknown objects handled per `strict`."""

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import FastPersistError
-from ..format.confine import data_file_problem, remove_checkpoint_tree
+from ..format.confine import data_file_problem
 from ..format.layout import shard_name
 from ..format.manifest import Manifest, read_manifest
 from ..saving.recycle import recycle_checkpoint
+from ..saving.remover import remove_checkpoint_later
 
 __all__ = ["Share", "held_shares", "local_levels", "retire_on_node", "share_problem", "shares_of"]
 
@@ -115,7 +116,7 @@ def retire_on_node(step_dir: str, candidates: list[str], node: str) -> list[str]
     # On a memory root the newest retired step's files are recycled for the next save to overwrite.
     recycled = bool(candidates) and recycle_checkpoint(os.path.dirname(step_dir), candidates[-1])
     for path in candidates[:-1] if recycled else candidates:
-        remove_checkpoint_tree(path, None)
+        remove_checkpoint_later(path, None)
     return list(candidates)
 
 

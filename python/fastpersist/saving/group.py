@@ -226,7 +226,7 @@ class GroupSaveJob:
             files=[e.to_json() for e in written.entries],
             stripe_dirs=written.stripe_dirs,
             total_bytes=self.job.plan.total_bytes,
-            tensor_count=len(self.job.tensor_json),
+            tensor_count=len(self.job.records),
             manifest_bytes=manifest_bytes,
         )
         return status, written, None
@@ -259,6 +259,7 @@ class GroupSaveJob:
         assert self.job is not None and written is not None
         outcome: CommitOutcome | None = None
         if self.rank == 0:
+            self.job.hold_replaced = not self.config.stripes  # the others' stripes of the old tree
             try:
                 self._commit(statuses)
                 outcome = CommitOutcome()

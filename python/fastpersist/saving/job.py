@@ -32,7 +32,7 @@ from ..device import CopierFactory, DeviceCopier
 from ..errors import SaveCancelledError
 from ..format.flatten import FlatState, TensorRecord, flatten, records_to_json
 from ..format.layout import data_file_name, stripe_dir_name, tmp_dir_for
-from ..format.manifest import FileEntry, build
+from ..format.manifest import FileEntry, StreamText, build, stream_text
 from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write_owner
 from ..format.quote import shown
 from ..gcpause import paused_gc
@@ -46,6 +46,7 @@ from .device_blobs import (
 )
 from .pools import pool_for
 from .recycle import take_recycled
+from .remover import held_for_removal
 from .target import (
     check_name_fits,
     check_stripe_roots,
@@ -144,9 +145,10 @@ class SaveJob:
         self.config = config.resolved_for(self.path)  # a group's job gets a resolved config
         self.layout = layout or single_layout(self.path)
         self.pool = pool
-        #: Held from the temporary directory's creation until commit or discard: a cleaner in
-        #: any process leaves a locked temporary directory (and its stripe directories) alone.
+        #: Held from the temporary directory's creation until commit or discard (cleaners leave it alone).
         self.tmp_lock = tmp_lock
+        #: Whether a replaced tree stays locked until deleted (not where other ranks must see it dead).
+        self.hold_replaced = True
         self.handle: Any = None
         self.verdict = Verdict()
         self._created: list[str] = []
@@ -262,9 +264,9 @@ class SaveJob:
         _warn_fallback_once(self.handle.fallback_reason)
 
     @functools.cached_property
-    def tensor_json(self) -> list[dict[str, Any]]:
-        """The manifest's tensor records, built when the manifest is (off the call's path)."""
-        return records_to_json(self.records)
+    def manifest_stream(self) -> StreamText:
+        """The manifest's blobs, tensors and tree as JSON: serialised while the data is written."""
+        return stream_text(self.plan.extent_offsets, self.blob_lengths, records_to_json(self.records), self.tree)
 
     def blob_owner(self, index: int) -> str:
         """The key path of the first tensor stored in blob `index`, for messages."""
@@ -367,6 +369,8 @@ class SaveJob:
         report: dict[str, Any] = {"parts": [], "bytes_written": 0, "staged_seconds": 0.0}
         try:
             if self.handle is not None:
+                if self.layout.owner and timeout is None:
+                    self.manifest_stream  # noqa: B018  (cached: built while the data is written)
                 report = self.handle.wait(timeout)
         except TimeoutError:
             raise
@@ -403,11 +407,9 @@ class SaveJob:
             chunk_bytes=self.config.resolved_chunk_bytes,
             checksum=self.config.checksum,
             total_bytes=self.plan.total_bytes,
-            blobs=list(zip(self.plan.extent_offsets, self.blob_lengths, strict=True)),
             files=entries,
             stripes=stripes,
-            tensors=self.tensor_json,
-            tree=self.tree,
+            stream=self.manifest_stream,
             extra=extra,
         )
 
@@ -427,12 +429,12 @@ class SaveJob:
             nonlocal exchanged
             exchanged = replace_as_last_writer(self.layout.tmp_dir, self.path)
 
-        self.verdict.commit(put_in_place)
-        if self.config.durable:
-            _core.fsync_dir(os.path.dirname(self.path))
-        if exchanged:
-            remove_checkpoint_tree(self.layout.tmp_dir, self.config.stripes, owner_path=self.path)
-        self._release_tmp_lock()
+        with held_for_removal(self.path, hold=self.hold_replaced) as old:  # no cleaner takes it for a leftover
+            self.verdict.commit(put_in_place)
+            if self.config.durable:
+                _core.fsync_dir(os.path.dirname(self.path))
+            self._release_tmp_lock()
+            old.remove_later(self.layout.tmp_dir, self.config.stripes, exchanged=exchanged)
 
     def result(self, written: Written) -> SaveResult:
         seconds = time.perf_counter() - self.started
@@ -473,8 +475,7 @@ class SaveJob:
     def discard(self) -> None:
         """Removes what this process created for a save that did not commit."""
         self.cancel_quietly()
-        if self.verdict.committed:
-            # The new checkpoint is in place; only the old tree (exchanged to tmp_dir) remains.
+        if self.verdict.committed:  # the new checkpoint is in place; the old tree is at tmp_dir
             remove_checkpoint_tree(self.layout.tmp_dir, self.config.stripes, owner_path=self.path)
         else:
             for d in reversed(self._created):
