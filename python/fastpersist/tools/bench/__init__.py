@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..units import auto_or, parse_size
+from .fixed import replacing_save_phases
 from .harness import Bench
 from .loads import add_load_methods
 from .probes import flatten_plan_seconds, rss_probe, run_rss_probe_subprocess
@@ -45,7 +46,7 @@ from .report import plot, summarise, table
 from .saves import add_save_methods
 from .settings import settle_settings
 from .state import GptShape, build_small_state, build_state, gpt_shape, state_summary
-from .system import machine_info, progress, run_dirs_for, status_bytes
+from .system import machine_info, progress, remove_path, run_dirs_for, status_bytes
 
 __all__ = [
     "GptShape",
@@ -188,6 +189,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         progress("timing flatten+plan of a 10,000-tensor state ...")
         extras["flatten_plan"] = flatten_plan_seconds(10_000, chunk_bytes=args.chunk_bytes)
         bench = Bench(args, run_dirs, notes)
+        progress("fixed costs: 5 saves replacing a 256 MiB checkpoint ...")
+        extras["replacing"] = replacing_save_phases(run_dirs[0], min(256 << 20, args.size), **bench.config_kwargs)
+        remove_path(extras["replacing"].pop("path"))
         add_save_methods(bench)
         add_load_methods(bench)
         try:
