@@ -39,6 +39,18 @@ def test_tune_writes_the_cache_and_prints_the_table(
     assert entry.write.chunk_bytes in (64 << 10, 128 << 10) and entry.write.queue_depth in (1, 2)
     ops = {f.op for f in entry.figures}
     assert ops == {"write", "read"} and all(f.gb_per_s > 0 and f.bytes <= 1 << 20 for f in entry.figures)
+    # Two directories on one drive: two concurrent writers were measured against one.
+    two = [f for f in entry.figures if f.writers == 2]
+    assert (
+        len(two) == 1
+        and two[0].op == "write"
+        and (two[0].chunk_bytes, two[0].queue_depth)
+        == (
+            entry.write.chunk_bytes,
+            entry.write.queue_depth,
+        )
+    )
+    assert entry.writers_per_drive in (1, 2) and "writer(s) per drive" in out
     assert json.load(open(cache_file))["devices"][identity.key]["tuned_at"][:4].isdigit()
     assert not [n for n in os.listdir(workdir) if n.startswith(".fastpersist-tune")]  # scratch removed
 
@@ -117,3 +129,14 @@ def test_pick_best_prefers_fewer_bytes_in_flight_among_near_ties() -> None:
     ]
     assert pick_best(figures) == Best(8 << 20, 8, 3.05)
     assert pick_best(figures[:1] + figures[2:]) == Best(64 << 20, 4, 3.10)
+
+
+def test_one_directory_measures_no_writers_and_old_entries_still_load(workdir: str) -> None:
+    limits = SweepLimits(seconds=0.3, chunk_sizes=(64 << 10,), depths=(1, 2), max_trial_bytes=1 << 20)
+    result = sweep(workdir, limits)
+    assert result.writers_per_drive is None and {f.writers for f in result.figures} == {1}
+    four = sweep(workdir, limits, writers=4)
+    assert {f.writers for f in four.figures} == {1, 2, 4} and four.writers_per_drive in (1, 2, 4)
+    assert not [n for n in os.listdir(workdir) if n.startswith(".fastpersist-tune")]
+    old = {"op": "write", "chunk_bytes": 1 << 20, "queue_depth": 8, "gb_per_s": 2.0, "bytes": 1 << 20}
+    assert Figure(**old).writers == 1  # a cache written before writers were measured

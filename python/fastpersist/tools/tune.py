@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import os
 import sys
@@ -29,8 +30,9 @@ __all__ = ["add_arguments", "main", "register", "result_table", "run_cli"]
 DESCRIPTION = """\
 Measures each directory's device with short writes and reads through fastpersist's engine
 (O_DIRECT, crc32c, fsync, as a save and a load do): every chunk size at depth 8, then every
-queue depth at the best chunk size, then read depths at that chunk size, within --seconds per
-device. The best settings are cached per device (block device number, model, serial and
+queue depth at the best chunk size, then (where several of the directories share a drive, as
+stripes would) 2, 4 ... concurrent writers at that setting, then read depths at that chunk size,
+within --seconds per device. The best settings are cached per device (block device number, model, serial and
 filesystem) in $FASTPERSIST_TUNE_CACHE, else $XDG_CACHE_HOME/fastpersist/tune.json, else
 ~/.cache/fastpersist/tune.json; Config(chunk_bytes="auto", queue_depth="auto") (the default)
 uses them. The scratch files are removed. Figures measured while other work loads the
@@ -82,20 +84,22 @@ def result_table(result: SweepResult) -> str:
     """The figures of one device, best settings marked with ``*``."""
     title = f"{result.identity.describe()}: {len(result.figures)} trials in {result.seconds:.1f} s"
     lines = [title + ("" if result.direct else " (O_DIRECT refused: buffered I/O)")]
-    head = f"  {'op':<6}{'chunk MiB':>10}{'depth':>7}{'GB/s':>8}{'MiB moved':>11}"
+    head = f"  {'op':<6}{'chunk MiB':>10}{'depth':>7}{'writers':>8}{'GB/s':>8}{'MiB moved':>11}"
     lines += [head, "  " + "-" * (len(head) - 2)]
     chosen: list[tuple[str, Best | None]] = [("write", result.write), ("read", result.read)]
-    for f in sorted(result.figures, key=lambda f: (f.op != "write", f.chunk_bytes, f.queue_depth)):
-        mark = any(
+    for f in sorted(result.figures, key=lambda f: (f.op != "write", f.writers, f.chunk_bytes, f.queue_depth)):
+        mark = f.writers == 1 and any(
             op == f.op and b and (b.chunk_bytes, b.queue_depth) == (f.chunk_bytes, f.queue_depth) for op, b in chosen
         )
         lines.append(
-            f"  {f.op:<6}{f.chunk_bytes / 2**20:>10g}{f.queue_depth:>7}{f.gb_per_s:>8.2f}"
+            f"  {f.op:<6}{f.chunk_bytes / 2**20:>10g}{f.queue_depth:>7}{f.writers:>8}{f.gb_per_s:>8.2f}"
             f"{f.bytes / 2**20:>11.0f}{' *' if mark else ''}"
         )
     best = f"  best: write {result.write.chunk_bytes / 2**20:g} MiB x depth {result.write.queue_depth}"
     if result.read is not None:
         best += f", read depth {result.read.queue_depth}"
+    if result.writers_per_drive is not None:
+        best += f", {result.writers_per_drive} writer(s) per drive"
     return "\n".join([*lines, best])
 
 
@@ -113,11 +117,14 @@ def run_cli(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"fastpersist tune: {e}", file=sys.stderr)
         return 2
-    seen: set[str] = set()
     for directory in args.dirs:
         if not os.path.isdir(directory):
             print(f"fastpersist tune: {directory}: not a directory", file=sys.stderr)
             return 2
+    # Several directories on one drive are stripes that will share it: measure writers per drive.
+    per_device = collections.Counter(device_identity(d).key for d in args.dirs)
+    seen: set[str] = set()
+    for directory in args.dirs:
         identity = device_identity(directory)
         if identity.key in seen:
             print(f"{directory}: same device as an earlier directory ({identity.describe()}), skipped")
@@ -126,7 +133,7 @@ def run_cli(args: argparse.Namespace) -> int:
         print(
             f"tuning {identity.describe()} in {os.path.abspath(directory)} (about {limits.seconds:g} s) ...", flush=True
         )
-        result = sweep(directory, limits)
+        result = sweep(directory, limits, writers=per_device[identity.key])
         entry = TuneEntry(
             device=result.identity.to_json(),
             tuned_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -135,6 +142,7 @@ def run_cli(args: argparse.Namespace) -> int:
             figures=result.figures,
             pool_bytes=limits.pool_bytes,
             seconds=round(result.seconds, 3),
+            writers_per_drive=result.writers_per_drive,
         )
         try:
             where = store(entry)

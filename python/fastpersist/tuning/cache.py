@@ -60,13 +60,15 @@ class Best:
 
 @dataclass(frozen=True)
 class Figure:
-    """One measured setting: ``op`` is ``"write"`` or ``"read"``."""
+    """One measured setting: ``op`` is ``"write"`` or ``"read"``; `writers` concurrent streams
+    (each at `chunk_bytes` x `queue_depth`, `bytes` in all) shared the drive."""
 
     op: str
     chunk_bytes: int
     queue_depth: int
     gb_per_s: float
     bytes: int
+    writers: int = 1
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class TuneEntry:
     figures: list[Figure] = field(default_factory=list)
     pool_bytes: int = 0
     seconds: float = 0.0
+    #: How many concurrent writers (ranks, or stripes on this drive) wrote fastest; None if not measured.
+    writers_per_drive: int | None = None
 
     @property
     def date(self) -> str:
@@ -101,6 +105,7 @@ class TuneEntry:
             figures=[Figure(**f) for f in doc.get("figures", [])],
             pool_bytes=int(doc.get("pool_bytes", 0)),
             seconds=float(doc.get("seconds", 0.0)),
+            writers_per_drive=int(doc["writers_per_drive"]) if doc.get("writers_per_drive") is not None else None,
         )
         datetime.datetime.fromisoformat(entry.tuned_at)  # a malformed date is a malformed entry
         return entry

@@ -96,6 +96,7 @@ class SweepResult:
     read: Best | None
     direct: bool
     seconds: float
+    writers_per_drive: int | None = None
 
 
 def pick_best(figures: list[Figure]) -> Best:
@@ -122,6 +123,7 @@ class _Trials:
         self.block = torch.randint(0, 256, (block_bytes,), dtype=torch.uint8)
         self.pools: collections.OrderedDict[int, _core.Pool] = collections.OrderedDict()
         self.warm_slots: dict[int, int] = {}
+        self.writer_pools: dict[tuple[int, int], list[_core.Pool]] = {}
         self.direct = False
 
     def left_s(self) -> float:
@@ -177,6 +179,32 @@ class _Trials:
         _, gb_per_s = self.write(chunk, depth, nbytes)
         self.figures.append(Figure("write", chunk, depth, round(gb_per_s, 3), nbytes))
 
+    def write_concurrently(self, chunk: int, depth: int, nbytes: int, writers: int) -> float:
+        """`writers` jobs at once, each writing its share of `nbytes` to its own file with its
+        share of the pool (as ranks or stripes sharing the drive would); returns the GB/s of all."""
+        share = max(nbytes // writers // chunk, 1) * chunk
+        pool_bytes = max(self.limits.pool_bytes // writers, 2 * chunk)
+        pools = self.writer_pools.get((chunk, writers))
+        if pools is None:
+            self.writer_pools.clear()
+            pools = self.writer_pools[(chunk, writers)] = [_core.Pool(chunk, pool_bytes) for _ in range(writers)]
+            self._write_all(pools, chunk, depth, min(pool_bytes, share))  # untimed: the slots become resident
+        start = self.clock()
+        self._write_all(pools, chunk, depth, share)
+        return share * writers / max(self.clock() - start, 1e-9) / 1e9
+
+    def _write_all(self, pools: list[_core.Pool], chunk: int, depth: int, nbytes: int) -> None:
+        lengths, sources = self._extents(nbytes)
+        paths = [os.path.join(self.folder, f"c-{i}") for i in range(len(pools))]
+        handles = [
+            _core.start_write(_core.Plan(lengths, 1, 1, chunk), 0, [path], sources, pool, queue_depth=depth)
+            for path, pool in zip(paths, pools, strict=True)
+        ]
+        for handle in handles:
+            handle.wait()
+        for path in paths:
+            os.remove(path)
+
     def record_read(self, path: str, nbytes: int, chunk: int, depth: int, dest: torch.Tensor) -> None:
         start = self.clock()
         _core.read_ranges_into([(path, nbytes, 0, nbytes, 0, [])], dest.numpy(), chunk_bytes=chunk, queue_depth=depth)
@@ -213,6 +241,21 @@ def _sweep_writes(t: _Trials, chunks: list[int], depths: tuple[int, ...], pool_b
     return pick_best(t.figures)
 
 
+def _sweep_writers(t: _Trials, write: Best, counts: tuple[int, ...]) -> int:
+    """Concurrent writers at the best write setting; returns the count that wrote fastest
+    (fewer among near ties). One writer is the best write figure already measured."""
+    figures = [Figure("write", write.chunk_bytes, write.queue_depth, write.gb_per_s, 0, 1)]
+    for writers in counts:
+        if writers == 1 or (len(figures) > 1 and t.left_s() <= 0):
+            continue
+        nbytes = t.trial_bytes(write.chunk_bytes, write.queue_depth * writers, max(t.left_s(), 0.0) / 4)
+        gb_per_s = t.write_concurrently(write.chunk_bytes, write.queue_depth, nbytes, writers)
+        figures.append(Figure("write", write.chunk_bytes, write.queue_depth, round(gb_per_s, 3), nbytes, writers))
+        t.figures.append(figures[-1])
+    top = max(f.gb_per_s for f in figures)
+    return min(f.writers for f in figures if f.gb_per_s >= top * (1 - CLOSE_FRACTION))
+
+
 def _sweep_reads(t: _Trials, write: Best, depths: tuple[int, ...]) -> Best | None:
     slice_s = max(t.left_s(), 0.0) / (len(depths) + 1)
     nbytes = t.trial_bytes(write.chunk_bytes, max(depths), slice_s)
@@ -230,9 +273,14 @@ def _sweep_reads(t: _Trials, write: Best, depths: tuple[int, ...]) -> Best | Non
 
 
 def sweep(
-    directory: str | os.PathLike[str], limits: SweepLimits | None = None, *, clock: Callable[[], float] = time.monotonic
+    directory: str | os.PathLike[str],
+    limits: SweepLimits | None = None,
+    *,
+    writers: int = 1,
+    clock: Callable[[], float] = time.monotonic,
 ) -> SweepResult:
-    """Measures writes and reads on `directory`'s device (see the module's docstring)."""
+    """Measures writes and reads on `directory`'s device (see the module's docstring); with
+    `writers` > 1 (several stripes on this device), also 2, 4 ... up to `writers` concurrent writers."""
     limits = limits or SweepLimits()
     directory = os.path.abspath(os.fspath(directory))
     identity = device_identity(directory)
@@ -243,7 +291,9 @@ def sweep(
     try:
         t = _Trials(folder, limits, clock)
         write = _sweep_writes(t, chunks, depths, limits.pool_bytes)
+        counts = tuple(k for k in (1, 2, 4, 8, 16) if k < writers) + ((writers,) if writers > 1 else ())
+        best_writers = _sweep_writers(t, write, counts) if writers > 1 else None
         read = _sweep_reads(t, write, depths)
-        return SweepResult(identity, t.figures, write, read, bool(t.direct), clock() - t.started)
+        return SweepResult(identity, t.figures, write, read, bool(t.direct), clock() - t.started, best_writers)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
