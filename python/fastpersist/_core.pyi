@@ -57,7 +57,9 @@ _StrPath = str | os.PathLike[str]
 # >= 3.12, so arrays are named explicitly for checkers targeting 3.11.
 _Buffer = Buffer | np.ndarray[Any, Any]
 _BackendChoice = Literal["auto", "io_uring", "threads"]
-_BackendName = Literal["io_uring", "threads"]
+#: ``"null"``: the null sink (benchmarks only): writes complete at once and move no bytes.
+_WriteBackendChoice = Literal["auto", "io_uring", "threads", "null"]
+_BackendName = Literal["io_uring", "threads", "null"]
 _DirectIO = Literal["auto", "require", "off"]
 
 @type_check_only
@@ -173,7 +175,7 @@ def start_write(
     sources: Sequence[_Buffer | None],
     pool: Pool,
     *,
-    backend: _BackendChoice = "auto",
+    backend: _WriteBackendChoice = "auto",
     direct_io: _DirectIO = "auto",
     queue_depth: int = 8,
     checksum: bool = True,
@@ -214,6 +216,9 @@ def start_write(
     stream whose CRC-32 (IEEE, ``zlib.crc32``) is written little-endian at each offset while
     the range streams through staging (the record CRCs of a zip archive). Ranges sorted and
     disjoint, each offset after its range's end; the plan must have a single part.
+
+    ``backend="null"`` (benchmarks only) completes every write at once and moves no byte: the
+    files stay empty.
     """
 
 def read_ranges_into(

@@ -321,6 +321,30 @@ def test_bad_arguments_raise_value_error(tmp_path: Path) -> None:
         read_whole([(tmp_path / "f", 8192, 0, [])], bytearray(100), chunk_bytes=4096)
 
 
+def test_the_null_sink_checksums_what_it_would_write_and_writes_nothing(tmp_path: Path) -> None:
+    """The benchmark's null sink: the same staging and checksums as a real write, no bytes moved."""
+    sizes = [5 * CHUNK + 7, 3 * CHUNK]
+    extents = random_extents(sizes, seed=9)
+    plan = _core.Plan(sizes, chunk_bytes=CHUNK)
+    pool = _core.Pool(CHUNK, 4 * CHUNK)
+    real = _core.start_write(plan, 0, [tmp_path / "real"], extents, pool).wait()
+    null = _core.start_write(plan, 0, [tmp_path / "null"], extents, pool, backend="null").wait()
+    assert null["backend"] == "null" and null["bytes_written"] == real["bytes_written"]
+    assert null["parts"][0]["chunk_crc32c"] == real["parts"][0]["chunk_crc32c"]
+    assert os.stat(tmp_path / "null").st_blocks == 0
+    with pytest.raises(ValueError, match="null sink only takes writes"):
+        read_whole(
+            [(tmp_path / "real", plan.total_bytes, 0, [])],
+            read_dest(plan.total_bytes),
+            chunk_bytes=CHUNK,
+            backend="null",
+        )  # type: ignore[arg-type]
+    code = "from fastpersist import _core; _core.select_backend()"
+    env = dict(os.environ, FASTPERSIST_BACKEND="null")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "FASTPERSIST_BACKEND" in done.stderr
+
+
 # --- checksums -----------------------------------------------------------------------------
 
 

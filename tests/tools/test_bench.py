@@ -206,3 +206,19 @@ def test_advise_reads_a_real_bench_report(tiny_run: tuple[dict[str, Any], Path, 
     assert advice["costs"]["restart_s"] == results["fastpersist_load"]["median_s"]
     assert advice["costs"]["nbytes"] == report["state"]["bytes"]
     assert advice["best"]["every"] >= 1 and advice["devices"][0]["path"] == str((root / "data").resolve())
+
+
+def test_null_sink_probe_times_a_real_save_pipeline_and_leaves_nothing(tmp_path: Path) -> None:
+    from fastpersist.tools.bench.nullsink import null_sink_save, null_sink_vs_memcpy
+
+    state = bench.build_state(8 * MiB)
+    result = null_sink_vs_memcpy(str(tmp_path), state, runs=2)
+    assert result["bytes"] == sum(b.nbytes for b in flatten(state).blobs)
+    assert 0 < result["memcpy_s"] and 0 < result["null_sink_s"] < 60
+    assert result["ratio"] == pytest.approx(result["memcpy_s"] / result["null_sink_s"])
+    assert result["phases"]["staging"] > 0
+    assert list(tmp_path.iterdir()) == []  # never committed, and its empty files are gone
+    (tmp_path / "stripe").mkdir()
+    one = null_sink_save({"w": torch.ones(1000)}, str(tmp_path), stripes=[str(tmp_path / "stripe")])
+    assert one["seconds"] > 0 and [p.name for p in tmp_path.iterdir()] == ["stripe"]
+    assert list((tmp_path / "stripe").iterdir()) == []

@@ -4,8 +4,7 @@ The commit protocol (docs/format.md): data files go into a fresh temporary direc
 target (and into fresh per-checkpoint directories under each stripe); the Rust job fsyncs them;
 the manifest is written and fsynced last; the temporary directory is atomically exchanged with
 the target (``renameat2``), and the parent directory fsynced. A reader therefore sees the old
-checkpoint or the new one, never a mix; a crash at any point leaves the old one intact plus a
-``.NAME.fptmp-*`` leftover that carries no manifest at the target path.
+checkpoint or the new one, never a mix; a crash leaves the old one intact plus a ``.NAME.fptmp-*``.
 
 A single-process save is one :class:`SaveJob` that owns the temporary directory and commits.
 In a process group (:mod:`fastpersist.saving.group`) every rank runs a :class:`SaveJob` for its
@@ -22,7 +21,7 @@ import time
 import uuid
 import warnings
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -60,7 +59,6 @@ from .verdict import Verdict
 __all__ = ["Layout", "SaveJob", "single_layout"]
 
 log = logging.getLogger("fastpersist")
-
 
 _warned_fallback = False
 
@@ -149,6 +147,8 @@ class SaveJob:
         self.tmp_lock = tmp_lock
         #: Whether a replaced tree stays locked until deleted (not where other ranks must see it dead).
         self.hold_replaced = True
+        #: The engine's backend: the config's, or the null sink of `fastpersist bench` (tools/bench/nullsink.py).
+        self.engine_backend: Literal["auto", "io_uring", "threads", "null"] = self.config.backend
         self.handle: Any = None
         self.verdict = Verdict()
         self._created: list[str] = []
@@ -247,7 +247,7 @@ class SaveJob:
             paths,
             [None if b.copier_factory is not None else b.data for b in flat.blobs],
             pool,
-            backend=config.backend,
+            backend=self.engine_backend,
             direct_io=config.direct_io,
             queue_depth=config.resolved_queue_depth,
             checksum=config.checksum == "crc32c",

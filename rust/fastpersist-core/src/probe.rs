@@ -16,6 +16,8 @@ pub enum BackendKind {
     IoUring,
     /// A pool of threads doing `pwrite`/`pread`.
     Threads,
+    /// Benchmarks only: writes complete at once and move no bytes (`backend::null`).
+    Null,
 }
 
 impl BackendKind {
@@ -24,6 +26,7 @@ impl BackendKind {
         match self {
             BackendKind::IoUring => "io_uring",
             BackendKind::Threads => "threads",
+            BackendKind::Null => "null",
         }
     }
 }
@@ -37,6 +40,8 @@ pub enum BackendChoice {
     IoUring,
     /// Always threads.
     Threads,
+    /// The null sink (benchmarks only; never from `FASTPERSIST_BACKEND`).
+    Null,
 }
 
 impl BackendChoice {
@@ -46,6 +51,7 @@ impl BackendChoice {
             "auto" => Ok(BackendChoice::Auto),
             "io_uring" => Ok(BackendChoice::IoUring),
             "threads" => Ok(BackendChoice::Threads),
+            "null" => Ok(BackendChoice::Null),
             other => Err(Error::InvalidArgument(format!(
                 "unknown backend {other:?}: expected \"auto\", \"io_uring\" or \"threads\""
             ))),
@@ -176,9 +182,15 @@ fn explain_setup_error(err: &std::io::Error) -> UringBlocked {
 pub fn select(choice: BackendChoice) -> Result<Selection> {
     let choice = match choice {
         BackendChoice::Auto => match std::env::var(BACKEND_ENV) {
-            Ok(text) if !text.is_empty() => BackendChoice::parse(&text).map_err(|e| {
-                Error::InvalidArgument(format!("environment variable {BACKEND_ENV}: {e}"))
-            })?,
+            Ok(text) if !text.is_empty() => match BackendChoice::parse(&text) {
+                // A setting that silently writes nothing has no place in an environment.
+                Ok(BackendChoice::Null) | Err(_) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "environment variable {BACKEND_ENV}={text:?}: expected \"auto\", \"io_uring\" or \"threads\""
+                    )));
+                }
+                Ok(parsed) => parsed,
+            },
             _ => BackendChoice::Auto,
         },
         other => other,
@@ -186,6 +198,10 @@ pub fn select(choice: BackendChoice) -> Result<Selection> {
     match choice {
         BackendChoice::Threads => Ok(Selection {
             kind: BackendKind::Threads,
+            fallback_reason: None,
+        }),
+        BackendChoice::Null => Ok(Selection {
+            kind: BackendKind::Null,
             fallback_reason: None,
         }),
         BackendChoice::IoUring => match uring_status() {
@@ -263,6 +279,12 @@ mod tests {
             BackendChoice::Threads
         );
         assert!(BackendChoice::parse("uring").is_err());
+        assert_eq!(BackendChoice::parse("null").unwrap(), BackendChoice::Null);
+        assert_eq!(
+            select(BackendChoice::Null).unwrap().kind.name(),
+            "null",
+            "the engine takes the null sink when asked by name"
+        );
     }
 
     #[test]

@@ -414,3 +414,67 @@ fn cancelled_job_fails_and_releases_sources() {
     assert!(matches!(err, Error::Cancelled(_)));
     assert!(progress.sources_released_after().is_some());
 }
+
+/// Writes `data` as one writer's part into `dir` with `backend`; returns the report.
+fn write_one(
+    dir: &Path,
+    data: &[Vec<u8>],
+    backend: BackendKind,
+) -> fastpersist_core::job::WriteReport {
+    let lens: Vec<u64> = data.iter().map(|d| d.len() as u64).collect();
+    let plan = Plan::new(&lens, 1, 1, CHUNK).unwrap();
+    let pool = Pool::new(CHUNK as usize, 4 * CHUNK as usize);
+    let options = WriteOptions {
+        backend,
+        direct: DirectMode::Auto,
+        queue_depth: 4,
+        checksum: true,
+        durable: true,
+    };
+    let targets: Vec<WriteTarget> = plan
+        .parts_of_writer(0)
+        .map(|p| WriteTarget {
+            part: *p,
+            path: dir.join(format!("{backend:?}.bin")),
+        })
+        .collect();
+    // SAFETY: `data` outlives the write_parts call below, which returns after the job.
+    let sources = data
+        .iter()
+        .map(|d| unsafe { SourceRegion::from_slice(d) })
+        .collect();
+    write_parts(&plan, &targets, sources, &pool, &options, &JobProgress::default()).unwrap()
+}
+
+#[test]
+fn the_null_sink_stages_and_checksums_every_chunk_but_writes_nothing() {
+    let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let data: Vec<Vec<u8>> = [3 * CHUNK as usize + 100, 17, CHUNK as usize]
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| pseudo_random(n, i as u64 + 7))
+        .collect();
+    let real = write_one(root.path(), &data, BackendKind::Threads);
+    let null = write_one(root.path(), &data, BackendKind::Null);
+    assert_eq!(null.bytes_written, real.bytes_written);
+    assert_eq!(null.parts[0].chunk_crc32c, real.parts[0].chunk_crc32c);
+    // Nothing was reserved or written: at most the O_DIRECT tail truncation set a (sparse) size.
+    let on_disk = std::fs::metadata(&null.parts[0].path).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(on_disk.blocks(), 0, "the null sink allocated blocks");
+    let parts = [ReadPart::whole(
+        null.parts[0].path.clone(),
+        null.parts[0].len_bytes,
+        0,
+        null.parts[0].chunk_crc32c.clone(),
+    )];
+    let mut dest = AlignedBuf::zeroed(null.bytes_written as usize);
+    let options = ReadOptions {
+        backend: BackendKind::Null,
+        direct: DirectMode::Auto,
+        queue_depth: 4,
+        chunk_bytes: CHUNK,
+    };
+    let refused = read_parts(&parts, &mut dest, &options).unwrap_err();
+    assert!(matches!(refused, Error::InvalidArgument(_)), "{refused:?}");
+}

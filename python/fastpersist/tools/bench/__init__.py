@@ -41,6 +41,7 @@ from ..units import auto_or, parse_size
 from .fixed import replacing_save_phases
 from .harness import Bench
 from .loads import add_load_methods
+from .nullsink import null_sink_vs_memcpy
 from .probes import flatten_plan_seconds, rss_probe, run_rss_probe_subprocess
 from .report import plot, summarise, table
 from .saves import add_save_methods
@@ -192,6 +193,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         progress("fixed costs: 5 saves replacing a 256 MiB checkpoint ...")
         extras["replacing"] = replacing_save_phases(run_dirs[0], min(256 << 20, args.size), **bench.config_kwargs)
         remove_path(extras["replacing"].pop("path"))
+        progress("the pipeline alone: saves into the null sink against memcpy ...")
+        extras["null_sink"] = null_sink_vs_memcpy(run_dirs[0], bench.state, args.reps, **bench.config_kwargs)
         add_save_methods(bench)
         add_load_methods(bench)
         try:

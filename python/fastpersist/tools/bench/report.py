@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from .fixed import TARGET_REPLACING_COMMIT_S
 from .measure import Row
+from .nullsink import TARGET_NULL_SINK_VS_MEMCPY
 from .settings import settings_line
 from .system import GB, MiB
 
@@ -172,6 +173,13 @@ def _probe_targets(extras: dict[str, Any], target: Callable[..., None]) -> None:
         TARGET_REPLACING_COMMIT_S * 1000 + 1e-9,
         higher=False,
     )
+    null_sink = extras.get("null_sink", {})
+    target(
+        "null_sink",
+        f"save into the null sink >= {TARGET_NULL_SINK_VS_MEMCPY}x a warm memcpy of the same bytes",
+        null_sink.get("ratio"),
+        TARGET_NULL_SINK_VS_MEMCPY,
+    )
     rss = extras.get("rss", {})
     if "delta_bytes" in rss:
         target(
@@ -232,14 +240,32 @@ def table(report: dict[str, Any]) -> str:
         for name, value in report["speedups"].items():
             a, b = name.split(" vs ")
             lines.append(f"  {results[a]['label']:<28} vs {results[b]['label']:<46} {value:6.2f}x")
+    lines += ["", *_probe_lines(report)]
+    lines += ["", "TARGETS"]
+    for t in report["targets"]:
+        verdict = "n/a " if t["ok"] is None else ("ok  " if t["ok"] else "MISS")
+        value = "-" if t["value"] is None else f"{t['value']:.3f}"
+        lines.append(f"  [{verdict}] {t['name']}: {value} (threshold {t['threshold']:g})")
+        if t["ok"] is False:
+            lines.append(f"         bound: {miss_bound(t['key'], report)}")
+    for note in report["notes"]:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def _probe_lines(report: dict[str, Any]) -> list[str]:
+    """The probes run outside the timed methods: flatten+plan, the null sink, peak RSS."""
     fplan, rss = report.get("flatten_plan", {}), report.get("rss", {})
-    lines.append("")
+    lines: list[str] = []
     if fplan:
         lines.append(
             f"flatten+plan of {fplan['tensors']} tensors: median {fplan['median_s'] * 1000:.1f} ms "
             f"(min {fplan['min_s'] * 1000:.1f}, max {fplan['max_s'] * 1000:.1f}, {fplan['runs']} runs; "
             f"CPU median {fplan['cpu_median_s'] * 1000:.1f} ms)"
         )
+    null_sink = report.get("null_sink", {})
+    if "ratio" in null_sink:
+        lines.append(null_sink_line(null_sink))
     if "delta_bytes" in rss:
         lines.append(
             f"peak RSS added by a {rss['mode']} fastpersist.save (pool {rss['pool_bytes'] / MiB:.0f} MiB, "
@@ -253,16 +279,7 @@ def table(report: dict[str, Any]) -> str:
         f"peak RSS of this benchmark process: {report['peak_rss_bytes'] / 2**30:.2f} GiB (the state, the "
         "engine-limit buffer of the same size, and what one method holds at a time)"
     )
-    lines += ["", "TARGETS"]
-    for t in report["targets"]:
-        verdict = "n/a " if t["ok"] is None else ("ok  " if t["ok"] else "MISS")
-        value = "-" if t["value"] is None else f"{t['value']:.3f}"
-        lines.append(f"  [{verdict}] {t['name']}: {value} (threshold {t['threshold']:g})")
-        if t["ok"] is False:
-            lines.append(f"         bound: {miss_bound(t['key'], report)}")
-    for note in report["notes"]:
-        lines.append(f"note: {note}")
-    return "\n".join(lines)
+    return lines
 
 
 def miss_bound(key: str, report: dict[str, Any]) -> str:
@@ -305,7 +322,24 @@ def miss_bound(key: str, report: dict[str, Any]) -> str:
             f"{report['replacing']['bytes'] / MiB:.0f} MiB whose staging took {p['staging']:.3f} s and "
             f"write_fsync {p['write_fsync']:.3f} s: fsyncs on a busy disk"
         )
+    if key == "null_sink" and "phases" in report.get("null_sink", {}):
+        n = report["null_sink"]
+        return (
+            "staging (one pass of copy and crc32c into the pool, on one thread) "
+            f"{n['phases']['staging']:.3f} s of {n['null_sink_s']:.3f} s, flatten_plan "
+            f"{n['phases']['flatten_plan']:.3f} s; memcpy of {n['bytes'] / 2**30:.2f} GiB {n['memcpy_s']:.3f} s "
+            "(glibc's non-temporal path, which copies into pool slots do not take): see docs/performance.md"
+        )
     return "no phase measured for it in this run"
+
+
+def null_sink_line(n: dict[str, Any]) -> str:
+    """The null-sink probe in one line: the save's speed against memcpy's."""
+    return (
+        f"save into the null sink ({n['bytes'] / 2**30:.2f} GiB): "
+        f"median {n['null_sink_s']:.3f} s = {n['null_sink_gb_per_s']:.2f} GB/s; warm memcpy {n['memcpy_s']:.3f} s "
+        f"= {n['memcpy_gb_per_s']:.2f} GB/s; ratio {n['ratio']:.2f}x ({n['runs']} runs each, interleaved)"
+    )
 
 
 def plot(report: dict[str, Any], path: str) -> None:

@@ -6,6 +6,7 @@
 //! then drains. On the first error it stops taking new ops, drains what is in flight (buffers
 //! stay owned by the in-flight table until their completion arrives) and returns that error.
 
+mod null;
 mod threads;
 mod uring;
 
@@ -222,6 +223,11 @@ pub fn drive<'a>(
         BackendKind::Threads => threads::with_workers(direction, files, queue_depth, |workers| {
             run_loop(workers, files, queue_depth, source)
         }),
+        BackendKind::Null if direction == Direction::Read => Err(Error::InvalidArgument(
+            "the null sink only takes writes (it moves no bytes): read with \"io_uring\" or \"threads\""
+                .into(),
+        )),
+        BackendKind::Null => run_loop(&mut null::NullDisk::new(queue_depth), files, queue_depth, source),
     }
 }
 
@@ -290,34 +296,14 @@ fn run_loop<'a>(
     }
 }
 
-/// For the criterion benches only (not part of the API): the driver loop against a disk that
-/// completes every op at once without a system call, so the loop's own cost can be measured.
+/// For the criterion benches only (not part of the API): the driver loop against the null sink,
+/// so the loop's own cost can be measured.
 #[doc(hidden)]
 pub mod bench_support {
-    use super::{IoOp, MAX_QUEUE_DEPTH, OpSource, OpenFile, Submitter, run_loop};
+    use super::{MAX_QUEUE_DEPTH, OpSource, OpenFile, null::NullDisk, run_loop};
     use crate::error::Result;
 
-    /// Completes each op in full as soon as it is pushed; `wait` hands them all back.
-    struct NullDisk<'a> {
-        done: Vec<IoOp<'a>>,
-    }
-
-    impl<'a> Submitter<'a> for NullDisk<'a> {
-        fn push(&mut self, mut op: IoOp<'a>) -> Result<()> {
-            op.done_bytes = op.len_bytes;
-            self.done.push(op);
-            Ok(())
-        }
-        fn wait(&mut self, finished: &mut Vec<(IoOp<'a>, Result<()>)>) -> Result<()> {
-            finished.extend(self.done.drain(..).map(|op| (op, Ok(()))));
-            Ok(())
-        }
-        fn poll(&mut self, finished: &mut Vec<(IoOp<'a>, Result<()>)>) -> Result<()> {
-            self.wait(finished)
-        }
-    }
-
-    /// Runs `source` to completion against the null disk with up to `queue_depth` ops in
+    /// Runs `source` to completion against the null sink with up to `queue_depth` ops in
     /// flight (`files` are only consulted for the alignment checks, never touched).
     pub fn drive_null<'a>(
         files: &[OpenFile],
@@ -325,10 +311,7 @@ pub mod bench_support {
         source: &mut dyn OpSource<'a>,
     ) -> Result<()> {
         let queue_depth = queue_depth.clamp(1, MAX_QUEUE_DEPTH);
-        let mut disk = NullDisk {
-            done: Vec::with_capacity(queue_depth),
-        };
-        run_loop(&mut disk, files, queue_depth, source)
+        run_loop(&mut NullDisk::new(queue_depth), files, queue_depth, source)
     }
 }
 

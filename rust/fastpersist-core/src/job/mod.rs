@@ -146,6 +146,7 @@ pub fn write_parts_with(
         // The in-memory level (tmpfs, ramfs): the sources are copied straight into the files'
         // pages, reused across saves; O_DIRECT is never tried there unless it was required.
         if options.direct != DirectMode::Require
+            && options.backend != BackendKind::Null
             && !staging.has_device_sources()
             && memory::all_on_memory_fs(targets)
         {
@@ -153,7 +154,9 @@ pub fn write_parts_with(
             progress.check_cancelled("after its data was written")?;
             return Ok(vec![false; targets.len()]);
         }
-        let files = open_targets(targets, options.direct)?;
+        // The null sink moves no bytes, so nothing is reserved for them either.
+        let reserve = options.backend != BackendKind::Null;
+        let files = open_targets(targets, options.direct, reserve)?;
         staging.direct = files.iter().map(|f| f.direct).collect();
         backend::drive(
             options.backend,
@@ -197,7 +200,11 @@ fn parent_dir(path: &Path) -> &Path {
     }
 }
 
-fn open_targets(targets: &[WriteTarget], direct: DirectMode) -> Result<Vec<OpenFile>> {
+fn open_targets(
+    targets: &[WriteTarget],
+    direct: DirectMode,
+    reserve: bool,
+) -> Result<Vec<OpenFile>> {
     let mut decided: Vec<(PathBuf, bool)> = Vec::new();
     let mut files = Vec::with_capacity(targets.len());
     for target in targets {
@@ -220,8 +227,10 @@ fn open_targets(targets: &[WriteTarget], direct: DirectMode) -> Result<Vec<OpenF
             .open(&target.path)
             .map_err(|e| Error::io("create", &target.path, e))?;
         // Writes inside the file's size run in parallel on ext4; a full disk fails here.
-        crate::durable::preallocate(&file, target.part.len_bytes)
-            .map_err(|e| Error::io("preallocate", &target.path, e))?;
+        if reserve {
+            crate::durable::preallocate(&file, target.part.len_bytes)
+                .map_err(|e| Error::io("preallocate", &target.path, e))?;
+        }
         files.push(OpenFile {
             file,
             path: target.path.clone(),
