@@ -148,6 +148,11 @@ def test_tiny_run_reports_every_method_with_sane_numbers(tiny_run: tuple[dict[st
         expected.add("write_limit_fio")
     if uring_available():
         expected.add("fastpersist_save_io_uring")
+    config = report["config"]
+    if config["chunk_bytes"] != 64 * MiB:
+        expected.add("write_limit_engine_64m")
+    if (config["chunk_bytes"], config["read_queue_depth"]) != (64 * MiB, 2):
+        expected.add("read_limit_engine_64m")
     assert expected <= set(results), expected - set(results)
     nbytes = report["state"]["bytes"]
     assert abs(nbytes / (8 * MiB) - 1) < 0.03
@@ -157,6 +162,7 @@ def test_tiny_run_reports_every_method_with_sane_numbers(tiny_run: tuple[dict[st
         if key != "fastpersist_save_async_return":
             assert 0 < r["gb_per_s"] < 1000 and math.isfinite(r["gb_per_s"]), key
             assert r["ratio_to_limit"] > 0, key
+    _check_limits_are_the_fastest_rows(report, stdout)
     durable = results["fastpersist_save_async_durable"]["median_s"]
     assert results["fastpersist_save_async_return"]["median_s"] <= durable
     assert results["fastpersist_save_async_staged"]["median_s"] <= durable
@@ -184,6 +190,79 @@ def test_tiny_run_reports_every_method_with_sane_numbers(tiny_run: tuple[dict[st
     for word in (*headings, "torch.save + fsync"):
         assert word in stdout
     assert not [p for p in os.listdir(root / "data") if p.startswith(".fastpersist-bench-")]
+
+
+def _check_limits_are_the_fastest_rows(report: dict[str, Any], stdout: str) -> None:
+    """`write_limit`/`read_limit` name the fastest limit row of their kind; every ratio is over it."""
+    results = report["results"]
+    assert "64 MiB x 2" in results.get("write_limit_engine_64m", {"label": "64 MiB x 2"})["label"]
+    assert "as the save" in results["write_limit_engine"]["label"]
+    for kind, ref in (("save", report["write_limit"]), ("load", report["read_limit"])):
+        limits = {k: r["median_s"] for k, r in results.items() if r["kind"] == kind and r["role"] == "limit"}
+        assert len(limits) >= 2 and ref == min(limits, key=limits.__getitem__), (ref, limits)
+        for key, r in results.items():
+            if r["kind"] == kind and "gb_per_s" in r:
+                assert r["ratio_to_limit"] == pytest.approx(r["gb_per_s"] / results[ref]["gb_per_s"]), key
+        assert results[ref]["ratio_to_limit"] == pytest.approx(1.0)
+        assert all(results[k]["ratio_to_limit"] <= 1 + 1e-9 for k in limits)
+        assert results[ref]["label"] in stdout.split("x limit: GB/s over the fastest limit row, ")[1].splitlines()[0]
+    targets = {t["key"]: t for t in report["targets"]}
+    fp_save = report["fastpersist_save"]
+    assert targets["save_vs_limit"]["value"] == results[fp_save]["ratio_to_limit"]
+    assert results[report["write_limit"]]["label"] in targets["save_vs_limit"]["name"]
+    assert results[report["read_limit"]]["label"] in targets["load_vs_limit"]["name"]
+    assert ("save_vs_engine" in targets) == (report["write_limit"] != "write_limit_engine")
+
+
+def _fake_bench(medians: dict[str, tuple[str, str, float]]) -> Any:
+    """A stand-in for `Bench` that `summarise` reads: rows (kind, role, median s) and the byte count."""
+    from types import SimpleNamespace
+
+    from fastpersist.tools.bench.measure import Row
+
+    rows = {k: Row(k, f"{k} label", kind, role, seconds=[s]) for k, (kind, role, s) in medians.items()}
+    return SimpleNamespace(rows=rows, nbytes=1 << 30)
+
+
+def test_the_limits_are_the_fastest_limit_rows_and_a_miss_names_them() -> None:
+    from fastpersist.tools.bench.report import summarise
+
+    bench_rows = {
+        "write_limit_engine": ("save", "limit", 0.50),
+        "write_limit_engine_64m": ("save", "limit", 0.35),
+        "write_limit_fio": ("save", "limit", 0.40),
+        "fastpersist_save_io_uring": ("save", "fastpersist", 0.49),
+        "safetensors_save": ("save", "peer", 0.60),
+        "read_limit_engine": ("load", "limit", 0.60),
+        "read_fresh_engine": ("load", "limit", 0.55),
+        "read_limit_engine_64m": ("load", "limit", 0.45),
+        "fastpersist_load": ("load", "fastpersist", 0.50),
+    }
+    summary = summarise(_fake_bench(bench_rows), {})
+    results = summary["results"]
+    assert summary["write_limit"] == "write_limit_engine_64m" and summary["read_limit"] == "read_limit_engine_64m"
+    assert results["fastpersist_save_io_uring"]["ratio_to_limit"] == pytest.approx(0.35 / 0.49)
+    assert results["write_limit_fio"]["ratio_to_limit"] == pytest.approx(0.35 / 0.40)
+    assert results["fastpersist_load"]["ratio_to_limit"] == pytest.approx(0.45 / 0.50)
+    targets = {t["key"]: t for t in summary["targets"]}
+    assert targets["save_vs_limit"]["ok"] is False
+    assert "write_limit_engine_64m label" in targets["save_vs_limit"]["name"]
+    # the save against the engine at its own settings, printed too
+    assert targets["save_vs_engine"]["value"] == pytest.approx(0.50 / 0.49) and targets["save_vs_engine"]["ok"]
+    assert targets["load_vs_limit"]["value"] == pytest.approx(0.9) and targets["load_vs_limit"]["ok"]
+    # fio wins where it is the fastest; without the 64 MiB rows the limits are the old ones
+    bench_rows["write_limit_fio"] = ("save", "limit", 0.30)
+    assert summarise(_fake_bench(bench_rows), {})["write_limit"] == "write_limit_fio"
+    del bench_rows["write_limit_fio"], bench_rows["write_limit_engine_64m"], bench_rows["read_limit_engine_64m"]
+    summary = summarise(_fake_bench(bench_rows), {})
+    assert summary["write_limit"] == "write_limit_engine" and summary["read_limit"] == "read_fresh_engine"
+    assert "save_vs_engine" not in {t["key"] for t in summary["targets"]}
+    # a missed save target is bounded by the save's phases, measured against the fastest limit
+    phases = {"flatten_plan": 0.01, "staging": 0.3, "write_fsync": 0.45, "commit": 0.01}
+    report = {**summary, "save_phases": {"fastpersist_save_io_uring": phases}}
+    bound = miss_bound("save_vs_safetensors", report)
+    assert "write_fsync 0.450 s" in bound and "at the drive's limit (write_limit_engine label)" in bound
+    assert f"{0.60 / 0.50:.2f}x" in bound
 
 
 def test_tiny_run_draws_the_chart(tiny_run: tuple[dict[str, Any], Path, str]) -> None:

@@ -1,16 +1,18 @@
-"""The timed cold loads of ``fastpersist bench``: the drive's O_DIRECT read limit (into the same
-buffer, and into fresh memory), ``fastpersist.load``, ``torch.load`` and ``safetensors``.
+"""The timed cold loads of ``fastpersist bench``: the drive's O_DIRECT read limits (into the same
+buffer and into fresh memory at the load's settings, and into the same buffer at 64 MiB x 2),
+``fastpersist.load``, ``torch.load`` and ``safetensors``.
 """
 
 from __future__ import annotations
 
 import inspect
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ... import _core
 from ...loading.reading import aligned_uint8
 from .measure import Method
+from .saves import BIG_CHUNK_BYTES, BIG_QUEUE_DEPTH, settings_text
 
 if TYPE_CHECKING:
     import torch
@@ -27,31 +29,36 @@ def add_load_methods(bench: Bench) -> None:
 
 
 def _add_engine_reads(bench: Bench) -> None:
-    """The drive's read limits: the engine reading into warm memory, and into fresh memory."""
+    """The drive's read limits, of the engine limit's raw files: into warm memory and into fresh
+    memory at the load's chunk size and depth, and into warm memory at 64 MiB x 2."""
     args = bench.args
     backend = bench.backends[0] if bench.backends else "threads"
-    raw_key = bench.add_row("read_limit_engine", f"O_DIRECT read into warm memory (engine, {backend})", "load", "limit")
+    settings = settings_text(args.chunk_bytes, args.read_queue_depth)
+    # No crc32c values to check: any chunk size reads any file.
     ranges: list[tuple[str, int, int, int, int, list[int]]] = [
         (p, n, 0, n, off, []) for p, (_w, _s, off, n) in zip(bench.raw_paths, bench.raw_plan.parts, strict=True)
     ]
 
-    def raw_read() -> dict[str, float]:
-        start = time.perf_counter()
+    def read_into(dest: Any, chunk_bytes: int, queue_depth: int) -> None:
         got = _core.read_ranges_into(
-            ranges,
-            bench.raw_buffer,
-            chunk_bytes=args.chunk_bytes,
-            backend=backend,
-            direct_io=bench.direct,
-            queue_depth=args.read_queue_depth,
+            ranges, dest, chunk_bytes=chunk_bytes, backend=backend, direct_io=bench.direct, queue_depth=queue_depth
         )
-        seconds = time.perf_counter() - start
         assert got == bench.nbytes
-        return {raw_key: seconds}
 
-    bench.load_methods.append(Method("O_DIRECT read into warm memory (engine)", raw_read, []))
+    def warm_read(key: str, chunk_bytes: int, queue_depth: int) -> Method:
+        def raw_read() -> dict[str, float]:
+            start = time.perf_counter()
+            read_into(bench.raw_buffer, chunk_bytes, queue_depth)
+            return {key: time.perf_counter() - start}
+
+        return Method(bench.rows[key].label, raw_read, [])
+
+    raw_key = bench.add_row(
+        "read_limit_engine", f"O_DIRECT read into warm memory (engine, {backend}, {settings})", "load", "limit"
+    )
+    bench.load_methods.append(warm_read(raw_key, args.chunk_bytes, args.read_queue_depth))
     fresh_key = bench.add_row(
-        "read_fresh_engine", f"O_DIRECT read into fresh memory (engine, {backend})", "load", "limit"
+        "read_fresh_engine", f"O_DIRECT read into fresh memory (engine, {backend}, {settings})", "load", "limit"
     )
 
     def raw_read_fresh() -> dict[str, float]:
@@ -59,19 +66,18 @@ def _add_engine_reads(bench: Bench) -> None:
         # Allocated by torch like fastpersist.load's buffer (numpy would madvise huge pages).
         start = time.perf_counter()
         dest = aligned_uint8(bench.nbytes)
-        _core.read_ranges_into(
-            ranges,
-            dest.numpy(),
-            chunk_bytes=args.chunk_bytes,
-            backend=backend,
-            direct_io=bench.direct,
-            queue_depth=args.read_queue_depth,
-        )
+        read_into(dest.numpy(), args.chunk_bytes, args.read_queue_depth)
         seconds = time.perf_counter() - start
         del dest
         return {fresh_key: seconds}
 
-    bench.load_methods.append(Method("O_DIRECT read into fresh memory (engine)", raw_read_fresh, []))
+    bench.load_methods.append(Method(bench.rows[fresh_key].label, raw_read_fresh, []))
+    if (args.chunk_bytes, args.read_queue_depth) != (BIG_CHUNK_BYTES, BIG_QUEUE_DEPTH):
+        big = settings_text(BIG_CHUNK_BYTES, BIG_QUEUE_DEPTH)
+        big_key = bench.add_row(
+            "read_limit_engine_64m", f"O_DIRECT read into warm memory (engine, {backend}, {big})", "load", "limit"
+        )
+        bench.load_methods.append(warm_read(big_key, BIG_CHUNK_BYTES, BIG_QUEUE_DEPTH))
 
 
 def add_fastpersist_load(bench: Bench) -> None:
