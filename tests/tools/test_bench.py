@@ -169,13 +169,15 @@ def test_tiny_run_reports_every_method_with_sane_numbers(tiny_run: tuple[dict[st
     assert report["flatten_plan"]["tensors"] == 10_000
     rss = report["rss"]
     assert rss["mode"] == "bounded" and rss["pool_bytes"] < nbytes and rss["delta_bytes"] >= 0, rss
+    # what a bounded save holds besides its pool: the mutation guard's early copy of the small tensors
+    assert 0 < rss["early_copy_bytes"] <= 64 * MiB and rss["early_copy_tensors"] > 0, rss
     assert report["speedups"] and report["targets"]
     # A missed target says what bounded it, from the same run's phases.
     lines = stdout.splitlines()
     for i, line in enumerate(lines):
         if "[MISS]" in line:
             assert lines[i + 1].strip().startswith("bound: "), lines[i : i + 2]
-    for key in ("save_vs_limit", "save_vs_safetensors", "load_vs_limit", "flatten_plan"):
+    for key in ("save_vs_limit", "save_vs_safetensors", "load_vs_limit", "flatten_plan", "rss"):
         assert "no phase measured" not in miss_bound(key, report), key
     for key, phases in report["save_phases"].items():
         assert key.startswith("fastpersist_save_") and key in results, key

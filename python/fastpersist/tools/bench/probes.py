@@ -86,6 +86,8 @@ def rss_probe(
         stripes=list(dirs) if len(dirs) > 1 else None,
     )
     path = os.path.join(dirs[0], "rss-probe-ckpt")
+    early_count, early_bytes = early_copy_bytes(state)
+    gc.collect()
     rss_before = status_bytes("VmRSS")
     hwm_before = status_bytes("VmHWM")
     maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -94,6 +96,7 @@ def rss_probe(
     result = fp.save(state, path, config=config)
     seconds = time.perf_counter() - start
     hwm_after = status_bytes("VmHWM")
+    rss_after = status_bytes("VmRSS")  # mostly the pool's slots the save touched: kept for the next save
     maxrss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     remove_path(path)
     base = rss_before if reset else hwm_before
@@ -109,6 +112,9 @@ def rss_probe(
         "rss_before_bytes": rss_before,
         "hwm_before_bytes": hwm_before,
         "hwm_after_bytes": hwm_after,
+        "rss_after_bytes": rss_after,
+        "early_copy_tensors": early_count,
+        "early_copy_bytes": early_bytes,
         "ru_maxrss_before_bytes": maxrss_before,
         "ru_maxrss_after_bytes": maxrss_after,
         "hwm_reset": reset,
@@ -116,6 +122,28 @@ def rss_probe(
         "budget_bytes": budget,
         "within_budget": delta <= budget,
     }
+
+
+def early_copy_bytes(state: object) -> tuple[int, int]:
+    """How many tensors, and bytes, of `state` a save's mutation guard copies before it stages
+    anything (the early copy: watched tensors of at most 1 MiB, smallest first, up to 64 MiB in
+    all; docs/overlap.md): memory a save holds on top of its pool until it ends.
+
+    Example:
+        >>> import torch
+        >>> early_copy_bytes({"a": torch.zeros(4), "b": torch.zeros(1 << 20)})
+        (1, 16)
+    """
+    from ...format.flatten import flatten
+    from ...saving.device_blobs import EARLY_COPY_BUDGET_BYTES, EARLY_COPY_MAX_BYTES
+
+    sizes = sorted(b.nbytes for b in flatten(state).blobs if b.version is not None and b.nbytes <= EARLY_COPY_MAX_BYTES)
+    count = total = 0
+    for n in sizes:
+        if total + n > EARLY_COPY_BUDGET_BYTES:
+            break
+        count, total = count + 1, total + n
+    return count, total
 
 
 def run_rss_probe_subprocess(args: argparse.Namespace, dirs: Sequence[str]) -> dict[str, Any]:
