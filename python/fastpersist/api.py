@@ -54,7 +54,7 @@ def save(
         >>> res.nbytes > 0
         True
     """
-    return start_save(state, path, config or Config(), group=group, sharded=sharded).finish()
+    return start_save(state, path, config or Config(), group=group, sharded=sharded, blocking=True).finish()
 
 
 def save_async(

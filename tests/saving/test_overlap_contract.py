@@ -217,3 +217,25 @@ def test_the_manifest_records_are_built_on_the_saves_thread_not_at_the_call(
     # whether or not the commit thread got there before save_async returned.
     assert threads == ["fastpersist-commit"]
     assert len(fp.load(os.path.join(workdir, "ckpt"))) == 100
+
+
+def test_only_a_save_that_returns_early_copies_the_small_tensors_first(
+    workdir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """save_async copies small watched tensors before it returns (the next forward pass may update
+    them in place); fp.save returns only when done, so the copy would be memory and time for nothing."""
+    from fastpersist import _core
+
+    budgets: list[int] = []
+    real = _core.start_write
+
+    def spy(*args: object, **kwargs: object) -> object:
+        budgets.append(int(kwargs.get("copy_budget_bytes", 0)))  # type: ignore[call-overload]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_core, "start_write", spy)
+    state = {"small": torch.ones(16), "big": torch.ones(BIG)}
+    fp.save(state, os.path.join(workdir, "blocking"))
+    fp.save_async(state, os.path.join(workdir, "async")).wait()
+    assert budgets[0] == 0 and budgets[1] > 0, budgets
+    assert torch.equal(fp.load(os.path.join(workdir, "blocking"))["small"], state["small"])

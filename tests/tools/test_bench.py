@@ -170,8 +170,8 @@ def test_tiny_run_reports_every_method_with_sane_numbers(tiny_run: tuple[dict[st
     assert report["flatten_plan"]["tensors"] == 10_000
     rss = report["rss"]
     assert rss["mode"] == "bounded" and rss["pool_bytes"] < nbytes and rss["delta_bytes"] >= 0, rss
-    # what a bounded save holds besides its pool: the mutation guard's early copy of the small tensors
-    assert 0 < rss["early_copy_bytes"] <= 64 * MiB and rss["early_copy_tensors"] > 0, rss
+    # what a save_async would hold besides its pool (fp.save, which waits, makes no early copy)
+    assert 0 < rss["async_early_copy_bytes"] <= 64 * MiB and rss["async_early_copy_tensors"] > 0, rss
     assert report["speedups"] and report["targets"]
     # A missed target says what bounded it, from the same run's phases.
     lines = stdout.splitlines()

@@ -100,6 +100,8 @@ class GroupSaveJob:
         self.group = group
         self.pool = pool
         self.job: SaveJob | None = None
+        #: Whether this rank's job copies small watched tensors before start returns (see SaveJob).
+        self.early_copy = True
         self.start_error: BaseException | None = None
         self.writer: int | None = None
 
@@ -139,6 +141,7 @@ class GroupSaveJob:
         self.layout = self._layout(message)
         try:
             self.job = SaveJob(self.path, self.config, layout=self.layout, pool=self.pool, tmp_lock=tmp_lock)
+            self.job.early_copy = self.early_copy
             self.job.start(state, background=background)
         except BaseException as e:  # reported to the group in finish(); wait_staged re-raises it
             self.start_error = e

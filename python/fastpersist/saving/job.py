@@ -83,8 +83,7 @@ class Layout:
         writer_count: writers in the plan.
         owner: this process creates `tmp_dir` and commits it.
         tag: distinguishes this process's stripe directories from other ranks' ("" alone).
-        also_writers: other writers whose parts this process also writes, after its own (a
-            partner's copy of a replicated share, made from this process's identical state).
+        also_writers: other writers' parts this process also writes after its own (a partner's copy).
     """
 
     checkpoint_id: str
@@ -125,8 +124,7 @@ class SaveJob:
     """This process's share of a save. Not public: :class:`SaveFuture`, :func:`save` and the
     group protocol drive it.
 
-    Construction only records where the save goes; :meth:`start` does the work, in steps:
-    flatten and plan (no I/O), create this process's directories, start the engine.
+    Construction records where the save goes; :meth:`start` flattens, plans, makes directories, starts the engine.
     """
 
     def __init__(
@@ -147,6 +145,8 @@ class SaveJob:
         self.tmp_lock = tmp_lock
         #: Whether a replaced tree stays locked until deleted (not where other ranks must see it dead).
         self.hold_replaced = True
+        #: Copy small watched tensors before start returns (docs/overlap.md): not for a caller that waits (fp.save).
+        self.early_copy = True
         #: The engine's backend: the config's, or the null sink of `fastpersist bench` (tools/bench/nullsink.py).
         self.engine_backend: Literal["auto", "io_uring", "threads", "null"] = self.config.backend
         self.handle: Any = None
@@ -255,8 +255,8 @@ class SaveJob:
             background=background,
             watched=[b.version is not None for b in flat.blobs],
             on_staged=self._check_staged,
-            copy_max_extent_bytes=EARLY_COPY_MAX_BYTES,
-            copy_budget_bytes=EARLY_COPY_BUDGET_BYTES,
+            copy_max_extent_bytes=EARLY_COPY_MAX_BYTES if self.early_copy else 0,
+            copy_budget_bytes=EARLY_COPY_BUDGET_BYTES if self.early_copy else 0,
             device_copy=self._copy_from_device if self._copiers else None,
             device_wait=self._wait_for_device if self._copiers else None,
             also_writers=self.writers[1:],

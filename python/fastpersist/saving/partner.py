@@ -110,6 +110,7 @@ class PartnerSaveJob(GroupSaveJob):
         self.layout = self.layout_for(message.checkpoint_id, tmp, owner=self.placement.is_leader(self.rank))
         try:
             self.job = SaveJob(self.path, self.config, layout=self.layout, pool=self.pool, tmp_lock=tmp_lock)
+            self.job.early_copy = self.early_copy
             self.job.start(state, background=background)
         except BaseException as e:  # reported to the group in finish(); wait_staged re-raises it
             self.start_error = e

@@ -30,13 +30,20 @@ def start_save(
     sharded: bool = False,
     pool: _core.Pool | None = None,
     replicas: int = 0,
+    blocking: bool = False,
 ) -> SaveJob | GroupSaveJob:
     """Starts saving `state` to `path`: alone, or with every rank of `group` (``sharded``: each
     rank its own shard; ``replicas``: each node commits its own copy, and each share is also kept
-    on `replicas` other nodes). `pool`: a staging pool to reuse (a Checkpointer's); else one per config."""
+    on `replicas` other nodes). `pool`: a staging pool to reuse (a Checkpointer's); else one per config.
+    `blocking`: the caller waits for the save before it touches the state again (``fp.save``), so
+    the small tensors that ``save_async`` copies before returning (docs/overlap.md) need no copy."""
     # The engine always runs on its own thread, so that waiting for it can be interrupted.
+    job: SaveJob | GroupSaveJob
     if group is None and not sharded:
-        return SaveJob(path, config, pool=pool).start(state)
-    if replicas:
-        return PartnerSaveJob(path, config, group, sharded=sharded, replicas=replicas, pool=pool).start(state)
-    return GroupSaveJob(path, config, group, sharded=sharded, pool=pool).start(state)
+        job = SaveJob(path, config, pool=pool)
+    elif replicas:
+        job = PartnerSaveJob(path, config, group, sharded=sharded, replicas=replicas, pool=pool)
+    else:
+        job = GroupSaveJob(path, config, group, sharded=sharded, pool=pool)
+    job.early_copy = not blocking
+    return job.start(state)

@@ -130,8 +130,9 @@ def rss_probe(
         "hwm_before_bytes": hwm_before,
         "hwm_after_bytes": hwm_after,
         "rss_after_bytes": rss_after,
-        "early_copy_tensors": early_count,
-        "early_copy_bytes": early_bytes,
+        # fp.save waits, so it makes no early copy (saving/start.py); save_async would hold this too.
+        "async_early_copy_tensors": early_count,
+        "async_early_copy_bytes": early_bytes,
         "ru_maxrss_before_bytes": maxrss_before,
         "ru_maxrss_after_bytes": maxrss_after,
         "hwm_reset": reset,
@@ -142,9 +143,9 @@ def rss_probe(
 
 
 def early_copy_bytes(state: object) -> tuple[int, int]:
-    """How many tensors, and bytes, of `state` a save's mutation guard copies before it stages
-    anything (the early copy: watched tensors of at most 1 MiB, smallest first, up to 64 MiB in
-    all; docs/overlap.md): memory a save holds on top of its pool until it ends.
+    """How many tensors, and bytes, of `state` the mutation guard of a ``save_async`` copies before
+    it returns (the early copy: watched tensors of at most 1 MiB, smallest first, up to 64 MiB in
+    all; docs/overlap.md): memory such a save holds on top of its pool until it ends.
 
     Example:
         >>> import torch

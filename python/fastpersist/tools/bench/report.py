@@ -341,15 +341,15 @@ def miss_bound(key: str, report: dict[str, Any]) -> str:
             f"{n['phases']['flatten_plan']:.3f} s; memcpy of {n['bytes'] / 2**30:.2f} GiB {n['memcpy_s']:.3f} s "
             "(glibc's non-temporal path, which copies into pool slots do not take): see docs/performance.md"
         )
-    if key == "rss" and "early_copy_bytes" in report.get("rss", {}):
+    if key == "rss" and "async_early_copy_bytes" in report.get("rss", {}):
         r = report["rss"]
-        left = r["budget_bytes"] - r["pool_bytes"] - r["early_copy_bytes"]
+        left = r["budget_bytes"] - r["pool_bytes"]
         return (
             f"the pool ({r['pool_bytes'] / MiB:.0f} MiB: all of its slots are touched when the drive falls behind "
-            f"the staging) and the mutation guard's early copy of the {r['early_copy_tensors']} tensors <= 1 MiB "
-            f"({r['early_copy_bytes'] / MiB:.1f} MiB, capped at 64 MiB, held while the save runs: docs/overlap.md) "
-            f"leave {left / MiB:.1f} MiB of the budget for the rest (threads, the manifest, Python objects); "
-            f"RSS kept after the save {(r['rss_after_bytes'] - r['rss_before_bytes']) / MiB:.1f} MiB"
+            f"the staging) leaves {left / MiB:.1f} MiB of the budget for the rest (threads, the manifest, Python "
+            f"objects); RSS kept after the save {(r['rss_after_bytes'] - r['rss_before_bytes']) / MiB:.1f} MiB. "
+            f"(A save_async also holds its early copy of the {r['async_early_copy_tensors']} tensors <= 1 MiB, "
+            f"{r['async_early_copy_bytes'] / MiB:.1f} MiB: docs/overlap.md)"
         )
     return "no phase measured for it in this run"
 
