@@ -307,6 +307,13 @@ def miss_bound(key: str, report: dict[str, Any]) -> str:
         if peer in results and "median_s" in limit:
             cap = results[peer]["median_s"] / limit["median_s"]
             text += f"; at the drive's limit ({limit['label']}) the ratio would be {cap:.2f}x"
+        own = results.get("write_limit_engine", {})
+        if key == "save_vs_limit" and report["write_limit"] != "write_limit_engine" and "median_s" in own:
+            text += (
+                f"; the save's settings bound it: the drive itself writes at them in {own['median_s']:.3f} s "
+                f"({own['label']}) against {limit['median_s']:.3f} s at the best row: rerun `fastpersist tune` "
+                "on a quiet machine, or set Config(chunk_bytes=..., queue_depth=...)"
+            )
         return text
     if key == "load_vs_limit" and "fastpersist_load" in report.get("load_phases", {}):
         p, total = report["load_phases"]["fastpersist_load"], results["fastpersist_load"]["median_s"]
