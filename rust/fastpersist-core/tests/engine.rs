@@ -443,7 +443,15 @@ fn write_one(
         .iter()
         .map(|d| unsafe { SourceRegion::from_slice(d) })
         .collect();
-    write_parts(&plan, &targets, sources, &pool, &options, &JobProgress::default()).unwrap()
+    write_parts(
+        &plan,
+        &targets,
+        sources,
+        &pool,
+        &options,
+        &JobProgress::default(),
+    )
+    .unwrap()
 }
 
 #[test]
