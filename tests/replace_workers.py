@@ -29,4 +29,5 @@ def replace_in_a_loop(path: str, backend: str, seconds: float, saves: object) ->
     while time.monotonic() < stop:
         fp.save(states[1 + n % 2], path, config=config)
         n += 1
+    fp.wait_removed()  # the replaced trees, before the count says the saves are done
     saves.put(n)  # type: ignore[attr-defined]

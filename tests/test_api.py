@@ -199,6 +199,7 @@ def test_overwrite_is_atomic_and_keeps_old_on_failure(workdir: str, config: fp.C
     with pytest.raises(fp.UnsupportedValueError, match=r"state\.bad"):
         fp.save({"v": torch.tensor([3]), "bad": object()}, path, config=config)
     assert fp.load(path)["v"].item() == 2
+    assert fp.wait_removed(timeout=60)  # the first tree, replaced by the second save, goes in the background
     assert sorted(os.listdir(workdir)) == ["ow"], "no temporary leftovers"
 
 

@@ -74,6 +74,7 @@ def test_a_save_that_loses_the_race_to_create_a_path_replaces_the_winner(
     assert raced == [path]
     assert _same(fp.load(path), state_of(0))
     fp.verify(path)
+    assert fp.wait_removed(timeout=60)  # (after the commit, in the background)
     assert os.listdir(workdir) == ["ck"]  # the replaced checkpoint was removed
 
 
