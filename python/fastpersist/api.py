@@ -7,6 +7,7 @@ verify :mod:`fastpersist.loading.examine`.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,6 +19,7 @@ from .loading.examine import inspect_checkpoint, verify_checkpoint
 from .loading.maplocation import MapLocation, check_load_flags
 from .loading.phases import PhaseClock
 from .loading.pipeline import LoadOptions, load_checkpoint
+from .saving.remover import removals_pending, wait_removed
 from .saving.start import start_save
 
 __all__ = ["inspect", "load", "save", "save_async", "verify"]
@@ -40,6 +42,8 @@ def save(
     exceed what :func:`load` accepts (``fastpersist.format.limits``), before anything is
     committed. Bytes values over 4 KiB go into the data stream like tensors. An existing
     checkpoint at `path` is replaced atomically: readers see the old one or the new one, never a mix.
+    The replaced tree is deleted after the commit, in the background (:func:`wait_removed`); a
+    save that runs out of space while such deletions are queued waits for them and tries once more.
 
     With ``group=`` (a ``torch.distributed`` process group, or ``dist.group.WORLD``) every rank
     of the group must call ``save`` with the same `path`. Replicated state (identical on every
@@ -54,7 +58,17 @@ def save(
         >>> res.nbytes > 0
         True
     """
-    return start_save(state, path, config or Config(), group=group, sharded=sharded, blocking=True).finish()
+    config = config or Config()
+    try:
+        return start_save(state, path, config, group=group, sharded=sharded, blocking=True).finish()
+    except OSError as e:
+        # Replaced trees are deleted after their commit, in the background: on a disk that holds
+        # little more than two checkpoints, the space this save lacks may be one still queued.
+        # A group's ranks cannot retry one by one, so only a single process does.
+        if e.errno != errno.ENOSPC or group is not None or not removals_pending():
+            raise
+    wait_removed()
+    return start_save(state, path, config, sharded=sharded, blocking=True).finish()
 
 
 def save_async(

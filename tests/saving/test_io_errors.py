@@ -9,6 +9,7 @@ import errno
 import os
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,8 @@ import torch
 from conftest import is_root
 
 import fastpersist as fp
+from fastpersist import api
+from fastpersist.saving.remover import run_later
 
 MIB = 1 << 20
 
@@ -68,6 +71,28 @@ def config(backend: str) -> fp.Config:
     return fp.Config(backend=backend, chunk_bytes=MIB, pool_bytes=4 * MIB, queue_depth=4)
 
 
+def test_a_save_short_of_space_waits_for_the_queued_removal_of_a_replaced_tree(
+    tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Room for two 4 MiB checkpoints, not three: the third save fits only once the tree the
+    # second one replaced (queued for removal, held back here by a gate) is gone.
+    waits: list[bool] = []
+    real_wait = api.wait_removed
+    monkeypatch.setattr(api, "wait_removed", lambda: waits.append(real_wait()))
+    with tmpfs(tmp_path / "small", "size=10m") as small:
+        path = str(small / "ck")
+        states = [{"w": torch.full((MIB,), float(k))} for k in range(3)]
+        fp.save(states[0], path, config=config(backend))
+        gate = threading.Event()
+        run_later(gate.wait, 30)
+        fp.save(states[1], path, config=config(backend))
+        threading.Timer(0.5, gate.set).start()
+        fp.save(states[2], path, config=config(backend))
+        assert waits == [True]  # the first try ran out of space, the second fit
+        assert torch.equal(fp.load(path)["w"], states[2]["w"])
+        assert fp.wait_removed(timeout=60) and os.listdir(small) == ["ck"]
+
+
 def test_full_disk_mid_save(tmp_path: Path, backend: str) -> None:
     with tmpfs(tmp_path / "small", "size=12m") as small:
         path = str(small / "ck")
@@ -97,6 +122,7 @@ def test_full_disk_mid_save(tmp_path: Path, backend: str) -> None:
         assert caught_full.value.errno == errno.ENOSPC
         filler.unlink()
         fp.save(medium, path, config=config(backend))
+        assert fp.wait_removed(timeout=60)  # the replaced tree goes after the commit, in the background
         assert torch.equal(fp.load(path)["w"], medium["w"]) and os.listdir(small) == ["ck"]
         assert settle(before) == before
 

@@ -18,7 +18,8 @@ its owner markers prove it owns). What the hidden tree still holds until then:
 * a crash before the removal leaves a hidden tree with no live lock, which ``fastpersist clean``
   (and its stripe scan) removes, as after a crash inside a save.
 
-The next save does not wait on it.
+The next save does not wait on it, unless it runs out of space while removals are queued: a
+blocking ``fp.save`` of one process then waits for them and tries once more.
 
 Example:
     >>> fp.save(state, "/ckpt/latest"); fp.save(state, "/ckpt/latest")   # doctest: +SKIP
@@ -43,7 +44,14 @@ from ..format.manifest import read_manifest
 from ..format.ownership import DirLock, try_lock
 from .target import remove_checkpoint_tree
 
-__all__ = ["held_for_removal", "remove_checkpoint_later", "remove_later", "run_later", "wait_removed"]
+__all__ = [
+    "held_for_removal",
+    "removals_pending",
+    "remove_checkpoint_later",
+    "remove_later",
+    "run_later",
+    "wait_removed",
+]
 
 log = logging.getLogger("fastpersist")
 
@@ -203,6 +211,12 @@ def wait_removed(timeout: float | None = None) -> bool:
         True
     """
     return _remover.wait(timeout)
+
+
+def removals_pending() -> bool:
+    """Whether this process has queued removals not yet done (their space not yet free)."""
+    with _remover.cond:
+        return _remover.busy > 0
 
 
 atexit.register(wait_removed)
