@@ -31,6 +31,7 @@ __all__ = [
     "chunk_spans",
     "crc32c",
     "direct_io_supported",
+    "flatten_walk",
     "fsync_dir",
     "fsync_path",
     "is_memory_fs",
@@ -299,4 +300,14 @@ def replace_atomically(src: _StrPath, dst: _StrPath) -> bool:
     """Atomically puts ``src`` at ``dst``, exchanging with an existing ``dst``.
 
     Returns whether an exchange happened (the old ``dst`` is then at ``src``).
+    """
+
+def flatten_walk(walker: object, state: object, path: str, env: dict[str, Any]) -> Any:
+    """Walks ``state`` for ``walker`` (a ``fastpersist.format.flatten._Walker``) and returns the
+    root node of its tree spec; records, leaves and blobs are appended to the walker's lists.
+
+    The common nodes (exact dicts, OrderedDicts, lists, tuples; str, bool, None, int and float
+    leaves; plain contiguous CPU tensors that start their storage) are walked here, every other
+    node by ``walker.node(x, path, depth)``: the result is the Python walk's.
+    ``env`` is ``fastpersist.format.nativewalk.ENV``.
     """

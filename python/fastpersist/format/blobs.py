@@ -77,6 +77,9 @@ class Blob:
         copier_factory: CopierFactory | None = None,
         members: tuple[Member, ...] = (),
     ) -> None:
+        # flatten's native walk (rust/fastpersist-py/src/walk/tensor.rs) makes the blob of a plain
+        # CPU tensor by setting these slots itself, as this does for Blob(None, x, version, nbytes):
+        # keep the two in step (tests/format/test_native_walk.py compares them).
         self._data = data
         self.source = source
         self.version = version

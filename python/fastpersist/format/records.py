@@ -84,6 +84,8 @@ class TensorRecord:
 
     `stride` is in elements; `offset_bytes` locates element [0, ..., 0] inside the blob.
     `dtype` is the torch name without "torch." ("bfloat16") or numpy's `dtype.str` ("<f4").
+    flatten's native walk sets the slots of the records it makes itself, in field order: a
+    field with a default or any `__post_init__` would have to be added there too.
 
     Example:
         >>> from fastpersist.format.flatten import flatten

@@ -5,6 +5,7 @@ mod buffers;
 mod errors;
 mod handle;
 mod read;
+mod walk;
 mod write;
 
 use std::path::PathBuf;
@@ -294,5 +295,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fsync_path, m)?)?;
     m.add_function(wrap_pyfunction!(fsync_dir, m)?)?;
     m.add_function(wrap_pyfunction!(replace_atomically, m)?)?;
+    m.add_function(wrap_pyfunction!(walk::flatten_walk, m)?)?;
     Ok(())
 }
