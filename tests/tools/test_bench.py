@@ -20,7 +20,7 @@ from fastpersist.format.flatten import flatten
 from fastpersist.tools import bench, cli
 from fastpersist.tools.bench import state as bench_state
 from fastpersist.tools.bench import system
-from fastpersist.tools.bench.report import miss_bound
+from fastpersist.tools.bench.report import flatten_plan_line, miss_bound
 
 from backends import uring_available
 
@@ -62,6 +62,10 @@ def test_flatten_plan_of_10k_tensors_is_measured() -> None:
     assert len(result["seconds"]) == 3
     assert 0 < result["min_s"] <= result["median_s"] <= result["max_s"] < 5
     assert 0 < result["attribute_reads_median_s"] < 5  # the part that is torch's own entry points
+    # The native walk by default, and the Python walk (the reference) timed in the same run.
+    assert result["walk"] == "native"
+    assert len(result["python_seconds"]) == 3 and 0 < result["python_min_s"] <= result["python_median_s"] < 5
+    assert "(native walk)" in flatten_plan_line(result) and "the Python walk interleaved" in flatten_plan_line(result)
 
 
 def _resident_pages(path: str) -> int:

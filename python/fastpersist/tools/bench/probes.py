@@ -23,17 +23,26 @@ from .system import MiB, remove_path, reset_peak_rss, status_bytes
 RSS_SLACK_BYTES = 64 * MiB  # the RSS budget of a bounded save is pool_bytes + this
 
 
-def flatten_plan_seconds(tensor_count: int = 10_000, runs: int = 7, chunk_bytes: int = 8 << 20) -> dict[str, Any]:
+def flatten_plan_seconds(
+    tensor_count: int = 10_000, runs: int = 7, chunk_bytes: int = 8 << 20, compare: bool = True
+) -> dict[str, Any]:
     """Times ``flatten`` + ``_core.Plan`` of a `tensor_count`-tensor state (median of `runs`, after a warm-up).
 
+    ``walk`` says which walk `flatten` used: "native" (``_core.flatten_walk``), or "python" on a
+    build of ``_core`` without it. With `compare`, the Python walk alone (``native=False``, the
+    reference) is timed too, interleaved run by run: ``python_median_s``, ``python_min_s``.
+
     Example:
-        >>> flatten_plan_seconds(1000, runs=3)["tensors"]
-        1000
+        >>> r = flatten_plan_seconds(1000, runs=3)
+        >>> r["tensors"], r["walk"], r["python_median_s"] > 0
+        (1000, 'native', True)
     """
     from ...format.flatten import flatten
+    from ...format.nativewalk import NATIVE_WALK
 
     state = build_small_state(tensor_count)
-    samples: list[float] = []
+    walks = [True, False] if compare and NATIVE_WALK is not None else [NATIVE_WALK is not None]
+    samples: dict[bool, list[float]] = {native: [] for native in walks}
     cpu: list[float] = []
     reads: list[float] = []
     tensors = 0
@@ -43,29 +52,45 @@ def flatten_plan_seconds(tensor_count: int = 10_000, runs: int = 7, chunk_bytes:
         _read_walk_attributes(leaves)
         read_seconds = time.perf_counter() - read_start
         del leaves
-        cpu_start = time.process_time()
-        start = time.perf_counter()
-        flat = flatten(state)
-        plan = _core.Plan([b.nbytes for b in flat.blobs], 1, 1, chunk_bytes)
-        seconds = time.perf_counter() - start
-        cpu_seconds = time.process_time() - cpu_start
-        tensors = len(flat.tensors)
-        assert plan.total_bytes > 0
-        del flat, plan
+        for native in walks:
+            seconds, cpu_seconds, tensors = _flatten_plan_once(state, native, chunk_bytes)
+            if i:
+                samples[native].append(seconds)
+                if native is walks[0]:
+                    cpu.append(cpu_seconds)
         if i:
-            samples.append(seconds)
-            cpu.append(cpu_seconds)
             reads.append(read_seconds)
-    return {
+    timed = samples[walks[0]]
+    result: dict[str, Any] = {
         "tensors": tensors,
         "runs": runs,
-        "seconds": samples,
-        "median_s": statistics.median(samples),
-        "min_s": min(samples),
-        "max_s": max(samples),
+        "walk": "native" if walks[0] else "python",
+        "seconds": timed,
+        "median_s": statistics.median(timed),
+        "min_s": min(timed),
+        "max_s": max(timed),
         "cpu_median_s": statistics.median(cpu),
         "attribute_reads_median_s": statistics.median(reads),
     }
+    if len(walks) > 1:
+        result["python_seconds"] = samples[False]
+        result["python_median_s"] = statistics.median(samples[False])
+        result["python_min_s"] = min(samples[False])
+    return result
+
+
+def _flatten_plan_once(state: object, native: bool, chunk_bytes: int) -> tuple[float, float, int]:
+    """``(seconds, CPU seconds, tensor count)`` of one flatten + plan."""
+    from ...format.flatten import flatten
+
+    cpu_start = time.process_time()
+    start = time.perf_counter()
+    flat = flatten(state, native=native)
+    plan = _core.Plan([b.nbytes for b in flat.blobs], 1, 1, chunk_bytes)
+    seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start
+    assert plan.total_bytes > 0
+    return seconds, cpu_seconds, len(flat.tensors)
 
 
 def _read_walk_attributes(tensors: list[Any]) -> None:

@@ -267,12 +267,7 @@ def _probe_lines(report: dict[str, Any]) -> list[str]:
     fplan, rss = report.get("flatten_plan", {}), report.get("rss", {})
     lines: list[str] = []
     if fplan:
-        lines.append(
-            f"flatten+plan of {fplan['tensors']} tensors: median {fplan['median_s'] * 1000:.1f} ms "
-            f"(min {fplan['min_s'] * 1000:.1f}, max {fplan['max_s'] * 1000:.1f}, {fplan['runs']} runs; "
-            f"CPU median {fplan['cpu_median_s'] * 1000:.1f} ms); torch's attribute reads alone, in a bare "
-            f"loop: {fplan['attribute_reads_median_s'] * 1000:.1f} ms"
-        )
+        lines.append(flatten_plan_line(fplan))
     null_sink = report.get("null_sink", {})
     if "ratio" in null_sink:
         lines.append(null_sink_line(null_sink))
@@ -290,6 +285,25 @@ def _probe_lines(report: dict[str, Any]) -> list[str]:
         "engine-limit buffer of the same size, and what one method holds at a time)"
     )
     return lines
+
+
+def flatten_plan_line(fplan: dict[str, Any]) -> str:
+    """The flatten+plan probe in one line, with the Python walk's median where it was timed too."""
+    walk = fplan.get("walk", "python")
+    line = (
+        f"flatten+plan of {fplan['tensors']} tensors ({walk} walk): median {fplan['median_s'] * 1000:.1f} ms "
+        f"(min {fplan['min_s'] * 1000:.1f}, max {fplan['max_s'] * 1000:.1f}, {fplan['runs']} runs; "
+        f"CPU median {fplan['cpu_median_s'] * 1000:.1f} ms)"
+    )
+    if "python_median_s" in fplan:
+        line += (
+            f"; the Python walk interleaved: median {fplan['python_median_s'] * 1000:.1f} ms "
+            f"({fplan['python_median_s'] / fplan['median_s']:.2f}x)"
+        )
+    if "attribute_reads_median_s" in fplan:
+        reads_ms = fplan["attribute_reads_median_s"] * 1000
+        line += f"; torch's attribute reads alone, in a bare Python loop: {reads_ms:.1f} ms"
+    return line
 
 
 def miss_bound(key: str, report: dict[str, Any]) -> str:
@@ -328,10 +342,12 @@ def miss_bound(key: str, report: dict[str, Any]) -> str:
     if key == "flatten_plan" and "median_s" in report.get("flatten_plan", {}):
         fplan = report["flatten_plan"]
         count = max(fplan["tensors"], 1)
+        walk = fplan.get("walk", "python")
         return (
-            f"the walk of the state, {fplan['median_s'] / count * 1e6:.1f} us per tensor, of which reading the 17 "
-            f"torch attributes it reads takes {fplan['attribute_reads_median_s'] / count * 1e6:.1f} us in a bare loop "
-            "(planning is ~0.2 ms): see docs/performance.md"
+            f"the {walk} walk of the state, {fplan['median_s'] / count * 1e6:.1f} us per tensor, "
+            f"of which reading the 17 torch attributes the Python walk reads takes "
+            f"{fplan['attribute_reads_median_s'] / count * 1e6:.1f} us in a bare loop (planning is ~0.2 ms): see "
+            "docs/performance.md"
         )
     if key == "replacing_commit" and "median" in report.get("replacing", {}):
         p = report["replacing"]["median"]
