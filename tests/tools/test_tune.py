@@ -4,6 +4,7 @@ cache it writes, the scratch files it removes, its refusals; and what ``bench`` 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 
@@ -11,9 +12,11 @@ import pytest
 
 from fastpersist.tools import cli
 from fastpersist.tools.bench.settings import settle_settings
+from fastpersist.tools.tune import result_table
+from fastpersist.tuning import sweep as sweep_module
 from fastpersist.tuning.cache import CACHE_ENV, Best, Figure, lookup
 from fastpersist.tuning.identity import device_identity
-from fastpersist.tuning.sweep import SweepLimits, pick_best, sweep
+from fastpersist.tuning.sweep import FINAL_ROUNDS, SweepLimits, pick_best, sweep
 
 TINY = ["--seconds", "0.5", "--chunk-sizes", "64KiB,128KiB", "--depths", "1,2", "--max-trial-bytes", "1MiB"]
 
@@ -119,6 +122,26 @@ def test_bench_says_which_settings_it_used(cache_file: str, workdir: str) -> Non
     )
     explicit = _bench_args(chunk_bytes=1 << 20, queue_depth=2)
     assert "(explicit)" in settle_settings(explicit, workdir)
+
+
+def test_the_finals_rank_writes_by_the_median_of_repeated_trials(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 1 MiB wins its one search trial by luck and is slower in every later one; 2 MiB is steady.
+    trials: collections.Counter[tuple[int, int]] = collections.Counter()
+    steady = {1 << 20: 1.0, 2 << 20: 2.5, 4 << 20: 2.0}
+
+    def scripted(self: sweep_module._Trials, chunk: int, depth: int, slice_s: float) -> None:
+        lucky = chunk == 1 << 20 and trials[(chunk, depth)] == 0
+        trials[(chunk, depth)] += 1
+        self.figures.append(Figure("write", chunk, depth, 3.0 if lucky else steady[chunk], 1 << 20))
+
+    monkeypatch.setattr(sweep_module._Trials, "record_write", scripted)
+    limits = SweepLimits(seconds=60, chunk_sizes=tuple(steady), depths=(1,), max_trial_bytes=4 << 20)
+    result = sweep(workdir, limits)
+    assert trials == {(c, 1): 1 + FINAL_ROUNDS for c in steady}  # every finalist timed again
+    assert [(f.chunk_bytes, f.gb_per_s) for f in result.finals] == [(2 << 20, 2.5), (4 << 20, 2.0), (1 << 20, 1.0)]
+    assert result.write == Best(2 << 20, 1, 2.5)
+    assert result.read is not None and result.read.chunk_bytes == 2 << 20  # reads at the chosen chunk size
+    assert "write finalists, GB/s median of their trials: 2 MiB x 1 2.50" in result_table(result)
 
 
 def test_pick_best_prefers_fewer_bytes_in_flight_among_near_ties() -> None:

@@ -95,6 +95,9 @@ def result_table(result: SweepResult) -> str:
             f"  {f.op:<6}{f.chunk_bytes / 2**20:>10g}{f.queue_depth:>7}{f.writers:>8}{f.gb_per_s:>8.2f}"
             f"{f.bytes / 2**20:>11.0f}{' *' if mark else ''}"
         )
+    if result.finals:
+        finals = ", ".join(f"{f.chunk_bytes / 2**20:g} MiB x {f.queue_depth} {f.gb_per_s:.2f}" for f in result.finals)
+        lines.append(f"  write finalists, GB/s median of their trials: {finals}")
     best = f"  best: write {result.write.chunk_bytes / 2**20:g} MiB x depth {result.write.queue_depth}"
     if result.read is not None:
         best += f", read depth {result.read.queue_depth}"

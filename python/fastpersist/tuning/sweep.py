@@ -7,8 +7,12 @@ trial, the staging pool a save would have (a chunk needs two slots; a depth beyo
 adds nothing), and a quarter of the free space. It is a coordinate search, not the full grid:
 every chunk size at the default depth, then every depth at the best chunk size; reads sweep
 the depth at the chosen chunk size (a load reads with the chunk size its manifest records).
-Among settings within :data:`CLOSE_FRACTION` of the best figure it picks the one with the
-fewest bytes in flight. Each trial's file is removed at once, its directory at the end.
+One trial per setting cannot rank settings on a drive whose speed drifts by a quarter between
+trials (a 4 MiB setting beat 64 MiB by one trial here and lost to it by 10-22% in the bench that
+followed), so the :data:`FINALISTS` fastest writes of the search are timed again, interleaved,
+in :data:`FINAL_ROUNDS` rounds, and the writes are ranked by the median of each finalist's
+trials. Among settings within :data:`CLOSE_FRACTION` of the best figure it picks the one with
+the fewest bytes in flight. Each trial's file is removed at once, its directory at the end.
 
 Before a setting is timed, its pool's slots are made resident by an untimed write (a pool
 allocates a slot at first use; in a process that saves repeatedly they are resident, and
@@ -28,10 +32,11 @@ import collections
 import math
 import os
 import shutil
+import statistics
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,12 +48,16 @@ from .cache import Best, Figure
 from .defaults import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
 from .identity import DeviceIdentity, device_identity
 
-__all__ = ["CLOSE_FRACTION", "SweepLimits", "SweepResult", "pick_best", "sweep"]
+__all__ = ["CLOSE_FRACTION", "FINALISTS", "FINAL_ROUNDS", "SweepLimits", "SweepResult", "pick_best", "sweep"]
 
 MiB = 1 << 20
 #: Settings within this fraction of the best figure count as equally fast (the noise of a short trial).
 CLOSE_FRACTION = 0.03
+#: How many of the search's fastest write settings are timed again, and how many more times each.
+FINALISTS = 3
+FINAL_ROUNDS = 2
 _WRITE_SHARE = 0.65
+_SEARCH_SHARE = 0.45  # of the time box: the search; the finals run until _WRITE_SHARE
 _BLOCK_BYTES = 16 * MiB
 _POOLS_KEPT = 2
 
@@ -97,6 +106,8 @@ class SweepResult:
     direct: bool
     seconds: float
     writers_per_drive: int | None = None
+    #: Each write finalist's median over its search trial and its final rounds, fastest first.
+    finals: list[Figure] = field(default_factory=list)
 
 
 def pick_best(figures: list[Figure]) -> Best:
@@ -223,7 +234,7 @@ def _sweep_writes(t: _Trials, chunks: list[int], depths: tuple[int, ...], pool_b
     first_depth = _nearest(depths, DEFAULT_QUEUE_DEPTH)
     t.warm(_nearest(tuple(chunks), DEFAULT_CHUNK_BYTES), first_depth)  # also the first estimate of the rate
     todo = len(chunks) + len(depths) - 1
-    deadline_s = t.limits.seconds * _WRITE_SHARE
+    deadline_s = t.limits.seconds * _SEARCH_SHARE
     # Outward from the default size, so that a time box cut short still spans both directions.
     outward = sorted(chunks, key=lambda c: (abs(math.log2(c / DEFAULT_CHUNK_BYTES)), c))
     sizes_deadline_s = deadline_s * len(chunks) / todo  # leave the depths their share
@@ -239,6 +250,34 @@ def _sweep_writes(t: _Trials, chunks: list[int], depths: tuple[int, ...], pool_b
         t.record_write(best.chunk_bytes, depth, max(deadline_s - (t.clock() - t.started), 0) / max(todo, 1))
         todo -= 1
     return pick_best(t.figures)
+
+
+def _final_writes(t: _Trials, search: Best) -> tuple[Best, list[Figure]]:
+    """Times the search's fastest write settings again, round by round in alternating order,
+    and picks among the medians of their trials (see the module's docstring)."""
+    first: dict[tuple[int, int], Figure] = {}
+    for f in t.figures:
+        if f.op == "write" and f.writers == 1:
+            first.setdefault((f.chunk_bytes, f.queue_depth), f)
+    ranked = sorted(first.values(), key=lambda f: -f.gb_per_s)[:FINALISTS]
+    if len(ranked) < 2:
+        return search, []
+    trials = {(f.chunk_bytes, f.queue_depth): [f] for f in ranked}
+    deadline_s = t.limits.seconds * _WRITE_SHARE
+    order = list(trials)
+    for round_ in range(FINAL_ROUNDS):
+        for chunk, depth in order if round_ % 2 else order[::-1]:
+            if t.clock() - t.started > deadline_s:
+                break
+            left_s = max(deadline_s - (t.clock() - t.started), 0.0)
+            t.record_write(chunk, depth, left_s / (len(order) * (FINAL_ROUNDS - round_)))
+            trials[(chunk, depth)].append(t.figures[-1])
+    finals = [
+        Figure("write", chunk, depth, round(statistics.median(f.gb_per_s for f in fs), 3), sum(f.bytes for f in fs))
+        for (chunk, depth), fs in trials.items()
+    ]
+    finals.sort(key=lambda f: -f.gb_per_s)
+    return pick_best(finals), finals
 
 
 def _sweep_writers(t: _Trials, write: Best, counts: tuple[int, ...]) -> int:
@@ -290,10 +329,11 @@ def sweep(
     os.mkdir(folder)
     try:
         t = _Trials(folder, limits, clock)
-        write = _sweep_writes(t, chunks, depths, limits.pool_bytes)
+        write, finals = _final_writes(t, _sweep_writes(t, chunks, depths, limits.pool_bytes))
         counts = tuple(k for k in (1, 2, 4, 8, 16) if k < writers) + ((writers,) if writers > 1 else ())
         best_writers = _sweep_writers(t, write, counts) if writers > 1 else None
         read = _sweep_reads(t, write, depths)
-        return SweepResult(identity, t.figures, write, read, bool(t.direct), clock() - t.started, best_writers)
+        seconds = clock() - t.started
+        return SweepResult(identity, t.figures, write, read, bool(t.direct), seconds, best_writers, finals)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
