@@ -21,6 +21,7 @@ python3 -m ruff format --check python tests benches
 
 python3 -m pytest tests -q -p no:cacheprovider
 # The format, API and hostile-input suites again under CPython's debug allocator (buffer
-# over/underruns, use after free, API misuse by the extension, such as the native walk's slot setting, are fatal there). ~60 s.
+# over/underruns, use after free, API misuse by the extension, such as the native walk's
+# slot setting, are fatal there). ~60 s.
 (cd /tmp && PYTHONMALLOC=debug python3 -m pytest -q -p no:cacheprovider "$repo/tests/format/test_flatten.py" \
-    "$repo/tests/format/test_native_walk.py"     "$repo/tests/test_api.py" "$repo/tests/format/test_integrity.py" "$repo/tests/format/test_hostile.py" "$repo/tests/saving/test_io_errors.py")
+    "$repo/tests/format/test_native_walk.py" "$repo/tests/test_api.py" "$repo/tests/format/test_integrity.py" "$repo/tests/format/test_hostile.py" "$repo/tests/saving/test_io_errors.py")

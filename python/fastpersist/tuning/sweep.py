@@ -75,7 +75,7 @@ class SweepLimits:
         max_trial_bytes: the most bytes one trial writes or reads.
     """
 
-    seconds: float = 10.0
+    seconds: float = 15.0
     chunk_sizes: tuple[int, ...] = tuple(MiB << k for k in range(7))
     depths: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     pool_bytes: int = Config().pool_bytes
