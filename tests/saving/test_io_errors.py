@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from conftest import is_root
 
 import fastpersist as fp
 from fastpersist import api
+from fastpersist.saving import job, remover
 from fastpersist.saving.remover import run_later
 
 MIB = 1 << 20
@@ -71,26 +72,52 @@ def config(backend: str) -> fp.Config:
     return fp.Config(backend=backend, chunk_bytes=MIB, pool_bytes=4 * MIB, queue_depth=4)
 
 
+def _three_saves_on_room_for_two(small: Path, backend: str, save: Callable[..., object]) -> None:
+    """Room for two 4 MiB checkpoints, not three: the third save fits only once the tree the
+    second one replaced (queued for removal, held back here by a gate) is gone."""
+    path = str(small / "ck")
+    states = [{"w": torch.full((MIB,), float(k))} for k in range(3)]
+    fp.save(states[0], path, config=config(backend))
+    gate = threading.Event()
+    run_later(gate.wait, 30)
+    fp.save(states[1], path, config=config(backend))
+    threading.Timer(0.5, gate.set).start()
+    save(states[2], path, config=config(backend))
+    assert torch.equal(fp.load(path)["w"], states[2]["w"])
+    assert fp.wait_removed(timeout=60) and os.listdir(small) == ["ck"]
+
+
+@pytest.mark.parametrize("method", ["save", "save_async"])
 def test_a_save_short_of_space_waits_for_the_queued_removal_of_a_replaced_tree(
+    tmp_path: Path, backend: str, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    waits: list[bool] = []
+    real_wait = remover.wait_removed
+    monkeypatch.setattr(remover, "wait_removed", lambda: waits.append(real_wait()))
+
+    def save(state: object, path: str, config: fp.Config) -> None:
+        if method == "save":
+            fp.save(state, path, config=config)
+        else:
+            fp.save_async(state, path, config=config).wait(timeout=60)
+
+    with tmpfs(tmp_path / "small", "size=10m") as small:
+        _three_saves_on_room_for_two(small, backend, save)
+    assert waits == [True]  # before writing: the free space was short of the save's bytes
+
+
+def test_a_save_that_runs_out_of_space_anyway_waits_for_the_removals_and_retries(
     tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Room for two 4 MiB checkpoints, not three: the third save fits only once the tree the
-    # second one replaced (queued for removal, held back here by a gate) is gone.
+    # Where the free space looked enough (a filesystem's own overhead, a neighbour's writes)
+    # and the disk still filled, a blocking save waits for the queued removals and tries again.
+    monkeypatch.setattr(job, "make_room", lambda paths, nbytes: None)
     waits: list[bool] = []
     real_wait = api.wait_removed
     monkeypatch.setattr(api, "wait_removed", lambda: waits.append(real_wait()))
     with tmpfs(tmp_path / "small", "size=10m") as small:
-        path = str(small / "ck")
-        states = [{"w": torch.full((MIB,), float(k))} for k in range(3)]
-        fp.save(states[0], path, config=config(backend))
-        gate = threading.Event()
-        run_later(gate.wait, 30)
-        fp.save(states[1], path, config=config(backend))
-        threading.Timer(0.5, gate.set).start()
-        fp.save(states[2], path, config=config(backend))
-        assert waits == [True]  # the first try ran out of space, the second fit
-        assert torch.equal(fp.load(path)["w"], states[2]["w"])
-        assert fp.wait_removed(timeout=60) and os.listdir(small) == ["ck"]
+        _three_saves_on_room_for_two(small, backend, fp.save)
+    assert waits == [True]  # the first try ran out of space, the second fit
 
 
 def test_full_disk_mid_save(tmp_path: Path, backend: str) -> None:

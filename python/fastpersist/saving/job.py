@@ -45,7 +45,7 @@ from .device_blobs import (
 )
 from .pools import pool_for
 from .recycle import take_recycled
-from .remover import held_for_removal
+from .remover import held_for_removal, make_room
 from .target import (
     check_name_fits,
     check_stripe_roots,
@@ -176,8 +176,7 @@ class SaveJob:
                     self._start_engine(paths, background)
             engine_started = time.perf_counter()
             if self.handle is not None and self.config.guard == "copy":
-                # Writes the version counter cannot see (.data, .numpy(), CUDA kernels) can
-                # only be kept out of the checkpoint by not returning before it is staged.
+                # Writes the version counter cannot see (.data, .numpy(), CUDA) are kept out only by waiting.
                 self.handle.wait_staged()
         except BaseException:
             self.discard()
@@ -241,6 +240,7 @@ class SaveJob:
         """Hands this process's parts to the engine (stage, checksum, write, fsync)."""
         flat, config, pool = self._flat, self.config, self.pool
         assert flat is not None and self.writers and pool is not None
+        make_room(paths, [part.len_bytes for part in self.my_parts])  # a replaced tree's space may be queued
         self.handle = _core.start_write(
             self.plan,
             self.writers[0],

@@ -18,8 +18,9 @@ its owner markers prove it owns). What the hidden tree still holds until then:
 * a crash before the removal leaves a hidden tree with no live lock, which ``fastpersist clean``
   (and its stripe scan) removes, as after a crash inside a save.
 
-The next save does not wait on it, unless it runs out of space while removals are queued: a
-blocking ``fp.save`` of one process then waits for them and tries once more.
+The next save does not wait on it, unless the filesystem it writes to has less free space than
+it writes there while removals are queued (:func:`make_room`): then it waits for them first;
+and a blocking ``fp.save`` of one process that still runs out of space waits and tries once more.
 
 Example:
     >>> fp.save(state, "/ckpt/latest"); fp.save(state, "/ckpt/latest")   # doctest: +SKIP
@@ -46,6 +47,7 @@ from .target import remove_checkpoint_tree
 
 __all__ = [
     "held_for_removal",
+    "make_room",
     "removals_pending",
     "remove_checkpoint_later",
     "remove_later",
@@ -211,6 +213,23 @@ def wait_removed(timeout: float | None = None) -> bool:
         True
     """
     return _remover.wait(timeout)
+
+
+def make_room(paths: Sequence[str], nbytes: Sequence[int]) -> None:
+    """Waits for the queued removals when a file about to be written (`paths`, `nbytes` each)
+    lies on a filesystem with less free space than the save writes there: the space it lacks
+    may be a replaced tree's, still queued. One statvfs per file, only while removals are queued."""
+    if not removals_pending():
+        return
+    need: dict[int, int] = {}
+    free: dict[int, int] = {}
+    for path, n in zip(paths, nbytes, strict=True):
+        folder = os.path.dirname(path)
+        device, fs = os.stat(folder).st_dev, os.statvfs(folder)
+        need[device] = need.get(device, 0) + n
+        free[device] = fs.f_bavail * fs.f_frsize
+    if any(need[d] > free[d] for d in need):
+        wait_removed()
 
 
 def removals_pending() -> bool:
