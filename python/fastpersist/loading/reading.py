@@ -53,12 +53,11 @@ T = TypeVar("T")
 
 
 def aligned_uint8(nbytes: int) -> torch.Tensor:
-    """An uninitialised CPU uint8 tensor of `nbytes` (+ O_DIRECT slack) starting on a page boundary."""
-    align = _core.DIRECT_ALIGN_BYTES
-    padded = -(-nbytes // align) * align + align
-    raw = torch.empty(padded + align, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % align
-    return raw[skip : skip + padded]
+    """An uninitialised CPU uint8 tensor of `nbytes` rounded up to whole pages (room for
+    O_DIRECT's padded tail), starting on a page boundary: a read destination. Its memory is a
+    `_core.PagedBuffer` (kept alive by the tensor), so a large one is backed by huge pages and
+    costs a load's first touch what `read_stream`'s buffer costs."""
+    return paged_uint8(nbytes)[1]
 
 
 def paged_uint8(nbytes: int) -> tuple[_core.PagedBuffer, torch.Tensor]:

@@ -41,6 +41,56 @@ pub fn populate_write(addr: usize, len_bytes: usize) -> bool {
     rc == 0
 }
 
+/// The size (and alignment) of a transparent huge page on x86_64 and of the PMD-level pages
+/// of other 4 KiB-page architectures.
+pub const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// A private anonymous read-write mapping of `len_bytes` (a multiple of the page size).
+fn map_anonymous(len_bytes: usize) -> std::io::Result<NonNull<u8>> {
+    // SAFETY: an anonymous private mapping with no address hint touches no existing memory.
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len_bytes,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(NonNull::new(raw.cast::<u8>()).expect("mmap returned a null mapping"))
+}
+
+/// `map_anonymous(len_bytes)` starting on a [`HUGE_PAGE_BYTES`] boundary and advised for
+/// transparent huge pages. The kernel only backs 2 MiB-aligned ranges with huge pages, and
+/// does not align every large mapping itself, so this maps one huge page more and unmaps the
+/// slack before and after the aligned range.
+fn map_huge_aligned(len_bytes: usize) -> std::io::Result<NonNull<u8>> {
+    let padded = len_bytes + HUGE_PAGE_BYTES;
+    let raw = map_anonymous(padded)?.as_ptr() as usize;
+    let start = round_up(raw, HUGE_PAGE_BYTES);
+    let head = start - raw;
+    let tail = padded - head - len_bytes;
+    // SAFETY: [raw, start) and [start + len_bytes, raw + padded) lie inside the mapping just
+    // made, which nothing else knows of; both are page-aligned (raw, start and len_bytes are).
+    // A failed munmap only leaves that slack mapped.
+    unsafe {
+        if head > 0 {
+            libc::munmap(raw as *mut libc::c_void, head);
+        }
+        if tail > 0 {
+            libc::munmap((start + len_bytes) as *mut libc::c_void, tail);
+        }
+    }
+    // SAFETY: madvise(MADV_HUGEPAGE) changes only how the kernel backs our own fresh mapping,
+    // never a byte of it; an error (THP compiled out) leaves ordinary pages.
+    unsafe { libc::madvise(start as *mut libc::c_void, len_bytes, libc::MADV_HUGEPAGE) };
+    Ok(NonNull::new(start as *mut u8).expect("an aligned address inside a mapping is not null"))
+}
+
 /// Anonymous page-aligned memory whose pages are returned to the OS piece by piece: each
 /// [`PageSpan`] holds the pages under its byte range, and a page is unmapped once no span
 /// holds it. A loaded checkpoint is read into one such mapping (one O_DIRECT pass), then cut
@@ -71,23 +121,20 @@ impl fmt::Debug for SharedPages {
 impl SharedPages {
     /// Maps `len_bytes` (rounded up to whole pages, at least one) of zeroed memory, and returns
     /// one span over all of it.
+    ///
+    /// A mapping of at least [`HUGE_PAGE_BYTES`] starts on a huge-page boundary and is advised
+    /// for transparent huge pages (`MADV_HUGEPAGE`; where THP is "never" or unsupported the
+    /// advice is ignored): the first touch of a fresh 1 GiB load destination then takes 512
+    /// faults instead of 262,144 (0.17-0.26 s instead of 0.54-0.69 s here, most of it zeroing),
+    /// and that first touch is part of every cold load. Spans still return their pages as
+    /// before; unmapping part of a huge page splits it.
     pub fn map(len_bytes: usize) -> std::io::Result<PageSpan> {
         let mapped = round_up(len_bytes.max(1), DIRECT_ALIGN_BYTES);
-        // SAFETY: an anonymous private mapping with no address hint touches no existing memory.
-        let raw = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                mapped,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
+        let base = if mapped >= HUGE_PAGE_BYTES {
+            map_huge_aligned(mapped)?
+        } else {
+            map_anonymous(mapped)?
         };
-        if raw == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        let base = NonNull::new(raw.cast::<u8>()).expect("mmap returned a null mapping");
         let pages = Arc::new(SharedPages {
             base,
             len_bytes: mapped,
@@ -271,5 +318,84 @@ mod tests {
         let nonzero: Vec<usize> = (0..bytes.len()).filter(|&i| bytes[i] != 0).collect();
         assert_eq!(nonzero, vec![3 * DIRECT_ALIGN_BYTES + 5]);
         assert_eq!(bytes[3 * DIRECT_ALIGN_BYTES + 5], 42);
+    }
+
+    /// The smaps block of the mapping that contains `addr`, if any.
+    fn smaps_block(addr: usize) -> Option<String> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let mut block: Option<String> = None;
+        for line in smaps.lines() {
+            let header = line
+                .split_once(' ')
+                .and_then(|(range, _)| range.split_once('-'))
+                .and_then(|(lo, hi)| {
+                    Some((
+                        usize::from_str_radix(lo, 16).ok()?,
+                        usize::from_str_radix(hi, 16).ok()?,
+                    ))
+                });
+            if let Some((lo, hi)) = header {
+                if block.is_some() {
+                    break;
+                }
+                if (lo..hi).contains(&addr) {
+                    block = Some(String::new());
+                }
+            } else if let Some(text) = block.as_mut() {
+                text.push_str(line);
+                text.push('\n');
+            }
+        }
+        block
+    }
+
+    #[test]
+    fn a_large_mapping_starts_on_a_huge_page_and_is_advised_for_them() {
+        let len = 2 * HUGE_PAGE_BYTES + 5;
+        let whole = SharedPages::map(len).unwrap();
+        let base = whole.as_ptr() as usize;
+        assert_eq!(
+            base % HUGE_PAGE_BYTES,
+            0,
+            "not huge-page aligned: {base:#x}"
+        );
+        // SAFETY: the span covers `len` bytes of our own mapping.
+        unsafe { whole.as_ptr().write_bytes(9, len) };
+        let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled");
+        match (thp, smaps_block(base)) {
+            (Ok(mode), Some(block)) if !mode.contains("[never]") => assert!(
+                advised_huge(&block),
+                "THP is {mode:?} but the mapping is not eligible:\n{block}"
+            ),
+            _ => eprintln!("skipping the THP check: THP is off or smaps is unreadable"),
+        }
+        // Spans still hold and free their own pages inside huge pages.
+        let tail = whole.sub(HUGE_PAGE_BYTES + 4096, 10).unwrap();
+        drop(whole);
+        // SAFETY: `tail` holds its page.
+        assert_eq!(unsafe { *tail.as_ptr() }, 9);
+        assert!(resident(&tail));
+        let tail_ptr = tail.as_ptr() as usize;
+        drop(tail);
+        let mut vec = [0u8; 1];
+        // SAFETY: mincore on an unmapped page fails with ENOMEM and touches nothing.
+        let rc = unsafe { libc::mincore(tail_ptr as *mut libc::c_void, 4096, vec.as_mut_ptr()) };
+        assert_eq!(rc, -1, "the last span's page should be unmapped");
+    }
+
+    #[test]
+    fn a_small_mapping_is_left_to_ordinary_pages() {
+        let span = SharedPages::map(HUGE_PAGE_BYTES - DIRECT_ALIGN_BYTES).unwrap();
+        if let Some(block) = smaps_block(span.as_ptr() as usize) {
+            assert!(!advised_huge(&block), "{block}");
+        }
+    }
+
+    /// Whether an smaps block's VmFlags carry "hg" (advised MADV_HUGEPAGE).
+    fn advised_huge(block: &str) -> bool {
+        block
+            .lines()
+            .filter_map(|l| l.strip_prefix("VmFlags:"))
+            .any(|flags| flags.split_whitespace().any(|f| f == "hg"))
     }
 }

@@ -63,7 +63,7 @@ def _add_engine_reads(bench: Bench) -> None:
 
     def raw_read_fresh() -> dict[str, float]:
         # What every load pays on top of the drive: the kernel faults in (zeroes) new pages.
-        # Allocated by torch like fastpersist.load's buffer (numpy would madvise huge pages).
+        # Allocated as fastpersist.load allocates its buffer (huge pages where the OS allows).
         start = time.perf_counter()
         dest = aligned_uint8(bench.nbytes)
         read_into(dest.numpy(), args.chunk_bytes, args.read_queue_depth)
