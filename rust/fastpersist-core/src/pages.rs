@@ -67,8 +67,8 @@ fn map_anonymous(len_bytes: usize) -> std::io::Result<NonNull<u8>> {
 /// `map_anonymous(len_bytes)` starting on a [`HUGE_PAGE_BYTES`] boundary and advised for
 /// transparent huge pages. The kernel only backs 2 MiB-aligned ranges with huge pages, and
 /// does not align every large mapping itself, so this maps one huge page more and unmaps the
-/// slack before and after the aligned range.
-fn map_huge_aligned(len_bytes: usize) -> std::io::Result<NonNull<u8>> {
+/// slack before and after the aligned range. Returned to the OS with [`unmap_anonymous`].
+pub(crate) fn map_huge_aligned(len_bytes: usize) -> std::io::Result<NonNull<u8>> {
     let padded = len_bytes + HUGE_PAGE_BYTES;
     let raw = map_anonymous(padded)?.as_ptr() as usize;
     let start = round_up(raw, HUGE_PAGE_BYTES);
@@ -89,6 +89,16 @@ fn map_huge_aligned(len_bytes: usize) -> std::io::Result<NonNull<u8>> {
     // never a byte of it; an error (THP compiled out) leaves ordinary pages.
     unsafe { libc::madvise(start as *mut libc::c_void, len_bytes, libc::MADV_HUGEPAGE) };
     Ok(NonNull::new(start as *mut u8).expect("an aligned address inside a mapping is not null"))
+}
+
+/// Unmaps `[ptr, ptr + len_bytes)`.
+///
+/// # Safety
+/// The range must be a whole mapping made by [`map_huge_aligned`] (or a page-aligned part of
+/// one), and no reference into it may be used afterwards.
+pub(crate) unsafe fn unmap_anonymous(ptr: NonNull<u8>, len_bytes: usize) {
+    // SAFETY: the caller owns the range and gives it up; a failed munmap only leaks it.
+    unsafe { libc::munmap(ptr.as_ptr().cast(), len_bytes) };
 }
 
 /// Anonymous page-aligned memory whose pages are returned to the OS piece by piece: each
@@ -242,7 +252,7 @@ impl Drop for PageSpan {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn resident(span: &PageSpan) -> bool {
@@ -321,7 +331,7 @@ mod tests {
     }
 
     /// The smaps block of the mapping that contains `addr`, if any.
-    fn smaps_block(addr: usize) -> Option<String> {
+    pub(crate) fn smaps_block(addr: usize) -> Option<String> {
         let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
         let mut block: Option<String> = None;
         for line in smaps.lines() {
@@ -392,7 +402,7 @@ mod tests {
     }
 
     /// Whether an smaps block's VmFlags carry "hg" (advised MADV_HUGEPAGE).
-    fn advised_huge(block: &str) -> bool {
+    pub(crate) fn advised_huge(block: &str) -> bool {
         block
             .lines()
             .filter_map(|l| l.strip_prefix("VmFlags:"))
