@@ -182,7 +182,7 @@ def test_tiny_run_reports_every_method_with_sane_numbers(tiny_run: tuple[dict[st
     for i, line in enumerate(lines):
         if "[MISS]" in line:
             assert lines[i + 1].strip().startswith("bound: "), lines[i : i + 2]
-    for key in ("save_vs_limit", "save_vs_safetensors", "load_vs_limit", "flatten_plan", "rss"):
+    for key in ("save_vs_limit", "save_vs_safetensors", "torch_save_vs_torch", "load_vs_limit", "flatten_plan", "rss"):
         assert "no phase measured" not in miss_bound(key, report), key
     for key, phases in report["save_phases"].items():
         assert key.startswith("fastpersist_save_") and key in results, key
@@ -240,6 +240,8 @@ def test_the_limits_are_the_fastest_limit_rows_and_a_miss_names_them() -> None:
         "write_limit_fio": ("save", "limit", 0.40),
         "fastpersist_save_io_uring": ("save", "fastpersist", 0.49),
         "safetensors_save": ("save", "peer", 0.60),
+        "fastpersist_torch_save": ("save", "fastpersist", 0.52),
+        "torch_save": ("save", "peer", 1.20),
         "read_limit_engine": ("load", "limit", 0.60),
         "read_fresh_engine": ("load", "limit", 0.55),
         "read_limit_engine_64m": ("load", "limit", 0.45),
@@ -274,6 +276,9 @@ def test_the_limits_are_the_fastest_limit_rows_and_a_miss_names_them() -> None:
     bound = miss_bound("save_vs_safetensors", report)
     assert "write_fsync 0.450 s" in bound and "at the drive's limit (write_limit_engine label)" in bound
     assert f"{0.60 / 0.50:.2f}x" in bound
+    # fp.torch_save's miss is bounded by the same limit
+    torch_bound = miss_bound("torch_save_vs_torch", report)
+    assert "fp.torch_save took 0.520 s against 0.500 s" in torch_bound and "would be 2.40x" in torch_bound
 
 
 def test_tiny_run_draws_the_chart(tiny_run: tuple[dict[str, Any], Path, str]) -> None:

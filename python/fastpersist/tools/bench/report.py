@@ -329,6 +329,15 @@ def miss_bound(key: str, report: dict[str, Any]) -> str:
                 "on a quiet machine, or set Config(chunk_bytes=..., queue_depth=...)"
             )
         return text
+    if key == "torch_save_vs_torch" and "fastpersist_torch_save" in results and "median_s" in limit:
+        own, peer = results["fastpersist_torch_save"]["median_s"], results.get("torch_save", {}).get("median_s")
+        text = (
+            f"the drive: fp.torch_save took {own:.3f} s against {limit['median_s']:.3f} s for the drive's "
+            f"best write of the same bytes ({limit['label']})"
+        )
+        if peer is not None:
+            text += f"; at that limit the ratio would be {peer / limit['median_s']:.2f}x"
+        return text
     if key == "load_vs_limit" and "fastpersist_load" in report.get("load_phases", {}):
         p, total = report["load_phases"]["fastpersist_load"], results["fastpersist_load"]["median_s"]
         fresh = results.get("read_fresh_engine", {}).get("median_s")
