@@ -20,6 +20,8 @@ struct PoolInner {
     slot_count: usize,
     state: Mutex<PoolState>,
     returned: Condvar,
+    /// The largest [`Block`] given back, kept for the next job's early copies.
+    spare: Mutex<Option<AlignedBuf>>,
 }
 
 /// Page-aligned staging memory: `slot_count` slots of `slot_bytes` each.
@@ -51,6 +53,7 @@ impl Pool {
                     allocated: 0,
                 }),
                 returned: Condvar::new(),
+                spare: Mutex::new(None),
             }),
         }
     }
@@ -121,6 +124,72 @@ impl Pool {
     }
 }
 
+impl Pool {
+    /// A zeroed-or-reused block of at least `len_bytes` (its contents are unspecified), kept by
+    /// the pool when dropped: a job's early copies (`job::guard`) then land in memory faulted
+    /// in by an earlier job instead of taking a page fault per page every save. The pool keeps
+    /// one such block, the largest given back, for as long as it lives.
+    pub fn take_block(&self, len_bytes: usize) -> Block {
+        let mut spare = self.inner.spare.lock().unwrap_or_else(|e| e.into_inner());
+        let buf = match spare.take() {
+            Some(buf) if buf.len_bytes() >= len_bytes => buf,
+            kept => {
+                *spare = kept; // too small for this job: left for a smaller one
+                drop(spare);
+                AlignedBuf::zeroed(len_bytes)
+            }
+        };
+        Block {
+            buf: Some(buf),
+            len_bytes,
+            pool: Arc::clone(&self.inner),
+        }
+    }
+
+    /// Bytes held by the kept block (0 if none).
+    pub fn spare_bytes(&self) -> usize {
+        let spare = self.inner.spare.lock().unwrap_or_else(|e| e.into_inner());
+        spare.as_ref().map_or(0, AlignedBuf::len_bytes)
+    }
+}
+
+/// Memory of a pool's kept block (see [`Pool::take_block`]); goes back to the pool on drop.
+pub struct Block {
+    buf: Option<AlignedBuf>,
+    len_bytes: usize,
+    pool: Arc<PoolInner>,
+}
+
+impl Block {
+    /// The block's first `len_bytes`, as asked for.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        let len = self.len_bytes;
+        &mut self.buf.as_mut().expect("block present until drop")[..len]
+    }
+}
+
+impl fmt::Debug for Block {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Block")
+            .field("len_bytes", &self.len_bytes)
+            .finish()
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            let mut spare = self.pool.spare.lock().unwrap_or_else(|e| e.into_inner());
+            if spare
+                .as_ref()
+                .is_none_or(|kept| kept.len_bytes() < buf.len_bytes())
+            {
+                *spare = Some(buf);
+            }
+        }
+    }
+}
+
 /// A checked-out staging slot. Returns to its pool on drop.
 pub struct Slot {
     index: usize,
@@ -181,6 +250,33 @@ mod tests {
         assert_eq!(pool.allocated_bytes(), 3 * 8192);
         drop((b, c, again));
         assert_eq!(pool.allocated_bytes(), 3 * 8192);
+    }
+
+    #[test]
+    fn a_block_is_kept_and_reused() {
+        let pool = Pool::new(4096, 4 * 4096);
+        assert_eq!(pool.spare_bytes(), 0);
+        let mut a = pool.take_block(3 << 20);
+        assert_eq!(a.as_mut_slice().len(), 3 << 20);
+        a.as_mut_slice()[0] = 7;
+        let first = a.as_mut_slice().as_ptr();
+        drop(a);
+        assert_eq!(pool.spare_bytes(), 3 << 20);
+        // a smaller job reuses it; a concurrent one gets memory of its own
+        let mut b = pool.take_block(1 << 20);
+        assert_eq!(b.as_mut_slice().as_ptr(), first);
+        assert_eq!(b.as_mut_slice().len(), 1 << 20);
+        let mut c = pool.take_block(1 << 20);
+        assert_ne!(c.as_mut_slice().as_ptr(), first);
+        drop(c);
+        assert_eq!(pool.spare_bytes(), 1 << 20);
+        drop(b); // the larger block is the one kept
+        assert_eq!(pool.spare_bytes(), 3 << 20);
+        // a larger job allocates, and its block replaces the kept one
+        let d = pool.take_block(4 << 20);
+        assert_eq!(pool.spare_bytes(), 3 << 20);
+        drop(d);
+        assert_eq!(pool.spare_bytes(), 4 << 20);
     }
 
     #[test]

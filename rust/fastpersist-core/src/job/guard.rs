@@ -6,6 +6,7 @@ use super::WriteTarget;
 use super::source::{ExtentMap, SourceRegion};
 use crate::error::{Error, Result};
 use crate::plan::Plan;
+use crate::pool::{Block, Pool};
 
 /// Told when extents have been staged whole: from then on their source may change freely.
 pub trait StagingObserver: Send {
@@ -47,8 +48,8 @@ pub(super) struct GuardState {
     just_staged: Vec<usize>,
     observer: Box<dyn StagingObserver>,
     /// Early copies of small watched extents; the job's sources point into it for those. Its
-    /// heap block never moves (sized once, never grown) and lives as long as the staging.
-    _early_copies: Vec<u8>,
+    /// memory never moves (sized once, never grown) and lives as long as the staging.
+    _early_copies: Block,
 }
 
 impl GuardState {
@@ -60,6 +61,7 @@ impl GuardState {
         extents: &ExtentMap,
         targets: &[WriteTarget],
         sources: &mut [SourceRegion],
+        pool: &Pool,
     ) -> Result<Self> {
         let extent_count = plan.extent_bytes.len();
         if guard.watched.len() != extent_count {
@@ -88,7 +90,7 @@ impl GuardState {
             total += plan.extent_bytes[i];
             total <= guard.copy_budget_bytes
         });
-        let early_copies = copy_early(&small, sources);
+        let early_copies = copy_early(&small, sources, pool);
         for &i in &small {
             watched[i] = false;
             remaining_bytes[i] = 0;
@@ -124,8 +126,13 @@ impl GuardState {
 }
 
 /// Copies the extents `small` into one block of our own and points their sources at it.
-fn copy_early(small: &[usize], sources: &mut [SourceRegion]) -> Vec<u8> {
-    let mut early_copies = vec![0u8; small.iter().map(|&i| sources[i].len_bytes).sum()];
+///
+/// The block is the pool's kept one ([`Pool::take_block`]), so that the copy lands in memory an
+/// earlier save already faulted in: copying a 1 GiB state's 61 MiB of small tensors into fresh
+/// memory took 15,600 page faults, most of `save_async`'s time to return.
+fn copy_early(small: &[usize], sources: &mut [SourceRegion], pool: &Pool) -> Block {
+    let mut block = pool.take_block(small.iter().map(|&i| sources[i].len_bytes).sum());
+    let early_copies = block.as_mut_slice();
     let mut at = 0;
     for &i in small {
         let len = sources[i].len_bytes;
@@ -139,5 +146,5 @@ fn copy_early(small: &[usize], sources: &mut [SourceRegion]) -> Vec<u8> {
         sources[i] = unsafe { SourceRegion::new(dst.as_ptr(), len) };
         at += len;
     }
-    early_copies
+    block
 }

@@ -103,7 +103,7 @@ impl<'p> Staging<'p> {
         }
         if let Some(guard) = hooks.guard {
             let sources = staging.sources.as_mut().expect("just set");
-            let state = GuardState::start(guard, plan, &staging.extents, targets, sources)?;
+            let state = GuardState::start(guard, plan, &staging.extents, targets, sources, pool)?;
             staging.guard = Some(state);
         }
         Ok(staging)
