@@ -4,7 +4,9 @@ The engine's null sink (``backend="null"``, never a user setting) completes ever
 and moves no byte, so a save into it costs what the save does besides the disk: flatten and plan,
 the staging copies with their crc32c, the driver loop, the empty files' fsyncs and the manifest's
 serialisation. The save is a real :class:`~fastpersist.saving.job.SaveJob` run up to its manifest,
-then discarded: it is never committed, as its files hold nothing.
+then discarded: it is never committed, as its files hold nothing. It is ``fp.save``'s job unless
+asked otherwise (``blocking=False``: ``save_async``'s, which first copies the small tensors into
+fresh memory so that it can return before they are staged; docs/overlap.md).
 
 The baseline is one memcpy of the same bytes into a buffer already faulted in: what any pipeline
 that copies each byte once needs at least. A node that writes 25 GB/s needs the save's pipeline
@@ -36,8 +38,10 @@ def memcpy_seconds(sources: list[np.ndarray], dest: np.ndarray) -> float:
     return time.perf_counter() - start
 
 
-def null_sink_save(state: object, directory: str, **config: Any) -> dict[str, float]:
+def null_sink_save(state: object, directory: str, *, blocking: bool = True, **config: Any) -> dict[str, float]:
     """One save of `state` into the null sink (in `directory`, removed after): seconds and phases.
+
+    `blocking`: ``fp.save``'s job (no early copy of the small tensors), else ``save_async``'s.
 
     Example:
         >>> null_sink_save({"w": torch.ones(1000)}, "/tmp")["seconds"] < 10  # doctest: +SKIP
@@ -50,6 +54,7 @@ def null_sink_save(state: object, directory: str, **config: Any) -> dict[str, fl
     start = time.perf_counter()
     job = SaveJob(path, fp.Config(**config))
     job.engine_backend = "null"
+    job.early_copy = not blocking  # as saving.start.start_save sets it
     try:
         job.start(state)
         written = job.wait_written()
@@ -61,9 +66,12 @@ def null_sink_save(state: object, directory: str, **config: Any) -> dict[str, fl
     return {"seconds": seconds, "flatten_plan": phases["flatten_plan"], "staging": phases["staging"]}
 
 
-def null_sink_vs_memcpy(directory: str, state: object, runs: int = 5, **config: Any) -> dict[str, Any]:
+def null_sink_vs_memcpy(
+    directory: str, state: object, runs: int = 5, *, blocking: bool = True, **config: Any
+) -> dict[str, Any]:
     """Saves of `state` into the null sink and memcpys of its bytes, interleaved, `runs` each after
     one warm-up of both; medians and the ratio of the null-sink save's speed to memcpy's.
+    `blocking`: as for :func:`null_sink_save`.
 
     Example:
         >>> null_sink_vs_memcpy("/tmp", {"w": torch.ones(1 << 20)}, runs=1)["ratio"] > 0  # doctest: +SKIP
@@ -77,7 +85,7 @@ def null_sink_vs_memcpy(directory: str, state: object, runs: int = 5, **config: 
     saves: list[dict[str, float]] = []
     copies: list[float] = []
     for i in range(runs + 1):
-        save = null_sink_save(state, directory, **config)
+        save = null_sink_save(state, directory, blocking=blocking, **config)
         copy = memcpy_seconds(sources, dest)
         if i:
             saves.append(save)
@@ -96,4 +104,5 @@ def null_sink_vs_memcpy(directory: str, state: object, runs: int = 5, **config: 
         "ratio": copy_s / save_s,
         "phases": {k: statistics.median(s[k] for s in saves) for k in ("flatten_plan", "staging")},
         "target": TARGET_NULL_SINK_VS_MEMCPY,
+        "blocking": blocking,
     }
