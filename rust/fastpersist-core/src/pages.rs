@@ -94,8 +94,8 @@ pub(crate) fn map_huge_aligned(len_bytes: usize) -> std::io::Result<NonNull<u8>>
 /// Unmaps `[ptr, ptr + len_bytes)`.
 ///
 /// # Safety
-/// The range must be a whole mapping made by [`map_huge_aligned`] (or a page-aligned part of
-/// one), and no reference into it may be used afterwards.
+/// The range must be a mapping made by [`map_anonymous`] or [`map_huge_aligned`], or a
+/// page-aligned part of one, and no reference into it may be used afterwards.
 pub(crate) unsafe fn unmap_anonymous(ptr: NonNull<u8>, len_bytes: usize) {
     // SAFETY: the caller owns the range and gives it up; a failed munmap only leaks it.
     unsafe { libc::munmap(ptr.as_ptr().cast(), len_bytes) };
@@ -187,17 +187,12 @@ impl SharedPages {
     }
 
     fn unmap(&self, pages: std::ops::Range<usize>) {
-        // SAFETY: these pages lie inside our mapping and no span holds them any more, so no
-        // reference into them can be used again; munmap of a sub-range of an anonymous
-        // mapping is allowed. A failure (ENOMEM splitting the mapping) only leaks the pages.
+        // SAFETY: these pages lie inside our mapping (so `add` stays in bounds), are
+        // page-aligned, and no span holds them any more, so no reference into them can be used
+        // again. A failure (ENOMEM splitting the mapping) only leaks the pages.
         unsafe {
-            libc::munmap(
-                self.base
-                    .as_ptr()
-                    .add(pages.start * DIRECT_ALIGN_BYTES)
-                    .cast(),
-                pages.len() * DIRECT_ALIGN_BYTES,
-            );
+            let start = self.base.add(pages.start * DIRECT_ALIGN_BYTES);
+            unmap_anonymous(start, pages.len() * DIRECT_ALIGN_BYTES);
         }
     }
 }

@@ -66,12 +66,10 @@ def null_sink_save(state: object, directory: str, *, blocking: bool = True, **co
     return {"seconds": seconds, "flatten_plan": phases["flatten_plan"], "staging": phases["staging"]}
 
 
-def null_sink_vs_memcpy(
-    directory: str, state: object, runs: int = 5, *, blocking: bool = True, **config: Any
-) -> dict[str, Any]:
-    """Saves of `state` into the null sink and memcpys of its bytes, interleaved, `runs` each after
-    one warm-up of both; medians and the ratio of the null-sink save's speed to memcpy's.
-    `blocking`: as for :func:`null_sink_save`.
+def null_sink_vs_memcpy(directory: str, state: object, runs: int = 5, **config: Any) -> dict[str, Any]:
+    """``fp.save``'s saves of `state` into the null sink and memcpys of its bytes, interleaved,
+    `runs` each after one warm-up of both; medians and the ratio of the null-sink save's speed to
+    memcpy's.
 
     Example:
         >>> null_sink_vs_memcpy("/tmp", {"w": torch.ones(1 << 20)}, runs=1)["ratio"] > 0  # doctest: +SKIP
@@ -85,7 +83,7 @@ def null_sink_vs_memcpy(
     saves: list[dict[str, float]] = []
     copies: list[float] = []
     for i in range(runs + 1):
-        save = null_sink_save(state, directory, blocking=blocking, **config)
+        save = null_sink_save(state, directory, **config)
         copy = memcpy_seconds(sources, dest)
         if i:
             saves.append(save)
@@ -104,5 +102,4 @@ def null_sink_vs_memcpy(
         "ratio": copy_s / save_s,
         "phases": {k: statistics.median(s[k] for s in saves) for k in ("flatten_plan", "staging")},
         "target": TARGET_NULL_SINK_VS_MEMCPY,
-        "blocking": blocking,
     }
