@@ -139,6 +139,36 @@ def test_small_buffers_changed_by_the_next_forward_keep_their_saved_values(workd
         assert torch.equal(loaded[key], value), key
 
 
+@pytest.mark.parametrize("overlapping", [False, True], ids=["one-after-another", "two-in-flight"])
+def test_consecutive_saves_reusing_the_pools_early_copy_block_keep_each_calls_values(
+    workdir: str, backend: str, overlapping: bool
+) -> None:
+    """The pool keeps the early copies' block between saves: each save still holds the small
+    tensors as they were at its own call, whether the previous save is done (its block reused)
+    or still staging (the next one gets memory of its own). Tied weights still share storage."""
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 16))
+    model[2].weight = model[0].weight  # tied, as a language model's input and output embeddings
+    big = torch.zeros(8 * BIG)
+    config = _bounded(backend)
+    expected: list[dict[str, torch.Tensor]] = []
+    futures: list[fp.SaveFuture] = []
+    for step in range(3):
+        state = {"big": big, "model": model.state_dict()}
+        expected.append({k: v.clone() for k, v in model.state_dict().items()})
+        futures.append(fp.save_async(state, os.path.join(workdir, f"step{step}"), config=config))
+        model[1](torch.randn(4, 8))  # forward: BatchNorm's statistics change in place
+        if not overlapping:
+            futures[-1].wait()
+    for future in futures:
+        future.wait()
+    for step, values in enumerate(expected):
+        loaded = fp.load(os.path.join(workdir, f"step{step}"))["model"]
+        for key, value in values.items():
+            assert torch.equal(loaded[key], value), (step, key)
+        tied = (loaded["0.weight"], loaded["2.weight"])
+        assert tied[0].untyped_storage().data_ptr() == tied[1].untyped_storage().data_ptr(), step
+
+
 def test_snapshot_mode_mutation_after_wait_staged_keeps_pre_step_values(workdir: str, backend: str) -> None:
     path = os.path.join(workdir, "ckpt")
     w = torch.zeros(BIG)
