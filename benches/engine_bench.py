@@ -7,7 +7,7 @@ a shared or virtual disk hit every method alike; the starting method rotates (A 
 ...) so that no method always pays for what the one before it left behind (e.g. the freeing and
 discard of the file just deleted):
 
-* ``engine/io_uring`` and ``engine/threads``: ``fastpersist._core.start_write`` from an
+* ``engine/io_uring`` and ``engine/threads``: ``fastpersist.engine.start_write`` from an
   in-memory buffer (crc32c on, fsync at the end), staging through a warm pool;
 * ``fio``: ``--rw=write --bs=8M --iodepth=8 --ioengine=io_uring`` (libaio where io_uring is
   blocked) ``--direct=1 --end_fsync=1``, timed by fio itself (its runtime includes the fsync,
@@ -40,6 +40,7 @@ from typing import Any, Literal
 import numpy as np
 
 from fastpersist import _core
+from fastpersist.engine import WriteRequest, start_write
 from fastpersist.tools.bench.fio import fio_engine, run_fio_write
 
 GB = 1e9
@@ -73,18 +74,18 @@ class Engine:
 
     def __call__(self, path: Path) -> float:
         start = time.perf_counter()
-        report = _core.start_write(
-            self.plan,
-            0,
-            [path],
-            [self.source],
-            self.pool,
+        request = WriteRequest(
+            plan=self.plan,
+            paths=[str(path)],
+            sources=[self.source],
+            pool=self.pool,
             backend=self.backend,
             direct_io="require",
             queue_depth=self.args.queue_depth,
             checksum=not self.args.no_checksum,
             durable=True,
-        ).wait()
+        )
+        report = start_write(request).wait()
         seconds = time.perf_counter() - start
         assert report["bytes_written"] == self.source.size and report["parts"][0]["direct"]
         return seconds

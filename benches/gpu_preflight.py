@@ -19,13 +19,14 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
 
 import fastpersist as fp
 from fastpersist import _core
-from fastpersist.device import CudaCopier, use_copier
+from fastpersist.gpu.copiers import CudaCopier, use_copier
 
 MiB = 1 << 20
 
@@ -80,13 +81,13 @@ def check_backend(root: str, backend: Literal["auto", "threads"]) -> bool:
 
 
 def check_pinned_slot(root: str) -> bool:
-    """Saves a CUDA tensor through the real copier, watching the staging slots it copies into."""
+    """Saves a CUDA tensor through the real copier, watching the arena it copies into."""
     pinned: list[bool] = []
 
     class Watching(CudaCopier):
-        def copy_to_host(self, src: torch.Tensor, slot: memoryview, start: int, end: int) -> None:
-            super().copy_to_host(src, slot, start, end)
-            pinned.append(torch.frombuffer(slot, dtype=torch.uint8).is_pinned())
+        def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+            super().copy(pairs)
+            pinned.extend(dst.is_pinned() for _, dst in pairs)
 
     control = torch.frombuffer(_core.PagedBuffer(MiB), dtype=torch.uint8).is_pinned()
     w = torch.randn(8 * MiB, device="cuda")  # 32 MiB: above the early-copy bound, so the copier stages it
@@ -96,7 +97,7 @@ def check_pinned_slot(root: str) -> bool:
     same = torch.equal(fp.load(path, map_location="cuda")["w"], w)
     ok = bool(pinned) and all(pinned) and not control and same
     print(
-        f"{'ok' if ok else 'FAIL'}: {len(pinned)} copies into staging slots, pinned: {sorted(set(pinned))} "
+        f"{'ok' if ok else 'FAIL'}: {len(pinned)} copies into the staging arena, pinned: {sorted(set(pinned))} "
         f"(an unregistered buffer reports {control}); round trip of the CUDA tensor: {'ok' if same else 'MISMATCH'}"
     )
     return ok

@@ -15,7 +15,7 @@ import pytest
 from s3server import s3_bucket, s3_server  # noqa: F401 (fixtures: a real S3-compatible server)
 
 import fastpersist as fp
-from fastpersist import pinned
+from fastpersist.gpu import pinned
 
 from backends import available_backends
 from budget import register_profiles
@@ -75,7 +75,7 @@ def is_root() -> bool:
 
 @pytest.fixture
 def fake_runtime() -> Iterator[FakeRuntime]:
-    """Pinning (fastpersist.pinned) goes through a FakeRuntime; the once-per-process warning is
+    """Pinning (fastpersist.gpu.pinned) goes through a FakeRuntime; the once-per-process warning is
     reset."""
     runtime = FakeRuntime()
     previous = pinned.use_runtime(runtime)

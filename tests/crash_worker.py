@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -85,6 +87,40 @@ def run_checkpointer(root: str, marker: str) -> None:
         step += 1
 
 
+class SlowDeviceCopier:
+    """A fake copy engine: a window's copies land on a thread of its own after a few ms."""
+
+    needs_pinned_memory = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.threads: list[threading.Thread] = []
+
+    def begin(self) -> None:
+        pass
+
+    def copy(self, pairs: Any) -> None:
+        def land() -> None:
+            time.sleep(0.003)
+            for src, dst in pairs:
+                dst.copy_(src)
+
+        self.threads.append(threading.Thread(target=land))
+        self.threads[-1].start()
+
+    def wait(self) -> None:
+        for thread in self.threads:
+            thread.join()
+        self.threads = []
+
+
+def run_device_checkpointer(root: str, marker: str) -> None:
+    """run_checkpointer with the state's weights on a fake device: staged through the arena."""
+    from fastpersist.gpu.copiers import use_copier
+
+    with use_copier(lambda t: t.numel() == 96 << 10, SlowDeviceCopier):
+        run_checkpointer(root, marker)
+
+
 def run_plain_saves(path: str, stripes: list[str], marker: str) -> None:
     """``fp.save`` to one path over and over (each replaces the last) until killed."""
     mark = _marker(marker)
@@ -99,7 +135,8 @@ def run_plain_saves(path: str, stripes: list[str], marker: str) -> None:
 def serve() -> None:
     """A minimal fork server on stdin/stdout: children start in milliseconds, torch already imported.
 
-    ``run_checkpointer ROOT MARKER`` / ``run_plain_saves PATH MARKER STRIPE...`` forks a child
+    ``run_checkpointer ROOT MARKER`` / ``run_device_checkpointer ROOT MARKER`` /
+    ``run_plain_saves PATH MARKER STRIPE...`` forks a child
     running that function and answers its pid; ``wait PID`` reaps it and answers its status.
     """
     import sys
@@ -115,6 +152,8 @@ def serve() -> None:
             try:
                 if command == "run_checkpointer":
                     run_checkpointer(args[0], args[1])
+                elif command == "run_device_checkpointer":
+                    run_device_checkpointer(args[0], args[1])
                 else:
                     run_plain_saves(args[0], args[2:], args[1])
             finally:

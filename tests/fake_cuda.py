@@ -1,5 +1,5 @@
 """Fakes of the CUDA calls the device path makes, for its CPU tests: the host-registration
-runtime (:mod:`fastpersist.pinned`) and ``torch.cuda`` as the CUDA copier and loader use it."""
+runtime (:mod:`fastpersist.gpu.pinned`) and ``torch.cuda`` as the CUDA copier and loader use it."""
 
 from __future__ import annotations
 

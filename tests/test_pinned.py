@@ -1,4 +1,4 @@
-"""Host memory registration with CUDA (fastpersist.pinned), through a fake runtime on CPU and
+"""Host memory registration with CUDA (fastpersist.gpu.pinned), through a fake runtime on CPU and
 for real where there is a GPU: failures are checked and fall back loudly, registrations end
 before their memory is freed, and nothing calls CUDA after the interpreter began to exit."""
 
@@ -10,13 +10,17 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
+from typing import ClassVar
 
 import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist import _core, pinned
-from fastpersist.device import DeviceCopier, use_copier
+from fastpersist import _core
+from fastpersist.gpu import pinned
+from fastpersist.gpu.arenas import ARENAS
+from fastpersist.gpu.copiers import DeviceCopier, use_copier
 from fastpersist.saving import pools
 
 from cuda_marks import cuda_test
@@ -72,50 +76,58 @@ def _mapped(address: int) -> bool:
 
 
 class PinningCopier:
-    """A device copier over host memory that pins each slot for its save's pool, as CudaCopier does."""
+    """A device copier over host memory whose arena is pinned, as CudaCopier's is."""
+
+    needs_pinned_memory: ClassVar[bool] = True
 
     def __init__(self, device: torch.device) -> None:
-        self.slots_owner: object = None
+        self.device = device
 
-    def begin(self, slots_owner: object) -> None:
-        self.slots_owner = slots_owner
+    def begin(self) -> None:
+        pass
 
-    def copy_to_host(self, src: torch.Tensor, slot: memoryview, start: int, end: int) -> None:
-        host = torch.frombuffer(slot, dtype=torch.uint8)
-        pinned.pin_host(host, self.slots_owner)
-        host[start:end].copy_(src)
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for src, dst in pairs:
+            assert pinned.is_pinned(_arena_tensor(dst)), "the arena is pinned before any copy"
+            dst.copy_(src)
 
     def wait(self) -> None:
-        pass  # each copy is done when copy_to_host returns
+        pass  # each copy is done when copy returns
+
+
+def _arena_tensor(view: torch.Tensor) -> torch.Tensor:
+    """The arena tensor `view` is a view of (what the arena set pinned)."""
+    return next(
+        k.host for k in ARENAS._kept if k.host.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+    )
 
 
 def _factory(device: torch.device) -> DeviceCopier:
     return PinningCopier(device)
 
 
-def test_pool_slots_are_unregistered_before_the_pool_frees_them(workdir: str, fake_runtime: FakeRuntime) -> None:
-    # pyo3 drops a pool's memory before it clears weak references: a weakref callback would
-    # unregister freed (and maybe reused) memory. The pool calls its own callbacks first.
-    # Slots of 64 MiB are mapped and unmapped by themselves (past glibc's mmap threshold).
-    chunk = 64 << 20
+def test_arenas_are_unregistered_before_their_memory_is_unmapped(workdir: str, fake_runtime: FakeRuntime) -> None:
+    # pyo3 drops an arena's memory before it clears weak references: a weakref callback would
+    # unregister unmapped (and maybe reused) memory. The arena calls its own callbacks first.
+    ARENAS.clear()
+    gc.collect()
     still_mapped: list[bool] = []
     fake_runtime.on_unregister = lambda address: still_mapped.append(_mapped(address))
-    weight = torch.randn(1 << 18)
-    config = fp.Config(chunk_bytes=chunk, pool_bytes=2 * chunk)
+    weight = torch.randn(1 << 20)
     with use_copier(lambda t: t is weight, _factory):
-        fp.save({"w": weight}, os.path.join(workdir, "ckpt"), config=config)
+        fp.save({"w": weight}, os.path.join(workdir, "ckpt"), config=fp.Config(chunk_bytes=1 << 20))
     registered = [address for what, address in fake_runtime.calls if what == "register"]
-    assert registered and all(_mapped(a) for a in registered)
-    with pools._pools_lock:
-        pools._pools.pop((chunk, 2 * chunk))
+    assert len(registered) == 1 and _mapped(registered[0])
+    ARENAS.clear()
     gc.collect()
-    assert len(still_mapped) == len(registered)
-    assert all(still_mapped), "a pool slot was unregistered after its memory was freed"
+    assert still_mapped == [True], "an arena was unregistered after its memory was unmapped"
+    assert not _mapped(registered[0])
 
 
 _AT_EXIT = """
 import torch
-from fastpersist import _core, pinned
+from fastpersist import _core
+from fastpersist.gpu import pinned
 
 class Runtime:
     def register(self, address, nbytes):

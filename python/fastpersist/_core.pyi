@@ -6,12 +6,12 @@ Hand-written; checked against the compiled module by
 Every function that touches a file or a large buffer releases the GIL while it works.
 Operating-system failures raise real ``OSError`` subclasses with ``errno`` and ``filename`` set;
 engine failures raise the classes of :mod:`fastpersist.errors`, and an exception that a callback
-(``on_staged``, ``device_copy``) raised inside a job is raised again as itself.
+(``on_staged``, ``device.copy``) raised inside a job is raised again as itself.
 """
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypedDict, final, type_check_only
+from typing import Any, Literal, Protocol, TypedDict, final, type_check_only
 
 import numpy as np
 from typing_extensions import Buffer
@@ -21,6 +21,8 @@ __all__ = [
     "EXTENT_ALIGN_BYTES",
     "MAX_CHUNK_BYTES",
     "MAX_QUEUE_DEPTH",
+    "Arena",
+    "ArenaLease",
     "Plan",
     "Pool",
     "WriteHandle",
@@ -140,6 +142,44 @@ class Pool:
         reported as unraisable). It must not refer to the pool."""
 
 @final
+class Arena:
+    """Page-aligned memory that saves of device tensors stage into and write from, leased to one
+    save's job at a time (``len_bytes`` rounded up to whole 2 MiB pages, zeroed when made).
+    Supports the buffer protocol (writable bytes).
+
+    >>> arena = Arena(3 << 20)
+    >>> arena.len_bytes, arena.leased
+    (4194304, False)
+    """
+
+    def __new__(cls, len_bytes: int) -> Arena: ...
+    @property
+    def len_bytes(self) -> int:
+        """Its length in bytes."""
+    @property
+    def address(self) -> int:
+        """The address of its first byte."""
+    @property
+    def leased(self) -> bool:
+        """Whether a save's job holds it now."""
+    def try_lease(self) -> ArenaLease | None:
+        """A lease for one save, or None while another save holds it."""
+    def call_before_free(self, callback: Callable[[], object]) -> None:
+        """Calls ``callback()`` when the arena goes, before its memory can be freed (an exception
+        is reported as unraisable). It must not refer to the arena."""
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
+@final
+class ArenaLease:
+    """One save's hold on an :class:`Arena`; ``start_write`` takes it over, and the arena is free
+    again once that save's job has ended (or the lease is dropped unused)."""
+
+    @property
+    def arena(self) -> Arena:
+        """The arena it holds."""
+
+@final
 class WriteHandle:
     """A running or finished write job, returned by :func:`start_write` (not constructible)."""
 
@@ -169,58 +209,87 @@ class WriteHandle:
     def staged_seconds(self) -> float | None:
         """Seconds from the start until the job was staged, once it is."""
 
-def start_write(
-    plan: Plan,
-    writer: int,
-    paths: Sequence[_StrPath],
-    sources: Sequence[_Buffer | None],
-    pool: Pool,
-    *,
-    backend: _WriteBackendChoice = "auto",
-    direct_io: _DirectIO = "auto",
-    queue_depth: int = 8,
-    checksum: bool = True,
-    durable: bool = True,
-    background: bool = False,
-    watched: Sequence[bool] | None = None,
-    on_staged: Callable[[list[int]], bool] | None = None,
-    copy_max_extent_bytes: int = 0,
-    copy_budget_bytes: int = 0,
-    device_copy: Callable[[int, int, memoryview, int, int], None] | None = None,
-    device_wait: Callable[[], None] | None = None,
-    also_writers: Sequence[int] | None = None,
-    crc32_fields: Sequence[tuple[int, int, Sequence[int]]] | None = None,
-) -> WriteHandle:
-    """Writes ``writer``'s parts of ``plan``, then each of ``also_writers``' parts, to ``paths``
-    (one per part, in that order) from ``sources``.
+@type_check_only
+class _DeviceHook(Protocol):
+    @property
+    def lease(self) -> ArenaLease: ...
+    def copy(self, pieces: list[tuple[int, int, int, int]]) -> None: ...
+    def wait(self) -> None: ...
 
-    ``sources`` holds one C-contiguous buffer per extent of ``plan``; they are held (and must
-    not be modified) until the handle reports them staged.
+@type_check_only
+class WriteRequest(Protocol):
+    """What :func:`start_write` reads, by attribute name (``fastpersist.engine.WriteRequest``;
+    ``rust/fastpersist-py/src/write.rs`` reads the same names). The one place they are described:
 
-    With ``background=False`` the write runs on the calling thread (GIL released) and the handle
-    returned is already finished.
-
-    The mutation guard: ``watched[i]`` says extent ``i``'s source may be modified while the job
-    runs. Watched extents of at most ``copy_max_extent_bytes`` are copied (smallest first, up to
-    ``copy_budget_bytes``) before this returns; ``on_staged(extents)`` is called from the job's
-    thread once each other watched extent is staged whole, and a false result fails the job.
-
-    A source given as ``None`` lives in device memory: ``device_copy(extent, offset_bytes, slot,
-    start, end)`` copies, or queues the copy of, that extent's bytes from ``offset_bytes`` into
-    ``slot[start:end]`` (a memoryview over a whole staging slot, valid only during the call).
-    ``device_wait()`` returns once every copy asked for has completed; the job calls it before
-    it reads a slot it asked copies into (the next chunk's copies are asked for before the
-    current one is checksummed). Without ``device_wait`` a copy must be done when
-    ``device_copy`` returns.
-
-    ``crc32_fields``: ``(start_bytes, len_bytes, [write_at_bytes, ...])`` per range of the
-    stream whose CRC-32 (IEEE, ``zlib.crc32``) is written little-endian at each offset while
-    the range streams through staging (the record CRCs of a zip archive). Ranges sorted and
-    disjoint, each offset after its range's end; the plan must have a single part.
-
-    ``backend="null"`` (benchmarks only) completes every write at once and moves no byte: the
-    files stay empty.
+    * ``plan``; ``writer`` and ``also_writers``: the job writes ``writer``'s parts, then each of
+      ``also_writers``' parts, to ``paths`` (one per part, in that order).
+    * ``sources``: one C-contiguous buffer per extent of ``plan``, held (and not to be modified)
+      until the handle reports them staged; ``None`` for an extent in device memory (``device``).
+    * ``pool``: the staging slots of host sources (and the memory of their early copies).
+    * ``backend``, ``direct_io``, ``queue_depth``, ``checksum`` (crc32c per chunk), ``durable``
+      (fsync the files before the job ends). ``backend="null"`` (benchmarks only) completes
+      every write at once and moves no byte: the files stay empty.
+    * ``background``: run on a thread of its own (``start_write`` returns once the early copies
+      are made and, with ``device``, the first window's device copies are queued); else on the
+      calling thread with the GIL released, and the handle returned is finished.
+    * The mutation guard: ``watched[i]`` says extent ``i``'s source may be modified while the job
+      runs; ``copy_early`` names watched host extents copied before ``start_write`` returns;
+      ``on_staged(extents)`` is called from the job's thread once each other watched extent is
+      staged whole (for a device save: once per arena window, every such extent in one call),
+      and a false result (or an exception) fails the job. ``watched`` and ``on_staged`` go
+      together.
+    * ``device``: for ``None`` sources. The job takes over ``device.lease`` (an arena lease), lays
+      its chunks into the arena in stream order (one ``chunk_bytes`` cell each, so a tensor is
+      one contiguous run) and, per arena window, calls ``device.copy(pieces)`` once with every
+      ``(extent, extent_offset_bytes, arena_offset_bytes, len_bytes)`` of the window (the first
+      window's before ``start_write`` returns), copies host sources in, then ``device.wait()``
+      once; it writes the window straight from the arena (O_DIRECT), each chunk's crc32c
+      computed by a bounded pool of threads before its write is submitted, and reuses the arena
+      for the next window only after every write of this one completed. The sources are
+      released once the last window is staged.
+    * ``crc32_fields``: ``(start_bytes, len_bytes, [write_at_bytes, ...])`` per range of the
+      stream whose CRC-32 (IEEE, ``zlib.crc32``) is written little-endian at each offset while
+      the range streams through staging (the record CRCs of a zip archive). Ranges sorted and
+      disjoint, each offset after its range's end; the plan must have a single part.
     """
+
+    @property
+    def plan(self) -> Plan: ...
+    @property
+    def writer(self) -> int: ...
+    @property
+    def also_writers(self) -> Sequence[int]: ...
+    @property
+    def paths(self) -> Sequence[_StrPath]: ...
+    @property
+    def sources(self) -> Sequence[object | None]: ...
+    @property
+    def pool(self) -> Pool: ...
+    @property
+    def backend(self) -> _WriteBackendChoice: ...
+    @property
+    def direct_io(self) -> _DirectIO: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def checksum(self) -> bool: ...
+    @property
+    def durable(self) -> bool: ...
+    @property
+    def background(self) -> bool: ...
+    @property
+    def watched(self) -> Sequence[bool] | None: ...
+    @property
+    def on_staged(self) -> Callable[[list[int]], bool] | None: ...
+    @property
+    def copy_early(self) -> Sequence[int]: ...
+    @property
+    def device(self) -> _DeviceHook | None: ...
+    @property
+    def crc32_fields(self) -> Sequence[tuple[int, int, Sequence[int]]]: ...
+
+def start_write(request: WriteRequest) -> WriteHandle:
+    """Starts the write that ``request`` describes (see :class:`WriteRequest`); returns its handle."""
 
 def read_ranges_into(
     ranges: Sequence[tuple[_StrPath, int, int, int, int, Sequence[int]]],

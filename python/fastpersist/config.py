@@ -54,6 +54,13 @@ class Config:
             in the staging pool (a GPU tensor's device-to-host copies included), so no later
             write of any kind can tear the save (with a pool
             smaller than the state, that waits until the disk has taken all but ``pool_bytes``).
+        pinned_bytes: the most host memory a process keeps in staging arenas for saves of
+            device (GPU) tensors (docs/gpu.md): an arena holds a save's share of the stream,
+            is registered with CUDA once, and is reused by every later save. ``"auto"``: a
+            quarter of the machine's memory divided by the ranks on the node
+            (``LOCAL_WORLD_SIZE``). A save larger than what the bound allows stages in
+            arena-sized windows (``wait_staged()`` then waits for the disk to take all but the
+            last window). Saves of host tensors use ``pool_bytes`` instead.
 
     Example:
         >>> import fastpersist as fp
@@ -75,6 +82,7 @@ class Config:
     writers: Literal["rank", "node"] | int = "rank"
     timeout_s: float = 600.0
     guard: Literal["version", "copy"] = "version"
+    pinned_bytes: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, expected: str) -> ValueError:
@@ -105,6 +113,8 @@ class Config:
             raise bad("writers", self.writers, '"rank", "node" or an integer >= 1')
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise bad("timeout_s", self.timeout_s, "a positive number of seconds")
+        if self.pinned_bytes != "auto" and (type(self.pinned_bytes) is not int or self.pinned_bytes <= 0):
+            raise bad("pinned_bytes", self.pinned_bytes, '"auto" or a positive number of bytes')
         if self.guard not in _GUARDS:
             raise bad("guard", self.guard, " | ".join(_GUARDS) + " (see docs/overlap.md)")
         if self.stripes is not None:

@@ -25,6 +25,7 @@ import pytest
 
 import fastpersist
 from fastpersist import _core
+from fastpersist.engine import WriteRequest, start_write
 
 from backends import uring_available
 
@@ -35,6 +36,20 @@ MIB = 1 << 20
 ReadPart = tuple[str, int, int, list[int]]
 Backend = Literal["io_uring", "threads"]
 DirectIO = Literal["auto", "require", "off"]
+
+
+def start_engine_write(
+    plan: _core.Plan,
+    writer: int,
+    paths: Sequence[str | Path],
+    sources: Sequence[object],
+    pool: _core.Pool,
+    **fields: Any,
+) -> _core.WriteHandle:
+    """The engine's write, started as the library starts it (a fastpersist.engine.WriteRequest)."""
+    return start_write(
+        WriteRequest(plan=plan, writer=writer, paths=list(paths), sources=list(sources), pool=pool, **fields)
+    )
 
 
 URING = uring_available()
@@ -107,7 +122,7 @@ def write_all(
     for writer in range(writer_count):
         mine = [p for p in plan.parts if p[0] == writer]
         paths = [dirs[stripe] / f"w{writer}-s{stripe}.bin" for _, stripe, _, _ in mine]
-        report = _core.start_write(plan, writer, paths, extents, pool, **options).wait()
+        report = start_engine_write(plan, writer, paths, extents, pool, **options).wait()
         assert [p["path"] for p in report["parts"]] == [str(p) for p in paths]
         for (_, _, offset, length), part in zip(mine, report["parts"], strict=True):
             assert part["len_bytes"] == length == os.path.getsize(part["path"])
@@ -288,13 +303,13 @@ def test_one_job_writes_several_writers_parts(tmp_path: Path, backend: Backend) 
     order = [2, 0]
     parts = [p for w in order for p in plan.parts if p[0] == w]
     paths = [tmp_path / "together" / f"w{w}-s0.bin" for w, _, _, _ in parts]
-    report = _core.start_write(plan, 2, paths, extents, pool, also_writers=[0], backend=backend, durable=False).wait()
+    report = start_engine_write(plan, 2, paths, extents, pool, also_writers=[0], backend=backend, durable=False).wait()
     assert [p["path"] for p in report["parts"]] == [str(p) for p in paths]
     by_name = {Path(path).name: (Path(path).read_bytes(), crcs) for path, _, _, crcs in alone}
     for path, part in zip(paths, report["parts"], strict=True):
         assert (path.read_bytes(), part["chunk_crc32c"]) == by_name[path.name]
     with pytest.raises(ValueError, match="named twice"):
-        _core.start_write(plan, 2, paths, extents, pool, also_writers=[0, 2])
+        start_engine_write(plan, 2, paths, extents, pool, also_writers=[0, 2])
 
 
 def test_bad_arguments_raise_value_error(tmp_path: Path) -> None:
@@ -302,19 +317,19 @@ def test_bad_arguments_raise_value_error(tmp_path: Path) -> None:
     pool = _core.Pool(4096, 0)
     data = np.zeros(8192, dtype=np.uint8)
     with pytest.raises(ValueError, match="C-contiguous"):
-        _core.start_write(plan, 0, [tmp_path / "f"], [np.zeros(16384, np.uint8)[::2]], pool).wait()
+        start_engine_write(plan, 0, [tmp_path / "f"], [np.zeros(16384, np.uint8)[::2]], pool).wait()
     with pytest.raises(ValueError, match="parts but 2 paths"):
-        _core.start_write(plan, 0, [tmp_path / "a", tmp_path / "b"], [data], pool).wait()
+        start_engine_write(plan, 0, [tmp_path / "a", tmp_path / "b"], [data], pool).wait()
     # Inconsistencies the engine finds surface from wait(), like every other failure of the job.
     with pytest.raises(ValueError, match="source regions"):
-        _core.start_write(plan, 0, [tmp_path / "f"], [data[:100]], pool).wait()
+        start_engine_write(plan, 0, [tmp_path / "f"], [data[:100]], pool).wait()
     with pytest.raises(ValueError, match="larger than the pool"):
-        _core.start_write(_core.Plan([1], chunk_bytes=8192), 0, [tmp_path / "f"], [b"x"], pool).wait()
+        start_engine_write(_core.Plan([1], chunk_bytes=8192), 0, [tmp_path / "f"], [b"x"], pool).wait()
     with pytest.raises(ValueError, match="unknown backend"):
-        _core.start_write(plan, 0, [tmp_path / "f"], [data], pool, backend="uring")  # type: ignore[arg-type]
+        start_engine_write(plan, 0, [tmp_path / "f"], [data], pool, backend="uring")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown direct_io"):
-        _core.start_write(plan, 0, [tmp_path / "f"], [data], pool, direct_io="yes")  # type: ignore[arg-type]
-    _core.start_write(plan, 0, [tmp_path / "f"], [data], pool).wait()
+        start_engine_write(plan, 0, [tmp_path / "f"], [data], pool, direct_io="yes")  # type: ignore[arg-type]
+    start_engine_write(plan, 0, [tmp_path / "f"], [data], pool).wait()
     with pytest.raises(ValueError, match="writable"):
         read_whole([(tmp_path / "f", 8192, 0, [])], bytes(8192), chunk_bytes=4096)
     with pytest.raises(ValueError, match="do not fit"):
@@ -327,8 +342,8 @@ def test_the_null_sink_checksums_what_it_would_write_and_writes_nothing(tmp_path
     extents = random_extents(sizes, seed=9)
     plan = _core.Plan(sizes, chunk_bytes=CHUNK)
     pool = _core.Pool(CHUNK, 4 * CHUNK)
-    real = _core.start_write(plan, 0, [tmp_path / "real"], extents, pool).wait()
-    null = _core.start_write(plan, 0, [tmp_path / "null"], extents, pool, backend="null").wait()
+    real = start_engine_write(plan, 0, [tmp_path / "real"], extents, pool).wait()
+    null = start_engine_write(plan, 0, [tmp_path / "null"], extents, pool, backend="null").wait()
     assert null["backend"] == "null" and null["bytes_written"] == real["bytes_written"]
     assert null["parts"][0]["chunk_crc32c"] == real["parts"][0]["chunk_crc32c"]
     assert os.stat(tmp_path / "null").st_blocks == 0
@@ -385,7 +400,19 @@ class CallbackFailed(Exception):
     """An error of the caller's own, raised inside a job's callback."""
 
 
-@pytest.mark.parametrize("callback", ["on_staged", "device_copy"])
+class FailingDevice:
+    """A device hook whose copy (or wait) raises the caller's own error."""
+
+    def __init__(self, fail: Callable[..., bool], where: str) -> None:
+        arena = _core.Arena(1 << 20)
+        lease = arena.try_lease()
+        assert lease is not None
+        self.lease = lease
+        self.copy = fail if where == "copy" else lambda pieces: None
+        self.wait = fail if where == "wait" else lambda: None
+
+
+@pytest.mark.parametrize("callback", ["on_staged", "device.copy", "device.wait"])
 def test_a_callbacks_exception_reaches_the_caller_as_itself(tmp_path: Path, backend: Backend, callback: str) -> None:
     raised = CallbackFailed(f"{callback} broke")
 
@@ -393,9 +420,13 @@ def test_a_callbacks_exception_reaches_the_caller_as_itself(tmp_path: Path, back
         raise raised
 
     plan = _core.Plan([3 * CHUNK], chunk_bytes=CHUNK)
-    hooks: dict[str, Any] = {"watched": [True], "on_staged": fail} if callback == "on_staged" else {"device_copy": fail}
+    hooks: dict[str, Any] = (
+        {"watched": [True], "on_staged": fail}
+        if callback == "on_staged"
+        else {"device": FailingDevice(fail, callback.removeprefix("device."))}
+    )
     sources = [np.ones(3 * CHUNK, np.uint8) if callback == "on_staged" else None]
-    handle = _core.start_write(
+    handle = start_engine_write(
         plan, 0, [tmp_path / "f"], sources, _core.Pool(CHUNK, 2 * CHUNK), backend=backend, background=True, **hooks
     )
     with pytest.raises(CallbackFailed) as caught:
@@ -478,7 +509,7 @@ def test_gil_released_during_blocking_write_and_read(tmp_path: Path, backend: Ba
     pool = _core.Pool(8 * MIB, 64 * MIB)
     path = tmp_path / "big.bin"
     try:
-        write = lambda: _core.start_write(  # noqa: E731
+        write = lambda: start_engine_write(  # noqa: E731
             plan, 0, [path], [data], pool, backend=backend, durable=True, background=False
         ).wait()
         share, increments, seconds = counter_share(write)
@@ -516,7 +547,7 @@ def slow_write(path: Path, backend: Backend, nbytes: int = 64 * MIB) -> tuple[_c
     data = np.ones(nbytes, dtype=np.uint8)
     plan = _core.Plan([nbytes], chunk_bytes=CHUNK)
     pool = _core.Pool(CHUNK, 2 * CHUNK)
-    handle = _core.start_write(plan, 0, [path], [data], pool, backend=backend, queue_depth=2, background=True)
+    handle = start_engine_write(plan, 0, [path], [data], pool, backend=backend, queue_depth=2, background=True)
     return handle, data
 
 
@@ -551,7 +582,7 @@ def test_snapshot_pool_releases_sources_before_the_disk_is_done(slow_path: Path,
     pool = _core.Pool(CHUNK, nbytes)
 
     def write() -> _core.WriteReport:
-        return _core.start_write(plan, 0, [slow_path], [data], pool, backend=backend, queue_depth=2).wait()
+        return start_engine_write(plan, 0, [slow_path], [data], pool, backend=backend, queue_depth=2).wait()
 
     write()  # first touch of the pool's pages
     report = write()
@@ -584,7 +615,7 @@ def test_dropping_a_running_handle_is_safe(slow_path: Path, backend: Backend) ->
 def write_ten_bytes(path: Path, backend: Backend, direct_io: DirectIO) -> _core.WriteReport:
     plan = _core.Plan([10], chunk_bytes=4096)
     pool = _core.Pool(4096, 0)
-    return _core.start_write(plan, 0, [path], [b"0123456789"], pool, backend=backend, direct_io=direct_io).wait()
+    return start_engine_write(plan, 0, [path], [b"0123456789"], pool, backend=backend, direct_io=direct_io).wait()
 
 
 @pytest.mark.parametrize("direct_io", ["auto", "off"])
@@ -629,7 +660,7 @@ def test_full_disk_is_enospc(tmp_path: Path, backend: Backend) -> None:
         pool = _core.Pool(MIB, 4 * MIB)
         target = small / "big.bin"
         with pytest.raises(OSError) as caught:
-            _core.start_write(plan, 0, [target], [data], pool, backend=backend, queue_depth=4).wait()
+            start_engine_write(plan, 0, [target], [data], pool, backend=backend, queue_depth=4).wait()
         assert caught.value.errno == errno.ENOSPC
         assert caught.value.filename == str(target)
         assert "disk is full" in str(caught.value)
@@ -637,7 +668,7 @@ def test_full_disk_is_enospc(tmp_path: Path, backend: Backend) -> None:
         target.unlink()
         ok = tmp_path / "ok.bin"
         small_plan = _core.Plan([4 * MIB], chunk_bytes=MIB)
-        handle = _core.start_write(
+        handle = start_engine_write(
             small_plan, 0, [ok], [data[: 4 * MIB]], pool, backend=backend, queue_depth=4, background=True
         )
         assert handle.wait(timeout=30)["bytes_written"] == 4 * MIB
@@ -652,11 +683,11 @@ def test_write_error_inside_the_backend_keeps_errno(backend: Backend) -> None:
     pool = _core.Pool(MIB, 4 * MIB)
     data = np.ones(nbytes, dtype=np.uint8)
     with pytest.raises(OSError) as caught:
-        _core.start_write(plan, 0, ["/dev/full"], [data], pool, backend=backend, direct_io="off", queue_depth=4).wait()
+        start_engine_write(plan, 0, ["/dev/full"], [data], pool, backend=backend, direct_io="off", queue_depth=4).wait()
     assert caught.value.errno == errno.ENOSPC
     assert caught.value.filename == "/dev/full"
     # Every slot came back to the pool.
-    handle = _core.start_write(
+    handle = start_engine_write(
         plan, 0, ["/dev/null"], [data], pool, backend=backend, direct_io="off", durable=False, background=True
     )
     assert handle.wait(timeout=30)["bytes_written"] == nbytes
@@ -694,6 +725,7 @@ _SELECT_SCRIPT = textwrap.dedent(
     import json, sys
     import fastpersist
     from fastpersist import _core
+    from fastpersist.engine import WriteRequest, start_write
 
     out = {"auto": _core.select_backend("auto")}
     try:
@@ -701,7 +733,8 @@ _SELECT_SCRIPT = textwrap.dedent(
     except fastpersist.BackendUnavailableError as e:
         out["io_uring_error"] = str(e)
     plan = _core.Plan([10], chunk_bytes=4096)
-    handle = _core.start_write(plan, 0, [sys.argv[1]], [b"0123456789"], _core.Pool(4096, 0))
+    request = WriteRequest(plan=plan, paths=[sys.argv[1]], sources=[b"0123456789"], pool=_core.Pool(4096, 0))
+    handle = start_write(request)
     out["handle"] = [handle.backend, handle.fallback_reason, handle.wait()["backend"]]
     print(json.dumps(out))
     """

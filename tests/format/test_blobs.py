@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastpersist import device
 from fastpersist.format.flatten import flatten
+from fastpersist.gpu import copiers as device
 
 
 def test_a_device_resident_blob_holds_the_factory_of_its_copier() -> None:

@@ -15,7 +15,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fastpersist.device import CudaCopier, DeviceCopier, device_bytes, use_copier
 from fastpersist.errors import UnsupportedValueError
 from fastpersist.format.flatten import (
     MAX_DEPTH,
@@ -30,6 +29,7 @@ from fastpersist.format.flatten import (
     records_to_json,
     unflatten,
 )
+from fastpersist.gpu.copiers import CudaCopier, DeviceCopier, device_bytes, use_copier
 
 from budget import examples
 

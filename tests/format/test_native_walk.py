@@ -22,12 +22,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastpersist import _core
-from fastpersist.device import use_copier
 from fastpersist.errors import UnsupportedValueError
 from fastpersist.format import flatten as flatten_module
 from fastpersist.format.flatten import MAX_DEPTH, TORCH_DTYPES, FlatState, flatten
 from fastpersist.format.limits import MAX_DIMS
 from fastpersist.format.records import CANONICAL_CACHE
+from fastpersist.gpu.copiers import use_copier
 
 from budget import examples
 

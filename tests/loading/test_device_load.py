@@ -1,5 +1,5 @@
 """Loads to a device (fastpersist.loading.todevice), driven on CPU through the loader seam
-(fastpersist.device.use_loader), and on a real GPU where there is one.
+(fastpersist.gpu.loaders.use_loader), and on a real GPU where there is one.
 
 The fake loader treats every target whose type is "cuda" as a device but allocates its
 destinations on the CPU. Its copies run in order on one queue, only when a fence after them is
@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist import device
-from fastpersist.device import DeviceLoader, use_loader
 from fastpersist.format.manifest import seal, unseal
+from fastpersist.gpu import copiers, loaders, pinned
+from fastpersist.gpu.loaders import DeviceLoader, use_loader
 from fastpersist.loading import pipeline, todevice
 from fastpersist.loading.reading import direct_padded
 
@@ -488,9 +488,9 @@ def test_cuda_loader_calls_cuda_with_the_target_device_current(
     # The caller's current device may be another GPU: registering the ring or queueing copies
     # there would create a context on it (or pin for the wrong one).
     cuda = FakeCuda()
-    monkeypatch.setattr(device, "cuda", cuda)
+    monkeypatch.setattr(copiers, "cuda", cuda)
     fake_runtime.current = lambda: cuda.current
-    loader = device.CudaLoader(torch.device("cuda", 2))
+    loader = loaders.CudaLoader(torch.device("cuda", 2))
     loader.begin()
     host = torch.arange(256, dtype=torch.uint8)
     dst = torch.empty(256, dtype=torch.uint8)
@@ -498,7 +498,7 @@ def test_cuda_loader_calls_cuda_with_the_target_device_current(
     loader.copy_to_device(host, dst)
     loader.fence().synchronize()
     loader.finish()
-    device.unpin_host(host)
+    pinned.unpin_host(host)
     assert torch.equal(dst, host)
     assert fake_runtime.devices == [2]
     assert cuda.calls and all(index == 2 for _, index in cuda.calls), cuda.calls

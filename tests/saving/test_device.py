@@ -1,21 +1,25 @@
-"""The device staging path, driven on CPU through the copier seam (fastpersist.device), and on a
-real GPU where there is one."""
+"""The device staging path, driven on CPU through the copier seam (fastpersist.gpu.copiers), and
+on a real GPU where there is one: every copy of an arena window asked for in one call, queued
+asynchronously, waited for once; the engine writes straight from the arena."""
 
 from __future__ import annotations
 
 import gc
 import os
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
 import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist import _core, device
-from fastpersist.device import DeviceCopier, use_copier
-from fastpersist.saving.pools import pool_for
+from fastpersist import _core
+from fastpersist.gpu import copiers
+from fastpersist.gpu.arenas import ARENAS
+from fastpersist.gpu.copiers import DeviceCopier, use_copier
+from fastpersist.gpu.pinned import pin_host, unpin_host
 
 from cuda_marks import cuda_test
 from fake_cuda import FakeCuda, FakeRuntime
@@ -24,47 +28,63 @@ CHUNK = 64 << 10
 
 
 class FakeCopier:
-    """Copies host tensors as an asynchronous device copier would: a copy is checked and
-    recorded when asked for, and runs only at the next wait() (reading its source then, as a
-    queued copy does), so a job that read a slot before waiting would stage stale bytes. Can be
-    held back, and made to fail."""
+    """Copies host tensors as an asynchronous device copier would: ``copy`` records the pairs
+    and hands them to a thread of its own, which copies them after a short delay (or once
+    ``gate`` is set), as a queued DMA lands later; ``wait`` joins it. A job that read, checksummed
+    or wrote arena bytes before waiting would see stale ones. Can be made to fail."""
 
-    pending: ClassVar[list[tuple[torch.Tensor, torch.Tensor]]] = []
-
-    calls: ClassVar[list[tuple[int, int]]] = []
-    begun = 0
-    gate: threading.Event | None = None
-    fail_after_bytes: int | None = None
-    slots_owners: ClassVar[list[object]] = []
+    needs_pinned_memory: ClassVar[bool] = False
+    #: The number of pairs of each copy call, in order.
+    calls: ClassVar[list[int]] = []
+    copied_bytes: ClassVar[list[int]] = []
+    waits: ClassVar[int] = 0
+    begun: ClassVar[int] = 0
+    gate: ClassVar[threading.Event | None] = None
+    #: Holds back wait() (after the copies landed) until set.
+    wait_gate: ClassVar[threading.Event | None] = None
+    fail_after_calls: ClassVar[int | None] = None
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.threads: list[threading.Thread] = []
 
-    def begin(self, slots_owner: object) -> None:
+    def begin(self) -> None:
         FakeCopier.begun += 1
-        FakeCopier.slots_owners.append(slots_owner)
 
-    def copy_to_host(self, src: torch.Tensor, slot: memoryview, start: int, end: int) -> None:
-        if FakeCopier.gate is not None:
-            FakeCopier.gate.wait(30)
-        copied = sum(n for _, n in FakeCopier.calls)
-        if FakeCopier.fail_after_bytes is not None and copied >= FakeCopier.fail_after_bytes:
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if FakeCopier.fail_after_calls is not None and len(FakeCopier.calls) >= FakeCopier.fail_after_calls:
             raise RuntimeError("the fake device fell off the bus")
-        assert src.dtype == torch.uint8 and src.dim() == 1 and src.numel() == end - start
-        FakeCopier.pending.append((torch.frombuffer(slot, dtype=torch.uint8)[start:end], src))
-        FakeCopier.calls.append((start, end - start))
+        for src, dst in pairs:
+            assert src.dtype == torch.uint8 and src.dim() == 1 and src.numel() == dst.numel()
+        FakeCopier.calls.append(len(pairs))
+        gate = FakeCopier.gate
+
+        def land() -> None:
+            if gate is not None:
+                gate.wait(30)
+            time.sleep(0.005)
+            for src, dst in pairs:
+                dst.copy_(src)
+                FakeCopier.copied_bytes.append(src.numel())
+
+        thread = threading.Thread(target=land)
+        thread.start()
+        self.threads.append(thread)
 
     def wait(self) -> None:
-        for dst, src in FakeCopier.pending:
-            dst.copy_(src)
-        FakeCopier.pending = []
+        FakeCopier.waits += 1
+        for thread in self.threads:
+            thread.join()
+        self.threads = []
+        if FakeCopier.wait_gate is not None:
+            FakeCopier.wait_gate.wait(30)
 
 
 @pytest.fixture
 def fake_device() -> Iterator[set[int]]:
     """Tensors whose storage is in `on_device` are staged by FakeCopier, as GPU tensors would be."""
-    FakeCopier.calls, FakeCopier.begun, FakeCopier.gate, FakeCopier.fail_after_bytes = [], 0, None, None
-    FakeCopier.slots_owners, FakeCopier.pending = [], []
+    FakeCopier.calls, FakeCopier.copied_bytes, FakeCopier.waits, FakeCopier.begun = [], [], 0, 0
+    FakeCopier.gate, FakeCopier.wait_gate, FakeCopier.fail_after_calls = None, None, None
     on_device: set[int] = set()
 
     def selects(t: torch.Tensor) -> bool:
@@ -86,7 +106,7 @@ def _config(backend: str) -> fp.Config:
     return fp.Config(backend=backend, chunk_bytes=CHUNK, pool_bytes=4 * CHUNK, queue_depth=2)
 
 
-def test_device_tensors_are_copied_chunk_by_chunk_into_slots(workdir: str, backend: str, fake_device: set[int]) -> None:
+def test_a_state_is_copied_in_one_call_one_piece_per_tensor(workdir: str, backend: str, fake_device: set[int]) -> None:
     weight = torch.randn(300_000)
     tied = {"emb": torch.randn(50_000, 4)}
     tied["head"] = tied["emb"]
@@ -95,21 +115,47 @@ def test_device_tensors_are_copied_chunk_by_chunk_into_slots(workdir: str, backe
     path = os.path.join(workdir, "ckpt")
     fp.save({"w": weight, "tied": tied, "host": host}, path, config=_config(backend))
     assert FakeCopier.begun == 1
-    assert all(n <= CHUNK for _, n in FakeCopier.calls)
-    assert sum(n for _, n in FakeCopier.calls) == weight.nbytes + tied["emb"].nbytes
+    assert FakeCopier.calls == [2], "one call, a piece per tensor"
+    assert FakeCopier.waits == 1
+    assert sum(FakeCopier.copied_bytes) == weight.nbytes + tied["emb"].nbytes
     state = fp.load(path)
     assert torch.equal(state["w"], weight) and torch.equal(state["host"], host)
     assert torch.equal(state["tied"]["emb"], tied["emb"])
     assert state["tied"]["head"].data_ptr() == state["tied"]["emb"].data_ptr()
+    fp.verify(path)
 
 
-def test_save_async_returns_before_any_device_copy(workdir: str, backend: str, fake_device: set[int]) -> None:
+def test_python_calls_do_not_grow_with_the_chunks(workdir: str, backend: str, fake_device: set[int]) -> None:
+    # 8 tensors over 512 chunks of 64 KiB: still one copy call and one wait per save.
+    state = {f"w{k}": torch.randn(1 << 20) for k in range(8)}
+    _put_on_device(fake_device, *state.values())
+    staged: list[int] = []
+    for rep in range(2):
+        FakeCopier.calls, FakeCopier.waits = [], 0
+        path = os.path.join(workdir, f"ckpt{rep}")
+        fut = fp.save_async(state, path, config=_config(backend))
+        fut.wait()
+        staged.append(len(FakeCopier.calls) + FakeCopier.waits)
+        assert FakeCopier.calls == [8] and FakeCopier.waits == 1
+        loaded = fp.load(path)
+        assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert staged == [2, 2]
+
+
+def test_save_async_returns_with_the_copies_queued_not_landed(
+    workdir: str, backend: str, fake_device: set[int]
+) -> None:
     weight = torch.randn(500_000)
     _put_on_device(fake_device, weight)
     FakeCopier.gate = threading.Event()
     fut = fp.save_async({"w": weight}, os.path.join(workdir, "ckpt"), config=_config(backend))
-    assert FakeCopier.calls == [] and not fut.done()
+    assert FakeCopier.calls == [1], "the copies are queued before save_async returns"
+    assert FakeCopier.copied_bytes == [] and not fut.done()
+    with pytest.raises(TimeoutError):
+        fut.wait_staged(timeout=0.2)  # staged only once they landed
     FakeCopier.gate.set()
+    fut.wait_staged()
+    assert sum(FakeCopier.copied_bytes) == weight.nbytes
     fut.wait()
     assert torch.equal(fp.load(fut.path)["w"], weight)
 
@@ -132,10 +178,31 @@ def test_guard_covers_device_tensors_and_small_ones_are_copied_on_device(
 
     big.zero_()
     stats.zero_()
+    FakeCopier.gate = None
     fut = fp.save_async({"big": big, "stats": stats}, path, config=_config(backend))
     stats.add_(1)
+    fut.wait_staged()
+    big.add_(1)  # after wait_staged(): allowed, the copy has landed
     fut.wait()
-    assert fp.load(path)["stats"].sum().item() == 0
+    loaded = fp.load(path)
+    assert loaded["stats"].sum().item() == 0 and loaded["big"].sum().item() == 0
+
+
+def test_one_early_copy_budget_for_host_and_device_tensors(workdir: str, fake_device: set[int]) -> None:
+    from fastpersist.format.flatten import flatten
+    from fastpersist.gpu.early import EARLY_COPY_BUDGET_BYTES, EARLY_COPY_MAX_BYTES, choose_early_copies
+
+    per = EARLY_COPY_MAX_BYTES // 4  # 256 KiB tensors: 256 of them fill the 64 MiB budget
+    count = EARLY_COPY_BUDGET_BYTES // per * 3 // 4  # 192 host and 192 device tensors
+    host = [torch.zeros(per // 4) for _ in range(count)]
+    device = [torch.zeros(per // 4) for _ in range(count)]
+    _put_on_device(fake_device, *device)
+    blobs = flatten({"host": host, "device": device}).blobs
+    chosen = choose_early_copies(blobs)
+    assert sum(blobs[i].nbytes for i in chosen) <= EARLY_COPY_BUDGET_BYTES
+    assert len(chosen) == EARLY_COPY_BUDGET_BYTES // per < 2 * count  # one budget, not two
+    assert any(blobs[i].copier_factory is not None for i in chosen)
+    assert any(blobs[i].copier_factory is None for i in chosen)
 
 
 def test_a_failing_device_copy_fails_the_save_and_commits_nothing(
@@ -143,13 +210,49 @@ def test_a_failing_device_copy_fails_the_save_and_commits_nothing(
 ) -> None:
     weight = torch.randn(500_000)
     _put_on_device(fake_device, weight)
-    FakeCopier.fail_after_bytes = 3 * CHUNK
+    FakeCopier.fail_after_calls = 0
     path = os.path.join(workdir, "ckpt")
     fut = fp.save_async({"w": weight}, path, config=_config(backend))
     with pytest.raises(RuntimeError, match="fell off the bus"):
         fut.wait()
     assert not os.path.exists(path)
     assert not [n for n in os.listdir(workdir) if ".fptmp-" in n]
+    assert not any(kept.arena.leased for kept in ARENAS._kept), "the arena is free again"
+
+
+def test_a_state_beyond_pinned_bytes_stages_in_windows(workdir: str, backend: str, fake_device: set[int]) -> None:
+    # 12 MiB of device tensors through arenas bounded at 4 MiB: three or more windows, the
+    # arena reused only after each window's writes completed (or the files would be wrong).
+    ARENAS.clear()
+    state = {f"w{k}": torch.randn(3 << 18) for k in range(4)}  # 4 x 3 MiB
+    host = torch.arange(10_000.0)
+    _put_on_device(fake_device, *state.values())
+    config = fp.Config(backend=backend, chunk_bytes=1 << 20, queue_depth=2, pinned_bytes=4 << 20)
+    path = os.path.join(workdir, "ckpt")
+    fp.save_async({**state, "host": host}, path, config=config).wait()
+    assert len(FakeCopier.calls) >= 3 and FakeCopier.waits == len(FakeCopier.calls)
+    assert ARENAS.total_bytes() <= 4 << 20
+    loaded = fp.load(path)
+    assert all(torch.equal(loaded[k], v) for k, v in state.items()) and torch.equal(loaded["host"], host)
+    fp.verify(path)
+    ARENAS.clear()
+
+
+def test_arenas_are_reused_and_bounded_across_many_saves(workdir: str, fake_device: set[int]) -> None:
+    ARENAS.clear()
+    state = {"w": torch.randn(1 << 20)}
+    _put_on_device(fake_device, *state.values())
+    config = fp.Config(chunk_bytes=1 << 20, pinned_bytes=16 << 20)
+    futures = []
+    for k in range(20):
+        futures.append(fp.save_async(state, os.path.join(workdir, f"s{k % 3}"), config=config))
+        if len(futures) > 2:
+            futures.pop(0).wait()
+    for fut in futures:
+        fut.wait()
+    assert ARENAS.total_bytes() <= 3 * (4 << 20), "a few arenas, reused: none made per save"
+    assert torch.equal(fp.load(os.path.join(workdir, "s1"))["w"], state["w"])
+    ARENAS.clear()
 
 
 @cuda_test
@@ -170,51 +273,57 @@ def test_cuda_state_round_trip(workdir: str) -> None:
 def test_pinned_memory_is_unregistered_when_its_owner_goes(fake_runtime: FakeRuntime) -> None:
     # CUDA keeps a registration by address: one outliving its memory would make later copies
     # to that address land in the old pages. Each registration is undone with its owner.
-    pool = _core.Pool(1 << 20, 4 << 20)
-    slots = [torch.empty(1 << 20, dtype=torch.uint8) for _ in range(2)]
-    for slot in slots + slots:
-        assert device.pin_host(slot, pool)
-    assert fake_runtime.calls == [("register", s.data_ptr()) for s in slots]  # once per buffer
-    del pool
+    arena = _core.Arena(4 << 20)
+    host = torch.frombuffer(arena, dtype=torch.uint8)
+    parts = [host[: 1 << 20], host[2 << 20 :]]
+    for part in parts + parts:
+        assert pin_host(part, arena)
+    assert fake_runtime.calls == [("register", p.data_ptr()) for p in parts]  # once per buffer
+    del arena, host, parts, part
     gc.collect()
-    assert fake_runtime.calls[2:] == [("unregister", s.data_ptr()) for s in slots]
-    device.pin_host(slots[0], slots[0])  # a new owner: registered again
-    device.unpin_host(slots[0])
-    assert fake_runtime.calls[4:] == [("register", slots[0].data_ptr()), ("unregister", slots[0].data_ptr())]
+    assert [c[0] for c in fake_runtime.calls[2:]] == ["unregister", "unregister"]
+    other = torch.empty(1 << 20, dtype=torch.uint8)
+    pin_host(other, other)  # an owner that supports weak references
+    unpin_host(other)
+    assert fake_runtime.calls[4:] == [("register", other.data_ptr()), ("unregister", other.data_ptr())]
 
 
-def test_device_copies_go_into_slots_owned_by_the_saves_pool(workdir: str, fake_device: set[int]) -> None:
+def test_arenas_for_cuda_copiers_are_pinned_once(
+    workdir: str, fake_runtime: FakeRuntime, fake_device: set[int]
+) -> None:
+    class PinningCopier(FakeCopier):
+        needs_pinned_memory: ClassVar[bool] = True
+
+    ARENAS.clear()
     big = torch.randn(3 << 20)
-    fake_device.add(big.untyped_storage().data_ptr())
-    ck = fp.Checkpointer(os.path.join(workdir, "ck"))  # snapshot mode: a pool of its own
-    ck.save(1, {"w": big})
-    ck.wait()
-    config = fp.Config(chunk_bytes=CHUNK)
-    fp.save({"w": big}, os.path.join(workdir, "plain"), config=config)
-    assert len(FakeCopier.slots_owners) == 2
-    assert all(isinstance(owner, _core.Pool) for owner in FakeCopier.slots_owners)
-    assert FakeCopier.slots_owners[1] is pool_for(config)  # the process-wide pool of that config
-    assert FakeCopier.slots_owners[0] is not FakeCopier.slots_owners[1]
+    with use_copier(lambda t: t.untyped_storage().data_ptr() == big.untyped_storage().data_ptr(), PinningCopier):
+        for k in range(3):
+            fp.save({"w": big}, os.path.join(workdir, f"p{k}"), config=fp.Config(chunk_bytes=1 << 20))
+    registered = [c for c in fake_runtime.calls if c[0] == "register"]
+    assert len(registered) == 1 and fp.gpu.pinned_bytes() >= big.nbytes
+    ARENAS.clear()
+    gc.collect()
+    assert fp.gpu.pinned_bytes() == 0
 
 
-def test_cuda_copier_registers_and_copies_with_the_sources_device_current(
+def test_cuda_copier_queues_every_copy_with_the_sources_device_current(
     fake_runtime: FakeRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The staging thread is new per save, so CUDA's current device there is 0: a registration
-    # or copy made before switching to cuda:3 would create a context on device 0.
+    # The save's thread is new per save, so CUDA's current device there is 0: a copy queued
+    # before switching to cuda:3 would create a context on device 0.
     cuda = FakeCuda()
-    monkeypatch.setattr(device, "cuda", cuda)
+    monkeypatch.setattr(copiers, "cuda", cuda)
+    monkeypatch.setattr(copiers, "_side_streams", {})
     fake_runtime.current = lambda: cuda.current
-    copier = device.CudaCopier(torch.device("cuda", 3))
-    pool = _core.Pool(1 << 20, 2 << 20)
-    copier.begin(pool)
-    slot = bytearray(4096)
+    copier = copiers.CudaCopier(torch.device("cuda", 3))
+    copier.begin()
+    dst = torch.zeros(300, dtype=torch.uint8)
     src = torch.arange(200, dtype=torch.uint8)
-    staged = threading.Thread(target=copier.copy_to_host, args=(src, memoryview(slot), 100, 300))
+    pairs = [(src[:100], dst[:100]), (src[100:], dst[200:])]
+    staged = threading.Thread(target=lambda: (copier.copy(pairs), copier.wait()))
     staged.start()
     staged.join()
-    assert bytes(slot[100:300]) == bytes(src.numpy())
-    assert fake_runtime.devices == [3]
+    assert bytes(dst[:100].numpy()) == bytes(src[:100].numpy()) and bytes(dst[200:].numpy()) == bytes(src[100:].numpy())
     assert cuda.calls and all(index == 3 for _, index in cuda.calls), cuda.calls
     assert cuda.current == 0  # the thread's device is left as it was
 
@@ -224,11 +333,13 @@ def test_a_device_tensor_resized_before_its_copy_fails_the_save(
 ) -> None:
     weight = torch.randn(500_000)
     _put_on_device(fake_device, weight)
-    FakeCopier.gate = threading.Event()
     path = os.path.join(workdir, "ckpt")
+    FakeCopier.wait_gate = threading.Event()
     fut = fp.save_async({"w": weight}, path, config=_config(backend))
-    weight.resize_(1000)  # as a host blob's, its size is checked when its bytes are read
-    FakeCopier.gate.set()
+    while not FakeCopier.copied_bytes:  # the copy has landed; the job has not yet checked it
+        time.sleep(0.001)
+    weight.resize_(1000)  # its size is checked once its copies landed: they may have read freed memory
+    FakeCopier.wait_gate.set()
     with pytest.raises(RuntimeError, match=r"'state\.w' of 2000000 bytes was resized"):
         fut.wait()
     assert not os.path.exists(path)
@@ -237,16 +348,18 @@ def test_a_device_tensor_resized_before_its_copy_fails_the_save(
 def test_a_shared_device_storage_shrunk_before_its_copy_fails_the_save(
     workdir: str, backend: str, fake_device: set[int]
 ) -> None:
-    # FSDP frees a flat parameter's storage (resize_(0)) between uses; the blob of a shared
-    # storage is a view made at the call, which would read past the storage's new end. (Halved
-    # here, not freed: on the CPU a read past a freed storage would crash the test run.)
+    # FSDP frees a flat parameter's storage (resize_(0)) between uses; the copies were queued
+    # at the call, and may have read memory the allocator handed on: the save fails. (Halved
+    # after the fake's copy landed: on the CPU a read of a freed storage could crash the run.)
     buf = torch.randn(400_000)
     _put_on_device(fake_device, buf)
     state = {"a": buf[:200_000], "b": buf[200_000:]}
-    FakeCopier.gate = threading.Event()
+    FakeCopier.wait_gate = threading.Event()
     fut = fp.save_async(state, os.path.join(workdir, "ckpt"), config=_config(backend))
+    while not FakeCopier.copied_bytes:
+        time.sleep(0.001)
     buf.untyped_storage().resize_(buf.nbytes // 2)
-    FakeCopier.gate.set()
+    FakeCopier.wait_gate.set()
     with pytest.raises(RuntimeError, match=r"resized .* in a storage of 800000"):
         fut.wait()
 
@@ -260,7 +373,7 @@ def test_copy_guard_finishes_the_device_copies_before_save_async_returns(
     path = os.path.join(workdir, "ckpt")
     config = fp.Config(backend=backend, chunk_bytes=CHUNK, pool_bytes=64 * CHUNK, queue_depth=2, guard="copy")
     fut = fp.save_async({"w": weight}, path, config=config)
-    assert sum(n for _, n in FakeCopier.calls) == weight.nbytes  # every byte is on the host
+    assert sum(FakeCopier.copied_bytes) == weight.nbytes  # every byte is on the host
     weight.data.fill_(7.0)  # invisible to the version counter: cannot reach the checkpoint now
     fut.wait()
     assert torch.equal(fp.load(path)["w"], expected)

@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -259,9 +260,9 @@ def test_only_a_save_that_returns_early_copies_the_small_tensors_first(
     budgets: list[int] = []
     real = _core.start_write
 
-    def spy(*args: object, **kwargs: object) -> object:
-        budgets.append(int(kwargs.get("copy_budget_bytes", 0)))  # type: ignore[call-overload]
-        return real(*args, **kwargs)  # type: ignore[arg-type]
+    def spy(request: Any) -> object:
+        budgets.append(len(request.copy_early))
+        return real(request)
 
     monkeypatch.setattr(_core, "start_write", spy)
     state = {"small": torch.ones(16), "big": torch.ones(BIG)}

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
 
 import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist.device import DeviceCopier, use_copier
+from fastpersist.gpu.copiers import DeviceCopier, use_copier
 
 from cuda_marks import cuda_test
 
@@ -58,23 +59,27 @@ def test_flat_buffer_parameters_untouched_during_staging_are_saved(workdir: str,
 
 
 class GatedCopier:
-    """A device copier over host memory that waits for `gate` before its first copy."""
+    """A device copier over host memory whose copies land at wait(), once `gate` is set."""
 
+    needs_pinned_memory: ClassVar[bool] = False
     gate: threading.Event | None = None
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def begin(self, slots_owner: object) -> None:
+    def begin(self) -> None:
         pass
 
-    def copy_to_host(self, src: torch.Tensor, slot: memoryview, start: int, end: int) -> None:
-        if GatedCopier.gate is not None:
-            GatedCopier.gate.wait(30)
-        torch.frombuffer(slot, dtype=torch.uint8)[start:end].copy_(src)
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.pending.extend(pairs)
 
     def wait(self) -> None:
-        pass  # each copy is done when copy_to_host returns
+        if GatedCopier.gate is not None:
+            GatedCopier.gate.wait(30)
+        for src, dst in self.pending:
+            dst.copy_(src)
+        self.pending = []
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..device import CopierFactory
+from ..gpu.copiers import CopierFactory
 from .records import TORCH_DTYPES
 
 
@@ -85,7 +85,7 @@ class Blob:
         self.version = version
         self.nbytes = data.nbytes if data is not None else nbytes
         #: For a device-resident blob (`source` a contiguous device tensor): the factory of the
-        #: copier that stages it (see fastpersist.device); its bytes are never read on the host.
+        #: copier that stages it (see fastpersist.gpu.copiers); its bytes are never read on the host.
         self.copier_factory = copier_factory
         #: For a storage shared by several tensors: each of them with its version at flatten
         #: time. Tensors of one storage need not share a version counter (``p.data = buf[a:b]``

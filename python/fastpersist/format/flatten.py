@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import device as _device
-from ..device import copier_for as _copier_for
 from ..errors import UnsupportedValueError
 from ..gcpause import paused_gc
+from ..gpu import copiers as _device
+from ..gpu.copiers import copier_for as _copier_for
 from .blobs import U8, Blob, Member, byte_view
 from .kinds import checked_attrs, meta_record, set_node, sparse_node
 from .limits import MAX_DEPTH, MAX_DIMS, namedtuple_problem
@@ -173,7 +173,7 @@ class _Walker:
         self._on_path: set[int] = set()
         self._storages: dict[object, int] = {}  # storage -> record of its first tensor
         self._groups: dict[object, list[tuple[int, torch.Tensor, str]]] = {}
-        #: No copier is installed (fastpersist.device.use_copier): CPU tensors are read in place.
+        #: No copier is installed (fastpersist.gpu.copiers.use_copier): CPU tensors are read in place.
         self._host_only = _device.installed_copier is None
         #: Some bytes value went into the data stream (a ``bytes_blob`` node: spec version 2).
         self.bytes_in_stream = False

@@ -50,9 +50,12 @@ from torch.futures import Future
 
 from .. import _core
 from ..config import Config
+from ..engine import WriteRequest, knobs, start_write
 from ..errors import CorruptCheckpointError
 from ..format.layout import DCP_DATA_SUFFIX, DCP_METADATA_NAME, dcp_data_file_name, write_small_file
 from ..format.quote import shown
+from ..gpu.copiers import copier_for, device_bytes
+from ..gpu.staging import stage_from_devices
 from .dcp_args import checked_config, refuse_rank_local_metadata, writer_config
 from .dcp_metadata import read_dcp_metadata
 from .dcp_ranges import FileReads, box_view, needed_spans, plan_file_reads, stored_dtype
@@ -209,7 +212,7 @@ class FastPersistWriter(StorageWriter, BlockingAsyncStager):
         return fut
 
     def _write_file(
-        self, name: str, items: list[tuple[WriteItem, np.ndarray, str | None, tuple[int, ...]]]
+        self, name: str, items: list[tuple[WriteItem, np.ndarray | torch.Tensor, str | None, tuple[int, ...]]]
     ) -> list[WriteResult]:
         started = time.perf_counter()
         cfg = self.config.resolved_for(self.path)  # each rank's file records its own chunk size
@@ -218,18 +221,14 @@ class FastPersistWriter(StorageWriter, BlockingAsyncStager):
 
         report: Any = {"parts": [], "backend": "none"}
         if engine_plan.total_bytes:  # a rank with nothing (or only empty tensors) to write writes no file
-            report = _core.start_write(
-                engine_plan,
-                0,
-                [os.path.join(self.path, name)],
-                [source for _, source, _, _ in items],
-                pool_for(cfg),
-                backend=cfg.backend,
-                direct_io=cfg.direct_io,
-                queue_depth=cfg.resolved_queue_depth,
-                checksum=cfg.checksum == "crc32c",
-                durable=cfg.durable,
-            ).wait()
+            target = os.path.join(self.path, name)
+            sources, device = stage_from_devices(
+                [source for _, source, _, _ in items], engine_plan, pinned_bytes=cfg.pinned_bytes, what=target
+            )
+            request = WriteRequest(
+                **knobs(cfg), plan=engine_plan, paths=[target], sources=sources, pool=pool_for(cfg), device=device
+            )
+            report = start_write(request).wait()
         part = report["parts"][0] if report["parts"] else None
         results = []
         for i, (item, source, dtype, shape) in enumerate(items):
@@ -282,15 +281,21 @@ class FastPersistWriter(StorageWriter, BlockingAsyncStager):
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
-def _source(item: WriteItem, data: object) -> tuple[np.ndarray, str | None, tuple[int, ...]]:
-    """An item's bytes as a flat uint8 array, with its dtype name (None: bytes) and shape."""
+def _source(item: WriteItem, data: object) -> tuple[np.ndarray | torch.Tensor, str | None, tuple[int, ...]]:
+    """An item's bytes as a flat uint8 array, with its dtype name (None: bytes) and shape; a
+    tensor a device copier stages stays on its device (a 1-D uint8 view) and is staged through
+    the arena, as a checkpoint's tensors are."""
     if item.type == WriteItemType.BYTE_IO:
         assert isinstance(data, io.BytesIO)
         return np.frombuffer(data.getbuffer(), np.uint8).copy(), None, ()
     assert isinstance(data, torch.Tensor)
-    t = data.detach().to("cpu").contiguous()
+    dtype, shape = str(data.dtype).removeprefix("torch."), tuple(data.shape)
+    t = data.detach().contiguous()
+    if t.numel() and copier_for(t) is not None:
+        return device_bytes(t), dtype, shape
+    t = t.to("cpu")
     flat = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
-    return flat, str(t.dtype).removeprefix("torch."), tuple(t.shape)
+    return flat, dtype, shape
 
 
 class FastPersistReader(StorageReader):

@@ -28,6 +28,7 @@ record) makes ``torch_save`` fall back to plain ``torch.save`` + fsync, with a w
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import io
 import logging
 import os
@@ -43,7 +44,10 @@ import torch
 
 from .. import _core
 from ..config import Config, SaveResult
+from ..engine import WriteRequest, knobs, start_write
 from ..format.layout import atomic_file
+from ..gpu.copiers import copier_for
+from ..gpu.staging import stage_from_devices
 from .ziprecords import ReadAt, zip_records
 
 __all__ = ["torch_save"]
@@ -142,22 +146,30 @@ def capture_skeleton(obj: object, pickle_protocol: int = 2, disable_byteorder_re
     return skel
 
 
-def _byte_array(storage: torch.UntypedStorage) -> np.ndarray:
-    if storage.device.type != "cpu":
-        storage = storage.cpu()  # type: ignore[no-untyped-call]
-    t = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
-    return t.numpy()
+def _byte_array(storage: torch.UntypedStorage) -> np.ndarray | torch.Tensor:
+    """The storage's bytes: a host view, or, for a storage a device copier stages, a 1-D uint8
+    tensor over it on its device (staged through the arena, as a checkpoint's tensors are)."""
+    t = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+    if copier_for(t) is not None:
+        return t
+    return (t.cpu() if t.device.type != "cpu" else t).numpy()
 
 
-def compose_extents(skel: Skeleton) -> list[np.ndarray]:
-    """The engine extents that, laid out by a plan, reproduce the file byte for byte.
+def _host_bytes(data: np.ndarray | torch.Tensor) -> np.ndarray:
+    return data.cpu().numpy().copy() if isinstance(data, torch.Tensor) else data.copy()
+
+
+def compose_extents(skel: Skeleton) -> list[np.ndarray | torch.Tensor]:
+    """The engine extents that, laid out by a plan, reproduce the file byte for byte: host
+    bytes, or device tensors (the aligned heads of device storages; their short tails are
+    copied to the host, since they share an extent with the archive's next record).
 
     Raises ValueError when torch's skeleton is not what this module expects.
     """
     keys = sorted((k for k, s in skel.storages.items() if s.nbytes() > 0), key=int)
     if len(keys) != len(skel.holes):
         raise ValueError(f"{len(skel.holes)} holes in the archive but {len(keys)} non-empty storages")
-    extents: list[np.ndarray] = []
+    extents: list[np.ndarray | torch.Tensor] = []
     pending: list[np.ndarray] = []  # bytes of the extent being assembled (tails + skeleton bytes)
     cursor = 0
     pieces = iter(skel.pieces)
@@ -188,7 +200,7 @@ def compose_extents(skel: Skeleton) -> list[np.ndarray]:
         if head:
             extents.append(data[:head])
         if head < hole_bytes:
-            pending.append(data[head:].copy())
+            pending.append(_host_bytes(data[head:]))
         cursor = hole_at + hole_bytes
     take_skeleton(skel.total_bytes)
     if pending:
@@ -351,19 +363,17 @@ def torch_save(
     from ..saving.pools import pool_for
 
     with atomic_file(target, durable=config.durable) as tmp:
-        handle = _core.start_write(
-            plan,
-            0,
-            [tmp],
-            extents,
-            pool_for(config),
-            backend=config.backend,
-            direct_io=config.direct_io,
-            queue_depth=config.resolved_queue_depth,
-            checksum=False,
-            durable=config.durable,
+        sources, device = stage_from_devices(extents, plan, pinned_bytes=config.pinned_bytes, what=target)
+        request = WriteRequest(
+            **knobs(config),
+            plan=plan,
+            paths=[tmp],
+            sources=sources,
+            pool=pool_for(config),
             crc32_fields=fields,
+            device=device,
         )
+        handle = start_write(dataclasses.replace(request, checksum=False))
         report = handle.wait()
         if handle.fallback_reason:
             log.warning("%s", handle.fallback_reason)

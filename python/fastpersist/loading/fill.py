@@ -22,7 +22,7 @@ One race stays open for a stream over the budget: the engine reopens the data fi
 window, so if the checkpoint is deleted or replaced while the fill pass runs, the load raises
 :class:`~fastpersist.CheckpointNotFoundError` and `out` may hold part of the checkpoint.
 
-Device tensors of `out` (contiguous, on a device with a :class:`~fastpersist.device.DeviceLoader`,
+Device tensors of `out` (contiguous, on a device with a :class:`~fastpersist.gpu.loaders.DeviceLoader`,
 e.g. CUDA) whose storage's bytes all go to such tensors are filled first, without a host copy:
 the windows holding them are read into the load's ring of two pinned buffers and copied on a
 side stream while the next window is read (:mod:`fastpersist.loading.todevice`; the caller's
@@ -49,12 +49,13 @@ import torch
 
 from .. import _core
 from ..config import Config
-from ..device import device_bytes, loader_for
 from ..format.flatten import flatten
 from ..format.manifest import Manifest
 from ..format.quote import shown
 from ..format.records import TensorRecord, canonical_layout
 from ..format.unflatten import materialize, unflatten
+from ..gpu.copiers import device_bytes
+from ..gpu.loaders import loader_for
 from .reading import WINDOW_BYTES, paged_uint8, read_window, stream_windows
 from .todevice import DeviceCopies, Extent, copy_extents
 
@@ -107,7 +108,7 @@ def _device_extents(
     m: Manifest, dests: dict[int, object], by_blob: dict[int, list[int]]
 ) -> tuple[set[int], list[Extent]]:
     """The blobs whose tensors all go to device tensors of `out` that a
-    :class:`~fastpersist.device.DeviceLoader` fills (:mod:`~fastpersist.loading.todevice`),
+    :class:`~fastpersist.gpu.loaders.DeviceLoader` fills (:mod:`~fastpersist.loading.todevice`),
     and the extents of those tensors in the stream."""
     extents: list[Extent] = []
     blobs: set[int] = set()

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ..device import CudaLoader, loader_for
 from ..errors import FastPersistError
 from ..format.quote import shown
+from ..gpu.loaders import CudaLoader, loader_for
 
 __all__ = ["MapLocation", "MappedStorages", "check_load_flags", "check_targets_exist", "map_tensor", "target_device"]
 

@@ -1,8 +1,8 @@
 """Loading tensors straight into device memory: the mirror of the save's device staging.
 
 When ``map_location`` sends a checkpoint's tensors to a device with a
-:class:`~fastpersist.device.DeviceLoader` (CUDA, or a fake installed with
-:func:`~fastpersist.device.use_loader`), the load does not read the whole stream into host
+:class:`~fastpersist.gpu.loaders.DeviceLoader` (CUDA, or a fake installed with
+:func:`~fastpersist.gpu.loaders.use_loader`), the load does not read the whole stream into host
 memory and call ``.to(device)`` per tensor. Instead:
 
 1. each such blob gets a destination on its target device (``loader.empty``); tensors are
@@ -20,7 +20,7 @@ memory and call ``.to(device)`` per tensor. Instead:
 4. blobs bound for the CPU (or a device without a loader) are copied out of the ring into host
    memory of their own and placed as today.
 
-Ordering contract (:class:`~fastpersist.device.CudaLoader`): the side stream first waits for
+Ordering contract (:class:`~fastpersist.gpu.loaders.CudaLoader`): the side stream first waits for
 the work the caller had queued on its current stream (``begin``: memory the caching allocator
 hands out may still be in use by it); at the end the caller's current stream waits for the side
 stream (``finish``), without blocking the host. So the returned tensors are safe to use on the
@@ -47,9 +47,10 @@ import torch
 
 from .. import _core
 from ..config import Config
-from ..device import CopyFence, DeviceLoader, loader_for, unpin_host
 from ..errors import FastPersistError
 from ..format.manifest import Manifest
+from ..gpu.loaders import CopyFence, DeviceLoader, loader_for
+from ..gpu.pinned import unpin_host
 from .maplocation import MapLocation, target_device
 from .reading import WINDOW_BYTES, direct_padded, paged_uint8, read_window
 

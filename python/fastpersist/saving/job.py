@@ -23,11 +23,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-import torch
-
 from .. import _core
 from ..config import Config, SaveResult
-from ..device import CopierFactory, DeviceCopier
+from ..engine import WriteRequest, knobs, start_write
 from ..errors import SaveCancelledError
 from ..format.flatten import FlatState, TensorRecord, flatten, records_to_json
 from ..format.layout import data_file_name, stripe_dir_name, tmp_dir_for
@@ -35,14 +33,9 @@ from ..format.manifest import FileEntry, StreamText, build, stream_text
 from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write_owner
 from ..format.quote import shown
 from ..gcpause import paused_gc
+from ..gpu.early import choose_early_copies, copy_early_on_device
+from ..gpu.staging import DeviceStaging, has_device_blobs, share_bytes, start_device_staging
 from ..logs import log_save, log_save_call
-from .device_blobs import (
-    EARLY_COPY_BUDGET_BYTES,
-    EARLY_COPY_MAX_BYTES,
-    copier_key,
-    prepare_device_blobs,
-    source_bytes,
-)
 from .pools import pool_for
 from .recycle import take_recycled
 from .remover import held_for_removal, make_room
@@ -153,7 +146,9 @@ class SaveJob:
         self.verdict = Verdict()
         self._created: list[str] = []
         self._flat: FlatState | None = None
-        self._copiers: dict[tuple[CopierFactory, torch.device], DeviceCopier] = {}
+        #: Watched host blobs the engine copies before start returns (the early copy).
+        self._copy_early: list[int] = []
+        self._device: DeviceStaging | None = None
         self.stripe_dirs: list[str] = []
         self.stripe_dirs_used: list[str] = []
         self.my_parts: list[PlanPart] = []
@@ -198,9 +193,9 @@ class SaveJob:
         self.records = flat.tensors  # hold no tensors: kept after the save is staged
         self.tree = flat.spec
         self.blob_lengths = [b.nbytes for b in flat.blobs]
-        # Held for the whole save: memory pinned for the device copies stays pinned while it lives.
         self.pool = self.pool if self.pool is not None else pool_for(self.config)
-        self._copiers = prepare_device_blobs(flat.blobs, self.pool)
+        if self.early_copy:
+            self._copy_early = copy_early_on_device(flat.blobs, choose_early_copies(flat.blobs))
         self.my_parts = [p for w in self.writers for p in map(PlanPart._make, self.plan.parts) if p.writer == w]
         used = {self.stripe_dirs[part.stripe] for part in self.my_parts} if stripe_roots else set()
         self.stripe_dirs_used = sorted(used)
@@ -237,29 +232,36 @@ class SaveJob:
         return own + self.layout.also_writers
 
     def _start_engine(self, paths: list[str], background: bool) -> None:
-        """Hands this process's parts to the engine (stage, checksum, write, fsync)."""
+        """Hands this process's parts to the engine (stage, checksum, write, fsync); a save with
+        device tensors leases an arena for them first (fastpersist.gpu.staging)."""
         flat, config, pool = self._flat, self.config, self.pool
         assert flat is not None and self.writers and pool is not None
         make_room(paths, [part.len_bytes for part in self.my_parts])  # a replaced tree's space may be queued
-        self.handle = _core.start_write(
-            self.plan,
-            self.writers[0],
-            paths,
-            [None if b.copier_factory is not None else b.data for b in flat.blobs],
-            pool,
-            backend=self.engine_backend,
-            direct_io=config.direct_io,
-            queue_depth=config.resolved_queue_depth,
-            checksum=config.checksum == "crc32c",
-            durable=config.durable,
-            background=background,
-            watched=[b.version is not None for b in flat.blobs],
-            on_staged=self._check_staged,
-            copy_max_extent_bytes=EARLY_COPY_MAX_BYTES if self.early_copy else 0,
-            copy_budget_bytes=EARLY_COPY_BUDGET_BYTES if self.early_copy else 0,
-            device_copy=self._copy_from_device if self._copiers else None,
-            device_wait=self._wait_for_device if self._copiers else None,
-            also_writers=self.writers[1:],
+        if has_device_blobs(flat.blobs):
+            chunk = config.resolved_chunk_bytes
+            self._device = start_device_staging(
+                flat.blobs,
+                share_bytes(self.plan, self.writers, chunk),
+                pinned_bytes=config.pinned_bytes,
+                min_bytes=chunk,
+                key_path=self.blob_owner,
+                fail=self.verdict.fail,
+            )
+        self.handle = start_write(
+            WriteRequest(
+                **knobs(config, backend=self.engine_backend),
+                plan=self.plan,
+                writer=self.writers[0],
+                also_writers=self.writers[1:],
+                paths=paths,
+                sources=[None if b.copier_factory is not None else b.data for b in flat.blobs],
+                pool=pool,
+                background=background,
+                watched=[b.version is not None for b in flat.blobs],
+                on_staged=self._check_staged,
+                copy_early=self._copy_early,
+                device=self._device,
+            )
         )
         _warn_fallback_once(self.handle.fallback_reason)
 
@@ -313,33 +315,12 @@ class SaveJob:
         )
         return False
 
-    def _copy_from_device(self, blob_index: int, offset_bytes: int, slot: memoryview, start: int, end: int) -> None:
-        """Stages bytes of a device-resident blob into a slot (called by the job's thread)."""
-        flat = self._flat
-        assert flat is not None
-        blob = flat.blobs[blob_index]
-        try:
-            copier = self._copiers[copier_key(blob)]
-            src = source_bytes(blob, lambda: self.blob_owner(blob_index))[offset_bytes : offset_bytes + end - start]
-            copier.copy_to_host(src, slot, start, end)
-        except BaseException as e:
-            self.verdict.fail(e)
-            raise
-
-    def _wait_for_device(self) -> None:
-        """Returns once every device-to-host copy asked for has completed (the job's thread)."""
-        try:
-            for copier in self._copiers.values():
-                copier.wait()
-        except BaseException as e:
-            self.verdict.fail(e)
-            raise
-
     def _drop_sources_if_staged(self) -> None:
         """Drops this job's references to the user's tensors once the save is staged (the engine
         no longer reads them)."""
         if self.handle is None or self.handle.staged():
             self._flat = None
+            self._device = None
 
     def staged(self) -> bool:
         """Whether the engine no longer reads the sources (never blocks)."""

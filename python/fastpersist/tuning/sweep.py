@@ -43,6 +43,7 @@ import torch
 
 from .. import _core
 from ..config import Config
+from ..engine import WriteRequest, start_write
 from ..loading.reading import aligned_uint8
 from .cache import Best, Figure
 from .defaults import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
@@ -176,7 +177,8 @@ class _Trials:
         path = os.path.join(self.folder, f"w-{chunk}-{depth}")
         lengths, sources = self._extents(nbytes)
         plan = _core.Plan(lengths, 1, 1, chunk)
-        report = _core.start_write(plan, 0, [path], sources, self._pool(chunk), queue_depth=depth).wait()
+        request = WriteRequest(plan=plan, paths=[path], sources=sources, pool=self._pool(chunk), queue_depth=depth)
+        report = start_write(request).wait()
         self.direct = report["parts"][0]["direct"]
         if not keep:
             os.remove(path)
@@ -208,7 +210,11 @@ class _Trials:
         lengths, sources = self._extents(nbytes)
         paths = [os.path.join(self.folder, f"c-{i}") for i in range(len(pools))]
         handles = [
-            _core.start_write(_core.Plan(lengths, 1, 1, chunk), 0, [path], sources, pool, queue_depth=depth)
+            start_write(
+                WriteRequest(
+                    plan=_core.Plan(lengths, 1, 1, chunk), paths=[path], sources=sources, pool=pool, queue_depth=depth
+                )
+            )
             for path, pool in zip(paths, pools, strict=True)
         ]
         for handle in handles:

@@ -2,6 +2,7 @@
 //!
 //! * [`plan`] lays tensors into one logical byte stream and cuts it into aligned parts and chunks.
 //! * [`pool`] owns the page-aligned staging memory (its allocator `unsafe` is in [`align`]);
+//!   [`arena`] is the staging memory of device saves, written from in place;
 //!   [`pages`] maps the memory a load reads into and returns it to the OS piece by piece.
 //! * [`backend`] moves chunks between memory and files: io_uring, or a thread pool of
 //!   `pwrite`/`pread` where io_uring is blocked.
@@ -13,6 +14,7 @@
 #![warn(missing_docs)]
 
 pub mod align;
+pub mod arena;
 pub mod backend;
 pub mod checksum;
 pub mod durable;

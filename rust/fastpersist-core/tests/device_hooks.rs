@@ -1,60 +1,37 @@
-//! The job's device copier: device-resident extents staged chunk by chunk, only the ranges
-//! this writer writes; the next chunk's copies asked for before the current one is checksummed.
+//! The job of a device save: its chunks staged into an arena window by window (every device
+//! copy of a window asked for in one call, waited for once), written straight from the arena
+//! after they are checksummed, the arena reused only once a window's writes have completed.
 
 mod common;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use common::{CHUNK, Recorder, options, regions, setup};
-use fastpersist_core::error::{Error, Result};
-use fastpersist_core::job::{
-    DeviceCopier, Guard, JobHooks, JobProgress, SourceRegion, write_parts, write_parts_with,
-};
+use common::device::{ThreadDevice, device_bytes_in, expected_file, patterned};
+use common::{CHUNK, options, regions, setup};
+use fastpersist_core::arena::Arena;
+use fastpersist_core::checksum::crc32c;
+use fastpersist_core::job::{Crc32Field, JobHooks, JobProgress, SourceRegion, write_parts_with};
 use fastpersist_core::pool::Pool;
 
-/// A fake device: extent bytes live in vectors; records every copy it is asked for.
-struct FakeDevice {
-    memory: Vec<Vec<u8>>,
-    copies: Arc<Mutex<Vec<(usize, u64, usize)>>>,
-}
-
-impl DeviceCopier for FakeDevice {
-    fn copy_to_host(
-        &mut self,
-        extent: usize,
-        offset_bytes: u64,
-        slot: &mut [u8],
-        range: std::ops::Range<usize>,
-    ) -> Result<()> {
-        let dst = &mut slot[range];
-        let start = offset_bytes as usize;
-        dst.copy_from_slice(&self.memory[extent][start..start + dst.len()]);
-        self.copies
-            .lock()
-            .unwrap()
-            .push((extent, offset_bytes, dst.len()));
-        Ok(())
-    }
-}
-
 #[test]
-fn device_extents_are_copied_chunk_by_chunk_and_only_this_writers_share() {
+fn a_state_that_fits_is_copied_in_one_call_one_piece_per_tensor_and_only_this_writers_share() {
     // Host extent 0, device extents 1 and 2; two writers: writer 1 writes the back half.
     let sizes = [100, 3 * CHUNK as usize + 5, 2 * CHUNK as usize];
     for writer in 0..2 {
         let mut s = setup(&sizes, 2, writer);
-        let device_memory: Vec<Vec<u8>> = s.data.clone();
-        let copies = Arc::new(Mutex::new(Vec::new()));
+        let device_memory = patterned(&sizes);
+        s.data[0] = device_memory[0].clone();
+        let arena = Arena::new(16 * CHUNK as usize).unwrap();
+        let progress = Arc::new(JobProgress::default());
+        let device = ThreadDevice::new(device_memory.clone(), &arena, &progress);
+        let seen = Arc::clone(&device.seen);
         let mut sources = regions(&mut s.data);
         sources[1] = SourceRegion::device(sizes[1]);
         sources[2] = SourceRegion::device(sizes[2]);
         let hooks = JobHooks {
-            guard: None,
-            device: Some(Box::new(FakeDevice {
-                memory: device_memory,
-                copies: Arc::clone(&copies),
-            })),
-            crc32_fields: Vec::new(),
+            device: Some(Box::new(device)),
+            arena: arena.try_lease(),
+            ..JobHooks::default()
         };
         let pool = Pool::new(CHUNK as usize, 2 * CHUNK as usize);
         let report = write_parts_with(
@@ -63,190 +40,68 @@ fn device_extents_are_copied_chunk_by_chunk_and_only_this_writers_share() {
             sources,
             &pool,
             &options(),
-            &JobProgress::default(),
+            &progress,
             hooks,
         )
         .unwrap();
-        let copies = copies.lock().unwrap();
-        assert!(
-            copies.iter().all(|&(_, _, n)| n as u64 <= CHUNK),
-            "{copies:?}"
-        );
-        let copied: usize = copies.iter().map(|c| c.2).sum();
+        assert!(!arena.is_leased(), "the lease ends with the job");
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.calls.len(), 1, "one call for the whole share");
+        assert_eq!(seen.waits, 1);
+        let pieces = &seen.calls[0].0;
         let part = &s.targets[0].part;
-        let device_bytes_in_part: u64 = (1..3)
-            .map(|i| {
-                let (o, n) = (s.plan.extent_offsets[i], sizes[i] as u64);
-                let (a, b) = (
-                    o.max(part.stream_offset_bytes),
-                    (o + n).min(part.stream_offset_bytes + part.len_bytes),
-                );
-                b.saturating_sub(a)
-            })
-            .sum();
+        for piece in pieces {
+            let extent_start = s.plan.extent_offsets[piece.extent] + piece.extent_offset_bytes;
+            assert_eq!(
+                piece.arena_offset_bytes,
+                extent_start - part.stream_offset_bytes,
+                "the arena mirrors the share's stream: {pieces:?}"
+            );
+        }
+        let extents: Vec<usize> = pieces.iter().map(|p| p.extent).collect();
+        let mut unique = extents.clone();
+        unique.dedup();
+        assert_eq!(extents, unique, "one piece per tensor: {pieces:?}");
+        let copied: u64 = pieces.iter().map(|p| p.len_bytes).sum();
         assert_eq!(
-            copied as u64, device_bytes_in_part,
+            copied,
+            device_bytes_in(&s, &[1, 2], 0),
             "writer {writer} copies only its share"
         );
+        let expected = expected_file(&s, &device_memory, 0);
         let written = std::fs::read(&report.parts[0].path).unwrap();
-        for (i, bytes) in s.data.iter().enumerate() {
-            let (o, n) = (s.plan.extent_offsets[i], bytes.len() as u64);
-            let (a, b) = (
-                o.max(part.stream_offset_bytes),
-                (o + n).min(part.stream_offset_bytes + part.len_bytes),
-            );
-            if a < b {
-                let got = &written[(a - part.stream_offset_bytes) as usize
-                    ..(b - part.stream_offset_bytes) as usize];
-                assert_eq!(
-                    got,
-                    &bytes[(a - o) as usize..(b - o) as usize],
-                    "extent {i}"
-                );
-            }
-        }
+        assert!(written == expected, "writer {writer}'s file");
+        let crcs: Vec<u32> = written.chunks(CHUNK as usize).map(crc32c).collect();
+        assert_eq!(report.parts[0].chunk_crc32c, crcs);
     }
 }
 
 #[test]
-fn device_extents_without_a_copier_are_refused() {
-    let s = setup(&[100], 1, 0);
-    let pool = Pool::new(CHUNK as usize, 2 * CHUNK as usize);
-    let err = write_parts(
-        &s.plan,
-        &s.targets,
-        vec![SourceRegion::device(100)],
-        &pool,
-        &options(),
-        &JobProgress::default(),
-    )
-    .unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
-}
-
-/// A device whose copy fails with an error type of its own.
-struct BrokenDevice;
-
-#[derive(Debug)]
-struct DeviceGone;
-
-impl std::fmt::Display for DeviceGone {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("the device fell off the bus")
-    }
-}
-
-impl std::error::Error for DeviceGone {}
-
-impl DeviceCopier for BrokenDevice {
-    fn copy_to_host(
-        &mut self,
-        extent: usize,
-        _offset_bytes: u64,
-        _slot: &mut [u8],
-        _range: std::ops::Range<usize>,
-    ) -> Result<()> {
-        Err(Error::Hook {
-            what: format!("copying extent {extent}"),
-            source: Box::new(DeviceGone),
-        })
-    }
-}
-
-#[test]
-fn a_hooks_own_error_reaches_the_caller_whole() {
-    let s = setup(&[100], 1, 0);
-    let pool = Pool::new(CHUNK as usize, 2 * CHUNK as usize);
-    let progress = JobProgress::default();
-    let err = write_parts_with(
-        &s.plan,
-        &s.targets,
-        vec![SourceRegion::device(100)],
-        &pool,
-        &options(),
-        &progress,
-        JobHooks {
-            guard: None,
-            device: Some(Box::new(BrokenDevice)),
-            crc32_fields: Vec::new(),
-        },
-    )
-    .unwrap_err();
-    let Error::Hook { what, source } = &err else {
-        panic!("expected the copier's error, got {err:?}");
-    };
-    assert_eq!(what, "copying extent 0");
-    assert!(source.downcast_ref::<DeviceGone>().is_some(), "{source:?}");
-    assert_eq!(
-        err.to_string(),
-        "copying extent 0: the device fell off the bus"
-    );
-    assert!(progress.sources_released_after().is_some());
-}
-
-/// An asynchronous fake device: a copy runs only at `wait`, as a queued DMA completes later
-/// (a job that read a slot before waiting would write stale bytes). Records, for each copy,
-/// its stream offset and how many bytes the job had staged when it was asked for.
-struct LazyDevice {
-    memory: Vec<u8>,
-    /// (address in the slot, length, offset in the extent) of each copy not yet run.
-    pending: Vec<(usize, usize, usize)>,
-    progress: Arc<JobProgress>,
-    asked: Arc<Mutex<Vec<(u64, u64)>>>,
-}
-
-impl DeviceCopier for LazyDevice {
-    fn copy_to_host(
-        &mut self,
-        _extent: usize,
-        offset_bytes: u64,
-        slot: &mut [u8],
-        range: std::ops::Range<usize>,
-    ) -> Result<()> {
-        let len = range.len();
-        let address = slot[range].as_mut_ptr() as usize;
-        self.pending.push((address, len, offset_bytes as usize));
-        self.asked
-            .lock()
-            .unwrap()
-            .push((offset_bytes, self.progress.staged_bytes()));
-        Ok(())
-    }
-
-    fn wait(&mut self) -> Result<()> {
-        for (address, len, offset) in self.pending.drain(..) {
-            // SAFETY: DeviceCopier's contract: the job keeps the slot, and touches none of it,
-            // until `wait` has returned; `address..address + len` was inside it when asked for.
-            let dst = unsafe { std::slice::from_raw_parts_mut(address as *mut u8, len) };
-            dst.copy_from_slice(&self.memory[offset..offset + len]);
-        }
-        Ok(())
-    }
-}
-
-#[test]
-fn the_next_chunks_device_copy_is_asked_for_before_the_current_chunk_is_checksummed() {
-    let chunks = 6;
-    let size = chunks * CHUNK as usize;
-    let s = setup(&[size], 1, 0);
-    let memory: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+fn a_state_larger_than_the_arena_goes_in_windows_each_after_the_last_ones_writes() {
+    // The smallest arena (2 MiB) holds 32 chunks of 64 KiB: 71 chunks go in 3 windows.
+    let sizes = [40 * CHUNK as usize + 77, 100, 30 * CHUNK as usize];
+    let mut s = setup(&sizes, 1, 0);
+    let device_memory = patterned(&sizes);
+    s.data[1] = device_memory[1].clone();
+    let arena = Arena::new(1).unwrap();
+    let cells = (arena.len_bytes() / CHUNK as usize) as u64;
+    assert_eq!(cells, 32);
     let progress = Arc::new(JobProgress::default());
-    let asked = Arc::new(Mutex::new(Vec::new()));
+    let device = ThreadDevice::new(device_memory.clone(), &arena, &progress);
+    let seen = Arc::clone(&device.seen);
+    let mut sources = regions(&mut s.data);
+    sources[0] = SourceRegion::device(sizes[0]);
+    sources[2] = SourceRegion::device(sizes[2]);
     let hooks = JobHooks {
-        guard: None,
-        device: Some(Box::new(LazyDevice {
-            memory: memory.clone(),
-            pending: Vec::new(),
-            progress: Arc::clone(&progress),
-            asked: Arc::clone(&asked),
-        })),
-        crc32_fields: Vec::new(),
+        device: Some(Box::new(device)),
+        arena: arena.try_lease(),
+        ..JobHooks::default()
     };
-    let pool = Pool::new(CHUNK as usize, 8 * CHUNK as usize); // a free slot for every chunk
+    let pool = Pool::new(CHUNK as usize, 2 * CHUNK as usize);
     let report = write_parts_with(
         &s.plan,
         &s.targets,
-        vec![SourceRegion::device(size)],
+        sources,
         &pool,
         &options(),
         &progress,
@@ -254,99 +109,151 @@ fn the_next_chunks_device_copy_is_asked_for_before_the_current_chunk_is_checksum
     )
     .unwrap();
     let written = std::fs::read(&report.parts[0].path).unwrap();
-    assert!(
-        written == memory,
-        "the job read a slot before its copy had run"
-    );
-    let crcs: Vec<u32> = written
-        .chunks(CHUNK as usize)
-        .map(fastpersist_core::checksum::crc32c)
-        .collect();
+    assert!(written == expected_file(&s, &device_memory, 0));
+    let crcs: Vec<u32> = written.chunks(CHUNK as usize).map(crc32c).collect();
     assert_eq!(report.parts[0].chunk_crc32c, crcs);
-    let asked = asked.lock().unwrap();
-    assert_eq!(asked.len(), chunks);
-    for &(offset, staged) in asked.iter().skip(1) {
-        // chunk k's copy was asked for while chunk k-1 was still to be checksummed
-        assert_eq!(staged, offset - CHUNK, "{asked:?}");
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.calls.len(), 3, "one call per window");
+    assert_eq!(seen.waits, 3);
+    for (k, (pieces, written_before)) in seen.calls.iter().enumerate() {
+        let k = k as u64;
+        assert_eq!(
+            *written_before,
+            k * cells * CHUNK,
+            "window {k}'s copies were asked for once every earlier write had completed"
+        );
+        assert!(
+            pieces
+                .iter()
+                .all(|p| p.arena_offset_bytes + p.len_bytes <= cells * CHUNK)
+        );
     }
 }
 
 #[test]
-fn a_failing_job_waits_for_the_copies_in_flight_before_it_lets_go_of_their_slot() {
-    // A guard that fails on the first extent's report: the second extent's first chunk was
-    // asked for ahead, into a slot of its own; the job must wait for it before that slot
-    // goes back to the pool (a later save could be given it while the copy writes).
-    let sizes = [CHUNK as usize, 2 * CHUNK as usize];
-    let s = setup(&sizes, 1, 0);
-    let memory: Vec<u8> = vec![7; 3 * CHUNK as usize];
+fn crc32_fields_are_filled_in_through_the_arena() {
+    // Extent 0 is hashed; its CRC goes into the first 4 bytes of extent 1 (on the host).
+    let sizes = [3 * CHUNK as usize + 10, 64];
+    let mut s = setup(&sizes, 1, 0);
+    let device_memory = patterned(&sizes);
+    s.data[1] = vec![0; 64];
+    let arena = Arena::new(1).unwrap();
     let progress = Arc::new(JobProgress::default());
-    let asked = Arc::new(Mutex::new(Vec::new()));
-    let waits = Arc::new(Mutex::new(0usize));
-    struct Counted {
-        inner: LazyDevice,
-        waits: Arc<Mutex<usize>>,
-    }
-    impl DeviceCopier for Counted {
-        fn copy_to_host(
-            &mut self,
-            extent: usize,
-            offset_bytes: u64,
-            slot: &mut [u8],
-            range: std::ops::Range<usize>,
-        ) -> Result<()> {
-            self.inner.copy_to_host(extent, offset_bytes, slot, range)
-        }
-        fn wait(&mut self) -> Result<()> {
-            *self.waits.lock().unwrap() += 1;
-            self.inner.wait()
-        }
-    }
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let guard = Guard {
-        watched: vec![true, false],
-        copy_max_extent_bytes: 0,
-        copy_budget_bytes: 0,
-        observer: Box::new(Recorder {
-            seen: Arc::clone(&seen),
-            fail_on: Some(0),
-        }),
-    };
-    let hooks = JobHooks {
-        guard: Some(guard),
-        device: Some(Box::new(Counted {
-            inner: LazyDevice {
-                memory,
-                pending: Vec::new(),
-                progress: Arc::clone(&progress),
-                asked: Arc::clone(&asked),
-            },
-            waits: Arc::clone(&waits),
-        })),
-        crc32_fields: Vec::new(),
-    };
-    let pool = Pool::new(CHUNK as usize, 4 * CHUNK as usize);
-    let err = write_parts_with(
+    let mut sources = regions(&mut s.data);
+    sources[0] = SourceRegion::device(sizes[0]);
+    let at = s.plan.extent_offsets[1];
+    let report = write_parts_with(
         &s.plan,
         &s.targets,
-        vec![
-            SourceRegion::device(sizes[0]),
-            SourceRegion::device(sizes[1]),
-        ],
-        &pool,
+        sources,
+        &Pool::new(CHUNK as usize, 2 * CHUNK as usize),
         &options(),
         &progress,
-        hooks,
+        JobHooks {
+            device: Some(Box::new(ThreadDevice::new(
+                device_memory.clone(),
+                &arena,
+                &progress,
+            ))),
+            arena: arena.try_lease(),
+            crc32_fields: vec![Crc32Field {
+                start_bytes: 0,
+                len_bytes: sizes[0] as u64,
+                write_at_bytes: vec![at],
+            }],
+            ..JobHooks::default()
+        },
     )
-    .unwrap_err();
-    assert!(matches!(err, Error::Cancelled(_)), "{err:?}");
+    .unwrap();
+    let written = std::fs::read(&report.parts[0].path).unwrap();
+    let expected = crc32fast_ieee(&device_memory[0]);
     assert_eq!(
-        asked.lock().unwrap().len(),
-        2,
-        "the second chunk was asked for ahead"
+        &written[at as usize..at as usize + 4],
+        &expected.to_le_bytes()
     );
-    assert_eq!(
-        *waits.lock().unwrap(),
-        2,
-        "and waited for before the job let go of it"
-    );
+}
+
+/// CRC-32 (IEEE), bit by bit: the reference the zip records' fields are checked against.
+fn crc32fast_ieee(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+#[test]
+fn windows_are_written_from_the_arena_on_every_backend_direct_or_not() {
+    // Two writers' parts in one job (a partner's copy), three windows, a short last chunk.
+    use fastpersist_core::probe::{self, BackendKind, DirectMode};
+    let sizes = [50 * CHUNK as usize + 123, 4000, 40 * CHUNK as usize];
+    let mut ways = vec![
+        (BackendKind::Threads, DirectMode::Off),
+        (BackendKind::Threads, DirectMode::Auto),
+    ];
+    if probe::uring_status().is_ok() {
+        ways.push((BackendKind::IoUring, DirectMode::Off));
+        ways.push((BackendKind::IoUring, DirectMode::Require));
+    }
+    for (backend, direct) in ways {
+        let mut s = setup(&sizes, 2, 0);
+        s.targets.extend(
+            s.plan
+                .parts_of_writer(1)
+                .map(|p| fastpersist_core::job::WriteTarget {
+                    part: *p,
+                    path: s._root.path().join("partner.bin"),
+                }),
+        );
+        let device_memory = patterned(&sizes);
+        s.data[1] = device_memory[1].clone();
+        let arena = Arena::new(1).unwrap();
+        let progress = Arc::new(JobProgress::default());
+        let mut sources = regions(&mut s.data);
+        sources[0] = SourceRegion::device(sizes[0]);
+        sources[2] = SourceRegion::device(sizes[2]);
+        let options = fastpersist_core::job::WriteOptions {
+            backend,
+            direct,
+            ..options()
+        };
+        let report = write_parts_with(
+            &s.plan,
+            &s.targets,
+            sources,
+            &Pool::new(CHUNK as usize, 2 * CHUNK as usize),
+            &options,
+            &progress,
+            JobHooks {
+                device: Some(Box::new(ThreadDevice::new(
+                    device_memory.clone(),
+                    &arena,
+                    &progress,
+                ))),
+                arena: arena.try_lease(),
+                ..JobHooks::default()
+            },
+        )
+        .unwrap();
+        for (k, part) in report.parts.iter().enumerate() {
+            let written = std::fs::read(&part.path).unwrap();
+            assert!(
+                written == expected_file(&s, &device_memory, k),
+                "{backend:?} {direct:?} part {k}"
+            );
+            let crcs: Vec<u32> = written.chunks(CHUNK as usize).map(crc32c).collect();
+            assert_eq!(part.chunk_crc32c, crcs, "{backend:?} {direct:?}");
+            if direct == DirectMode::Require {
+                assert!(part.direct);
+            }
+        }
+        assert!(!arena.is_leased());
+    }
 }

@@ -22,8 +22,7 @@ fn every_watched_extent_is_reported_once_and_small_ones_are_copied_first() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let guard = Guard {
         watched: vec![true, true, true, true],
-        copy_max_extent_bytes: 1024,
-        copy_budget_bytes: 1 << 20,
+        copy_early: vec![0, 2],
         observer: Box::new(Recorder {
             seen: Arc::clone(&seen),
             fail_on: None,
@@ -41,8 +40,7 @@ fn every_watched_extent_is_reported_once_and_small_ones_are_copied_first() {
         &progress,
         JobHooks {
             guard: Some(guard),
-            device: None,
-            crc32_fields: Vec::new(),
+            ..JobHooks::default()
         },
     )
     .unwrap();
@@ -51,13 +49,12 @@ fn every_watched_extent_is_reported_once_and_small_ones_are_copied_first() {
 }
 
 #[test]
-fn early_copies_stop_at_the_budget_smallest_first() {
+fn the_extents_named_are_copied_early_and_never_reported() {
     let mut s = setup(&[300, 100, 200], 1, 0);
     let seen = Arc::new(Mutex::new(Vec::new()));
     let guard = Guard {
         watched: vec![true, true, true],
-        copy_max_extent_bytes: 1024,
-        copy_budget_bytes: 300, // 100 + 200 fit; 300 does not
+        copy_early: vec![2, 1],
         observer: Box::new(Recorder {
             seen: Arc::clone(&seen),
             fail_on: None,
@@ -74,8 +71,7 @@ fn early_copies_stop_at_the_budget_smallest_first() {
         &JobProgress::default(),
         JobHooks {
             guard: Some(guard),
-            device: None,
-            crc32_fields: Vec::new(),
+            ..JobHooks::default()
         },
     )
     .unwrap();
@@ -96,8 +92,7 @@ fn an_observer_error_fails_the_job() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let guard = Guard {
         watched: vec![true, true],
-        copy_max_extent_bytes: 0,
-        copy_budget_bytes: 0,
+        copy_early: Vec::new(),
         observer: Box::new(Recorder {
             seen: Arc::clone(&seen),
             fail_on: Some(0),
@@ -115,8 +110,7 @@ fn an_observer_error_fails_the_job() {
         &progress,
         JobHooks {
             guard: Some(guard),
-            device: None,
-            crc32_fields: Vec::new(),
+            ..JobHooks::default()
         },
     )
     .unwrap_err();
@@ -131,8 +125,7 @@ fn a_writer_hears_only_of_extents_it_writes() {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let guard = Guard {
         watched: vec![true, true],
-        copy_max_extent_bytes: 0,
-        copy_budget_bytes: 0,
+        copy_early: Vec::new(),
         observer: Box::new(Recorder {
             seen: Arc::clone(&seen),
             fail_on: Some(0),
@@ -149,8 +142,7 @@ fn a_writer_hears_only_of_extents_it_writes() {
         &JobProgress::default(),
         JobHooks {
             guard: Some(guard),
-            device: None,
-            crc32_fields: Vec::new(),
+            ..JobHooks::default()
         },
     )
     .unwrap();
@@ -176,8 +168,7 @@ fn a_job_cancelled_after_the_last_chunk_was_staged_still_fails() {
     let progress = Arc::new(JobProgress::default());
     let guard = Guard {
         watched: vec![true],
-        copy_max_extent_bytes: 0,
-        copy_budget_bytes: 0,
+        copy_early: Vec::new(),
         observer: Box::new(CancelAtEnd {
             progress: Arc::clone(&progress),
         }),
@@ -193,10 +184,40 @@ fn a_job_cancelled_after_the_last_chunk_was_staged_still_fails() {
         &progress,
         JobHooks {
             guard: Some(guard),
-            device: None,
-            crc32_fields: Vec::new(),
+            ..JobHooks::default()
         },
     )
     .unwrap_err();
     assert!(matches!(err, Error::Cancelled(_)), "{err:?}");
+}
+
+#[test]
+fn only_watched_host_extents_of_the_plan_can_be_copied_early() {
+    for copy_early in [vec![5], vec![1]] {
+        let mut s = setup(&[100, 100], 1, 0);
+        let guard = Guard {
+            watched: vec![true, false],
+            copy_early,
+            observer: Box::new(Recorder {
+                seen: Arc::default(),
+                fail_on: None,
+            }),
+        };
+        let progress = JobProgress::default();
+        let err = write_parts_with(
+            &s.plan,
+            &s.targets,
+            regions(&mut s.data),
+            &Pool::new(CHUNK as usize, 2 * CHUNK as usize),
+            &options(),
+            &progress,
+            JobHooks {
+                guard: Some(guard),
+                ..JobHooks::default()
+            },
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("cannot be copied early"), "{err}");
+        assert!(progress.wait_copied_early(std::time::Duration::ZERO));
+    }
 }

@@ -6,7 +6,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use fastpersist_core::Error;
-use fastpersist_core::job::{DeviceCopier, JobProgress, StagingObserver, WriteReport};
+use fastpersist_core::job::{CopyPiece, DeviceCopier, JobProgress, StagingObserver, WriteReport};
 use pyo3::exceptions::PyTimeoutError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -114,53 +114,39 @@ impl StagingObserver for PyStagingObserver {
     }
 }
 
-/// The device-to-host copy, in Python (e.g. a CUDA copy into a pinned slot): called from the
-/// job's thread with the GIL, with a memoryview over the slot that is released on return; and
-/// the wait for the copies it queued, if it queues them.
+/// The device-to-host copies, in Python (CUDA copies into the pinned arena): each window's
+/// pieces in one call, and one wait for them; both from the job's thread, with the GIL.
 pub(crate) struct PyDeviceCopier {
-    callback: Py<PyAny>,
-    wait: Option<Py<PyAny>>,
+    copy: Py<PyAny>,
+    wait: Py<PyAny>,
 }
 
 impl PyDeviceCopier {
-    pub fn new(callback: Py<PyAny>, wait: Option<Py<PyAny>>) -> Self {
-        PyDeviceCopier { callback, wait }
+    pub fn new(copy: Py<PyAny>, wait: Py<PyAny>) -> Self {
+        PyDeviceCopier { copy, wait }
     }
 }
 
 impl DeviceCopier for PyDeviceCopier {
-    fn copy_to_host(
-        &mut self,
-        extent: usize,
-        offset_bytes: u64,
-        slot: &mut [u8],
-        range: std::ops::Range<usize>,
-    ) -> fastpersist_core::Result<()> {
+    fn copy(&mut self, pieces: &[CopyPiece]) -> fastpersist_core::Result<()> {
         let outcome = Python::try_attach(|py| -> PyResult<()> {
-            // SAFETY: `slot` is memory this job owns for the whole call, and (DeviceCopier's
-            // contract) untouched by the job until `wait` returned, so a copy queued into it
-            // may complete later; the memoryview is released below, before the job reads it.
-            let view = unsafe {
-                Bound::from_owned_ptr_or_err(
-                    py,
-                    pyo3::ffi::PyMemoryView_FromMemory(
-                        slot.as_mut_ptr().cast(),
-                        slot.len() as pyo3::ffi::Py_ssize_t,
-                        pyo3::ffi::PyBUF_WRITE,
-                    ),
-                )?
-            };
-            let called = self.callback.call1(
-                py,
-                (extent, offset_bytes, view.clone(), range.start, range.end),
-            );
-            view.call_method0("release").ok();
-            called.map(|_| ())
+            let pieces: Vec<(usize, u64, u64, u64)> = pieces
+                .iter()
+                .map(|p| {
+                    (
+                        p.extent,
+                        p.extent_offset_bytes,
+                        p.arena_offset_bytes,
+                        p.len_bytes,
+                    )
+                })
+                .collect();
+            self.copy.call1(py, (pieces,)).map(|_| ())
         });
         match outcome {
             Some(Ok(())) => Ok(()),
             Some(Err(raised)) => Err(Error::Hook {
-                what: format!("the device-to-host copy of extent {extent} failed"),
+                what: "the device-to-host copies failed".into(),
                 source: Box::new(raised),
             }),
             None => Err(Error::Cancelled(
@@ -170,10 +156,7 @@ impl DeviceCopier for PyDeviceCopier {
     }
 
     fn wait(&mut self) -> fastpersist_core::Result<()> {
-        let Some(wait) = self.wait.as_ref() else {
-            return Ok(()); // copies are done when device_copy returns
-        };
-        match Python::try_attach(|py| wait.call0(py).map(|_| ())) {
+        match Python::try_attach(|py| self.wait.call0(py).map(|_| ())) {
             Some(Ok(())) => Ok(()),
             Some(Err(raised)) => Err(Error::Hook {
                 what: "waiting for the device-to-host copies failed".into(),

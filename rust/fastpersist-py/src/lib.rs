@@ -1,6 +1,8 @@
 //! `fastpersist._core`: a thin translator between Python and `fastpersist-core`. Functions
 //! extract arguments, release the GIL around the core call, and map errors.
 
+mod arena;
+mod before_free;
 mod buffers;
 mod errors;
 mod handle;
@@ -9,13 +11,14 @@ mod walk;
 mod write;
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use fastpersist_core::probe::{self, BackendChoice, DirectMode};
 use fastpersist_core::{checksum, durable, plan, pool};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use before_free::BeforeFree;
 use buffers::{HeldBuffer, PagedBuffer};
 use errors::IntoPyResult;
 use handle::WriteHandle;
@@ -76,33 +79,12 @@ impl Plan {
 
 /// Page-aligned staging memory, reused across saves. What Python tied to the pool's memory (CUDA
 /// registrations of its slots) is released by callbacks the pool calls before that memory is
-/// freed: a weak reference's callback would run only after (pyo3 drops the value first).
+/// freed (see `before_free`).
 #[pyclass(frozen, weakref, module = "fastpersist._core")]
 struct Pool {
+    // Declared first, so dropped first: the callbacks run while the memory is still allocated.
+    before_free: BeforeFree,
     inner: pool::Pool,
-    before_free: Mutex<Vec<Py<PyAny>>>,
-}
-
-impl Drop for Pool {
-    fn drop(&mut self) {
-        let callbacks = std::mem::take(
-            self.before_free
-                .get_mut()
-                .unwrap_or_else(|e| e.into_inner()),
-        );
-        if callbacks.is_empty() {
-            return;
-        }
-        // Not attached (the interpreter is finalizing): skipped, as nothing may call into
-        // Python or CUDA then; the process's exit releases the registrations.
-        Python::try_attach(|py| {
-            for callback in callbacks {
-                if let Err(raised) = callback.call0(py) {
-                    raised.write_unraisable(py, None);
-                }
-            }
-        });
-    }
 }
 
 #[pymethods]
@@ -117,17 +99,14 @@ impl Pool {
         }
         Ok(Pool {
             inner: pool::Pool::new(slot_bytes, pool_bytes),
-            before_free: Mutex::new(Vec::new()),
+            before_free: BeforeFree::default(),
         })
     }
 
     /// Calls `callback()` when the pool goes, before its memory is freed (in the order given;
     /// an exception is reported as unraisable). It must not refer to the pool.
     fn call_before_free(&self, callback: Py<PyAny>) {
-        self.before_free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(callback);
+        self.before_free.push(callback);
     }
 
     /// Bytes per slot.
@@ -279,6 +258,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_class::<Plan>()?;
     m.add_class::<Pool>()?;
+    m.add_class::<arena::Arena>()?;
+    m.add_class::<arena::ArenaLease>()?;
     m.add_class::<WriteHandle>()?;
     m.add_class::<PagedBuffer>()?;
     m.add_function(wrap_pyfunction!(write::start_write, m)?)?;

@@ -1,5 +1,6 @@
-//! `start_write`: a save job from Python arguments (plan, paths, source buffers, the mutation
-//! guard's and the device copier's callbacks), run here or on a thread of its own.
+//! `start_write`: a save job from a Python write request (plan, paths, source buffers, the
+//! mutation guard's and the device staging's callbacks), run here or on a thread of its own.
+//! The request's fields are documented once, on `WriteRequest` in `_core.pyi`.
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -11,92 +12,97 @@ use fastpersist_core::plan;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use crate::arena::ArenaLease;
 use crate::buffers::HeldBuffer;
 use crate::handle::{PyDeviceCopier, PyStagingObserver, Shared, WriteHandle};
 use crate::{Plan, Pool};
 
-/// Starts writing `writer`'s parts of `plan`, then those of each writer in `also_writers`, to
-/// `paths` (one per part, in that order) from `sources` (one buffer per extent).
-/// With `background=False` the write runs on this thread (GIL released) and the returned
-/// handle is already finished.
-///
-/// The mutation guard: `watched[i]` says extent `i`'s source may be modified while the job
-/// runs. Watched extents of at most `copy_max_extent_bytes` are copied (smallest first, up to
-/// `copy_budget_bytes`) before this returns; `on_staged(extents)` is called (from the job's
-/// thread, with the GIL) once each other watched extent is staged whole, and a false result
-/// (or an exception) fails the job.
-///
-/// A source given as None lives in device memory: `device_copy(extent, offset_bytes, slot,
-/// start, end)` is called (job's thread, GIL held) to copy, or queue the copy of, that extent's
-/// bytes from `offset_bytes` into `slot[start:end]`; `slot` is a writable memoryview over a
-/// whole staging slot, valid only during the call. `device_wait()` is called before the job
-/// reads a slot it asked copies into: it returns once every copy asked for has completed (the
-/// slot's memory stays the job's, untouched, until then). Without it copies must be done on
-/// return.
-///
-/// `crc32_fields`: `(start_bytes, len_bytes, [write_at_bytes, ...])` per stream range whose
-/// CRC-32 (IEEE) is written little-endian at each offset while staging (a zip archive's record
-/// CRCs); the plan must then have one part.
-#[pyfunction]
-#[pyo3(signature = (plan, writer, paths, sources, pool, *, backend="auto", direct_io="auto", queue_depth=8, checksum=true, durable=true, background=false, watched=None, on_staged=None, copy_max_extent_bytes=0, copy_budget_bytes=0, device_copy=None, device_wait=None, also_writers=None, crc32_fields=None))]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn start_write(
-    py: Python<'_>,
-    plan: &Plan,
+/// What `start_write` is asked to do: the attributes of a Python `WriteRequest`
+/// (`fastpersist.engine.WriteRequest`; each field is documented in `_core.pyi`).
+#[derive(FromPyObject)]
+pub(crate) struct WriteRequest<'py> {
+    #[pyo3(attribute)]
+    plan: PyRef<'py, Plan>,
+    #[pyo3(attribute)]
     writer: usize,
+    #[pyo3(attribute)]
     paths: Vec<PathBuf>,
-    sources: Vec<Option<Bound<'_, PyAny>>>,
-    pool: &Pool,
-    backend: &str,
-    direct_io: &str,
+    #[pyo3(attribute)]
+    sources: Vec<Option<Bound<'py, PyAny>>>,
+    #[pyo3(attribute)]
+    pool: PyRef<'py, Pool>,
+    #[pyo3(attribute)]
+    backend: String,
+    #[pyo3(attribute)]
+    direct_io: String,
+    #[pyo3(attribute)]
     queue_depth: usize,
+    #[pyo3(attribute)]
     checksum: bool,
+    #[pyo3(attribute)]
     durable: bool,
+    #[pyo3(attribute)]
     background: bool,
+    #[pyo3(attribute)]
     watched: Option<Vec<bool>>,
+    #[pyo3(attribute)]
     on_staged: Option<Py<PyAny>>,
-    copy_max_extent_bytes: u64,
-    copy_budget_bytes: u64,
-    device_copy: Option<Py<PyAny>>,
-    device_wait: Option<Py<PyAny>>,
-    also_writers: Option<Vec<usize>>,
-    crc32_fields: Option<Vec<(u64, u64, Vec<u64>)>>,
-) -> PyResult<WriteHandle> {
-    let (selection, direct) = crate::io_choices(py, backend, direct_io)?;
+    #[pyo3(attribute)]
+    copy_early: Vec<usize>,
+    #[pyo3(attribute)]
+    device: Option<Bound<'py, PyAny>>,
+    #[pyo3(attribute)]
+    also_writers: Vec<usize>,
+    #[pyo3(attribute)]
+    crc32_fields: Vec<(u64, u64, Vec<u64>)>,
+}
+
+/// Starts the write that `request` describes (see `WriteRequest` in `_core.pyi`).
+#[pyfunction]
+pub(crate) fn start_write(py: Python<'_>, request: WriteRequest<'_>) -> PyResult<WriteHandle> {
+    let (selection, direct) = crate::io_choices(py, &request.backend, &request.direct_io)?;
     let options = WriteOptions {
         backend: selection.kind,
         direct,
-        queue_depth,
-        checksum,
-        durable,
+        queue_depth: request.queue_depth,
+        checksum: request.checksum,
+        durable: request.durable,
     };
-    let targets = writer_targets(
-        &plan.inner,
-        writer,
-        &also_writers.unwrap_or_default(),
-        paths,
-    )?;
-    let extents = &plan.inner.extent_bytes;
-    let (held, regions) = source_regions(&sources, extents)?;
+    let plan = &request.plan.inner;
+    let targets = writer_targets(plan, request.writer, &request.also_writers, request.paths)?;
+    let extents = &plan.extent_bytes;
+    let (held, regions) = source_regions(&request.sources, extents)?;
     let guard = guard_from(
-        watched,
-        on_staged,
-        copy_max_extent_bytes,
-        copy_budget_bytes,
+        request.watched,
+        request.on_staged,
+        request.copy_early,
         extents.len(),
     )?;
+    let (device, arena) = match request.device {
+        Some(staging) => {
+            let lease = staging.getattr("lease")?;
+            let lease = lease.cast::<ArenaLease>()?.get().take()?;
+            let copier = PyDeviceCopier::new(
+                staging.getattr("copy")?.unbind(),
+                staging.getattr("wait")?.unbind(),
+            );
+            (
+                Some(Box::new(copier) as Box<dyn fastpersist_core::job::DeviceCopier>),
+                Some(lease),
+            )
+        }
+        None => (None, None),
+    };
     let hooks = JobHooks {
         guard,
-        device: device_copy.map(|callback| {
-            Box::new(PyDeviceCopier::new(callback, device_wait))
-                as Box<dyn fastpersist_core::job::DeviceCopier>
-        }),
-        crc32_fields: crc32_fields_from(crc32_fields),
+        device,
+        arena,
+        crc32_fields: crc32_fields_from(request.crc32_fields),
     };
     let shared = Shared::new();
     let (job_plan, job_pool, job_shared) = (
-        Arc::clone(&plan.inner),
-        pool.inner.clone(),
+        Arc::clone(plan),
+        request.pool.inner.clone(),
         Arc::clone(&shared),
     );
     let job = move || {
@@ -111,7 +117,7 @@ pub(crate) fn start_write(
         );
         job_shared.finish(outcome);
     };
-    let thread = run_job(py, job, background, &shared)?;
+    let thread = run_job(py, job, request.background, &shared)?;
     Ok(WriteHandle {
         shared,
         sources: Mutex::new(Some(held)),
@@ -121,34 +127,34 @@ pub(crate) fn start_write(
     })
 }
 
-/// The mutation guard that `watched=` (an entry per extent) and `on_staged=` describe (both or
+/// The mutation guard that `watched` (an entry per extent) and `on_staged` describe (both or
 /// neither).
 fn guard_from(
     watched: Option<Vec<bool>>,
     on_staged: Option<Py<PyAny>>,
-    copy_max_extent_bytes: u64,
-    copy_budget_bytes: u64,
+    copy_early: Vec<usize>,
     extent_count: usize,
 ) -> PyResult<Option<Guard>> {
     match (watched, on_staged) {
         (Some(watched), Some(_)) if watched.len() != extent_count => Err(PyValueError::new_err(
-            format!("watched= has an entry per source, and the plan has {extent_count} extents"),
+            format!("watched has an entry per source, and the plan has {extent_count} extents"),
         )),
         (Some(watched), Some(callback)) => Ok(Some(Guard {
             watched,
-            copy_max_extent_bytes,
-            copy_budget_bytes,
+            copy_early,
             observer: Box::new(PyStagingObserver::new(callback)),
         })),
-        (None, None) => Ok(None),
-        _ => Err(PyValueError::new_err("watched= and on_staged= go together")),
+        (None, None) if copy_early.is_empty() => Ok(None),
+        (None, None) => Err(PyValueError::new_err(
+            "copy_early names extents of the mutation guard: it needs watched and on_staged",
+        )),
+        _ => Err(PyValueError::new_err("watched and on_staged go together")),
     }
 }
 
-/// The core's fields from `crc32_fields=`'s `(start_bytes, len_bytes, [write_at_bytes])` tuples.
-fn crc32_fields_from(fields: Option<Vec<(u64, u64, Vec<u64>)>>) -> Vec<Crc32Field> {
+/// The core's fields from `crc32_fields`' `(start_bytes, len_bytes, [write_at_bytes])` tuples.
+fn crc32_fields_from(fields: Vec<(u64, u64, Vec<u64>)>) -> Vec<Crc32Field> {
     fields
-        .unwrap_or_default()
         .into_iter()
         .map(|(start_bytes, len_bytes, write_at_bytes)| Crc32Field {
             start_bytes,

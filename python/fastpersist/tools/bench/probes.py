@@ -178,15 +178,11 @@ def early_copy_bytes(state: object) -> tuple[int, int]:
         (1, 16)
     """
     from ...format.flatten import flatten
-    from ...saving.device_blobs import EARLY_COPY_BUDGET_BYTES, EARLY_COPY_MAX_BYTES
+    from ...gpu.early import choose_early_copies
 
-    sizes = sorted(b.nbytes for b in flatten(state).blobs if b.version is not None and b.nbytes <= EARLY_COPY_MAX_BYTES)
-    count = total = 0
-    for n in sizes:
-        if total + n > EARLY_COPY_BUDGET_BYTES:
-            break
-        count, total = count + 1, total + n
-    return count, total
+    blobs = flatten(state).blobs
+    chosen = choose_early_copies(blobs)
+    return len(chosen), sum(blobs[i].nbytes for i in chosen)
 
 
 def run_rss_probe_subprocess(args: argparse.Namespace, dirs: Sequence[str]) -> dict[str, Any]:

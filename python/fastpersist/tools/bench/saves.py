@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ... import _core
+from ...engine import WriteRequest, start_write
 from .fio import fio_engine, run_fio_write
 from .measure import Method
 from .system import Backend, aligned_buffer
@@ -88,18 +89,18 @@ def _raw_write(
 
     def raw_write() -> dict[str, float]:
         start = time.perf_counter()
-        report = _core.start_write(
-            plan,
-            0,
-            paths,
-            [source],
-            pool,
+        request = WriteRequest(
+            plan=plan,
+            paths=paths,
+            sources=[source],
+            pool=pool,
             backend=backend,
             direct_io=bench.direct,
             queue_depth=queue_depth,
             checksum=False,
             durable=True,
-        ).wait()
+        )
+        report = start_write(request).wait()
         seconds = time.perf_counter() - start
         assert report["bytes_written"] == bench.nbytes
         return {key: seconds}

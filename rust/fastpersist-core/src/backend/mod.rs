@@ -14,6 +14,7 @@ use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;
 
+use crate::arena::ArenaSpan;
 use crate::error::{Error, Result};
 use crate::pool::Slot;
 pub use crate::probe::BackendKind;
@@ -54,6 +55,8 @@ pub enum IoBuf<'a> {
     Slot(Slot),
     /// A caller-owned destination (reads).
     Slice(&'a mut [u8]),
+    /// Bytes of a staging arena (writes): read, never written, by the transfer.
+    Arena(ArenaSpan),
 }
 
 impl IoBuf<'_> {
@@ -61,14 +64,17 @@ impl IoBuf<'_> {
         match self {
             IoBuf::Slot(slot) => slot.buf_mut().as_mut_ptr(),
             IoBuf::Slice(slice) => slice.as_mut_ptr(),
+            // Only writes take arena bytes, and a write's transfer only reads its buffer.
+            IoBuf::Arena(span) => span.as_ptr().cast_mut(),
         }
     }
 
-    /// The buffer's bytes, to transfer into.
+    /// The buffer's bytes, to transfer into (reads only).
     fn bytes_mut(&mut self) -> &mut [u8] {
         match self {
             IoBuf::Slot(slot) => &mut slot.buf_mut()[..],
             IoBuf::Slice(slice) => slice,
+            IoBuf::Arena(_) => unreachable!("arena bytes are only written out, never read into"),
         }
     }
 
@@ -76,6 +82,7 @@ impl IoBuf<'_> {
         match self {
             IoBuf::Slot(slot) => slot.buf().len_bytes(),
             IoBuf::Slice(slice) => slice.len(),
+            IoBuf::Arena(span) => span.len_bytes(),
         }
     }
 
@@ -84,6 +91,7 @@ impl IoBuf<'_> {
         match self {
             IoBuf::Slot(slot) => slot.buf(),
             IoBuf::Slice(slice) => slice,
+            IoBuf::Arena(span) => span.bytes(),
         }
     }
 }

@@ -313,6 +313,8 @@ impl Drop for UringSubmitter<'_, '_> {
                 super::IoBuf::Slot(slot) => std::mem::forget(slot),
                 // Caller-owned memory cannot be kept alive from here.
                 super::IoBuf::Slice(_) => std::process::abort(),
+                // Leak the span, and with it the arena's mapping, for the same reason.
+                super::IoBuf::Arena(span) => std::mem::forget(span),
             }
         }
     }

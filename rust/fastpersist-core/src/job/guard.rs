@@ -19,12 +19,10 @@ pub trait StagingObserver: Send {
 pub struct Guard {
     /// Per plan extent: its source may be modified by someone while the job runs.
     pub watched: Vec<bool>,
-    /// Watched extents of at most this many bytes are copied into job-owned memory before the
-    /// job reports [`super::JobProgress::wait_copied_early`], smallest first, up to
-    /// `copy_budget_bytes` in all: nothing can race them afterwards.
-    pub copy_max_extent_bytes: u64,
-    /// Total bytes of early copies.
-    pub copy_budget_bytes: u64,
+    /// Watched host extents copied into job-owned memory before the job reports
+    /// [`super::JobProgress::wait_copied_early`]: nothing can race them afterwards. (Which ones
+    /// is the caller's rule: small ones, the buffers a forward pass updates in place.)
+    pub copy_early: Vec<usize>,
     /// Told when each remaining watched extent has been staged whole.
     pub observer: Box<dyn StagingObserver>,
 }
@@ -33,8 +31,7 @@ impl std::fmt::Debug for Guard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Guard")
             .field("watched", &self.watched.iter().filter(|w| **w).count())
-            .field("copy_max_extent_bytes", &self.copy_max_extent_bytes)
-            .field("copy_budget_bytes", &self.copy_budget_bytes)
+            .field("copy_early", &self.copy_early.len())
             .finish_non_exhaustive()
     }
 }
@@ -80,16 +77,18 @@ impl GuardState {
                 }
             }
         }
-        let mut small: Vec<usize> = (0..extent_count)
-            .filter(|&i| remaining_bytes[i] > 0 && !sources[i].device)
-            .filter(|&i| plan.extent_bytes[i] <= guard.copy_max_extent_bytes)
-            .collect();
-        small.sort_by_key(|&i| plan.extent_bytes[i]);
-        let mut total = 0u64;
-        small.retain(|&i| {
-            total += plan.extent_bytes[i];
-            total <= guard.copy_budget_bytes
-        });
+        let mut small = guard.copy_early;
+        small.sort_unstable();
+        small.dedup();
+        if let Some(&bad) = small
+            .iter()
+            .find(|&&i| i >= extent_count || sources[i].device || !watched[i])
+        {
+            return Err(Error::InvalidArgument(format!(
+                "extent {bad} cannot be copied early: only watched host extents of the plan's {extent_count} can"
+            )));
+        }
+        small.retain(|&i| remaining_bytes[i] > 0); // none of this job's bytes: nothing to copy
         let early_copies = copy_early(&small, sources, pool);
         for &i in &small {
             watched[i] = false;
@@ -107,6 +106,13 @@ impl GuardState {
     /// Records that stream bytes `[start, start + len_bytes)` are staged, and tells the
     /// observer about the watched extents that are now staged whole.
     pub fn note_staged(&mut self, extents: &ExtentMap, start: u64, len_bytes: u64) -> Result<()> {
+        self.record_staged(extents, start, len_bytes);
+        self.tell_observer()
+    }
+
+    /// Records that stream bytes `[start, start + len_bytes)` are staged; the observer hears of
+    /// the extents that became whole at the next [`Self::tell_observer`].
+    pub fn record_staged(&mut self, extents: &ExtentMap, start: u64, len_bytes: u64) {
         for overlap in extents.overlapping(start, start + len_bytes) {
             let i = overlap.index;
             if self.watched[i] {
@@ -116,6 +122,10 @@ impl GuardState {
                 }
             }
         }
+    }
+
+    /// Tells the observer, in one call, about the extents staged whole since it was last told.
+    pub fn tell_observer(&mut self) -> Result<()> {
         if self.just_staged.is_empty() {
             return Ok(());
         }

@@ -6,10 +6,14 @@
 //! * [`guard`](Guard): the mutation guard's early copies and staging reports;
 //! * [`crc32_fields`](Crc32Field): CRC-32s of stream ranges written into the stream (zip records);
 //! * `staging`: the [`OpSource`](crate::backend::OpSource) that fills slots and makes writes;
+//! * `from_arena`: the job of a save with device sources, staged into its arena and written
+//!   straight from there (`arena_writes`: a window's writes and their checksum threads);
 //! * [`memory`](is_memory_fs): targets on tmpfs/ramfs, written through mappings of the files;
 //! * here: the job itself (open the files, drive the backend, finish the files, report).
 
+mod arena_writes;
 mod crc32_fields;
+mod from_arena;
 mod guard;
 mod mapped;
 mod memory;
@@ -22,6 +26,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::DIRECT_ALIGN_BYTES;
+use crate::arena::ArenaLease;
 use crate::backend::{self, Direction, OpenFile};
 use crate::error::{Error, Result};
 use crate::plan::{Part, Plan};
@@ -32,7 +37,7 @@ pub use crc32_fields::{CRC32_FIELD_BYTES, Crc32Field};
 pub use guard::{Guard, StagingObserver};
 pub use memory::is_memory_fs;
 pub use progress::JobProgress;
-pub use source::{DeviceCopier, SourceRegion};
+pub use source::{CopyPiece, DeviceCopier, SourceRegion};
 use staging::Staging;
 
 /// Knobs of one write job.
@@ -86,8 +91,11 @@ pub struct WriteReport {
 pub struct JobHooks {
     /// The mutation guard.
     pub guard: Option<Guard>,
-    /// Stages [`SourceRegion::device`] extents; required when there are any.
+    /// Stages [`SourceRegion::device`] extents into `arena`; required when there are any.
     pub device: Option<Box<dyn DeviceCopier>>,
+    /// The staging memory of a save with device sources: its chunks are staged here and
+    /// written straight from here (required with `device`; host sources then go here too).
+    pub arena: Option<ArenaLease>,
     /// CRC-32 fields filled in while staging (the job must then write the whole stream).
     pub crc32_fields: Vec<Crc32Field>,
 }
@@ -97,6 +105,7 @@ impl std::fmt::Debug for JobHooks {
         f.debug_struct("JobHooks")
             .field("guard", &self.guard)
             .field("device", &self.device.is_some())
+            .field("arena", &self.arena)
             .field("crc32_fields", &self.crc32_fields.len())
             .finish()
     }
@@ -125,11 +134,11 @@ pub fn write_parts(
     )
 }
 
-/// [`write_parts`] with [`JobHooks`]. A mutation [`Guard`]: small watched extents are copied
+/// [`write_parts`] with [`JobHooks`]. A mutation [`Guard`]: the extents it names are copied
 /// first, and the guard's observer hears when each other watched extent is staged whole, so it
 /// can check that its source had not changed before then (and fail the job if it had). A
-/// [`DeviceCopier`]: stages the [`SourceRegion::device`] extents, chunk by chunk, while earlier
-/// chunks are being written.
+/// [`DeviceCopier`] and an arena: the job stages through the arena, window by window, the
+/// device copies of a window asked for at once (`from_arena`).
 pub fn write_parts_with(
     plan: &Plan,
     targets: &[WriteTarget],
@@ -139,6 +148,44 @@ pub fn write_parts_with(
     progress: &JobProgress,
     hooks: JobHooks,
 ) -> Result<WriteReport> {
+    let (crcs, direct) = if hooks.arena.is_some() || hooks.device.is_some() {
+        from_arena::write(plan, targets, sources, pool, options, progress, hooks)?
+    } else {
+        write_from_pool(plan, targets, sources, pool, options, progress, hooks)?
+    };
+    let parts = targets
+        .iter()
+        .zip(crcs)
+        .zip(direct)
+        .map(|((target, chunk_crc32c), direct)| PartReport {
+            path: target.path.clone(),
+            len_bytes: target.part.len_bytes,
+            chunk_crc32c: if options.checksum {
+                chunk_crc32c
+            } else {
+                Vec::new()
+            },
+            direct,
+        })
+        .collect();
+    Ok(WriteReport {
+        parts,
+        bytes_written: targets.iter().map(|t| t.part.len_bytes).sum(),
+    })
+}
+
+/// The job of host sources: staged chunk by chunk into pool slots (`staging`), or straight
+/// into the files' pages on a memory filesystem (`memory`). Returns the chunk checksums per
+/// file and whether each file was written with O_DIRECT.
+fn write_from_pool(
+    plan: &Plan,
+    targets: &[WriteTarget],
+    sources: Vec<SourceRegion>,
+    pool: &Pool,
+    options: &WriteOptions,
+    progress: &JobProgress,
+    hooks: JobHooks,
+) -> Result<(Vec<Vec<u32>>, Vec<bool>)> {
     let staging = Staging::new(plan, targets, sources, pool, options, progress, hooks);
     progress.mark_copied_early();
     let mut staging = staging?;
@@ -147,7 +194,6 @@ pub fn write_parts_with(
         // pages, reused across saves; O_DIRECT is never tried there unless it was required.
         if options.direct != DirectMode::Require
             && options.backend != BackendKind::Null
-            && !staging.has_device_sources()
             && memory::all_on_memory_fs(targets)
         {
             memory::write_mapped(&mut staging, targets, options.durable)?;
@@ -172,25 +218,7 @@ pub fn write_parts_with(
     })();
     staging.release_sources();
     let direct = result?;
-    let parts = targets
-        .iter()
-        .zip(std::mem::take(&mut staging.crcs))
-        .zip(direct)
-        .map(|((target, chunk_crc32c), direct)| PartReport {
-            path: target.path.clone(),
-            len_bytes: target.part.len_bytes,
-            chunk_crc32c: if options.checksum {
-                chunk_crc32c
-            } else {
-                Vec::new()
-            },
-            direct,
-        })
-        .collect();
-    Ok(WriteReport {
-        parts,
-        bytes_written: targets.iter().map(|t| t.part.len_bytes).sum(),
-    })
+    Ok((std::mem::take(&mut staging.crcs), direct))
 }
 
 fn parent_dir(path: &Path) -> &Path {
@@ -200,7 +228,7 @@ fn parent_dir(path: &Path) -> &Path {
     }
 }
 
-fn open_targets(
+pub(super) fn open_targets(
     targets: &[WriteTarget],
     direct: DirectMode,
     reserve: bool,
@@ -240,7 +268,11 @@ fn open_targets(
     Ok(files)
 }
 
-fn finish_files(files: &[OpenFile], targets: &[WriteTarget], durable: bool) -> Result<()> {
+pub(super) fn finish_files(
+    files: &[OpenFile],
+    targets: &[WriteTarget],
+    durable: bool,
+) -> Result<()> {
     for (file, target) in files.iter().zip(targets) {
         let len = target.part.len_bytes;
         // O_DIRECT wrote the tail padded to the alignment: cut it back to the logical length.

@@ -1,6 +1,6 @@
 //! What a job reads: one [`SourceRegion`] per plan extent (host memory by pointer, or device
-//! memory that a [`DeviceCopier`] stages), and the [`ExtentMap`] that finds the extents under
-//! a range of the logical stream.
+//! memory that a [`DeviceCopier`] copies into the job's arena), and the [`ExtentMap`] that
+//! finds the extents under a range of the logical stream.
 
 use crate::error::Result;
 use crate::plan::Plan;
@@ -11,7 +11,7 @@ use crate::plan::Plan;
 pub struct SourceRegion {
     pub(super) ptr: *const u8,
     pub(super) len_bytes: usize,
-    /// The bytes live in device memory: a [`DeviceCopier`] puts them into the slot.
+    /// The bytes live in device memory: a [`DeviceCopier`] puts them into the arena.
     pub(super) device: bool,
 }
 
@@ -33,7 +33,7 @@ impl SourceRegion {
     }
 
     /// An extent whose bytes are in device (e.g. GPU) memory: the job asks its
-    /// [`DeviceCopier`] to copy them into each slot, and never dereferences a pointer for it.
+    /// [`DeviceCopier`] to copy them into its arena, and never dereferences a pointer for it.
     pub fn device(len_bytes: usize) -> Self {
         SourceRegion {
             ptr: std::ptr::null(),
@@ -61,22 +61,30 @@ impl SourceRegion {
     }
 }
 
-/// Copies bytes of device-resident extents into host slots (a GPU's device-to-host copy).
+/// One device-to-host copy of a device save: bytes `[extent_offset_bytes, +len_bytes)` of
+/// extent `extent` into bytes `[arena_offset_bytes, +len_bytes)` of the job's arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyPiece {
+    /// The extent's index in the plan.
+    pub extent: usize,
+    /// Where the bytes start in the extent.
+    pub extent_offset_bytes: u64,
+    /// Where they go in the arena.
+    pub arena_offset_bytes: u64,
+    /// How many bytes.
+    pub len_bytes: u64,
+}
+
+/// Copies bytes of device-resident extents into the job's arena (a GPU's device-to-host copy).
 ///
-/// A copy may be asynchronous: the job issues the next chunk's copies before it checksums the
-/// current chunk, and calls [`DeviceCopier::wait`] before it reads a slot it asked copies into.
-/// Until `wait` has returned the job neither reads, writes, submits nor frees that slot, and
-/// keeps the sources, so a copier may go on writing `slot[range]` after `copy_to_host` returned.
+/// The job asks for a whole window of the arena at once, one [`CopyPiece`] per contiguous run
+/// (for a state that fits the arena: one call, one piece per tensor), then waits once. Copies
+/// may be asynchronous: until [`DeviceCopier::wait`] has returned, the job neither reads nor
+/// writes the arena bytes it asked copies into, and neither lets go of the arena nor of the
+/// sources, so a copier may go on writing them after `copy` returned.
 pub trait DeviceCopier: Send {
-    /// Copies (or queues the copy of) the bytes of extent `extent` starting at `offset_bytes`
-    /// into `slot[range]`. The whole slot is passed so that a copier can register (pin) it once.
-    fn copy_to_host(
-        &mut self,
-        extent: usize,
-        offset_bytes: u64,
-        slot: &mut [u8],
-        range: std::ops::Range<usize>,
-    ) -> Result<()>;
+    /// Copies (or queues the copies of) `pieces` into the arena the job was given.
+    fn copy(&mut self, pieces: &[CopyPiece]) -> Result<()>;
 
     /// Returns once every copy asked for so far has completed (a synchronous copier has
     /// nothing to wait for).

@@ -1,13 +1,14 @@
-//! The write job's [`OpSource`]: copies the stream's bytes into pool slots chunk by chunk
-//! (checksumming each while it is hot, and filling in [`Crc32Field`]s), round-robin across the
-//! files, and hands them to the backend as writes.
+//! The write job's [`OpSource`] for host sources: copies the stream's bytes into pool slots
+//! chunk by chunk (checksumming each while it is hot, and filling in [`Crc32Field`]s),
+//! round-robin across the files, and hands them to the backend as writes. (A save with device
+//! sources stages through its arena instead: `from_arena`.)
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
 use super::crc32_fields::Crc32Patcher;
 use super::guard::GuardState;
-use super::source::{DeviceCopier, ExtentMap, SourceRegion};
+use super::source::{ExtentMap, SourceRegion};
 use super::{JobHooks, JobProgress, WriteOptions, WriteTarget};
 use crate::DIRECT_ALIGN_BYTES;
 use crate::align::round_up;
@@ -37,14 +38,8 @@ pub(super) struct Staging<'p> {
     /// Chunks staged while the queue was full, in order, waiting for a queue slot.
     ahead: VecDeque<StagedChunk>,
     guard: Option<GuardState>,
-    device: Option<Box<dyn DeviceCopier>>,
     /// The CRC-32 fields filled in while staging (the stream is then staged in order).
     crc32: Option<Crc32Patcher>,
-    /// Device copies were asked for and not yet waited for (see [`DeviceCopier`]).
-    device_in_flight: bool,
-    /// A slot for the chunk staged next, its device copies already asked for: they run while
-    /// the chunk before it is checksummed.
-    prefetched: Option<Slot>,
 }
 
 /// A chunk copied into a pool slot, not yet submitted.
@@ -77,13 +72,10 @@ impl<'p> Staging<'p> {
             progress,
             ahead: VecDeque::new(),
             guard: None,
-            device: hooks.device,
             crc32: None,
-            device_in_flight: false,
-            prefetched: None,
         };
         let sources = staging.sources.as_mut().expect("just set");
-        check_sources(plan, sources, pool, staging.device.is_some())?;
+        check_sources(plan, sources, pool)?;
         let per_file: Vec<Vec<Chunk>> = targets
             .iter()
             .map(|t| t.part.chunks(plan.chunk_bytes).collect())
@@ -109,33 +101,10 @@ impl<'p> Staging<'p> {
         Ok(staging)
     }
 
-    /// Lets go of the sources (the caller may modify them), once no device copy reads them.
+    /// Lets go of the sources (the caller may modify them).
     pub fn release_sources(&mut self) {
-        self.settle_device();
         self.sources = None;
         self.progress.mark_sources_released();
-    }
-
-    /// Waits for the device copies in flight, whatever they return (the job is failing, or
-    /// they were waited for already), then lets go of the slot they were going into.
-    fn settle_device(&mut self) {
-        if self.device_in_flight {
-            self.device_in_flight = false;
-            if let Some(device) = self.device.as_mut() {
-                let _ = device.wait();
-            }
-        }
-        self.prefetched = None;
-    }
-
-    fn wait_device(&mut self) -> Result<()> {
-        if self.device_in_flight {
-            self.device_in_flight = false;
-            if let Some(device) = self.device.as_mut() {
-                device.wait()?;
-            }
-        }
-        Ok(())
     }
 
     /// Copies stream bytes `[start, start + dst.len())` into `dst`, zero-filling gaps.
@@ -146,9 +115,6 @@ impl<'p> Staging<'p> {
             dst[(cursor - start) as usize..(overlap.from - start) as usize].fill(0);
             cursor = overlap.to;
             let region = &sources[overlap.index];
-            if region.device {
-                continue; // put there by the device copier before the chunk's pieces are filled
-            }
             let target = &mut dst[(overlap.from - start) as usize..(overlap.to - start) as usize];
             // SAFETY: `from - extent_start + len <= region.len_bytes` (the region's length
             // equals the extent's, checked in `new`), the region is readable until sources are
@@ -165,72 +131,6 @@ impl<'p> Staging<'p> {
             }
         }
         dst[(cursor - start) as usize..].fill(0);
-    }
-
-    /// Asks for the copies of the device-resident extents overlapping `chunk` into `slot`,
-    /// one call each (they may still be running on return).
-    fn copy_from_device(&mut self, slot: &mut Slot, chunk: &Chunk) -> Result<()> {
-        let Some(device) = self.device.as_mut() else {
-            return Ok(());
-        };
-        let sources = self.sources.as_ref().expect("sources held while staging");
-        let start = chunk.stream_offset_bytes;
-        for overlap in self.extents.overlapping(start, start + chunk.len_bytes) {
-            if sources[overlap.index].device {
-                let range = (overlap.from - start) as usize..(overlap.to - start) as usize;
-                let offset_bytes = overlap.from - overlap.extent_start;
-                self.device_in_flight = true;
-                device.copy_to_host(overlap.index, offset_bytes, slot.buf_mut(), range)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Whether some of `chunk`'s bytes are device-resident.
-    fn has_device_bytes(&self, chunk: &Chunk) -> bool {
-        let (Some(sources), Some(_)) = (self.sources.as_ref(), self.device.as_ref()) else {
-            return false;
-        };
-        let start = chunk.stream_offset_bytes;
-        self.extents
-            .overlapping(start, start + chunk.len_bytes)
-            .any(|overlap| sources[overlap.index].device)
-    }
-
-    /// Asks for the device copies of the chunk staged next, into a free slot kept for it, if
-    /// it has device bytes and a slot is free now.
-    fn prefetch_next(&mut self) -> Result<()> {
-        if self.prefetched.is_some() || self.next == self.chunks.len() {
-            return Ok(());
-        }
-        let (_, _, chunk) = self.chunks[self.next];
-        if !self.has_device_bytes(&chunk) {
-            return Ok(());
-        }
-        let Some(mut slot) = self.pool.try_acquire() else {
-            return Ok(());
-        };
-        let asked = self.copy_from_device(&mut slot, &chunk);
-        self.prefetched = Some(slot); // settled (waited for, then freed) with the others on failure
-        asked
-    }
-
-    /// Stages `chunk` into `slot` (`issued`: its device copies were asked for already) and
-    /// returns its crc32c; the next chunk's device copies are asked for before this chunk is
-    /// checksummed, so that they overlap.
-    fn stage(&mut self, slot: &mut Slot, chunk: &Chunk, issued: bool) -> Result<u32> {
-        let staged = (|| {
-            if !issued {
-                self.copy_from_device(slot, chunk)?;
-            }
-            self.wait_device()?;
-            self.prefetch_next()
-        })();
-        if let Err(e) = staged {
-            self.settle_device(); // before `slot` can go back to the pool
-            return Err(e);
-        }
-        self.fill_checksummed(&mut slot.buf_mut()[..chunk.len_bytes as usize], chunk)
     }
 
     /// Fills `dst` (the chunk's length) with the chunk's host bytes piece by piece, each piece
@@ -265,16 +165,8 @@ impl<'p> Staging<'p> {
             .collect()
     }
 
-    /// Whether some source is device-resident (those need a slot and the device copier).
-    pub(super) fn has_device_sources(&self) -> bool {
-        self.sources
-            .as_ref()
-            .is_some_and(|s| s.iter().any(|r| r.device))
-    }
-
     /// Stages the next chunk straight into `dst` (its place in the file's memory, of the
-    /// chunk's length) instead of a pool slot: the write of the in-memory level. Host sources
-    /// only ([`Self::has_device_sources`] is false).
+    /// chunk's length) instead of a pool slot: the write of the in-memory level.
     pub(super) fn stage_next_into(&mut self, dst: &mut [u8]) -> Result<()> {
         self.check_cancelled()?;
         let index = self.next;
@@ -295,30 +187,26 @@ impl<'p> Staging<'p> {
         self.progress.check_cancelled("while staging")
     }
 
-    /// The slot for the chunk staged next and whether its device copies were asked for
-    /// already; None when no slot is free and `may_block` is false.
-    fn next_slot(&mut self, may_block: bool) -> Result<Option<(Slot, bool)>> {
-        if let Some(slot) = self.prefetched.take() {
-            return Ok(Some((slot, true)));
-        }
+    /// The slot for the chunk staged next; None when no slot is free and `may_block` is false.
+    fn next_slot(&mut self, may_block: bool) -> Result<Option<Slot>> {
         match self.pool.try_acquire() {
-            Some(slot) => Ok(Some((slot, false))),
+            Some(slot) => Ok(Some(slot)),
             None if !may_block => Ok(None),
             None => loop {
                 if let Some(slot) = self.pool.acquire_timeout(Duration::from_millis(50)) {
-                    break Ok(Some((slot, false)));
+                    break Ok(Some(slot));
                 }
                 self.check_cancelled()?;
             },
         }
     }
 
-    /// Stages the next chunk into `slot` (`issued`: its device copies were asked for already).
-    fn stage_next(&mut self, mut slot: Slot, issued: bool) -> Result<StagedChunk> {
+    /// Stages the next chunk into `slot`.
+    fn stage_next(&mut self, mut slot: Slot) -> Result<StagedChunk> {
         let index = self.next;
         let (file, chunk_in_file, chunk) = self.chunks[index];
         self.next += 1;
-        let crc = self.stage(&mut slot, &chunk, issued)?;
+        let crc = self.fill_checksummed(&mut slot.buf_mut()[..chunk.len_bytes as usize], &chunk)?;
         self.crcs[file][chunk_in_file] = crc;
         if let Some(guard) = self.guard.as_mut() {
             guard.note_staged(&self.extents, chunk.stream_offset_bytes, chunk.len_bytes)?;
@@ -350,14 +238,9 @@ impl<'p> Staging<'p> {
     }
 }
 
-/// Checks that the sources match the plan's extents, the chunks fit the pool's slots, and a
-/// device copier is there for device-resident sources.
-fn check_sources(
-    plan: &Plan,
-    sources: &[SourceRegion],
-    pool: &Pool,
-    has_copier: bool,
-) -> Result<()> {
+/// Checks that the sources match the plan's extents, the chunks fit the pool's slots, and
+/// every source is in host memory.
+fn check_sources(plan: &Plan, sources: &[SourceRegion], pool: &Pool) -> Result<()> {
     if sources.len() != plan.extent_bytes.len()
         || sources
             .iter()
@@ -375,16 +258,19 @@ fn check_sources(
             pool.slot_bytes()
         )));
     }
-    if sources.iter().any(|r| r.device) && !has_copier {
+    if sources.iter().any(|r| r.device) {
         return Err(Error::InvalidArgument(
-            "device-resident sources need a device copier".into(),
+            "device-resident sources need a device copier and an arena".into(),
         ));
     }
     Ok(())
 }
 
 /// CRC-32 fields are filled in one pass: the job must stage the whole stream, in order.
-fn check_in_stream_order(chunks: &[(usize, usize, Chunk)], total_bytes: u64) -> Result<()> {
+pub(super) fn check_in_stream_order(
+    chunks: &[(usize, usize, Chunk)],
+    total_bytes: u64,
+) -> Result<()> {
     let mut cursor = 0;
     for (_, _, chunk) in chunks {
         if chunk.stream_offset_bytes != cursor {
@@ -417,10 +303,10 @@ impl<'a> OpSource<'a> for Staging<'_> {
         if let Some(staged) = self.ahead.pop_front() {
             return Ok(Next::Op(self.op_for(staged)));
         }
-        let Some((slot, issued)) = self.next_slot(may_block)? else {
+        let Some(slot) = self.next_slot(may_block)? else {
             return Ok(Next::NotYet);
         };
-        let staged = self.stage_next(slot, issued)?;
+        let staged = self.stage_next(slot)?;
         Ok(Next::Op(self.op_for(staged)))
     }
 
@@ -429,10 +315,10 @@ impl<'a> OpSource<'a> for Staging<'_> {
             return Ok(false);
         }
         self.check_cancelled()?;
-        let Some((slot, issued)) = self.next_slot(false)? else {
+        let Some(slot) = self.next_slot(false)? else {
             return Ok(false);
         };
-        let staged = self.stage_next(slot, issued)?;
+        let staged = self.stage_next(slot)?;
         self.ahead.push_back(staged);
         Ok(true)
     }

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)] // each test crate uses its own part of this
 
+pub mod device;
+
 use std::sync::{Arc, Mutex};
 
 use fastpersist_core::error::{Error, Result};

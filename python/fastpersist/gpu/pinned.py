@@ -1,9 +1,9 @@
-"""Host memory registered with CUDA (``cudaHostRegister``): the save pool's slots and the load
-ring's buffers, so that copies from and to them run at pinned speed.
+"""Host memory registered with CUDA (``cudaHostRegister``): the save arenas and the load ring's
+buffers, so that copies from and to them run at pinned speed.
 
 Three rules. A registration ends before its memory is freed: CUDA keeps the pages pinned by
 address and would go on copying into the old pages after the address is reused, so each one is
-tied to the object that owns the memory (a save pool: undone in the pool's own drop, before its
+tied to the object that owns the memory (an arena or a pool: undone in its own drop, before its
 memory is freed; the load ring: undone when it drops a buffer). A failed registration is not an
 error: ``cudaHostRegister`` reports by return code and never raises, so the code is checked,
 the CUDA runtime's last error is cleared (left set, it would surface in the caller's next kernel
@@ -32,9 +32,9 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from . import _core
+from .. import _core
 
-__all__ = ["CudaRuntime", "HostRuntime", "is_pinned", "pin_host", "unpin_host", "use_runtime"]
+__all__ = ["CudaRuntime", "HostRuntime", "is_pinned", "pin_host", "pinned_bytes", "unpin_host", "use_runtime"]
 
 log = logging.getLogger("fastpersist")
 
@@ -153,12 +153,18 @@ def _stop_at_exit() -> None:
 
 def _when_freed(owner: object, callback: Callable[[], None]) -> None:
     """Calls `callback` when `owner` goes, before its memory is freed; never during exit."""
-    if isinstance(owner, _core.Pool):
-        # A weakref callback would run only after the pool's memory is freed (the Rust value is
-        # dropped before weak references are cleared): the pool calls it first.
+    if isinstance(owner, (_core.Pool, _core.Arena)):
+        # A weakref callback would run only after the owner's memory is freed (the Rust value
+        # is dropped before weak references are cleared): the owner calls it first.
         owner.call_before_free(callback)
     else:
         weakref.finalize(owner, callback).atexit = False
+
+
+def pinned_bytes() -> int:
+    """Bytes of host memory this process has registered with CUDA (and not yet unregistered)."""
+    with _lock:
+        return sum(r.nbytes for r in _registered.values() if r.ours)
 
 
 def is_pinned(host: torch.Tensor) -> bool:
@@ -172,7 +178,8 @@ def pin_host(host: torch.Tensor, owner: object) -> bool:
     """Registers the CPU buffer `host` (1-D uint8, memory that `owner` keeps alive) with CUDA
     once; returns whether it is pinned. A failure only means slower copies (one WARNING), and
     is not retried while `owner` lives. The registration is undone when `owner` goes (a
-    ``_core.Pool``, or an object that supports weak references), before its memory is freed."""
+    ``_core.Arena`` or ``_core.Pool``, or an object that supports weak references), before its
+    memory is freed."""
     address, nbytes = host.data_ptr(), host.numel()
     with _lock:
         found = _registered.get(address)

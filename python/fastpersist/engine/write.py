@@ -1,0 +1,90 @@
+"""A write of the engine: one typed request, started in one place.
+
+Every save path (a checkpoint's job, ``fp.torch_save``, the DCP writer, the tuner) builds a
+:class:`WriteRequest` and calls :func:`start_write`; the fields are documented once, on
+``WriteRequest`` in ``fastpersist/_core.pyi``, and ``rust/fastpersist-py/src/write.rs`` reads
+them by name.
+
+Example:
+    >>> import os, tempfile
+    >>> from fastpersist import _core
+    >>> path = os.path.join(tempfile.mkdtemp(), "part")
+    >>> plan = _core.Plan([5], 1, 1, 1 << 20)
+    >>> pool = _core.Pool(1 << 20, 2 << 20)
+    >>> start_write(WriteRequest(plan=plan, paths=[path], sources=[b"hello"], pool=pool)).wait()["bytes_written"]
+    5
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, TypedDict
+
+from .. import _core
+from ..config import Config
+
+__all__ = ["ConfigKnobs", "DeviceHook", "WriteRequest", "knobs", "start_write"]
+
+
+class DeviceHook(Protocol):
+    """What a write with device-resident sources is given (fastpersist.gpu.staging.DeviceStaging)."""
+
+    @property
+    def lease(self) -> _core.ArenaLease: ...
+
+    def copy(self, pieces: list[tuple[int, int, int, int]]) -> None: ...
+
+    def wait(self) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteRequest:
+    """The engine's write: see ``WriteRequest`` in ``fastpersist/_core.pyi`` for every field."""
+
+    plan: _core.Plan
+    paths: Sequence[str | os.PathLike[str]]
+    sources: Sequence[object | None]
+    pool: _core.Pool
+    writer: int = 0
+    also_writers: Sequence[int] = ()
+    backend: Literal["auto", "io_uring", "threads", "null"] = "auto"
+    direct_io: Literal["auto", "require", "off"] = "auto"
+    queue_depth: int = 8
+    checksum: bool = True
+    durable: bool = True
+    background: bool = False
+    watched: Sequence[bool] | None = None
+    on_staged: Callable[[list[int]], bool] | None = None
+    copy_early: Sequence[int] = ()
+    device: DeviceHook | None = None
+    crc32_fields: Sequence[tuple[int, int, Sequence[int]]] = ()
+
+
+class ConfigKnobs(TypedDict):
+    """The fields of a request that a config sets."""
+
+    backend: Literal["auto", "io_uring", "threads", "null"]
+    direct_io: Literal["auto", "require", "off"]
+    queue_depth: int
+    checksum: bool
+    durable: bool
+
+
+def knobs(config: Config, *, backend: Literal["auto", "io_uring", "threads", "null"] | None = None) -> ConfigKnobs:
+    """The request fields a (resolved) config sets: ``WriteRequest(**knobs(config), ...)``;
+    `backend` overrides the config's (the null sink of ``fastpersist bench``)."""
+    return ConfigKnobs(
+        backend=backend or config.backend,
+        direct_io=config.direct_io,
+        queue_depth=config.resolved_queue_depth,
+        checksum=config.checksum == "crc32c",
+        durable=config.durable,
+    )
+
+
+def start_write(request: WriteRequest) -> _core.WriteHandle:
+    """Starts `request` in the engine; returns its handle (finished already unless
+    ``request.background``)."""
+    return _core.start_write(request)

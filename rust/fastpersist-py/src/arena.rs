@@ -1,0 +1,133 @@
+//! `Arena` and `ArenaLease`: the staging memory of device saves (`fastpersist_core::arena`), as
+//! Python sees it: a writable buffer that Python registers with CUDA once, and leases that a
+//! save takes for its job.
+
+use std::os::raw::c_int;
+use std::sync::Mutex;
+
+use fastpersist_core::arena;
+use pyo3::exceptions::{PyMemoryError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+use crate::before_free::BeforeFree;
+
+/// Page-aligned memory that device saves stage into and write from, one job at a time. What
+/// Python tied to it (its CUDA registration) is released by callbacks it calls before its
+/// memory can be freed. Supports the buffer protocol (writable bytes).
+#[pyclass(frozen, weakref, module = "fastpersist._core")]
+pub(crate) struct Arena {
+    // Declared first, so dropped first: the callbacks run while the memory is still mapped.
+    before_free: BeforeFree,
+    pub inner: arena::Arena,
+}
+
+#[pymethods]
+impl Arena {
+    #[new]
+    fn new(len_bytes: usize) -> PyResult<Self> {
+        let inner = arena::Arena::new(len_bytes).map_err(|e| {
+            PyMemoryError::new_err(format!(
+                "cannot map a staging arena of {len_bytes} bytes: {e}"
+            ))
+        })?;
+        Ok(Arena {
+            inner,
+            before_free: BeforeFree::default(),
+        })
+    }
+
+    /// Its length in bytes (the size asked for, rounded up to whole 2 MiB pages).
+    #[getter]
+    fn len_bytes(&self) -> usize {
+        self.inner.len_bytes()
+    }
+
+    /// The address of its first byte.
+    #[getter]
+    fn address(&self) -> usize {
+        self.inner.as_ptr() as usize
+    }
+
+    /// Whether a save's job holds it now.
+    #[getter]
+    fn leased(&self) -> bool {
+        self.inner.is_leased()
+    }
+
+    /// A lease on the arena for one save, or None while another save holds it.
+    fn try_lease(slf: Bound<'_, Self>) -> Option<ArenaLease> {
+        let lease = slf.get().inner.try_lease()?;
+        Some(ArenaLease {
+            lease: Mutex::new(Some(lease)),
+            arena: slf.unbind(),
+        })
+    }
+
+    /// Calls `callback()` when the arena goes, before its memory can be freed (in the order
+    /// given; an exception is reported as unraisable). It must not refer to the arena.
+    fn call_before_free(&self, callback: Py<PyAny>) {
+        self.before_free.push(callback);
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len_bytes()
+    }
+
+    /// # Safety
+    /// Called by Python's buffer protocol with a valid `view`.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        let (ptr, len) = {
+            let this = slf.get();
+            (this.inner.as_ptr(), this.inner.len_bytes())
+        };
+        // SAFETY: `view` comes from Python's buffer machinery; the memory stays mapped while
+        // the exporting object (referenced by the view) lives, and it is writable.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                ptr.cast(),
+                len as ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+}
+
+/// One save's hold on an [`Arena`], handed to `start_write` (which takes it over); the arena is
+/// free again once the save's job has ended, or the lease is dropped unused.
+#[pyclass(frozen, module = "fastpersist._core")]
+pub(crate) struct ArenaLease {
+    lease: Mutex<Option<arena::ArenaLease>>,
+    arena: Py<Arena>,
+}
+
+impl ArenaLease {
+    /// The core lease, for a job; ValueError if a job took it already.
+    pub fn take(&self) -> PyResult<arena::ArenaLease> {
+        self.lease
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| PyValueError::new_err("this arena lease was handed to a save already"))
+    }
+}
+
+#[pymethods]
+impl ArenaLease {
+    /// The arena it holds.
+    #[getter]
+    fn arena(&self, py: Python<'_>) -> Py<Arena> {
+        self.arena.clone_ref(py)
+    }
+}
