@@ -85,8 +85,8 @@ def check_pinned_slot(root: str) -> bool:
     pinned: list[bool] = []
 
     class Watching(CudaCopier):
-        def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-            super().copy(pairs)
+        def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, early: bool = False) -> None:
+            super().copy(pairs, early=early)
             pinned.extend(dst.is_pinned() for _, dst in pairs)
 
     control = torch.frombuffer(_core.PagedBuffer(MiB), dtype=torch.uint8).is_pinned()

@@ -98,7 +98,12 @@ class SlowDeviceCopier:
     def begin(self) -> None:
         pass
 
-    def copy(self, pairs: Any) -> None:
+    def copy(self, pairs: Any, *, early: bool = False) -> None:
+        if early:
+            for src, dst in pairs:
+                dst.copy_(src)
+            return
+
         def land() -> None:
             time.sleep(0.003)
             for src, dst in pairs:

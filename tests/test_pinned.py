@@ -86,7 +86,7 @@ class PinningCopier:
     def begin(self) -> None:
         pass
 
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, early: bool = False) -> None:
         for src, dst in pairs:
             assert pinned.is_pinned(_arena_tensor(dst)), "the arena is pinned before any copy"
             dst.copy_(src)

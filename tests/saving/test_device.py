@@ -38,6 +38,7 @@ class FakeCopier:
     calls: ClassVar[list[int]] = []
     copied_bytes: ClassVar[list[int]] = []
     waits: ClassVar[int] = 0
+    early_pairs: ClassVar[int] = 0
     begun: ClassVar[int] = 0
     gate: ClassVar[threading.Event | None] = None
     #: Holds back wait() (after the copies landed) until set.
@@ -51,7 +52,12 @@ class FakeCopier:
     def begin(self) -> None:
         FakeCopier.begun += 1
 
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, early: bool = False) -> None:
+        if early:  # ordered before the caller's later work: done before the save call returns
+            FakeCopier.early_pairs += len(pairs)
+            for src, dst in pairs:
+                dst.copy_(src)
+            return
         if FakeCopier.fail_after_calls is not None and len(FakeCopier.calls) >= FakeCopier.fail_after_calls:
             raise RuntimeError("the fake device fell off the bus")
         for src, dst in pairs:
@@ -84,6 +90,7 @@ class FakeCopier:
 def fake_device() -> Iterator[set[int]]:
     """Tensors whose storage is in `on_device` are staged by FakeCopier, as GPU tensors would be."""
     FakeCopier.calls, FakeCopier.copied_bytes, FakeCopier.waits, FakeCopier.begun = [], [], 0, 0
+    FakeCopier.early_pairs = 0
     FakeCopier.gate, FakeCopier.wait_gate, FakeCopier.fail_after_calls = None, None, None
     on_device: set[int] = set()
 

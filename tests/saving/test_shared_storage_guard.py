@@ -71,7 +71,11 @@ class GatedCopier:
     def begin(self) -> None:
         pass
 
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, early: bool = False) -> None:
+        if early:  # ordered before the caller's later work
+            for src, dst in pairs:
+                dst.copy_(src)
+            return
         self.pending.extend(pairs)
 
     def wait(self) -> None:

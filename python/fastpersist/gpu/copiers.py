@@ -35,8 +35,10 @@ class DeviceCopier(Protocol):
     """Copies device memory into a save's arena, for one save and one source device.
 
     The order of calls: ``begin()`` once, on the caller's thread, when the save starts; then per
-    window of the arena ``copy(pairs)`` with every copy of the window, and ``wait()``; the
-    engine neither reads nor reuses those arena bytes before ``wait()`` returned.
+    window of the arena ``copy(pairs)`` with every copy of the window (and, for the first window
+    of a save that fits the arena, ``copy(pairs, early=True)`` with the small tensors' copies,
+    before the save call returns), and ``wait()``; the engine neither reads nor reuses those
+    arena bytes before ``wait()`` returned.
     """
 
     #: The arena must be registered with CUDA (``cudaHostRegister``) for these copies to run
@@ -46,9 +48,12 @@ class DeviceCopier(Protocol):
     def begin(self) -> None:
         """Orders the copies after the work the caller has queued so far."""
 
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, early: bool = False) -> None:
         """Copies, or queues the copies of, each ``src`` (1-D uint8, on the device) into ``dst``
-        (a 1-D uint8 view of the arena, same length)."""
+        (a 1-D uint8 view of the arena, same length). ``early``: the copies are ordered before
+        whatever the caller queues after the save call (the early copy of the small tensors the
+        next forward pass may update in place): a CUDA copier queues them on the stream that was
+        current at ``begin()``, a fake copies them before returning."""
 
     def wait(self) -> None:
         """Returns once every copy asked for so far has completed."""
@@ -87,27 +92,32 @@ class CudaCopier:
         if index not in _side_streams:
             _side_streams[index] = cuda.Stream(self.device)
         self.stream: Any = _side_streams[index]
+        self.caller_stream: Any = None
         self.ready: Any = None
-        self.done: Any = None
+        self.done: list[Any] = []
 
     def begin(self) -> None:
         with cuda.device(self.device):
+            self.caller_stream = cuda.current_stream(self.device)
             self.ready = cuda.Event()
-            self.ready.record(cuda.current_stream(self.device))
+            self.ready.record(self.caller_stream)
 
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        with cuda.device(self.device), cuda.stream(self.stream):
-            if self.ready is not None:
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, early: bool = False) -> None:
+        stream = self.caller_stream if early and self.caller_stream is not None else self.stream
+        with cuda.device(self.device), cuda.stream(stream):
+            if stream is self.stream and self.ready is not None:
                 self.stream.wait_event(self.ready)
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
-            self.done = cuda.Event()
-            self.done.record(self.stream)
+            done = cuda.Event()
+            done.record(stream)
+            self.done.append(done)
 
     def wait(self) -> None:
-        if self.done is not None:
-            with cuda.device(self.device):
-                self.done.synchronize()
+        with cuda.device(self.device):
+            for done in self.done:
+                done.synchronize()
+        self.done = []
 
 
 #: The copier installed by :func:`use_copier` (the predicate choosing its tensors, its

@@ -4,9 +4,11 @@ The next forward pass updates some buffers in place (BatchNorm statistics, step 
 other small tensors) before anyone calls ``wait_staged()``: such tensors would race their
 staging. So watched tensors of at most :data:`EARLY_COPY_MAX_BYTES` are copied at the call,
 smallest first, up to :data:`EARLY_COPY_BUDGET_BYTES` for host and device tensors together
-(docs/overlap.md). A device tensor's copy is a clone on its device, queued on the caller's
-stream before the next forward's kernels (no host sync); a host tensor's is made by the engine
-into memory of its own before ``start_write`` returns.
+(docs/overlap.md). A host tensor's copy is made by the engine into memory of its own before
+``start_write`` returns. A device tensor's is its device-to-host copy into the arena, queued on
+the caller's stream before the call returns, so it runs before the next forward's kernels (no
+host sync, no device memory); a save that goes through the arena in windows clones it on its
+device instead (:func:`clone_on_device`), as its copy may come in a later window.
 
 Example:
     >>> import torch
@@ -18,9 +20,11 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 from ..format.blobs import Blob
 
-__all__ = ["EARLY_COPY_BUDGET_BYTES", "EARLY_COPY_MAX_BYTES", "choose_early_copies", "copy_early_on_device"]
+__all__ = ["EARLY_COPY_BUDGET_BYTES", "EARLY_COPY_MAX_BYTES", "choose_early_copies", "clone_on_device", "split_by_side"]
 
 #: The largest tensor copied early.
 EARLY_COPY_MAX_BYTES = 1 << 20
@@ -28,7 +32,7 @@ EARLY_COPY_MAX_BYTES = 1 << 20
 EARLY_COPY_BUDGET_BYTES = 64 << 20
 
 
-def choose_early_copies(blobs: list[Blob]) -> list[int]:
+def choose_early_copies(blobs: Sequence[Blob]) -> list[int]:
     """The watched blobs a save copies early: at most EARLY_COPY_MAX_BYTES each, smallest first,
     up to EARLY_COPY_BUDGET_BYTES in all; their indices in stream order."""
     small = sorted(
@@ -43,15 +47,19 @@ def choose_early_copies(blobs: list[Blob]) -> list[int]:
     return sorted(chosen)
 
 
-def copy_early_on_device(blobs: list[Blob], chosen: list[int]) -> list[int]:
-    """Makes the early copies of the device-resident blobs among `chosen` (a clone on their
-    device, no longer watched) and returns the others: the host blobs the engine copies."""
-    host = []
+def split_by_side(blobs: Sequence[Blob], chosen: Iterable[int]) -> tuple[list[int], list[int]]:
+    """`chosen` split into host blobs (the engine copies them) and device-resident ones."""
+    host: list[int] = []
+    device: list[int] = []
     for i in chosen:
+        (host if blobs[i].copier_factory is None else device).append(i)
+    return host, device
+
+
+def clone_on_device(blobs: Sequence[Blob], indices: Iterable[int]) -> None:
+    """Replaces each device blob of `indices` by a clone on its device (queued on the caller's
+    stream, no host sync), no longer watched."""
+    for i in indices:
         blob = blobs[i]
-        if blob.copier_factory is None:
-            host.append(i)
-            continue
         blob.source = blob.source_tensor.clone()
         blob.version, blob.members = None, ()
-    return host

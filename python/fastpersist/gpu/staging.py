@@ -20,6 +20,7 @@ from .. import _core
 from ..format.blobs import Blob
 from .arenas import ARENAS, pinned_cap_bytes
 from .copiers import CopierFactory, DeviceCopier, copier_for, device_bytes
+from .early import clone_on_device
 
 __all__ = [
     "DeviceStaging",
@@ -49,8 +50,11 @@ class DeviceStaging:
         copiers: dict[tuple[CopierFactory, torch.device], DeviceCopier],
         key_path: Callable[[int], str],
         fail: Callable[[BaseException], object],
+        early: frozenset[int] = frozenset(),
     ) -> None:
         self.lease = lease
+        #: Device blobs copied early: their copies are ordered before the caller's later work.
+        self.early = early
         self._blobs = blobs
         self._host = host
         self._copiers = copiers
@@ -63,7 +67,7 @@ class DeviceStaging:
         """Queues the copies of `pieces`, ``(extent, extent_offset_bytes, arena_offset_bytes,
         len_bytes)`` each, grouped by copier (called by the engine's thread)."""
         try:
-            pairs: dict[tuple[CopierFactory, torch.device], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+            pairs: dict[tuple[CopierFactory, torch.device, bool], list[tuple[torch.Tensor, torch.Tensor]]] = {}
             host = self._host
             for extent, extent_offset, arena_offset, nbytes in pieces:
                 self._in_flight.append(extent)
@@ -71,9 +75,10 @@ class DeviceStaging:
                 src = source_bytes(blob, lambda e=extent: self._key_path(e))  # type: ignore[misc]
                 if nbytes != blob.nbytes:  # a window holds part of it
                     src = src[extent_offset : extent_offset + nbytes]
-                pairs.setdefault(copier_key(blob), []).append((src, host[arena_offset : arena_offset + nbytes]))
-            for key, batch in pairs.items():
-                self._copiers[key].copy(batch)
+                key = (*copier_key(blob), extent in self.early)
+                pairs.setdefault(key, []).append((src, host[arena_offset : arena_offset + nbytes]))
+            for (factory, device, early), batch in sorted(pairs.items(), key=lambda kv: not kv[0][2]):
+                self._copiers[factory, device].copy(batch, early=early)
         except BaseException as e:
             self._fail(e)
             raise
@@ -101,9 +106,15 @@ def start_device_staging(
     min_bytes: int,
     key_path: Callable[[int], str],
     fail: Callable[[BaseException], object],
+    early: Sequence[int] = (),
 ) -> DeviceStaging:
     """Leases an arena for a save whose share of the stream takes `need_bytes` and begins a
-    copier per (copier, device) of its device-resident blobs (on the caller's thread)."""
+    copier per (copier, device) of its device-resident blobs (on the caller's thread).
+
+    `early` names device blobs of the early copy (fastpersist.gpu.early). When the arena holds
+    the whole share, their copies go into the arena in the first window's call, ordered before
+    the caller's later work (``copy(..., early=True)``): no device memory, one copy each. Else
+    (the save goes in windows) they are cloned on their device now, as the early copy was."""
     copiers: dict[tuple[CopierFactory, torch.device], DeviceCopier] = {}
     for blob in blobs:
         if blob.copier_factory is not None:
@@ -112,9 +123,17 @@ def start_device_staging(
                 copiers[key] = key[0](key[1])
     pin = any(type(c).needs_pinned_memory for c in copiers.values())
     lease, host = ARENAS.lease(need_bytes, cap_bytes=pinned_cap_bytes(pinned_bytes), min_bytes=min_bytes, pin=pin)
+    in_one_window = lease.arena.len_bytes >= need_bytes
+    if not in_one_window:
+        clone_on_device(blobs, early)
+    else:
+        for i in early:  # ordered before the caller's later work: nothing can race them
+            blobs[i].version, blobs[i].members = None, ()
     for copier in copiers.values():
         copier.begin()
-    return DeviceStaging(blobs, lease, host, copiers, key_path, fail)
+    return DeviceStaging(
+        blobs, lease, host, copiers, key_path, fail, frozenset(early) if in_one_window else frozenset()
+    )
 
 
 def share_bytes(plan: _core.Plan, writers: Sequence[int], chunk_bytes: int) -> int:

@@ -33,7 +33,7 @@ from ..format.manifest import FileEntry, StreamText, build, stream_text
 from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write_owner
 from ..format.quote import shown
 from ..gcpause import paused_gc
-from ..gpu.early import choose_early_copies, copy_early_on_device
+from ..gpu.early import choose_early_copies, split_by_side
 from ..gpu.staging import DeviceStaging, has_device_blobs, share_bytes, start_device_staging
 from ..logs import log_save, log_save_call
 from .pools import pool_for
@@ -146,8 +146,10 @@ class SaveJob:
         self.verdict = Verdict()
         self._created: list[str] = []
         self._flat: FlatState | None = None
-        #: Watched host blobs the engine copies before start returns (the early copy).
+        #: The early copy: watched host blobs the engine copies before start returns, and
+        #: device blobs whose copies are ordered before the caller's later work.
         self._copy_early: list[int] = []
+        self._copy_early_on_device: list[int] = []
         self._device: DeviceStaging | None = None
         self.stripe_dirs: list[str] = []
         self.stripe_dirs_used: list[str] = []
@@ -195,7 +197,7 @@ class SaveJob:
         self.blob_lengths = [b.nbytes for b in flat.blobs]
         self.pool = self.pool if self.pool is not None else pool_for(self.config)
         if self.early_copy:
-            self._copy_early = copy_early_on_device(flat.blobs, choose_early_copies(flat.blobs))
+            self._copy_early, self._copy_early_on_device = split_by_side(flat.blobs, choose_early_copies(flat.blobs))
         self.my_parts = [p for w in self.writers for p in map(PlanPart._make, self.plan.parts) if p.writer == w]
         used = {self.stripe_dirs[part.stripe] for part in self.my_parts} if stripe_roots else set()
         self.stripe_dirs_used = sorted(used)
@@ -246,6 +248,7 @@ class SaveJob:
                 min_bytes=chunk,
                 key_path=self.blob_owner,
                 fail=self.verdict.fail,
+                early=self._copy_early_on_device,
             )
         self.handle = start_write(
             WriteRequest(
