@@ -21,11 +21,13 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .. import _core
 from .identity import DeviceIdentity
 
 __all__ = [
@@ -112,10 +114,22 @@ class TuneEntry:
 
 
 def _best(doc: dict[str, Any]) -> Best:
-    best = Best(int(doc["chunk_bytes"]), int(doc["queue_depth"]), float(doc["gb_per_s"]))
-    if best.chunk_bytes <= 0 or best.queue_depth <= 0:
-        raise ValueError(f"not a setting: {doc!r}")
-    return best
+    """A setting as the engine takes it; ``ValueError``/``TypeError`` naming the field otherwise
+    (a hand-edited or foreign cache must read as "not tuned", never fail a save later)."""
+    if not isinstance(doc, dict):
+        raise TypeError(f"a setting is an object with chunk_bytes, queue_depth and gb_per_s, not {doc!r}")
+    chunk, depth, speed = doc["chunk_bytes"], doc["queue_depth"], doc["gb_per_s"]
+    if type(chunk) is not int or not 0 < chunk <= _core.MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes={chunk!r} is not an integer in 1..{_core.MAX_CHUNK_BYTES}")
+    try:
+        _core.check_chunk_bytes(chunk)  # the engine's own rule (a multiple of its alignment)
+    except ValueError as e:
+        raise ValueError(f"chunk_bytes={chunk!r}: {e}") from None
+    if type(depth) is not int or not 1 <= depth <= _core.MAX_QUEUE_DEPTH:
+        raise ValueError(f"queue_depth={depth!r} is not an integer in 1..{_core.MAX_QUEUE_DEPTH}")
+    if type(speed) not in (int, float) or not math.isfinite(speed) or speed < 0:
+        raise ValueError(f"gb_per_s={speed!r} is not a finite non-negative number")
+    return Best(chunk, depth, float(speed))
 
 
 def cache_path() -> str:
@@ -135,10 +149,10 @@ def _read_devices(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
-        log.info("tuning cache %s unreadable (%s): using the default settings", path, e)
+        _note_once(path, "", f"the file is unreadable ({e}); it is ignored", logging.WARNING)
         return {}
     if not isinstance(doc, dict) or doc.get("version") != _VERSION or not isinstance(doc.get("devices"), dict):
-        log.info("tuning cache %s has an unknown layout: using the default settings", path)
+        _note_once(path, "", f"unknown layout (not a version {_VERSION} cache); it is ignored", logging.WARNING)
         return {}
     devices: dict[str, Any] = doc["devices"]
     return devices
@@ -147,11 +161,14 @@ def _read_devices(path: str) -> dict[str, Any]:
 _noted: set[tuple[str, str, str]] = set()
 
 
-def _note_once(path: str, key: str, why: str) -> None:
-    """Logs why an entry was ignored, once per process (saves run this on every call)."""
+def _note_once(path: str, key: str, why: str, level: int = logging.INFO) -> None:
+    """Logs why the file (`key` empty) or its entry for device `key` was ignored, once per
+    process (saves run this on every call). A broken file or entry is a WARNING: someone must
+    fix or delete it; a stale entry or another device's is expected, and INFO."""
     if (path, key, why) not in _noted:
         _noted.add((path, key, why))
-        log.info("tuning cache %s: entry for %s ignored: %s; using the default settings", path, key, why)
+        what = f"entry for {key} ignored: {why}" if key else why
+        log.log(level, "tuning cache %s: %s; using the default settings", path, what)
 
 
 def lookup(identity: DeviceIdentity, *, now: datetime.datetime | None = None) -> TuneEntry | None:
@@ -162,9 +179,14 @@ def lookup(identity: DeviceIdentity, *, now: datetime.datetime | None = None) ->
         log.debug("tuning cache %s: no entry for %s", path, identity.describe())
         return None
     try:
+        if not isinstance(raw, dict):
+            raise TypeError(f"an entry is an object, not {type(raw).__name__}")
         entry = TuneEntry.from_json(raw)
-    except (KeyError, TypeError, ValueError) as e:
-        _note_once(path, identity.key, f"malformed ({e!r})")
+    except KeyError as e:
+        _note_once(path, identity.key, f"malformed (no {e})", logging.WARNING)
+        return None
+    except (TypeError, ValueError) as e:
+        _note_once(path, identity.key, f"malformed ({e})", logging.WARNING)
         return None
     if not identity.matches(entry.device):
         _note_once(path, identity.key, f"it was measured on another device ({entry.device}, now {identity.to_json()})")
