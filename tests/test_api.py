@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -309,6 +310,29 @@ def test_config_validation() -> None:
         fp.Config(backend="uring")
     with pytest.raises(ValueError, match="direct_io"):
         fp.Config(direct_io="yes")
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda p: fp.save({"w": torch.zeros(1)}, p + "-new", config="x"), "config='x': expected a fastpersist.Config"),
+        (lambda p: fp.save_async({"w": torch.zeros(1)}, p + "-new", config={"durable": False}), "config={'durable'"),
+        (lambda p: fp.load(p, config="x"), "config='x'"),
+        (lambda p: fp.inspect(p, config="x"), "config='x'"),
+        (lambda p: fp.verify(p, config="x"), "config='x'"),
+        (lambda p: fp.load(p, phases="x"), "phases='x': expected a dict"),
+        (lambda p: fp.load(p, out=5), "out=5: expected None or the state to fill"),
+        (lambda p: fp.load(p, out="w"), "out='w'"),
+        (lambda p: fp.load(p, out={"w": torch.empty(10, device="meta")}), "is on the meta device"),
+    ],
+)
+def test_bad_arguments_are_refused_at_the_call_naming_them(workdir: str, call: Any, named: str) -> None:
+    path = os.path.join(workdir, "ck")
+    fp.save({"w": torch.randn(10)}, path)
+    with pytest.raises((TypeError, ValueError)) as info:
+        call(path)
+    assert named in str(info.value)
+    assert not os.path.exists(path + "-new")  # a refused save writes nothing
 
 
 def test_empty_state(workdir: str, config: fp.Config) -> None:

@@ -28,7 +28,7 @@ from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
 from .advisor.levels import Failures, local_mtbf_s
 from .api import load, verify
 from .cleanup import clean, stripe_leftovers
-from .config import Config, SaveResult
+from .config import Config, SaveResult, given_config
 from .errors import CorruptCheckpointError
 from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name, write_small_file
 from .format.manifest import read_manifest
@@ -43,6 +43,32 @@ from .saving.start import start_save
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger("fastpersist")
+
+
+def _check_remote_arguments(
+    remote: object, remote_every: object, remote_keep: object, remote_bytes_per_s: object
+) -> None:
+    """Refuses a `remote` that names no place, and remote settings given without a remote (they
+    would be silently ignored); the settings' values are checked with the remote level."""
+    if remote is not None:
+        if not isinstance(remote, (str, os.PathLike)):
+            raise TypeError(
+                f"remote={remote!r}: expected None, a directory on a shared filesystem or an s3://bucket/prefix "
+                f"URL, not {type(remote).__name__}"
+            )
+        if not str(os.fspath(remote)).strip():
+            raise ValueError(
+                f"remote={remote!r}: expected None (no remote level), a directory on a shared filesystem or an "
+                "s3://bucket/prefix URL; an empty path would drain into the working directory"
+            )
+        return
+    for name, value, default in (
+        ("remote_every", remote_every, None),
+        ("remote_keep", remote_keep, 2),
+        ("remote_bytes_per_s", remote_bytes_per_s, None),
+    ):
+        if value != default or type(value) is not type(default):
+            raise ValueError(f"{name}={value!r} applies to the remote level, but remote= is None: pass remote= too")
 
 
 class Checkpointer:
@@ -74,7 +100,9 @@ class Checkpointer:
             last one drained (the first saved step is drained too); None: as often as one drain
             at a time allows (the newest committed step whenever the drain is free);
             ``fastpersist advise`` recommends it from the failure rates (docs/advisor.md).
-        remote_keep: committed remote steps to keep (>= 1).
+        remote_keep: committed remote steps to keep (>= 1). `remote_every`, `remote_keep` and
+            `remote_bytes_per_s` set without `remote` are refused (they would do nothing), and
+            so is an empty `remote` (it would drain into the working directory).
         remote_bytes_per_s: the drain's throttle (None: unthrottled); it also pauses while a
             save is staging and yields half its time to a save that is writing.
         mtbf_s: the job's mean time between failures in seconds; ``every="auto"`` needs it or
@@ -138,6 +166,9 @@ class Checkpointer:
             raise ValueError(f"replicas={replicas!r}: expected an integer >= 0")
         if replicas and group is None:
             raise ValueError("replicas= needs group=: the copies go to ranks on other nodes")
+        if config is not None:
+            given_config(config)
+        _check_remote_arguments(remote, remote_every, remote_keep, remote_bytes_per_s)
         mtbf_s = local_mtbf_s(mtbf_s, failures, replicas, auto=every == "auto")
         self.root = os.path.abspath(os.fspath(root))
         self.history = SaveHistory(self.root, every=every, mtbf_s=mtbf_s, max_every=max_every)
@@ -430,6 +461,8 @@ class Checkpointer:
         Raises:
             FileNotFoundError: there is no good checkpoint under `root`.
         """
+        if step is not None and (type(step) is not int or step < 0):
+            raise TypeError(f"step={step!r}: expected a step number (a non-negative integer) or None (the latest)")
         if self._remote is not None:
             step = self.latest() if step is None else step
             if step is not None and self._remote.holds_only(step):
