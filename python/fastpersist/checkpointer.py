@@ -34,6 +34,7 @@ from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_n
 from .format.manifest import read_manifest
 from .futures import SaveFuture
 from .levels.hfexports import hf_exports_for
+from .levels.remote_arguments import check_remote_arguments
 from .retention import retire, retire_in_group, retired_steps
 from .saving.optimizer_guard import guard_optimizer
 from .saving.pools import pool_for
@@ -43,32 +44,6 @@ from .saving.start import start_save
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger("fastpersist")
-
-
-def _check_remote_arguments(
-    remote: object, remote_every: object, remote_keep: object, remote_bytes_per_s: object
-) -> None:
-    """Refuses a `remote` that names no place, and remote settings given without a remote (they
-    would be silently ignored); the settings' values are checked with the remote level."""
-    if remote is not None:
-        if not isinstance(remote, (str, os.PathLike)):
-            raise TypeError(
-                f"remote={remote!r}: expected None, a directory on a shared filesystem or an s3://bucket/prefix "
-                f"URL, not {type(remote).__name__}"
-            )
-        if not str(os.fspath(remote)).strip():
-            raise ValueError(
-                f"remote={remote!r}: expected None (no remote level), a directory on a shared filesystem or an "
-                "s3://bucket/prefix URL; an empty path would drain into the working directory"
-            )
-        return
-    for name, value, default in (
-        ("remote_every", remote_every, None),
-        ("remote_keep", remote_keep, 2),
-        ("remote_bytes_per_s", remote_bytes_per_s, None),
-    ):
-        if value != default or type(value) is not type(default):
-            raise ValueError(f"{name}={value!r} applies to the remote level, but remote= is None: pass remote= too")
 
 
 class Checkpointer:
@@ -168,7 +143,7 @@ class Checkpointer:
             raise ValueError("replicas= needs group=: the copies go to ranks on other nodes")
         if config is not None:
             given_config(config)
-        _check_remote_arguments(remote, remote_every, remote_keep, remote_bytes_per_s)
+        check_remote_arguments(remote, remote_every, remote_keep, remote_bytes_per_s)
         mtbf_s = local_mtbf_s(mtbf_s, failures, replicas, auto=every == "auto")
         self.root = os.path.abspath(os.fspath(root))
         self.history = SaveHistory(self.root, every=every, mtbf_s=mtbf_s, max_every=max_every)

@@ -245,9 +245,12 @@ class TorchSaveArgs:
     given: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, **arguments: Any) -> TorchSaveArgs:
-        """The arguments among `arguments` that are not :data:`TORCH_DEFAULT`."""
-        return cls({name: value for name, value in arguments.items() if value is not TORCH_DEFAULT})
+    def of(cls, pickle_module: Any, pickle_protocol: Any, use_new_zipfile: Any, no_byteorder: Any) -> TorchSaveArgs:
+        """``torch.save``'s arguments as :func:`torch_save` got them: those that are not
+        :data:`TORCH_DEFAULT`, under torch's names."""
+        names = ("pickle_module", "pickle_protocol", "_use_new_zipfile_serialization", "_disable_byteorder_record")
+        values = (pickle_module, pickle_protocol, use_new_zipfile, no_byteorder)
+        return cls({name: value for name, value in zip(names, values, strict=True) if value is not TORCH_DEFAULT})
 
     @property
     def pickle_module(self) -> Any:
@@ -357,12 +360,7 @@ def torch_save(
         tensor([0., 1., 2., 3.])
     """
     started = time.perf_counter()
-    args = TorchSaveArgs.of(
-        pickle_module=pickle_module,
-        pickle_protocol=pickle_protocol,
-        _use_new_zipfile_serialization=_use_new_zipfile_serialization,
-        _disable_byteorder_record=_disable_byteorder_record,
-    )
+    args = TorchSaveArgs.of(pickle_module, pickle_protocol, _use_new_zipfile_serialization, _disable_byteorder_record)
     why = torch_save_route(f, args)
     if why is not None or not isinstance(f, (str, os.PathLike)):  # (the second for the type checker)
         log.debug("torch_save hands %r to torch.save: %s", f, why)
