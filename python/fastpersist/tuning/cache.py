@@ -23,11 +23,11 @@ import json
 import logging
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import _core
+from ..format.layout import atomic_file, tmp_file_for
 from .identity import DeviceIdentity
 
 __all__ = [
@@ -203,25 +203,32 @@ def lookup(identity: DeviceIdentity, *, now: datetime.datetime | None = None) ->
     return entry
 
 
-def _scratch_file(path: str) -> tuple[int, str]:
-    """A new temporary file beside the cache file (made with its folder); OSError names the fix."""
+def _cache_folder(path: str) -> str:
+    """The cache file's folder, made if missing; OSError names the file and the fix."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)
-        return tempfile.mkstemp(prefix=".tune-", suffix=".json", dir=folder)
     except OSError as e:
-        raise OSError(
-            e.errno, f"cannot write the tuning cache {path}: {e.strerror}; set {CACHE_ENV} to a writable file", path
-        ) from e
+        raise _unwritable(path, e) from e
+    return folder
+
+
+def _unwritable(path: str, e: OSError) -> OSError:
+    why = f"cannot write the tuning cache {path}: {e.strerror}; set {CACHE_ENV} to a writable file"
+    return OSError(e.errno, why, path)
 
 
 def check_writable() -> str:
     """Raises ``OSError`` (naming the file and the fix) unless the cache file can be written;
     returns its path. ``tune`` asks before it measures."""
     path = cache_path()
-    fd, tmp = _scratch_file(path)
-    os.close(fd)
-    os.unlink(tmp)
+    _cache_folder(path)
+    probe = tmp_file_for(path)  # the name every temporary file of fastpersist has
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    except OSError as e:
+        raise _unwritable(path, e) from e
+    os.unlink(probe)
     if os.path.exists(path) and not os.access(path, os.W_OK):  # replacing it needs only the folder
         log.debug("tuning cache %s is read-only; it is replaced, not modified", path)
     return path
@@ -233,12 +240,10 @@ def store(entry: TuneEntry) -> str:
     path = cache_path()
     devices = _read_devices(path)
     devices[str(entry.device["key"])] = entry.to_json()
-    fd, tmp = _scratch_file(path)
+    _cache_folder(path)
     try:
-        with os.fdopen(fd, "w") as f:
+        with atomic_file(path, durable=False) as tmp, open(tmp, "w") as f:
             json.dump({"version": _VERSION, "devices": devices}, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    except OSError as e:
+        raise _unwritable(path, e) from e
     return path
