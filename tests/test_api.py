@@ -343,9 +343,23 @@ def test_empty_state(workdir: str, config: fp.Config) -> None:
     assert fp.load(path)["x"].numel() == 0
 
 
-def test_leftover_free_failure_on_missing_parent(workdir: str) -> None:
-    with pytest.raises(FileNotFoundError):
-        fp.save({"a": torch.ones(2)}, os.path.join(workdir, "no", "such", "dir"))
+def test_missing_parents_are_created_as_mkdir_p_would(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's loop saves to ckpt/step-N in an empty directory: ckpt/ is made (it failed)."""
+    monkeypatch.chdir(workdir)
+    fp.save_async({"a": torch.ones(2)}, "ckpt/step-0").wait()
+    fp.save({"a": torch.ones(3)}, os.path.join(workdir, "no", "such", "dir"))
+    assert torch.equal(fp.load("ckpt/step-0")["a"], torch.ones(2))
+    assert torch.equal(fp.load(os.path.join(workdir, "no", "such", "dir"))["a"], torch.ones(3))
+
+
+def test_leftover_free_failure_on_a_parent_that_cannot_be_made(workdir: str) -> None:
+    blocker = os.path.join(workdir, "file")
+    open(blocker, "wb").close()
+    with pytest.raises((FileExistsError, NotADirectoryError)):
+        fp.save({"a": torch.ones(2)}, os.path.join(blocker, "sub", "dir"))
+    with pytest.raises(ValueError, match="a save writes a local or mounted directory"):
+        fp.save({"a": torch.ones(2)}, "s3://bucket/ckpt")
+    assert os.listdir(workdir) == ["file"] and not os.path.exists("s3:")
     shutil.rmtree(workdir)
 
 

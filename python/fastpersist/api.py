@@ -43,6 +43,7 @@ def save(
     exceed what :func:`load` accepts (``fastpersist.format.limits``), before anything is
     committed. Bytes values over 4 KiB go into the data stream like tensors. An existing
     checkpoint at `path` is replaced atomically: readers see the old one or the new one, never a mix.
+    Missing directories above `path` are created (as ``mkdir -p``; durable with the save).
     The replaced tree is deleted after the commit, in the background (:func:`wait_removed`); a
     save that runs out of space while such deletions are queued waits for them and tries once more.
 
