@@ -31,3 +31,18 @@ def replace_in_a_loop(path: str, backend: str, seconds: float, saves: object) ->
         n += 1
     fp.wait_removed()  # the replaced trees, before the count says the saves are done
     saves.put(n)  # type: ignore[attr-defined]
+
+
+def save_steps_on_a_memory_root(root: str, backend: str, seconds: float, saves: object) -> None:
+    """Saves steps 0, 1, 2, ... (each tensor saying its step) into a ``Checkpointer(root,
+    keep=1)`` for `seconds`: on a memory root every save retires the previous step and
+    overwrites the files of the one before; puts the count of saves in `saves`."""
+    config = fp.Config(backend=backend, chunk_bytes=64 << 10, pool_bytes=1 << 20, queue_depth=4)
+    ck = fp.Checkpointer(root, keep=1, config=config)
+    n, stop = 0, time.monotonic() + seconds
+    while time.monotonic() < stop:
+        ck.save(n, stepped_state(n))
+        ck.wait()
+        n += 1
+    ck.close()
+    saves.put(n)  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -311,6 +312,29 @@ def test_config_validation() -> None:
         fp.Config(direct_io="yes")
 
 
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda p: fp.save({"w": torch.zeros(1)}, p + "-new", config="x"), "config='x': expected a fastpersist.Config"),
+        (lambda p: fp.save_async({"w": torch.zeros(1)}, p + "-new", config={"durable": False}), "config={'durable'"),
+        (lambda p: fp.load(p, config="x"), "config='x'"),
+        (lambda p: fp.inspect(p, config="x"), "config='x'"),
+        (lambda p: fp.verify(p, config="x"), "config='x'"),
+        (lambda p: fp.load(p, phases="x"), "phases='x': expected a dict"),
+        (lambda p: fp.load(p, out=5), "out=5: expected None or the state to fill"),
+        (lambda p: fp.load(p, out="w"), "out='w'"),
+        (lambda p: fp.load(p, out={"w": torch.empty(10, device="meta")}), "is on the meta device"),
+    ],
+)
+def test_bad_arguments_are_refused_at_the_call_naming_them(workdir: str, call: Any, named: str) -> None:
+    path = os.path.join(workdir, "ck")
+    fp.save({"w": torch.randn(10)}, path)
+    with pytest.raises((TypeError, ValueError)) as info:
+        call(path)
+    assert named in str(info.value)
+    assert not os.path.exists(path + "-new")  # a refused save writes nothing
+
+
 def test_empty_state(workdir: str, config: fp.Config) -> None:
     path = os.path.join(workdir, "e")
     fp.save({}, path, config=config)
@@ -319,9 +343,23 @@ def test_empty_state(workdir: str, config: fp.Config) -> None:
     assert fp.load(path)["x"].numel() == 0
 
 
-def test_leftover_free_failure_on_missing_parent(workdir: str) -> None:
-    with pytest.raises(FileNotFoundError):
-        fp.save({"a": torch.ones(2)}, os.path.join(workdir, "no", "such", "dir"))
+def test_missing_parents_are_created_as_mkdir_p_would(workdir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's loop saves to ckpt/step-N in an empty directory: ckpt/ is made (it failed)."""
+    monkeypatch.chdir(workdir)
+    fp.save_async({"a": torch.ones(2)}, "ckpt/step-0").wait()
+    fp.save({"a": torch.ones(3)}, os.path.join(workdir, "no", "such", "dir"))
+    assert torch.equal(fp.load("ckpt/step-0")["a"], torch.ones(2))
+    assert torch.equal(fp.load(os.path.join(workdir, "no", "such", "dir"))["a"], torch.ones(3))
+
+
+def test_leftover_free_failure_on_a_parent_that_cannot_be_made(workdir: str) -> None:
+    blocker = os.path.join(workdir, "file")
+    open(blocker, "wb").close()
+    with pytest.raises((FileExistsError, NotADirectoryError)):
+        fp.save({"a": torch.ones(2)}, os.path.join(blocker, "sub", "dir"))
+    with pytest.raises(ValueError, match="a save writes a local or mounted directory"):
+        fp.save({"a": torch.ones(2)}, "s3://bucket/ckpt")
+    assert os.listdir(workdir) == ["file"] and not os.path.exists("s3:")
     shutil.rmtree(workdir)
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -52,6 +53,37 @@ def test_every_and_keep(workdir: str) -> None:
     assert ck.load()["step"] == 9
     with pytest.raises(ValueError):
         fp.Checkpointer(workdir, keep=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"remote": ""}, "remote='': expected None (no remote level)"),
+        ({"remote": 5}, "remote=5: expected None"),
+        ({"remote_every": 0}, "remote_every=0 applies to the remote level, but remote= is None"),
+        ({"remote_keep": 0}, "remote_keep=0 applies to the remote level"),
+        ({"remote_bytes_per_s": 1e6}, "remote_bytes_per_s=1000000.0 applies"),
+        ({"config": "x"}, "config='x': expected a fastpersist.Config"),
+    ],
+)
+def test_bad_constructor_arguments_are_refused_naming_them(workdir: str, kwargs: dict[str, Any], named: str) -> None:
+    root = os.path.join(workdir, "root")
+    with pytest.raises((TypeError, ValueError)) as info:
+        fp.Checkpointer(root, **kwargs)
+    assert named in str(info.value)
+    assert os.listdir(workdir) == []  # refused before anything was made (no remote in the working directory)
+
+
+def test_bad_load_and_guard_arguments_are_refused_naming_them(workdir: str) -> None:
+    ck = fp.Checkpointer(workdir)
+    ck.save(1, {"w": torch.ones(3)})
+    ck.wait()
+    for step in ("x", -1, 1.0, True):
+        with pytest.raises(TypeError, match=rf"step={step!r}: expected a step number"):
+            ck.load(step=step)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"expected a torch\.optim\.Optimizer.*not str"):
+        ck.guard("not an optimizer")
+    assert torch.equal(ck.load(step=1)["w"], torch.ones(3))
 
 
 def test_latest_skips_a_corrupt_checkpoint(workdir: str) -> None:

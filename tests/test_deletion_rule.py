@@ -195,16 +195,19 @@ def test_a_file_system_without_locks_saves_and_clean_keeps_its_temporary_directo
     import errno
     import fcntl
 
-    from fastpersist.format import ownership
+    from fastpersist.format import flocks
 
     def no_locks(fd: int, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    monkeypatch.setattr(ownership, "_warned_no_locks", False)
+    monkeypatch.setattr(flocks, "_warned_no_locks", False)
     path = os.path.join(workdir, "ck")
     fp.save(_state(1), path, config=config)
     assert _same(fp.load(path), _state(1))
     tmp = os.path.join(workdir, ".ck.fptmp-0123456789ab")  # a dead save's, or a live one: no way to tell
     os.makedirs(tmp)
-    assert fp.clean(workdir) == [] and os.path.isdir(tmp)
+    tmp_file = os.path.join(workdir, ".model.pt.fptmp-0123456789ab")  # an atomic file write's, the same
+    open(tmp_file, "wb").close()
+    fp.torch_save({"w": torch.ones(2)}, os.path.join(workdir, "model.pt"))  # the next write of it keeps it too
+    assert fp.clean(workdir) == [] and os.path.isdir(tmp) and os.path.isfile(tmp_file)

@@ -68,7 +68,7 @@ def namespace() -> dict[str, Any]:
 def test_readme_examples_run(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("lightning")
     monkeypatch.chdir(tmp_path)
-    os.makedirs("ckpt")  # like torch.save, fp.save does not create parent directories
+    assert os.listdir(".") == []  # as a newcomer runs them: an empty directory, nothing made first
     python = blocks("python")
     assert len(python) >= 5
     names = namespace()

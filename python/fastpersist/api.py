@@ -12,10 +12,11 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .config import Config, SaveResult
+from .config import Config, SaveResult, given_config
 from .futures import SaveFuture
 from .levels.fetch import fetched, is_url, verify_url
 from .loading.examine import inspect_checkpoint, verify_checkpoint
+from .loading.fill import check_out
 from .loading.maplocation import MapLocation, check_load_flags
 from .loading.phases import PhaseClock
 from .loading.pipeline import LoadOptions, load_checkpoint
@@ -42,6 +43,7 @@ def save(
     exceed what :func:`load` accepts (``fastpersist.format.limits``), before anything is
     committed. Bytes values over 4 KiB go into the data stream like tensors. An existing
     checkpoint at `path` is replaced atomically: readers see the old one or the new one, never a mix.
+    Missing directories above `path` are created (as ``mkdir -p``; durable with the save).
     The replaced tree is deleted after the commit, in the background (:func:`wait_removed`); a
     save that runs out of space while such deletions are queued waits for them and tries once more.
 
@@ -58,7 +60,7 @@ def save(
         >>> res.nbytes > 0
         True
     """
-    config = config or Config()
+    config = given_config(config)
     try:
         return start_save(state, path, config, group=group, sharded=sharded, blocking=True).finish()
     except OSError as e:
@@ -94,7 +96,7 @@ def save_async(
         >>> fut.wait().path.endswith("fp-doc-async")
         True
     """
-    return SaveFuture(start_save(state, path, config or Config(), group=group, sharded=sharded))
+    return SaveFuture(start_save(state, path, given_config(config), group=group, sharded=sharded))
 
 
 def load(
@@ -159,6 +161,8 @@ def load(
             or it was deleted or replaced while being loaded (nothing of it is returned).
         CorruptCheckpointError: the manifest or data is damaged (naming file, tensor, byte range).
         FastPersistError: a CUDA device this machine lacks is a target (before any read).
+        TypeError / ValueError: an argument it cannot take (`config` not a Config, `phases` not
+            a dict, `out` not a state or holding a meta tensor), named in the message, before any read.
 
     Example:
         >>> state = fp.load("/tmp/fp-doc-ckpt")
@@ -166,7 +170,8 @@ def load(
         ['model', 'step']
     """
     check_load_flags(weights_only, mmap)
-    options = LoadOptions(map_location, verify, config or Config(), namedtuple_types, PhaseClock(phases))
+    check_out(out)
+    options = LoadOptions(map_location, verify, given_config(config), namedtuple_types, PhaseClock(phases))
     if is_url(path):  # s3://...: fetched into a temporary directory, every chunk checked
         with fetched(str(path)) as local:
             return load_checkpoint(local, options, out=out, group=group, shard=shard, shared_read=False)
@@ -187,10 +192,11 @@ def inspect(path: str | os.PathLike[str], *, config: Config | None = None) -> di
         >>> fp.inspect("/tmp/fp-doc-ckpt")["tensors"]
         2
     """
+    stripes = given_config(config).stripes
     if is_url(path):
         with fetched(str(path), data=False) as local:
             return inspect_checkpoint(local)
-    return inspect_checkpoint(path, config.stripes if config else None)
+    return inspect_checkpoint(path, stripes)
 
 
 def verify(
@@ -214,6 +220,7 @@ def verify(
         >>> fp.verify("/tmp/fp-doc-ckpt")["files"]
         1
     """
+    stripes = given_config(config).stripes
     if is_url(path):
         return verify_url(str(path))
-    return verify_checkpoint(path, progress, config.stripes if config else None)
+    return verify_checkpoint(path, progress, stripes)

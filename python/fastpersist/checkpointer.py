@@ -28,12 +28,13 @@ from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
 from .advisor.levels import Failures, local_mtbf_s
 from .api import load, verify
 from .cleanup import clean, stripe_leftovers
-from .config import Config, SaveResult
+from .config import Config, SaveResult, given_config
 from .errors import CorruptCheckpointError
 from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name, write_small_file
 from .format.manifest import read_manifest
 from .futures import SaveFuture
 from .levels.hfexports import hf_exports_for
+from .levels.remote_arguments import check_remote_arguments
 from .retention import retire, retire_in_group, retired_steps
 from .saving.optimizer_guard import guard_optimizer
 from .saving.pools import pool_for
@@ -74,7 +75,9 @@ class Checkpointer:
             last one drained (the first saved step is drained too); None: as often as one drain
             at a time allows (the newest committed step whenever the drain is free);
             ``fastpersist advise`` recommends it from the failure rates (docs/advisor.md).
-        remote_keep: committed remote steps to keep (>= 1).
+        remote_keep: committed remote steps to keep (>= 1). `remote_every`, `remote_keep` and
+            `remote_bytes_per_s` set without `remote` are refused (they would do nothing), and
+            so is an empty `remote` (it would drain into the working directory).
         remote_bytes_per_s: the drain's throttle (None: unthrottled); it also pauses while a
             save is staging and yields half its time to a save that is writing.
         mtbf_s: the job's mean time between failures in seconds; ``every="auto"`` needs it or
@@ -138,6 +141,9 @@ class Checkpointer:
             raise ValueError(f"replicas={replicas!r}: expected an integer >= 0")
         if replicas and group is None:
             raise ValueError("replicas= needs group=: the copies go to ranks on other nodes")
+        if config is not None:
+            given_config(config)
+        check_remote_arguments(remote, remote_every, remote_keep, remote_bytes_per_s)
         mtbf_s = local_mtbf_s(mtbf_s, failures, replicas, auto=every == "auto")
         self.root = os.path.abspath(os.fspath(root))
         self.history = SaveHistory(self.root, every=every, mtbf_s=mtbf_s, max_every=max_every)
@@ -430,6 +436,8 @@ class Checkpointer:
         Raises:
             FileNotFoundError: there is no good checkpoint under `root`.
         """
+        if step is not None and (type(step) is not int or step < 0):
+            raise TypeError(f"step={step!r}: expected a step number (a non-negative integer) or None (the latest)")
         if self._remote is not None:
             step = self.latest() if step is None else step
             if step is not None and self._remote.holds_only(step):

@@ -6,8 +6,10 @@ names are :mod:`fastpersist.format.layout`'s):
 * ``.{name}.fptmp-{id}``: the temporary checkpoint directory (partial data, maybe a manifest), or,
   when it died just after an atomic exchange, the replaced old checkpoint;
 * ``{name}.{id}[.rN|.wN].fpstripe`` directories under each stripe root;
-* ``.latest.json.tmp-*`` / ``.history.json.tmp-*``: a :class:`Checkpointer` index or cost
-  history being replaced.
+* ``.{file}.fptmp-{id}``: a file being replaced atomically (a :class:`Checkpointer` index or
+  cost history, an ``fp.torch_save`` file, a Hugging Face export's shards, a converted
+  safetensors file; :func:`fastpersist.format.layout.atomic_file`), up to the full size of what
+  was being written; and ``.latest.json.tmp-*`` / ``.history.json.tmp-*`` of older versions.
 
 On a memory root, the recycle directory ``.fprecycle/`` holds retired steps' data files kept for
 a later save to overwrite (:mod:`fastpersist.saving.recycle`). It is garbage by construction
@@ -25,7 +27,8 @@ The deletion rule: nothing is removed that is not provably a leftover of `root`.
   copies of checkpoints, are therefore safe.
 * A committed checkpoint whose manifest cannot be read (an I/O error, a newer format) keeps
   every stripe directory that names it, with a WARNING.
-* An index temporary file is removed only when the process that wrote it is gone.
+* A temporary file is removed only when no live writer holds its lock (an older version's
+  index temporary file: when the process that wrote it is gone).
 * A directory ``.fpremoving-*`` in a stripe root is a stripe directory whose owner had proven
   it and started removing it (a crash cut that short); it is removed.
 
@@ -44,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .errors import FastPersistError
-from .format.layout import INDEX_TMP, MANIFEST_NAME, parse_stripe_dir, parse_tmp_dir, tmp_dir_for
+from .format.layout import INDEX_TMP, MANIFEST_NAME, dead_tmp_files, parse_stripe_dir, parse_tmp_dir, tmp_dir_for
 from .format.manifest import read_manifest
 from .format.ownership import REMOVING, cleaning, is_live, lock_state, read_owner, remove_owned_dir
 from .saving.recycle import free_recycled, recycled_entries
@@ -218,9 +221,14 @@ def clean(
     with cleaning(root):
         _dead_tmp_dirs(view)
         dead_stripes = _scan_stripes(view, stripes or [], None)
+        dead_files = dead_tmp_files(root)
+        if not dry_run:
+            for path in dead_files:  # under the lock: a new temporary file cannot take the name
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
     index_tmp = _index_tmp_orphans(root)
     recycled = recycled_entries(root)
-    removed = [*view.dead_tmp.values(), *index_tmp, *dead_stripes, *recycled]
+    removed = [*view.dead_tmp.values(), *dead_files, *index_tmp, *dead_stripes, *recycled]
     if not dry_run:
         free_recycled(root)
         for path in dead_stripes:

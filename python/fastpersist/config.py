@@ -11,7 +11,7 @@ from . import _core
 from .tuning.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
 from .tuning.resolve import settle
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_QUEUE_DEPTH", "Config", "Resolved", "SaveResult", "resolve"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_QUEUE_DEPTH", "Config", "Resolved", "SaveResult", "given_config", "resolve"]
 
 _BACKENDS = ("auto", "io_uring", "threads")
 _DIRECT = ("auto", "require", "off")
@@ -149,6 +149,21 @@ class Config:
         if isinstance(self.queue_depth, int):
             return self.queue_depth
         raise ValueError('Config.queue_depth is still "auto": resolve it with config.resolved_for(path) first')
+
+
+def given_config(config: object, where: str = "config") -> Config:
+    """`config` as a caller passed it (`where` names the argument): itself, or ``Config()`` for
+    None; raises ``TypeError`` for anything else (a plain dict, a path), at the call.
+
+    Example:
+        >>> given_config(None) == Config(), given_config(Config(durable=False)).durable
+        (True, False)
+    """
+    if config is None:
+        return Config()
+    if not isinstance(config, Config):
+        raise TypeError(f"{where}={config!r}: expected a fastpersist.Config or None, not {type(config).__name__}")
+    return config
 
 
 class Resolved(NamedTuple):

@@ -268,6 +268,57 @@ def test_file_objects_are_written_by_torch_save_itself(
     assert_same(state, torch.load(io.BytesIO(values[0]), weights_only=True))
 
 
+class serialization_method:  # torch's own name for it
+    """What torch's test_serialization.py wraps ``torch.save`` with: it picks the format itself
+    and refuses a call that sets it ("Cannot set method manually")."""
+
+    def __init__(self, use_zip: bool) -> None:
+        self.use_zip = use_zip
+        self.torch_save = torch.save
+        self.calls: list[dict[str, Any]] = []
+
+    def __enter__(self) -> serialization_method:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(dict(kwargs))
+            if "_use_new_zipfile_serialization" in kwargs:
+                raise RuntimeError("Cannot set method manually")
+            kwargs["_use_new_zipfile_serialization"] = self.use_zip
+            return self.torch_save(*args, **kwargs)
+
+        torch.save = wrapper  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.save = self.torch_save
+
+
+@pytest.mark.parametrize("use_zip", [True, False], ids=["zip", "legacy"])
+def test_a_wrapped_torch_save_gets_only_the_arguments_given(workdir: str, use_zip: bool) -> None:
+    state = {"w": torch.arange(6.0), "n": 3}
+    expected = torch_bytes(state, _use_new_zipfile_serialization=use_zip)
+    with serialization_method(use_zip) as wrapped:
+        buf = io.BytesIO()  # a file object: written by torch.save, as the wrapper chose
+        assert fp.torch_save(state, buf).backend == "torch.save"
+        path = os.path.join(workdir, "missing-dir", "x.pt")  # torch.save reports it, as itself
+        with pytest.raises((RuntimeError, FileNotFoundError)):  # what torch.save raises in that format
+            fp.torch_save(state, path)
+        protocol_buf = io.BytesIO()
+        fp.torch_save(state, protocol_buf, pickle_protocol=2, _disable_byteorder_record=True)
+        fast = os.path.join(workdir, "fast.pt")  # the fast path calls no torch.save the caller sees
+        assert fp.torch_save(state, fast).backend != "torch.save"
+        with pytest.raises(RuntimeError, match="Cannot set method manually"):  # given: passed on, as torch.save would
+            fp.torch_save(state, io.BytesIO(), _use_new_zipfile_serialization=True)
+    assert wrapped.calls == [
+        {},
+        {},
+        {"pickle_protocol": 2, "_disable_byteorder_record": True},
+        {"_use_new_zipfile_serialization": True},
+    ]
+    assert buf.getvalue() == expected and zipfile.is_zipfile(io.BytesIO(buf.getvalue())) == use_zip
+    assert_same(state, torch.load(io.BytesIO(protocol_buf.getvalue()), weights_only=True))
+    assert_same(state, torch.load(fast, weights_only=True))
+
+
 def test_the_legacy_format_is_written_by_torch_save(workdir: str, debug_log: pytest.LogCaptureFixture) -> None:
     state = {"w": torch.arange(6.0).reshape(2, 3), "n": 3}
     path = os.path.join(workdir, "legacy.pt")

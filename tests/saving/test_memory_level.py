@@ -3,9 +3,11 @@ saves, survives the process, and stays crash-safe (saving/recycle.py, job/memory
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import mmap
+import multiprocessing
 import os
 import random
 import re
@@ -23,11 +25,14 @@ import torch
 
 import fastpersist as fp
 from fastpersist import _core
-from fastpersist.format.layout import MANIFEST_NAME, RECYCLE_DIR, data_file_name
+from fastpersist.format.layout import INDEX_NAME, MANIFEST_NAME, RECYCLE_DIR, data_file_name
+from fastpersist.loading import reading
 from fastpersist.saving.recycle import is_memory_root
 
 import crash_worker
+import replace_workers
 from backends import available_backends
+from gloo import TESTS_DIR
 
 SHM = "/dev/shm"
 pytestmark = pytest.mark.skipif(not (os.path.isdir(SHM) and is_memory_root(SHM)), reason="needs a tmpfs at /dev/shm")
@@ -204,6 +209,88 @@ def test_clean_removes_a_recycle_dir_and_keeps_the_checkpoints(shm_root: str) ->
     assert digests(ck.load(4)) == digests(state_of(4))
     assert [os.path.dirname(p) for p in fp.clean(shm_root)] == [bin_dir]  # step 2, retired by step 4
     assert ck.steps() == [3, 4]
+
+
+def _whole_step(state: dict[str, object]) -> bool:
+    """Whether every tensor of `state` is the one its step's save wrote (replace_workers)."""
+    step = state["step"]
+    assert isinstance(step, int)
+    want = replace_workers.stepped_state(step)
+    return all(torch.equal(state[k], want[k]) for k in want if isinstance(want[k], torch.Tensor))  # type: ignore[arg-type]
+
+
+def test_loads_while_retention_recycles_see_one_step(shm_root: str, backend: str) -> None:
+    """Another process saves step after step (keep=1: each save overwrites the files of the step
+    retired before); loads here of the step the index names, unverified, return one step whole
+    or raise CheckpointNotFoundError (before the fix: tensors mixing two steps)."""
+    os.makedirs(shm_root)
+    if TESTS_DIR not in sys.path:
+        sys.path.insert(0, TESTS_DIR)
+    ctx = multiprocessing.get_context("spawn")
+    saves = ctx.Queue()
+    seconds = 4.0
+    saver = ctx.Process(target=replace_workers.save_steps_on_a_memory_root, args=(shm_root, backend, seconds, saves))
+    saver.start()
+    seen: collections.Counter[str] = collections.Counter()
+    try:
+        stop = time.monotonic() + seconds + 15  # the saver's start-up, then its seconds
+        while saver.is_alive() and time.monotonic() < stop:
+            try:
+                with open(os.path.join(shm_root, INDEX_NAME)) as f:
+                    path = os.path.join(shm_root, json.load(f)["path"])
+            except (OSError, ValueError):
+                continue  # no step yet, or the index being replaced
+            try:
+                state = fp.load(path, verify=False, config=fp.Config(backend=backend))  # type: ignore[arg-type]
+            except fp.CheckpointNotFoundError:
+                seen["not found"] += 1
+                continue
+            seen["whole" if _whole_step(state) else f"MIXED at step {state['step']}"] += 1
+        saves_done = saves.get(timeout=30)
+    finally:
+        saver.join(30)
+        if saver.is_alive():
+            saver.kill()
+    assert saver.exitcode == 0
+    assert set(seen) <= {"whole", "not found"}, seen
+    assert saves_done >= 10 and seen["whole"] >= 10, (saves_done, seen)
+
+
+def test_a_file_a_load_holds_is_never_recycled(shm_root: str, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saves that retire the step a load is reading (and would recycle its files) write fresh
+    files instead: the bytes the load reads stay the step's own. Recycling resumes after."""
+    ck = fp.Checkpointer(shm_root, keep=1, config=config(backend))
+    ck.save(0, state_of(0))
+    ck.wait()
+    data0 = os.path.join(ck.path(0), DATA)
+    inode0, bytes0 = os.stat(data0).st_ino, open(data0, "rb").read()
+    seen: dict[str, object] = {}
+    read_ranges_into = reading._core.read_ranges_into
+
+    def saves_then_read(ranges: list[tuple[object, ...]], *args: object, **kwargs: object) -> object:
+        if not seen:
+            with open(str(ranges[0][0]), "rb") as held:  # as the engine holds it while it reads
+                for step in (1, 2):  # 1 retires step 0; 2 would overwrite its files
+                    ck.save(step, state_of(step))
+                    ck.wait()
+                seen["bytes"] = held.read()
+            seen["inode2"] = os.stat(os.path.join(ck.path(2), DATA)).st_ino
+        return read_ranges_into(ranges, *args, **kwargs)
+
+    monkeypatch.setattr(reading._core, "read_ranges_into", saves_then_read)
+    try:
+        state = fp.load(ck.path(0), verify=False, config=config(backend))
+        assert digests(state) == digests(state_of(0))  # the retired step's files were still there
+    except fp.CheckpointNotFoundError:
+        pass  # or its recycle entry was freed before the read: nothing of it is returned
+    monkeypatch.undo()
+    assert seen["bytes"] == bytes0  # before the fix: step 2's bytes, written over step 0's
+    assert seen["inode2"] != inode0
+    for step in (3, 4):  # with no reader, step 4 overwrites the files of step 2 (retired by 3)
+        ck.save(step, state_of(step))
+    ck.wait()
+    assert os.stat(os.path.join(ck.path(4), DATA)).st_ino == seen["inode2"]
+    assert digests(ck.load(4)) == digests(state_of(4))
 
 
 class ForkServer:

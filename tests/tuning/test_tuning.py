@@ -107,6 +107,55 @@ def test_unknown_device_and_missing_or_broken_cache_fall_back_to_defaults(cache_
     assert resolve(fp.Config(), workdir, "write").source == "default"
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("chunk_bytes", 5000, "multiple of 4096"),  # the repro: every save failed blaming Config.chunk_bytes
+        ("chunk_bytes", "16777216", "chunk_bytes='16777216'"),
+        ("chunk_bytes", 2 << 30, "chunk_bytes=2147483648"),
+        ("queue_depth", 0, "queue_depth=0"),
+        ("queue_depth", 1 << 20, "queue_depth=1048576"),
+        ("queue_depth", 4.5, "queue_depth=4.5"),
+        ("gb_per_s", float("nan"), "gb_per_s=nan"),
+        ("write", "fast", "not 'fast'"),
+        ("write", None, "no 'chunk_bytes'"),
+    ],
+)
+def test_a_malformed_entry_means_not_tuned_and_names_the_file(
+    cache_file: str, workdir: str, caplog: pytest.LogCaptureFixture, field: str, value: object, named: str
+) -> None:
+    identity = device_identity(workdir)
+    doc = _entry(identity).to_json()
+    if field == "write":
+        doc["write"] = value if value is not None else {"queue_depth": 4, "gb_per_s": 1.0}
+    else:
+        doc["write"][field] = value
+    os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+    with open(cache_file, "w") as f:
+        json.dump({"version": 1, "devices": {identity.key: doc}}, f)
+    with caplog.at_level(logging.WARNING, logger="fastpersist"):
+        assert lookup(identity) is None
+        resolved = resolve(fp.Config(), workdir, "write")
+        path = os.path.join(workdir, "ckpt")
+        fp.save({"w": torch.arange(1000)}, path)  # a default save and load still work
+        assert torch.equal(fp.load(path)["w"], torch.arange(1000))
+    assert (resolved.config.chunk_bytes, resolved.source) == (DEFAULT_CHUNK_BYTES, "default")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(cache_file in m and identity.key in m and named in m for m in warned), warned
+
+
+def test_an_entry_that_is_no_object_means_not_tuned(
+    cache_file: str, workdir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    identity = device_identity(workdir)
+    os.makedirs(os.path.dirname(cache_file), exist_ok=True)
+    with open(cache_file, "w") as f:
+        json.dump({"version": 1, "devices": {identity.key: [1, 2]}}, f)
+    with caplog.at_level(logging.WARNING, logger="fastpersist"):
+        assert lookup(identity) is None
+    assert cache_file in caplog.text and "not list" in caplog.text
+
+
 def test_auto_takes_the_cached_settings_for_a_save_and_a_load(cache_file: str, workdir: str) -> None:
     identity = device_identity(workdir)
     store(_entry(identity, chunk=16 * MiB, depth=4, read_depth=16))

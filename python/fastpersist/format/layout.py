@@ -9,8 +9,13 @@ What lies where (docs/format.md):
   digits of the checkpoint id), renamed onto ``NAME`` at commit;
 * under each stripe root: ``NAME.ID[.rK|.wK].fpstripe`` (the tag names a rank or a writer);
 * a :class:`~fastpersist.Checkpointer` root: ``step-NNNNNNNN/`` checkpoints, the index
-  ``latest.json`` and the cost history ``history.json``, each replaced through
-  ``.latest.json.tmp-PID-TID`` (:func:`write_small_file`);
+  ``latest.json`` and the cost history ``history.json``;
+* beside every file fastpersist replaces atomically (the index, an ``fp.torch_save`` file, a
+  Hugging Face export's shards and index, a converted safetensors file; :func:`atomic_file`):
+  the temporary file ``.NAME.fptmp-ID`` (ID: 12 random hex digits), held under an exclusive
+  ``flock`` by its writer until it is renamed onto ``NAME``, so one whose lock can be taken is a
+  dead writer's (:func:`remove_dead_tmp_files`; ``fastpersist clean``). Older versions wrote
+  ``.latest.json.tmp-PID-TID``, still recognised (:data:`INDEX_TMP`);
 * on a memory root (tmpfs), the recycle directory ``.fprecycle/`` holding retired steps' data
   files for a later save to overwrite in place (:mod:`fastpersist.saving.recycle`): one entry
   ``NAME.ID`` per retired step, never a checkpoint (its manifest is removed on the way in);
@@ -35,13 +40,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import logging
 import os
 import re
-import threading
+import uuid
 from collections.abc import Iterable, Iterator
 
 from .. import _core
 from ..errors import CorruptCheckpointError
+from .flocks import flock, lock_state, locked_dir
 from .quote import shown
 
 __all__ = [
@@ -57,6 +65,7 @@ __all__ = [
     "STRIPE_SUFFIX",
     "TMP_MARKER",
     "atomic_file",
+    "dead_tmp_files",
     "is_checkpointer_root",
     "drained_marker_name",
     "check_stripe_dirs",
@@ -66,15 +75,19 @@ __all__ = [
     "parse_stripe_dir",
     "parse_tmp_dir",
     "recycle_entry_name",
+    "remove_dead_tmp_files",
     "shard_name",
     "step_dir_name",
     "stripe_dir_id",
     "stripe_dir_name",
     "stripe_tag",
     "tmp_dir_for",
+    "tmp_file_for",
     "write_new_file",
     "write_small_file",
 ]
+
+log = logging.getLogger("fastpersist")
 
 #: A checkpoint's manifest, written last: its presence is what makes a directory a checkpoint.
 MANIFEST_NAME = "manifest.json"
@@ -99,8 +112,8 @@ _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 INDEX_NAME = "latest.json"
 #: A Checkpointer's measured costs and wear (:mod:`fastpersist.advisor.history`).
 HISTORY_NAME = "history.json"
-_SMALL_FILE_TMP = ".{name}.tmp-{pid}-{tid}"
-#: A Checkpointer's index or cost history being replaced (group 1: the writer's pid).
+#: A Checkpointer's index or cost history being replaced by a version before the temporary
+#: files of :func:`atomic_file` (group 1: the writer's pid).
 INDEX_TMP = re.compile(r"^\.(?:" + "|".join(map(re.escape, (INDEX_NAME, HISTORY_NAME))) + r")\.tmp-(\d+)-\d+$")
 
 
@@ -131,9 +144,16 @@ def tmp_dir_for(path: str, checkpoint_id: str) -> str:
 
 
 def parse_tmp_dir(name: str) -> tuple[str, str] | None:
-    """(checkpoint name, 12-hex id) of a save's temporary directory's name, or None if it is not one."""
+    """(checkpoint or file name, 12-hex id) of the name of a save's temporary directory or of an
+    :func:`atomic_file` temporary file, or None if it is neither."""
     match = _TMP_DIR.match(name)
     return (match.group(1), match.group(2)) if match else None
+
+
+def tmp_file_for(path: str) -> str:
+    """A new hidden temporary name beside the file `path` (see :func:`atomic_file`)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{name}{TMP_MARKER}{uuid.uuid4().hex[:12]}")
 
 
 def stripe_dir_name(name: str, checkpoint_id: str, tag: str) -> str:
@@ -216,10 +236,23 @@ def atomic_file(path: str, *, durable: bool) -> Iterator[str]:
     """Yields a temporary path beside `path` to write; on success it replaces `path` atomically.
 
     Readers see the old file or the new one, never a part. `durable`: the file is fsynced before
-    the rename and the directory after it. On an error the temporary file is removed.
+    the rename and the directory after it. On an error the temporary file is removed; a writer
+    killed before that leaves it, and since the temporary is created holding an exclusive
+    ``flock`` (until the rename), the next write of `path` and ``fastpersist clean`` of its
+    directory recognise it as dead and remove it (:func:`remove_dead_tmp_files`). The yielded
+    file exists, empty: write it by its path (open it for writing, or give it to the engine).
     """
     parent, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(parent, _SMALL_FILE_TMP.format(name=name, pid=os.getpid(), tid=threading.get_ident()))
+    remove_dead_tmp_files(parent, name)
+    tmp = tmp_file_for(path)
+    with locked_dir(parent, fcntl.LOCK_SH):  # a cleaner decides under LOCK_EX: never between these two
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, tmp)
+        except BaseException:
+            os.close(fd)
+            os.remove(tmp)
+            raise
     try:
         yield tmp
         if durable:
@@ -229,8 +262,48 @@ def atomic_file(path: str, *, durable: bool) -> Iterator[str]:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
+    finally:
+        os.close(fd)  # the lock goes with it, after the rename (or the removal)
     if durable:
         _core.fsync_dir(parent)
+
+
+def dead_tmp_files(parent: str, name: str | None = None) -> list[str]:
+    """The temporary files of :func:`atomic_file` in `parent` (of the file `name` only, if
+    given) whose writers are gone; call it under an exclusive :func:`locked_dir` of `parent`.
+    A temporary on a filesystem without locks is never proven dead."""
+    try:
+        entries = sorted(os.scandir(parent), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for entry in entries:
+        parsed = parse_tmp_dir(entry.name)
+        if parsed is None or (name is not None and parsed[0] != name) or not entry.is_file(follow_symlinks=False):
+            continue
+        if lock_state(entry.path) == "dead":
+            found.append(entry.path)
+    return found
+
+
+def remove_dead_tmp_files(parent: str, name: str | None = None) -> list[str]:
+    """Removes what :func:`dead_tmp_files` finds (a killed writer's temporary files, up to the
+    size of what it was writing); returns their paths."""
+    try:
+        names = os.listdir(parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    wanted = f".{name}{TMP_MARKER}" if name is not None else None
+    if not any(parse_tmp_dir(n) and (wanted is None or n.startswith(wanted)) for n in names):
+        return []  # the usual case, without a lock
+    with locked_dir(parent, fcntl.LOCK_EX):
+        found = dead_tmp_files(parent, name)
+        for tmp in found:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+    for tmp in found:
+        log.info("removed %s: a temporary file its writer left when it died", tmp)
+    return found
 
 
 def write_new_file(path: str, data: bytes, *, durable: bool) -> None:

@@ -36,6 +36,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .flocks import flock, lock_state, locked_dir
 from .layout import write_new_file
 
 __all__ = [
@@ -132,35 +133,6 @@ def remove_owned_dir(stripe_dir: str) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-#: errnos of a file system without flock support (some network file systems).
-_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-_warned_no_locks = False
-
-
-def _flock(fd: int, operation: int, path: str) -> bool:
-    """``flock`` that returns False, warning once, where the file system has no locks.
-
-    Raises:
-        BlockingIOError: with ``LOCK_NB``, another open file holds the lock.
-    """
-    global _warned_no_locks
-    try:
-        fcntl.flock(fd, operation)
-    except OSError as e:
-        if e.errno not in _NO_LOCKS:
-            raise
-        if not _warned_no_locks:
-            _warned_no_locks = True
-            log.warning(
-                "%s: this file system does not support flock (%s); saves there cannot be told live from dead, "
-                "so fastpersist.clean keeps every temporary directory on it",
-                path,
-                e.strerror,
-            )
-        return False
-    return True
-
-
 class DirLock:
     """An exclusive ``flock`` held on a directory while a save is alive; :meth:`release` drops it."""
 
@@ -168,7 +140,7 @@ class DirLock:
         self.path = path
         self._fd: int | None = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
-            _flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, path)
+            flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, path)
         except BaseException:
             self.release()
             raise
@@ -206,23 +178,13 @@ def try_lock(path: str) -> DirLock | None:
         raise
 
 
-@contextlib.contextmanager
-def _locked_parent(parent: str, operation: int) -> Iterator[None]:
-    fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        _flock(fd, operation, parent)
-        yield
-    finally:
-        os.close(fd)
-
-
 def make_locked_dir(path: str) -> DirLock:
     """Creates the directory `path` (a save's temporary directory) and returns its held lock.
 
     Raises:
         FileExistsError: `path` exists already.
     """
-    with _locked_parent(os.path.dirname(path) or ".", fcntl.LOCK_SH):
+    with locked_dir(os.path.dirname(path) or ".", fcntl.LOCK_SH):
         os.mkdir(path)
         try:
             return DirLock(path)
@@ -234,7 +196,7 @@ def make_locked_dir(path: str) -> DirLock:
 @contextlib.contextmanager
 def cleaning(root: str) -> Iterator[None]:
     """Holds `root` against new temporary directories while a cleaner decides what is dead."""
-    with _locked_parent(root, fcntl.LOCK_EX):
+    with locked_dir(root, fcntl.LOCK_EX):
         yield
 
 
@@ -245,32 +207,3 @@ def is_live(tmp_dir: str) -> bool:
     file system without locks counts as live (nothing proves it dead).
     """
     return lock_state(tmp_dir) == "live"
-
-
-def lock_state(tmp_dir: str) -> str:
-    """``"live"`` (a save holds it), ``"dead"`` (its save is gone) or ``"gone"`` (no such directory).
-
-    ``"dead"`` only while the lock taken is the lock of the directory still at `tmp_dir`: a save
-    that committed (renamed it away) between the look and the lock makes it ``"gone"``.
-    """
-    try:
-        fd = os.open(tmp_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError as e:
-        if e.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
-            return "gone"
-        raise
-    try:
-        locked = _flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, tmp_dir)
-    except BlockingIOError:
-        locked = False
-    if not locked:
-        os.close(fd)
-        return "live"
-    try:
-        held = os.fstat(fd)
-        now = os.lstat(tmp_dir)
-    except FileNotFoundError:
-        return "gone"
-    finally:
-        os.close(fd)
-    return "dead" if (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino) else "gone"

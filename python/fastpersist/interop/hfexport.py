@@ -36,7 +36,7 @@ from typing import NamedTuple
 from .. import _core
 from ..config import Config
 from ..errors import FastPersistError
-from ..format.layout import atomic_file
+from ..format.layout import atomic_file, remove_dead_tmp_files
 from ..format.quote import shown
 from .hfshards import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -152,7 +152,8 @@ def export_checkpoint(
     save is staging).
     Each file is written under a temporary name, fsynced (`durable`) and renamed; the index
     goes last, and files of an earlier export to `outdir` that this one does not write are
-    removed. Every chunk read is checksummed. See the module docstring for names and ties.
+    removed, as are the temporary files of an export that was killed. Every chunk read is
+    checksummed. See the module docstring for names and ties.
 
     Raises:
         FastPersistError: no tensor under `key`; a dtype safetensors lacks; shards of a sharded
@@ -173,6 +174,7 @@ def export_checkpoint(
         shards = plan_shards(tensors, max_shard_bytes)
         names = shard_names(len(shards))
         os.makedirs(out, exist_ok=True)
+        remove_dead_tmp_files(out)  # an export killed before its renames left full-size shards
         # Each file under a temporary name until every shard is whole, then fsynced and renamed.
         with contextlib.ExitStack() as stack:
             files = []

@@ -134,7 +134,9 @@ def capture_skeleton(obj: object, pickle_protocol: int = 2, disable_byteorder_re
         config.save.storage_alignment, config.save.compute_crc32 = _ALIGN, False
         try:
             with torch.serialization.skip_data():
-                torch.save(
+                # torch.serialization.save, not torch.save: a wrapper the caller put in place of
+                # torch.save (choosing the legacy format, say) must not shape the skeleton.
+                torch.serialization.save(
                     obj,
                     cast(IO[bytes], _Capture(skel)),
                     pickle_module=_hook_module(skel),
@@ -235,24 +237,53 @@ def crc32_fields(skel: Skeleton) -> list[tuple[int, int, list[int]]]:
     return [(r.data_offset_bytes, r.len_bytes, list(r.crc_offsets)) for r in records if r.len_bytes]
 
 
+class _TorchDefault:
+    """The value of a ``torch.save`` argument the caller did not give: torch's own default applies."""
+
+    def __repr__(self) -> str:
+        return "<torch.save's default>"
+
+
+#: The default of every ``torch.save`` argument of :func:`torch_save`: not passed on when left.
+TORCH_DEFAULT: Any = _TorchDefault()
+
+
 @dataclass(frozen=True)
 class TorchSaveArgs:
-    """``torch.save``'s arguments past ``obj`` and ``f``, passed on unchanged when it writes."""
+    """``torch.save``'s arguments past ``obj`` and ``f`` that the caller gave, by torch's
+    names: only those are passed on when ``torch.save`` writes (code that wraps ``torch.save``,
+    as torch's own tests do, may refuse an explicit ``_use_new_zipfile_serialization``)."""
 
-    pickle_module: Any = pickle
-    pickle_protocol: int = torch.serialization.DEFAULT_PROTOCOL
-    use_new_zipfile_serialization: bool = True
-    disable_byteorder_record: bool = False
+    given: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, pickle_module: Any, pickle_protocol: Any, use_new_zipfile: Any, no_byteorder: Any) -> TorchSaveArgs:
+        """``torch.save``'s arguments as :func:`torch_save` got them: those that are not
+        :data:`TORCH_DEFAULT`, under torch's names."""
+        names = ("pickle_module", "pickle_protocol", "_use_new_zipfile_serialization", "_disable_byteorder_record")
+        values = (pickle_module, pickle_protocol, use_new_zipfile, no_byteorder)
+        return cls({name: value for name, value in zip(names, values, strict=True) if value is not TORCH_DEFAULT})
+
+    @property
+    def pickle_module(self) -> Any:
+        return self.given.get("pickle_module", pickle)
+
+    @property
+    def pickle_protocol(self) -> int:
+        return cast(int, self.given.get("pickle_protocol", torch.serialization.DEFAULT_PROTOCOL))
+
+    @property
+    def use_new_zipfile_serialization(self) -> bool:
+        return cast(bool, self.given.get("_use_new_zipfile_serialization", True))
+
+    @property
+    def disable_byteorder_record(self) -> bool:
+        return cast(bool, self.given.get("_disable_byteorder_record", False))
 
     def save(self, obj: object, f: str | os.PathLike[str] | IO[bytes]) -> None:
-        torch.save(
-            obj,
-            f,
-            pickle_module=self.pickle_module,
-            pickle_protocol=self.pickle_protocol,
-            _use_new_zipfile_serialization=self.use_new_zipfile_serialization,
-            _disable_byteorder_record=self.disable_byteorder_record,
-        )
+        """``torch.save(obj, f)`` with exactly the arguments given (``torch.save`` as it is now
+        bound: a wrapper the caller installed sees the call the caller made)."""
+        torch.save(obj, f, **self.given)
 
 
 def torch_save_route(f: object, args: TorchSaveArgs) -> str | None:
@@ -306,10 +337,10 @@ def _save_elsewhere(obj: object, f: Any, args: TorchSaveArgs, config: Config | N
 def torch_save(
     obj: object,
     f: str | os.PathLike[str] | IO[bytes],
-    pickle_module: Any = pickle,
-    pickle_protocol: int = torch.serialization.DEFAULT_PROTOCOL,
-    _use_new_zipfile_serialization: bool = True,
-    _disable_byteorder_record: bool = False,
+    pickle_module: Any = TORCH_DEFAULT,
+    pickle_protocol: int = TORCH_DEFAULT,
+    _use_new_zipfile_serialization: bool = TORCH_DEFAULT,
+    _disable_byteorder_record: bool = TORCH_DEFAULT,
     *,
     config: Config | None = None,
 ) -> SaveResult:
@@ -324,7 +355,9 @@ def torch_save(
     ``torch.save`` leaves them. The file is written to a temporary name, fsynced and renamed
     into place (durable on return when ``config.durable``, the default).
 
-    Everything else is handed to ``torch.save`` itself, with a DEBUG log saying why, and
+    Everything else is handed to ``torch.save`` itself (with exactly the arguments given: one
+    left out is left out, so torch's defaults apply and a wrapper of ``torch.save`` sees the
+    call as made), with a DEBUG log saying why, and
     behaves exactly as it does (same output, same exceptions): a file object (``io.BytesIO``,
     anything with ``write``), ``_use_new_zipfile_serialization=False``, a custom
     ``pickle_module``, a path whose directory is missing, a device or FIFO (never renamed
@@ -339,7 +372,7 @@ def torch_save(
         tensor([0., 1., 2., 3.])
     """
     started = time.perf_counter()
-    args = TorchSaveArgs(pickle_module, pickle_protocol, _use_new_zipfile_serialization, _disable_byteorder_record)
+    args = TorchSaveArgs.of(pickle_module, pickle_protocol, _use_new_zipfile_serialization, _disable_byteorder_record)
     why = torch_save_route(f, args)
     if why is not None or not isinstance(f, (str, os.PathLike)):  # (the second for the type checker)
         log.debug("torch_save hands %r to torch.save: %s", f, why)
@@ -349,7 +382,7 @@ def torch_save(
         target = os.path.realpath(target)
     config = (config or Config()).resolved_for(target)
     with_crc32 = torch.serialization.get_crc32_options()  # set_crc32_options(False) is honoured
-    skel = capture_skeleton(obj, pickle_protocol, _disable_byteorder_record)
+    skel = capture_skeleton(obj, args.pickle_protocol, args.disable_byteorder_record)
     try:
         extents = compose_extents(skel)
         plan = _core.Plan([e.nbytes for e in extents], 1, 1, config.resolved_chunk_bytes)

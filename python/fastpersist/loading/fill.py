@@ -59,10 +59,23 @@ from ..gpu.loaders import loader_for
 from .reading import WINDOW_BYTES, paged_uint8, read_window, stream_windows
 from .todevice import DeviceCopies, Extent, copy_extents
 
-__all__ = ["fill_by_key", "fill_from_stream"]
+__all__ = ["check_out", "fill_by_key", "fill_from_stream"]
 
 #: A chunk-aligned window of the stream: ``(lo, hi, blob indices)``.
 Window = tuple[int, int, list[int]]
+
+
+def check_out(out: object) -> None:
+    """Refuses an `out=` that holds no state to fill (``load(out=5)`` loaded as if it were None).
+
+    Raises:
+        TypeError: `out` is not None, a dict, list or tuple nesting, a tensor or an array.
+    """
+    if out is not None and not isinstance(out, (dict, list, tuple, torch.Tensor, np.ndarray)):
+        raise TypeError(
+            f"out={shown(out)}: expected None or the state to fill in place (a dict, list or tuple "
+            f"nesting of tensors, as saved), not {type(out).__name__}"
+        )
 
 
 def _destinations(out: object, m: Manifest, root: str) -> dict[int, object]:
@@ -81,6 +94,11 @@ def _destinations(out: object, m: Manifest, root: str) -> dict[int, object]:
             raise ValueError(
                 f"out= tensor {shown(rec.key_path)} is {rec.kind} {rec.dtype}{list(rec.shape)} but the checkpoint "
                 f"{root} has {have.kind} {have.dtype}{shown(have.shape)}"
+            )
+        if isinstance(leaf, torch.Tensor) and leaf.is_meta:
+            raise ValueError(
+                f"out= tensor {shown(rec.key_path)} is on the meta device: it has no memory to fill; pass a "
+                "tensor on a real device (e.g. module.to_empty(device=...)) or load without out="
             )
         dests[index] = leaf
     return dests

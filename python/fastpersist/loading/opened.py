@@ -11,6 +11,16 @@ files through that handle, as ``/proc/self/fd/N/NAME``: however the path is rena
 or deleted afterwards, every later open resolves inside the same directory. Stripe directories
 need no handle: their names carry the checkpoint id, so they cannot hold another save's files.
 
+On a memory root (tmpfs) retention does not free a retired step's data files: it recycles
+them, and the next save overwrites them in place (:mod:`fastpersist.saving.recycle`). A handle
+alone does not protect a reader there (it keeps the inodes, whose bytes are then rewritten), so
+a reader also holds a shared ``flock`` on every file of the directory for as long as the
+directory is open, taken before it reads anything, and then checks that the directory still
+holds its manifest; a save takes a recycled file only under an exclusive ``flock`` it gets
+without waiting. Retirement removes the manifest before any file is taken, so either the check
+fails (the step was retired before the reader held its files: :class:`CheckpointNotFoundError`)
+or every file stays out of reach of the recycling until the read is done.
+
 Errors keep naming the path the caller gave (:func:`real_paths` rewrites the handle's name in
 messages and ``filename``), and a failure while the checkpoint at that path was deleted or
 replaced (a file vanished as the old tree was removed) becomes :class:`CheckpointNotFoundError`:
@@ -28,14 +38,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import re
+import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .. import _core
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.confine import check_shard_dir
+from ..format.layout import MANIFEST_NAME
 
 __all__ = ["OpenedCheckpoint", "opened_checkpoint", "opened_shard", "real_paths"]
 
@@ -124,6 +138,45 @@ def _with_real_paths(error: Exception) -> Exception:
     return copy.with_traceback(error.__traceback__)
 
 
+def _on_memory_fs(ck: OpenedCheckpoint) -> bool:
+    """Whether the held directory lies on a memory filesystem (where retired files are recycled)."""
+    try:
+        return _core.is_memory_fs(ck.at)
+    except OSError:
+        return False
+
+
+def _hold_files(ck: OpenedCheckpoint) -> list[int]:
+    """Shared ``flock``s on every plain file of the held directory but its manifest (see the
+    module's docstring); returns their descriptors. None on a filesystem other than memory
+    (nothing is recycled there, and a network filesystem's locks may be slow or missing), and
+    none once the directory has lost its manifest: the step was retired and its files may be
+    recycled, and the caller's own read of the manifest, which comes next, fails as it should.
+    """
+    if not _on_memory_fs(ck):
+        return []
+    held: list[int] = []
+    try:
+        with os.scandir(ck.fd) as entries:
+            names = [e.name for e in entries if e.name != MANIFEST_NAME and e.is_file(follow_symlinks=False)]
+        for name in names:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=ck.fd)
+            except OSError:
+                continue  # gone since the listing: the step is being retired; the check below says so
+            held.append(fd)
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                fcntl.flock(fd, fcntl.LOCK_SH)  # a save holds its exclusive lock for a rename only
+        os.stat(MANIFEST_NAME, dir_fd=ck.fd, follow_symlinks=False)
+    except BaseException as e:
+        for fd in held:
+            os.close(fd)
+        if isinstance(e, FileNotFoundError):
+            return []
+        raise
+    return held
+
+
 @contextlib.contextmanager
 def _held(root: str, fd: int) -> Iterator[OpenedCheckpoint]:
     ck = OpenedCheckpoint(root, fd, f"{_FD_DIR}/{fd}")
@@ -131,6 +184,11 @@ def _held(root: str, fd: int) -> Iterator[OpenedCheckpoint]:
         os.close(fd)
         yield OpenedCheckpoint(root, -1, root)
         return
+    try:
+        files = _hold_files(ck)
+    except BaseException:
+        os.close(fd)
+        raise
     with _open_paths_lock:
         _open_paths[ck.at] = root
     try:
@@ -150,6 +208,8 @@ def _held(root: str, fd: int) -> Iterator[OpenedCheckpoint]:
     finally:
         with _open_paths_lock:
             _open_paths.pop(ck.at, None)
+        for held in files:
+            os.close(held)
         os.close(fd)
 
 

@@ -44,6 +44,8 @@ class PhaseClock:
     __slots__ = ("last", "sink")
 
     def __init__(self, sink: dict[str, float] | None) -> None:
+        if sink is not None and not isinstance(sink, dict):
+            raise TypeError(f"phases={sink!r}: expected a dict to fill with seconds per phase, or None")
         self.sink = sink
         self.last = time.perf_counter()
 

@@ -40,6 +40,12 @@ def guard_optimizer(optimizer: Any, saver: Stager) -> Any:
         >>> fastpersist.integrations.guard_optimizer(optimizer, ck)   # doctest: +SKIP
     """
 
+    if not callable(getattr(optimizer, "register_step_pre_hook", None)):
+        raise TypeError(
+            f"optimizer={optimizer!r}: expected a torch.optim.Optimizer (anything with register_step_pre_hook), "
+            f"not {type(optimizer).__name__}"
+        )
+
     def before_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
         saver.wait_staged()
 

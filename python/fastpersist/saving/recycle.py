@@ -22,7 +22,12 @@ Why it stays crash-safe:
 * the recycle directory is garbage by construction (retired steps without their manifests):
   :func:`fastpersist.clean` removes it, ``Checkpointer.steps()`` never lists it;
 * only plain files with one link are recycled or taken (a hard-linked copy elsewhere would be
-  overwritten with it), and only checkpoints without stripe directories are recycled.
+  overwritten with it), and only checkpoints without stripe directories are recycled;
+* a file is taken only under an exclusive ``flock`` got without waiting: a reader (``fp.load``,
+  ``fp.verify``, an export; :mod:`fastpersist.loading.opened`) holds a shared one on every file
+  of the step it opened, taken before it checks that the step still has its manifest, so a file
+  a reader may still be reading stays where it is (and is freed with its entry later) while the
+  save writes a fresh one: a reader gets its step whole, or ``CheckpointNotFoundError``.
 
 Memory stays bounded: the recycle directory holds at most one retired step (older entries are
 freed before a new one goes in), and a save takes its files out again, so a root holds at most
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -151,17 +157,44 @@ def take_recycled(root: str, tmp_dir: str, paths: list[str]) -> int:
         if rel.startswith(os.pardir):
             continue
         for entry in entries:
-            src = os.path.join(bin_dir, entry, rel)
-            if not _single_file(src):
-                continue
-            try:
-                os.rename(src, dest)
-            except OSError as e:
-                if e.errno in (errno.ENOENT, errno.ENOTDIR):
-                    continue  # taken or freed by someone else since the look
-                raise
-            if _single_file(dest):
+            if _take(os.path.join(bin_dir, entry, rel), dest):
                 taken += 1
                 break
-            os.unlink(dest)  # swapped for something else between the look and the rename
     return taken
+
+
+def _take(src: str, dest: str) -> bool:
+    """Renames the recycled file `src` to `dest` if no reader holds it; whether it was taken.
+
+    The exclusive lock is held across the rename, so no reader's shared lock falls between the
+    look and the move; a reader that locks the file afterwards finds its step's manifest gone.
+    """
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False  # absent, a link, or taken or freed by someone else since the listing
+    try:
+        held = os.fstat(fd)
+        if not stat.S_ISREG(held.st_mode) or held.st_nlink != 1:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.debug("not recycling %s: a reader still holds it", src)
+            return False
+        try:
+            os.rename(src, dest)
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                return False  # taken or freed by someone else since the open
+            raise
+        try:
+            moved = os.lstat(dest)
+        except FileNotFoundError:
+            return False
+        if (moved.st_dev, moved.st_ino, moved.st_nlink) == (held.st_dev, held.st_ino, 1):
+            return True
+        os.unlink(dest)  # swapped for something else between the open and the rename
+        return False
+    finally:
+        os.close(fd)

@@ -17,6 +17,7 @@ from ..config import Config
 from .group import GroupSaveJob
 from .job import SaveJob
 from .partner import PartnerSaveJob
+from .target import make_parents
 
 __all__ = ["start_save"]
 
@@ -36,7 +37,9 @@ def start_save(
     rank its own shard; ``replicas``: each node commits its own copy, and each share is also kept
     on `replicas` other nodes). `pool`: a staging pool to reuse (a Checkpointer's); else one per config.
     `blocking`: the caller waits for the save before it touches the state again (``fp.save``), so
-    the small tensors that ``save_async`` copies before returning (docs/overlap.md) need no copy."""
+    the small tensors that ``save_async`` copies before returning (docs/overlap.md) need no copy.
+    Missing directories above `path` are created first (``mkdir -p``)."""
+    make_parents(os.fspath(path), durable=config.durable)
     # The engine always runs on its own thread, so that waiting for it can be interrupted.
     job: SaveJob | GroupSaveJob
     if group is None and not sharded:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Sequence
 
 from .. import _core
@@ -26,6 +27,7 @@ __all__ = [
     "check_name_fits",
     "check_stripe_roots",
     "check_target",
+    "make_parents",
     "remove_checkpoint_tree",
     "replace_as_last_writer",
     "write_manifest",
@@ -64,6 +66,38 @@ def check_name_fits(path: str, *, striped: bool, tag: str = "") -> None:
             "(fastpersist/format/layout.py accepts only ASCII letters, digits, '.', '_' and '-' in a striped "
             "checkpoint's name). Rename the checkpoint"
         )
+
+
+def make_parents(path: str, *, durable: bool) -> None:
+    """Creates the missing directories above the checkpoint `path` (as ``mkdir -p``; a
+    checkpoint's name is the caller's promise of where it goes, as for DCP's writer or
+    ``save_pretrained``), each made durable in its parent when `durable`.
+
+    Raises:
+        ValueError: `path` is a URL (``s3://...``): a save writes a local or mounted path; the
+            remote level of a Checkpointer drains to an object store.
+        OSError: a parent cannot be made (a file in the way, no permission), naming it.
+    """
+    scheme, sep, _ = path.partition("://")
+    if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
+        raise ValueError(
+            f"cannot save to {path}: a save writes a local or mounted directory; for an object store use "
+            "Checkpointer(root, remote='s3://bucket/prefix'), which drains committed steps there"
+        )
+    parent = os.path.dirname(os.path.abspath(path))
+    missing = []
+    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory)
+        except FileExistsError:
+            if not os.path.isdir(directory):
+                raise
+            continue  # made by another rank or process meanwhile
+        if durable:
+            _core.fsync_dir(os.path.dirname(directory))
 
 
 def check_target(path: str) -> None:

@@ -233,6 +233,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from ..errors import FastPersistError
     from ..export import export_hf
+    from ..format.layout import atomic_file
 
     try:
         done = export_hf(args.src, args.outdir, prefix=args.prefix, key=args.key, max_shard_bytes=args.max_shard_size)
@@ -241,7 +242,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 1
     if args.config:
         config = os.path.join(args.config, "config.json") if os.path.isdir(args.config) else args.config
-        shutil.copyfile(config, os.path.join(done.outdir, "config.json"))
+        with atomic_file(os.path.join(done.outdir, "config.json"), durable=True) as tmp:
+            shutil.copyfile(config, tmp)
     tied = f", {len(done.tied)} tied name(s) written once" if done.tied else ""
     print(
         f"exported {done.source} -> {done.outdir}: {done.tensors} tensors, {_human(done.total_bytes)} in "

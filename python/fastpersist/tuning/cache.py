@@ -21,11 +21,13 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .. import _core
+from ..format.layout import atomic_file, tmp_file_for
 from .identity import DeviceIdentity
 
 __all__ = [
@@ -112,10 +114,22 @@ class TuneEntry:
 
 
 def _best(doc: dict[str, Any]) -> Best:
-    best = Best(int(doc["chunk_bytes"]), int(doc["queue_depth"]), float(doc["gb_per_s"]))
-    if best.chunk_bytes <= 0 or best.queue_depth <= 0:
-        raise ValueError(f"not a setting: {doc!r}")
-    return best
+    """A setting as the engine takes it; ``ValueError``/``TypeError`` naming the field otherwise
+    (a hand-edited or foreign cache must read as "not tuned", never fail a save later)."""
+    if not isinstance(doc, dict):
+        raise TypeError(f"a setting is an object with chunk_bytes, queue_depth and gb_per_s, not {doc!r}")
+    chunk, depth, speed = doc["chunk_bytes"], doc["queue_depth"], doc["gb_per_s"]
+    if type(chunk) is not int or not 0 < chunk <= _core.MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes={chunk!r} is not an integer in 1..{_core.MAX_CHUNK_BYTES}")
+    try:
+        _core.check_chunk_bytes(chunk)  # the engine's own rule (a multiple of its alignment)
+    except ValueError as e:
+        raise ValueError(f"chunk_bytes={chunk!r}: {e}") from None
+    if type(depth) is not int or not 1 <= depth <= _core.MAX_QUEUE_DEPTH:
+        raise ValueError(f"queue_depth={depth!r} is not an integer in 1..{_core.MAX_QUEUE_DEPTH}")
+    if type(speed) not in (int, float) or not math.isfinite(speed) or speed < 0:
+        raise ValueError(f"gb_per_s={speed!r} is not a finite non-negative number")
+    return Best(chunk, depth, float(speed))
 
 
 def cache_path() -> str:
@@ -135,10 +149,10 @@ def _read_devices(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
-        log.info("tuning cache %s unreadable (%s): using the default settings", path, e)
+        _note_once(path, "", f"the file is unreadable ({e}); it is ignored", logging.WARNING)
         return {}
     if not isinstance(doc, dict) or doc.get("version") != _VERSION or not isinstance(doc.get("devices"), dict):
-        log.info("tuning cache %s has an unknown layout: using the default settings", path)
+        _note_once(path, "", f"unknown layout (not a version {_VERSION} cache); it is ignored", logging.WARNING)
         return {}
     devices: dict[str, Any] = doc["devices"]
     return devices
@@ -147,11 +161,14 @@ def _read_devices(path: str) -> dict[str, Any]:
 _noted: set[tuple[str, str, str]] = set()
 
 
-def _note_once(path: str, key: str, why: str) -> None:
-    """Logs why an entry was ignored, once per process (saves run this on every call)."""
+def _note_once(path: str, key: str, why: str, level: int = logging.INFO) -> None:
+    """Logs why the file (`key` empty) or its entry for device `key` was ignored, once per
+    process (saves run this on every call). A broken file or entry is a WARNING: someone must
+    fix or delete it; a stale entry or another device's is expected, and INFO."""
     if (path, key, why) not in _noted:
         _noted.add((path, key, why))
-        log.info("tuning cache %s: entry for %s ignored: %s; using the default settings", path, key, why)
+        what = f"entry for {key} ignored: {why}" if key else why
+        log.log(level, "tuning cache %s: %s; using the default settings", path, what)
 
 
 def lookup(identity: DeviceIdentity, *, now: datetime.datetime | None = None) -> TuneEntry | None:
@@ -162,9 +179,14 @@ def lookup(identity: DeviceIdentity, *, now: datetime.datetime | None = None) ->
         log.debug("tuning cache %s: no entry for %s", path, identity.describe())
         return None
     try:
+        if not isinstance(raw, dict):
+            raise TypeError(f"an entry is an object, not {type(raw).__name__}")
         entry = TuneEntry.from_json(raw)
-    except (KeyError, TypeError, ValueError) as e:
-        _note_once(path, identity.key, f"malformed ({e!r})")
+    except KeyError as e:
+        _note_once(path, identity.key, f"malformed (no {e})", logging.WARNING)
+        return None
+    except (TypeError, ValueError) as e:
+        _note_once(path, identity.key, f"malformed ({e})", logging.WARNING)
         return None
     if not identity.matches(entry.device):
         _note_once(path, identity.key, f"it was measured on another device ({entry.device}, now {identity.to_json()})")
@@ -181,25 +203,32 @@ def lookup(identity: DeviceIdentity, *, now: datetime.datetime | None = None) ->
     return entry
 
 
-def _scratch_file(path: str) -> tuple[int, str]:
-    """A new temporary file beside the cache file (made with its folder); OSError names the fix."""
+def _cache_folder(path: str) -> str:
+    """The cache file's folder, made if missing; OSError names the file and the fix."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)
-        return tempfile.mkstemp(prefix=".tune-", suffix=".json", dir=folder)
     except OSError as e:
-        raise OSError(
-            e.errno, f"cannot write the tuning cache {path}: {e.strerror}; set {CACHE_ENV} to a writable file", path
-        ) from e
+        raise _unwritable(path, e) from e
+    return folder
+
+
+def _unwritable(path: str, e: OSError) -> OSError:
+    why = f"cannot write the tuning cache {path}: {e.strerror}; set {CACHE_ENV} to a writable file"
+    return OSError(e.errno, why, path)
 
 
 def check_writable() -> str:
     """Raises ``OSError`` (naming the file and the fix) unless the cache file can be written;
     returns its path. ``tune`` asks before it measures."""
     path = cache_path()
-    fd, tmp = _scratch_file(path)
-    os.close(fd)
-    os.unlink(tmp)
+    _cache_folder(path)
+    probe = tmp_file_for(path)  # the name every temporary file of fastpersist has
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    except OSError as e:
+        raise _unwritable(path, e) from e
+    os.unlink(probe)
     if os.path.exists(path) and not os.access(path, os.W_OK):  # replacing it needs only the folder
         log.debug("tuning cache %s is read-only; it is replaced, not modified", path)
     return path
@@ -211,12 +240,10 @@ def store(entry: TuneEntry) -> str:
     path = cache_path()
     devices = _read_devices(path)
     devices[str(entry.device["key"])] = entry.to_json()
-    fd, tmp = _scratch_file(path)
+    _cache_folder(path)
     try:
-        with os.fdopen(fd, "w") as f:
+        with atomic_file(path, durable=False) as tmp, open(tmp, "w") as f:
             json.dump({"version": _VERSION, "devices": devices}, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    except OSError as e:
+        raise _unwritable(path, e) from e
     return path
