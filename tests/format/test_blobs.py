@@ -18,8 +18,9 @@ def test_a_device_resident_blob_holds_the_factory_of_its_copier() -> None:
 
     t = torch.ones(4)
     with device.use_copier(lambda x: x is t, factory):
-        blob = flatten({"t": t}).blobs[0]
-    assert blob.copier_factory is factory
+        blob = flatten({"t": t}, copiers=device.DEVICE_COPIERS).blobs[0]
+        assert flatten({"t": t}).blobs[0].device_copier is None  # a copier is the save's choice
+    assert blob.device_copier is factory
     assert blob.source_tensor is t
     with pytest.raises(RuntimeError, match="its copier stages it"):
         _ = blob.data
@@ -28,7 +29,7 @@ def test_a_device_resident_blob_holds_the_factory_of_its_copier() -> None:
 def test_a_host_blob_has_no_copier_and_its_bytes_view_the_tensor() -> None:
     t = torch.arange(3, dtype=torch.int32)
     blob = flatten({"t": t}).blobs[0]
-    assert blob.copier_factory is None
+    assert blob.device_copier is None
     assert blob.data.view(np.int32).tolist() == [0, 1, 2]
 
 

@@ -29,7 +29,7 @@ from fastpersist.format.flatten import (
     records_to_json,
     unflatten,
 )
-from fastpersist.gpu.copiers import CudaCopier, DeviceCopier, device_bytes, use_copier
+from fastpersist.gpu.copiers import DEVICE_COPIERS, CudaCopier, DeviceCopier, device_bytes, use_copier
 
 from budget import examples
 
@@ -65,7 +65,7 @@ def disk_buffers(flat: FlatState, *, align: int = 64, skew: int = 0) -> list[tor
 def written_bytes(blob: Blob) -> np.ndarray:
     """The bytes a save writes for `blob`: its host bytes, or for a device-resident blob what its
     copier copies to the host (the save's staging reads `device_bytes(source)`, saving/job.py)."""
-    if blob.copier_factory is None:
+    if blob.device_copier is None:
         data = blob.data
         assert data.dtype == np.uint8 and data.ndim == 1 and data.flags.c_contiguous
         assert data.nbytes == blob.nbytes
@@ -876,11 +876,14 @@ def test_device_tensors_stay_on_their_device_until_staged(device: str) -> None:
     state = {"w": w, "wt": w.t(), "half": torch.randn(3, device=on).half()[::2]}
     seam = use_copier(lambda t: True, _never_called) if device == "fake" else contextlib.nullcontext()
     with seam:
-        flat = flatten(state)
+        flat = flatten(state, copiers=DEVICE_COPIERS)
+        host = flatten(state)  # without a save's copiers: copied to the host when first read
     assert [r.device for r in flat.tensors] == [str(w.device)] * 3
+    assert all(b.device_copier is None and (b.version is None or device == "fake") for b in host.blobs)
+    assert np.array_equal(host.blobs[0].data.view(np.float32), w.cpu().reshape(-1).numpy())
     assert len(flat.blobs) == 2  # w and its transpose share one
     for blob in flat.blobs:
-        assert blob.copier_factory is (_never_called if device == "fake" else CudaCopier)
+        assert blob.device_copier is (_never_called if device == "fake" else CudaCopier)
         assert blob.source_tensor.device == w.device
         with pytest.raises(RuntimeError, match="its copier stages it"):
             _ = blob.data  # no host copy was made at flatten

@@ -27,7 +27,7 @@ from fastpersist.format import flatten as flatten_module
 from fastpersist.format.flatten import MAX_DEPTH, TORCH_DTYPES, FlatState, flatten
 from fastpersist.format.limits import MAX_DIMS
 from fastpersist.format.records import CANONICAL_CACHE
-from fastpersist.gpu.copiers import use_copier
+from fastpersist.gpu.copiers import DEVICE_COPIERS, use_copier
 
 from budget import examples
 
@@ -50,7 +50,7 @@ def assert_same_flat(a: FlatState, b: FlatState) -> None:
     leaves = {id(x) for x, y in zip(a.leaves, b.leaves, strict=True) if x is y}
     for ba, bb in zip(a.blobs, b.blobs, strict=True):
         assert type(ba) is type(bb)
-        assert (ba.nbytes, ba.version, ba.copier_factory) == (bb.nbytes, bb.version, bb.copier_factory)
+        assert (ba.nbytes, ba.version, ba.device_copier) == (bb.nbytes, bb.version, bb.device_copier)
         assert (ba._data is None) == (bb._data is None)
         if id(bb.source) in leaves:  # else made by the walk (a shared range, a resolved copy)
             assert ba.source is bb.source
@@ -59,7 +59,7 @@ def assert_same_flat(a: FlatState, b: FlatState) -> None:
         assert [(m.record, id(m.tensor), m.version) for m in ba.members] == [
             (m.record, id(m.tensor), m.version) for m in bb.members
         ]
-        if ba.copier_factory is None:
+        if ba.device_copier is None:
             assert ba.data.tobytes() == bb.data.tobytes()
 
 
@@ -241,7 +241,7 @@ def test_native_walk_matches_on_many_tensors(items: list[tuple[str, torch.Tensor
 @given(st.lists(st.one_of(pooled(), fresh()), max_size=6))
 def test_native_walk_matches_with_a_copier_installed(tensors: list[torch.Tensor]) -> None:
     with use_copier(lambda t: True, lambda device: None):  # type: ignore[arg-type,return-value]
-        assert_same_walk({"t": tensors})
+        assert_same_walk({"t": tensors}, copiers=DEVICE_COPIERS)
 
 
 @pytest.mark.parametrize("root_name", ["state", "état", "r" + surrogate, "a b"])

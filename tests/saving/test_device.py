@@ -204,12 +204,12 @@ def test_one_early_copy_budget_for_host_and_device_tensors(workdir: str, fake_de
     host = [torch.zeros(per // 4) for _ in range(count)]
     device = [torch.zeros(per // 4) for _ in range(count)]
     _put_on_device(fake_device, *device)
-    blobs = flatten({"host": host, "device": device}).blobs
+    blobs = flatten({"host": host, "device": device}, copiers=copiers.DEVICE_COPIERS).blobs
     chosen = choose_early_copies(blobs)
     assert sum(blobs[i].nbytes for i in chosen) <= EARLY_COPY_BUDGET_BYTES
     assert len(chosen) == EARLY_COPY_BUDGET_BYTES // per < 2 * count  # one budget, not two
-    assert any(blobs[i].copier_factory is not None for i in chosen)
-    assert any(blobs[i].copier_factory is None for i in chosen)
+    assert any(blobs[i].device_copier is not None for i in chosen)
+    assert any(blobs[i].device_copier is None for i in chosen)
 
 
 def test_a_failing_device_copy_fails_the_save_and_commits_nothing(

@@ -13,12 +13,11 @@ Example:
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
-from ..gpu.copiers import CopierFactory
 from .records import TORCH_DTYPES
 
 
@@ -38,6 +37,19 @@ _NUMPY_VIEWABLE = frozenset(d for d in TORCH_DTYPES.values() if _numpy_views(d))
 U8 = np.dtype(np.uint8)
 
 
+class DeviceCopiers(Protocol):
+    """Which tensors a save stages from their device instead of reading them on the host: the
+    save's choice, handed to ``flatten(state, copiers=...)`` (``fastpersist.gpu.copiers.DEVICE_COPIERS``).
+    The format keeps what it returns on the blob, and never looks inside."""
+
+    @property
+    def host_only(self) -> bool:
+        """No CPU tensor is staged from a device: they are all read in place."""
+
+    def __call__(self, tensor: torch.Tensor) -> object | None:
+        """What stages `tensor` from its device (kept as ``Blob.device_copier``), or None."""
+
+
 class Member(NamedTuple):
     """A tensor of a shared storage, as the mutation guard watches it."""
 
@@ -49,24 +61,25 @@ class Member(NamedTuple):
 class Blob:
     """One contiguous run of bytes to write: a storage range or one tensor's values.
 
-        `data` is a 1-D C-contiguous uint8 CPU array; it views the source memory when it can
-        (contiguous CPU tensors and arrays), else it holds a copy. `source` keeps that memory alive
-        and `version` (torch's `_version` at flatten time; None for numpy arrays, inference tensors
-        and copies, which nothing can modify under a save) lets a save detect that the source was
-        modified before its bytes were staged. A GPU tensor's blob stays on its device, and
-    `copier_factory` makes the copier that stages it.
+    `data` is a 1-D C-contiguous uint8 CPU array; it views the source memory when it can
+    (contiguous CPU tensors and arrays), else it holds a copy. `source` keeps that memory alive
+    and `version` (torch's `_version` at flatten time; None for numpy arrays, inference tensors
+    and copies, which nothing can modify under a save) lets a save detect that the source was
+    modified before its bytes were staged. A device tensor's blob stays on its device: where
+    the save's :class:`DeviceCopiers` chose a copier for it, `device_copier` holds it and its
+    bytes are never read on the host; else `data` copies it to the host when first read.
 
-        A zero-copy view of a tensor is only built when `data` is first read (about 1 us per
-        tensor, a third of flatten's cost on many small tensors): planning needs `nbytes` alone.
+    A zero-copy view of a tensor is only built when `data` is first read (about 1 us per
+    tensor, a third of flatten's cost on many small tensors): planning needs `nbytes` alone.
 
-        Example:
-            >>> from fastpersist.format.flatten import flatten
-            >>> blob = flatten(torch.zeros(3)).blobs[0]
-            >>> blob.nbytes, blob.data.dtype
-            (12, dtype('uint8'))
+    Example:
+        >>> from fastpersist.format.flatten import flatten
+        >>> blob = flatten(torch.zeros(3)).blobs[0]
+        >>> blob.nbytes, blob.data.dtype
+        (12, dtype('uint8'))
     """
 
-    __slots__ = ("_data", "copier_factory", "members", "nbytes", "source", "version")
+    __slots__ = ("_data", "device_copier", "members", "nbytes", "source", "version")
 
     def __init__(
         self,
@@ -74,7 +87,7 @@ class Blob:
         source: torch.Tensor | np.ndarray | bytes,
         version: int | None,
         nbytes: int = -1,
-        copier_factory: CopierFactory | None = None,
+        device_copier: object | None = None,
         members: tuple[Member, ...] = (),
     ) -> None:
         # flatten's native walk (rust/fastpersist-py/src/walk/tensor.rs) makes the blob of a plain
@@ -84,9 +97,9 @@ class Blob:
         self.source = source
         self.version = version
         self.nbytes = data.nbytes if data is not None else nbytes
-        #: For a device-resident blob (`source` a contiguous device tensor): the factory of the
-        #: copier that stages it (see fastpersist.gpu.copiers); its bytes are never read on the host.
-        self.copier_factory = copier_factory
+        #: For a device-resident blob (`source` a contiguous device tensor): what stages it, as
+        #: the save's DeviceCopiers chose (opaque here); its bytes are never read on the host.
+        self.device_copier = device_copier
         #: For a storage shared by several tensors: each of them with its version at flatten
         #: time. Tensors of one storage need not share a version counter (``p.data = buf[a:b]``
         #: gives ``p`` its own), so a watched blob is unchanged only if every member is.
@@ -103,12 +116,15 @@ class Blob:
     @property
     def data(self) -> np.ndarray:
         """The blob's bytes on the host (a view of the source where it can be)."""
-        if self.copier_factory is not None:
+        if self.device_copier is not None:
             raise RuntimeError("a device-resident blob has no host bytes; its copier stages it")
         if self._data is None:
-            # Only left unset for a non-empty contiguous plain CPU tensor (_Walker._tensor); no
+            # Only left unset for a non-empty contiguous plain tensor (_Walker._tensor); no
             # isinstance here: this runs once per tensor of the state, on the save call's path.
-            data = byte_view(self.source)  # type: ignore[arg-type]
+            source = self.source
+            if not source.is_cpu:  # type: ignore[union-attr]  # a device tensor without a copier
+                source = source.cpu()  # type: ignore[union-attr]
+            data = byte_view(source)  # type: ignore[arg-type]
             if data.nbytes != self.nbytes:
                 raise RuntimeError(
                     f"a tensor of {data.nbytes} bytes was resized from {self.nbytes} bytes between "

@@ -27,9 +27,7 @@ import torch
 
 from ..errors import UnsupportedValueError
 from ..gcpause import paused_gc
-from ..gpu import copiers as _device
-from ..gpu.copiers import copier_for as _copier_for
-from .blobs import U8, Blob, Member, byte_view
+from .blobs import U8, Blob, DeviceCopiers, Member
 from .kinds import checked_attrs, meta_record, set_node, sparse_node
 from .limits import MAX_DEPTH, MAX_DIMS, namedtuple_problem
 from .nativewalk import ENV as _NATIVE_ENV
@@ -107,12 +105,18 @@ class FlatState:
 # ----------------------------------------------------------------------------- flatten
 
 
-def flatten(state: object, *, root_name: str = "state", native: bool = True) -> FlatState:
+def flatten(
+    state: object, *, root_name: str = "state", native: bool = True, copiers: DeviceCopiers | None = None
+) -> FlatState:
     """Split `state` into a JSON-serialisable spec, tensor records and byte blobs.
 
     Tensors sharing a storage (tied weights, views) go into one blob and come back sharing
     it; the same tensor object reached twice is recorded once. Raises UnsupportedValueError,
     naming the key path, for any leaf or key the format cannot hold and for cycles.
+
+    `copiers`: a save's choice of the tensors it stages from their device (their blobs keep
+    what it returns in ``device_copier``); without it, a device tensor's blob is copied to the
+    host when its ``data`` is first read.
 
     The common nodes are walked natively (format/nativewalk.py), the rest by `_Walker` in
     Python; ``native=False`` walks all of it in Python (the reference: the same result).
@@ -122,7 +126,7 @@ def flatten(state: object, *, root_name: str = "state", native: bool = True) -> 
         >>> flat.tensors[0].key_path
         'state.opt.state[0].step'
     """
-    walker = _Walker()
+    walker = _Walker(copiers)
     try:
         with paused_gc():
             if native and _NATIVE_WALK is not None:
@@ -147,34 +151,39 @@ class _Walker:
     CPU); when a second tensor of the same storage shows up, `finish` replaces that blob by
     one covering the storage range of all of them.
 
-    The native walk (format/nativewalk.py) drives a walker too: it reads its lists and dicts
-    and calls back `node`, `_enter` and `_key` for what it does not build itself.
+    The native walk (format/nativewalk.py) drives a walker too. Its interface, all the native
+    walk reads or writes of a walker: it appends to `records`, `leaves` and `blobs`, fills
+    `index` (``id(tensor)`` -> its record), `on_path` (ids of the containers being walked) and
+    `storages` (a storage's key -> the record of its first tensor), reads `host_only`, and
+    calls back `node`, `_enter` and `_key` for what it does not build itself.
     """
 
     __slots__ = (
         "_composites",
+        "_copiers",
         "_groups",
-        "_host_only",
-        "_index",
-        "_on_path",
-        "_storages",
         "blobs",
         "bytes_in_stream",
+        "host_only",
+        "index",
         "kinds_used",
         "leaves",
+        "on_path",
         "records",
+        "storages",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, copiers: DeviceCopiers | None = None) -> None:
         self.records: list[TensorRecord] = []
         self.leaves: list[object] = []
         self.blobs: list[Blob] = []
-        self._index: dict[int, int] = {}
-        self._on_path: set[int] = set()
-        self._storages: dict[object, int] = {}  # storage -> record of its first tensor
+        self.index: dict[int, int] = {}
+        self.on_path: set[int] = set()
+        self.storages: dict[object, int] = {}  # storage -> record of its first tensor
         self._groups: dict[object, list[tuple[int, torch.Tensor, str]]] = {}
-        #: No copier is installed (fastpersist.gpu.copiers.use_copier): CPU tensors are read in place.
-        self._host_only = _device.installed_copier is None
+        self._copiers = copiers
+        #: Every CPU tensor is read in place: none is staged from a device.
+        self.host_only = copiers is None or copiers.host_only
         #: Some bytes value went into the data stream (a ``bytes_blob`` node: spec version 2).
         self.bytes_in_stream = False
         #: Some node or record of spec version 3 was written (format/kinds.py).
@@ -184,11 +193,11 @@ class _Walker:
     def node(self, x: object, path: str, depth: int) -> Any:
         cls = type(x)
         if cls is _Tensor or cls is _Parameter:
-            i = self._index.get(id(x))
+            i = self.index.get(id(x))
             if i is None:
                 if x.layout is not _STRIDED:  # type: ignore[attr-defined]
                     return self._sparse(x, path, depth)  # type: ignore[arg-type]
-                i = self._index[id(x)] = len(self.records)
+                i = self.index[id(x)] = len(self.records)
                 self.leaves.append(x)
                 self._tensor(x, path, i)  # type: ignore[arg-type]
                 if x.__dict__:  # plain attributes (p.foo = ...), kept as torch.save keeps them
@@ -217,9 +226,9 @@ class _Walker:
             self.kinds_used = True
             return {"t": "bytearray", "v": self.node(bytes(x), path, depth)}  # type: ignore[call-overload]
         if cls is np.ndarray or cls is np.memmap:
-            i = self._index.get(id(x))
+            i = self.index.get(id(x))
             if i is None:
-                i = self._index[id(x)] = len(self.records)
+                i = self.index[id(x)] = len(self.records)
                 self.leaves.append(x)
                 self._array(x, path)  # type: ignore[arg-type]
             return {"t": "tensor", "i": i}
@@ -227,9 +236,9 @@ class _Walker:
 
     def _bytes(self, x: bytes, path: str) -> dict[str, Any]:
         """A large bytes value: a uint8 record whose blob views the bytes (immutable: unwatched)."""
-        i = self._index.get(id(x))
+        i = self.index.get(id(x))
         if i is None:
-            i = self._index[id(x)] = len(self.records)
+            i = self.index[id(x)] = len(self.records)
             self.leaves.append(x)
             self.records.append(
                 TensorRecord(path, "numpy", BYTES_RECORD_DTYPE, [len(x)], [1], len(self.blobs), 0, "cpu", False, False)
@@ -250,11 +259,11 @@ class _Walker:
     def _enter(self, x: object, path: str, depth: int) -> None:
         if depth >= MAX_DEPTH:
             raise UnsupportedValueError(f"at key path {shown(path)}: containers nested deeper than {MAX_DEPTH} levels")
-        if id(x) in self._on_path:
+        if id(x) in self.on_path:
             raise UnsupportedValueError(
                 f"at key path {shown(path)}: cyclic reference (a container that contains itself)"
             )
-        self._on_path.add(id(x))
+        self.on_path.add(id(x))
 
     def _mapping(self, x: dict[Any, Any], path: str, depth: int, tag: str) -> dict[str, Any]:
         self._enter(x, path, depth)
@@ -274,13 +283,13 @@ class _Walker:
         meta = vars(x).get("_metadata") if tag == "odict" else None
         if meta is not None:
             node["meta"] = self.node(meta, f"{path}._metadata", depth + 1)
-        self._on_path.discard(id(x))
+        self.on_path.discard(id(x))
         return node
 
     def _items(self, x: list[Any] | tuple[Any, ...], path: str, depth: int) -> list[Any]:
         self._enter(x, path, depth)
         out = [self.node(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(x)]
-        self._on_path.discard(id(x))
+        self.on_path.discard(id(x))
         return out
 
     def _key(self, k: object, path: str, depth: int) -> Any:
@@ -360,7 +369,7 @@ class _Walker:
             offset = int(x.storage_offset())
             ptr = x.data_ptr() - offset * itemsize
             key = ptr if cpu else (ptr, str(x.device))
-            first = self._storages.setdefault(key, i)
+            first = self.storages.setdefault(key, i)
             if first != i:
                 group = self._groups.get(key)
                 if group is None:
@@ -391,11 +400,10 @@ class _Walker:
                 nbytes = span * itemsize
             elif source.stride() != tuple(stride):  # contiguous, any stride on a size-1 dimension
                 stride = list(source.stride())
-        copier = _copier_for(x) if numel and not (cpu and self._host_only) else None
-        if copier is None and numel and not cpu:
-            data = byte_view(source.cpu())
+        copiers = self._copiers
+        copier = copiers(x) if copiers is not None and numel and not (cpu and self.host_only) else None
         version = None
-        if plain and (data is None or cpu) and numel:  # the source views x: the guard watches it
+        if plain and numel and (cpu or copier is not None):  # the source views x: the guard watches it
             try:
                 version = x._version
             except RuntimeError:  # inference tensors track no version
@@ -446,15 +454,14 @@ class _Walker:
         raw = torch.empty(0, dtype=torch.uint8, device=owner.device)
         raw.set_(owner.untyped_storage(), lo, (hi - lo,), (1,))
         blob = self.records[group[0][0]].blob
-        copier = _copier_for(owner) if not owner.is_cpu or _device.installed_copier is not None else None
+        copiers = self._copiers
+        copier = copiers(owner) if copiers is not None and not (owner.is_cpu and self.host_only) else None
         # The source itself, not a host copy, is watched: through every member, as each may
         # have a version counter of its own (`raw` is a new tensor with one of its own, too).
         members = _members(group) if raw.is_cpu or copier is not None else ()
         version = raw._version if members else None
-        if copier is not None:
-            self.blobs[blob] = Blob(None, raw, version, hi - lo, copier, members)
-        else:
-            self.blobs[blob] = Blob(raw.cpu().numpy(), raw, version, members=members)
+        # Viewed (or, on a device without a copier, copied to the host) when first read.
+        self.blobs[blob] = Blob(None, raw, version, hi - lo, copier, members)
         for (i, t, path), start in zip(group, starts, strict=True):
             self.records[i] = TensorRecord(
                 path,

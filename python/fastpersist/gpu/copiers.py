@@ -1,10 +1,11 @@
 """Which tensors a save stages from their device, and the copiers that copy them into the
 save's pinned arena.
 
-A save does not call ``.cpu()`` on device tensors. flatten() marks their blobs device-resident
-(:func:`copier_for` names the copier), and the engine asks for the device-to-host copies of a
-whole window of the arena in one call (:class:`~fastpersist.gpu.staging.DeviceStaging`): for a
-state that fits the arena, every copy of the save at once, before ``save_async`` returns.
+A save does not call ``.cpu()`` on device tensors. ``flatten(state, copiers=DEVICE_COPIERS)``
+keeps their blobs device-resident (:func:`copier_for` names the copier), and the engine asks for
+the device-to-host copies of a whole window of the arena in one call
+(:class:`~fastpersist.gpu.staging.DeviceStaging`): for a state that fits the arena, every copy
+of the save at once, before ``save_async`` returns.
 
 :class:`CudaCopier` queues one non-blocking ``copy_`` per contiguous run (a tensor, for a state
 that fits) on a side stream of the source's device, after an event recorded on the caller's
@@ -28,7 +29,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-__all__ = ["CopierFactory", "CudaCopier", "DeviceCopier", "copier_for", "device_bytes", "use_copier"]
+__all__ = ["DEVICE_COPIERS", "CopierFactory", "CudaCopier", "DeviceCopier", "copier_for", "device_bytes", "use_copier"]
 
 
 class DeviceCopier(Protocol):
@@ -133,6 +134,22 @@ def copier_for(tensor: torch.Tensor) -> CopierFactory | None:
     if tensor.is_cuda:
         return CudaCopier
     return None
+
+
+class _DeviceCopiers:
+    """The save's choice for ``flatten(state, copiers=...)`` (format/blobs.py's DeviceCopiers):
+    :func:`copier_for` each tensor; CPU tensors are read in place unless a fake is installed."""
+
+    @property
+    def host_only(self) -> bool:
+        return installed_copier is None
+
+    def __call__(self, tensor: torch.Tensor) -> CopierFactory | None:
+        return copier_for(tensor)
+
+
+#: What a save hands flatten: its blobs of device tensors keep the factory of their copier.
+DEVICE_COPIERS = _DeviceCopiers()
 
 
 @contextmanager

@@ -52,7 +52,7 @@ def split_by_side(blobs: Sequence[Blob], chosen: Iterable[int]) -> tuple[list[in
     host: list[int] = []
     device: list[int] = []
     for i in chosen:
-        (host if blobs[i].copier_factory is None else device).append(i)
+        (host if blobs[i].device_copier is None else device).append(i)
     return host, device
 
 

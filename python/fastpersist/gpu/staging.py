@@ -12,6 +12,7 @@ reads the window's bytes: two calls into Python per window however many chunks i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ __all__ = [
 
 def has_device_blobs(blobs: Sequence[Blob]) -> bool:
     """Whether a save of `blobs` stages some of them from a device."""
-    return any(b.copier_factory is not None for b in blobs)
+    return any(b.device_copier is not None for b in blobs)
 
 
 class DeviceStaging:
@@ -117,7 +118,7 @@ def start_device_staging(
     (the save goes in windows) they are cloned on their device now, as the early copy was."""
     copiers: dict[tuple[CopierFactory, torch.device], DeviceCopier] = {}
     for blob in blobs:
-        if blob.copier_factory is not None:
+        if blob.device_copier is not None:
             key = copier_key(blob)
             if key not in copiers:
                 copiers[key] = key[0](key[1])
@@ -169,14 +170,14 @@ def stage_from_devices(
         key_path=lambda i: f"{what}: extent {i}",
         fail=lambda e: None,
     )
-    return [None if b.copier_factory is not None else b.data for b in blobs], device
+    return [None if b.device_copier is not None else b.data for b in blobs], device
 
 
 def copier_key(blob: Blob) -> tuple[CopierFactory, torch.device]:
     """Which copier stages the device-resident `blob`: one per (factory, device)."""
-    factory = blob.copier_factory
+    factory = blob.device_copier
     assert factory is not None, "a blob staged from the host has no copier"
-    return factory, blob.source_tensor.device
+    return cast(CopierFactory, factory), blob.source_tensor.device
 
 
 def source_bytes(blob: Blob, key_path: Callable[[], str]) -> torch.Tensor:

@@ -33,6 +33,7 @@ from ..format.manifest import FileEntry, StreamText, build, stream_text
 from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write_owner
 from ..format.quote import shown
 from ..gcpause import paused_gc
+from ..gpu.copiers import DEVICE_COPIERS
 from ..gpu.early import choose_early_copies, split_by_side
 from ..gpu.staging import DeviceStaging, has_device_blobs, share_bytes, start_device_staging
 from ..logs import log_save, log_save_call
@@ -184,7 +185,7 @@ class SaveJob:
     def _lay_out(self, state: object) -> None:
         """Flattens the state and plans the stream: what this process writes, and where."""
         layout, config = self.layout, self.config
-        flat = self._flat = flatten(state)
+        flat = self._flat = flatten(state, copiers=DEVICE_COPIERS)
         name = os.path.basename(self.path)
         stripe_roots = list(config.stripes or [])
         stripe_name = stripe_dir_name(name, layout.checkpoint_id, layout.tag)
@@ -257,7 +258,7 @@ class SaveJob:
                 writer=self.writers[0],
                 also_writers=self.writers[1:],
                 paths=paths,
-                sources=[None if b.copier_factory is not None else b.data for b in flat.blobs],
+                sources=[None if b.device_copier is not None else b.data for b in flat.blobs],
                 pool=pool,
                 background=background,
                 watched=[b.version is not None for b in flat.blobs],

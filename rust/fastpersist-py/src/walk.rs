@@ -1,8 +1,8 @@
 //! `flatten_walk`: the native walk behind `fastpersist.format.flatten`.
 //!
 //! An accelerator of the Python `_Walker`, not a second implementation of the format: it
-//! appends to the walker's own lists and dicts (`records`, `leaves`, `blobs`, `_index`,
-//! `_on_path`, `_storages`) and builds, for the common nodes, exactly what the Python walk
+//! appends to the walker's own lists and dicts (`records`, `leaves`, `blobs`, `index`,
+//! `on_path`, `storages`: the interface `_Walker`'s docstring documents) and builds, for the common nodes, exactly what the Python walk
 //! builds: exact dicts, OrderedDicts (their `_metadata` included), lists and tuples; str, bool,
 //! None, int and float leaves; str and int dict keys; and a plain contiguous CPU tensor that is
 //! the first of its storage (`tensor.rs`). Every other node (a view, a second tensor of a
@@ -93,7 +93,7 @@ struct Walk<'py> {
     index: Bound<'py, PyDict>,
     on_path: Bound<'py, PySet>,
     storages: Bound<'py, PyDict>,
-    /// No copier is installed: a CPU tensor's bytes are read in place (`_Walker._host_only`).
+    /// No copier is installed: a CPU tensor's bytes are read in place (`_Walker.host_only`).
     host_only: bool,
     env: Env<'py>,
     /// Reused to build each key path (one allocation per walk, not per node).
@@ -112,10 +112,10 @@ impl<'py> Walk<'py> {
             records: field(intern!(py, "records"))?.cast_into()?,
             leaves: field(intern!(py, "leaves"))?.cast_into()?,
             blobs: field(intern!(py, "blobs"))?.cast_into()?,
-            index: field(intern!(py, "_index"))?.cast_into()?,
-            on_path: field(intern!(py, "_on_path"))?.cast_into()?,
-            storages: field(intern!(py, "_storages"))?.cast_into()?,
-            host_only: field(intern!(py, "_host_only"))?.is_truthy()?,
+            index: field(intern!(py, "index"))?.cast_into()?,
+            on_path: field(intern!(py, "on_path"))?.cast_into()?,
+            storages: field(intern!(py, "storages"))?.cast_into()?,
+            host_only: field(intern!(py, "host_only"))?.is_truthy()?,
             env: Env::new(env)?,
             text: RefCell::new(String::new()),
             tensors: OnceCell::new(),

@@ -1,9 +1,9 @@
 //! The common tensor of a state, natively: `_Walker.node` + `_Walker._tensor` for an exact
 //! `torch.Tensor` or `torch.nn.Parameter` that is strided, on the CPU, of a dtype the format
 //! knows, not nested, at most `MAX_DIMS` dimensions, not a neg or conj view, non-empty, at
-//! storage offset 0, C-contiguous with the canonical strides, without attributes, walked with
-//! no copier installed, and the first tensor of its storage. Its record and blob are the ones
-//! the Python walk makes (`TensorRecord(...)` and the lazy `Blob(None, x, version, nbytes,
+//! storage offset 0, C-contiguous with the canonical strides, without attributes, walked by a
+//! `host_only` walker (no CPU tensor staged from a device), and the first tensor of its
+//! storage. Its record and blob are the ones the Python walk makes (`TensorRecord(...)` and the lazy `Blob(None, x, version, nbytes,
 //! None)`); any other tensor is the Python walk's.
 
 use std::cell::RefCell;
@@ -36,7 +36,7 @@ const BLOB_SLOTS: [&str; 6] = [
     "source",
     "version",
     "nbytes",
-    "copier_factory",
+    "device_copier",
     "members",
 ];
 
@@ -49,7 +49,7 @@ struct Plain<'py> {
     name: Bound<'py, PyAny>,
     /// `x.shape`, the key of the cached canonical layout.
     shape: Bound<'py, PyAny>,
-    /// `x.data_ptr()`: the storage's base address at storage offset 0, the `_storages` key.
+    /// `x.data_ptr()`: the storage's base address at storage offset 0, the `storages` key.
     ptr: Bound<'py, PyAny>,
     /// `x._version`, or None for an inference tensor.
     version: Bound<'py, PyAny>,
@@ -142,7 +142,7 @@ impl<'py> Walk<'py> {
             return self.delegate(x, path, depth);
         };
         let i = self.records.len().into_pyobject(self.py)?.into_any();
-        // `_storages.setdefault(key, i)`: a storage already seen makes this tensor part of a
+        // `storages.setdefault(key, i)`: a storage already seen makes this tensor part of a
         // shared blob, which the Python walk groups (nothing was written here yet).
         if !self.storages.set_default(&plain.ptr, &i)? {
             return self.delegate(x, path, depth);
