@@ -19,7 +19,11 @@ soon as they are measured (a stage cut short by its timeout keeps what it printe
 4. save GB/s from the device, from host memory and torch.save + fsync; device memory growth;
    ``fp.torch_save`` and ``dcp.save(storage_writer=FastPersistWriter)`` from the device against
    ``fp.save`` (target 0.8x).
-5. overlap: training iterations with one warmed Checkpointer(every=N), N chosen so that a save
+5. the staging targets (benches/gpu_targets.py, within ``--targets-s``): synthetic 1, 4 and
+   12 GiB states against a plain pinned copy; a GPT-2 training loop's time lost per checkpoint
+   with the README recipe against a plain pinned copy, and a copy every step; pinned memory
+   over 100 saves.
+6. overlap: training iterations with one warmed Checkpointer(every=N), N chosen so that a save
    fits within N iterations (it measures the overlap, not the disk), against the same loop
    without checkpoints.
 
@@ -40,6 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+import gpu_targets  # benches/gpu_targets.py, beside this script
 import torch
 
 import fastpersist as fp
@@ -469,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default="/tmp", help="the checkpoints go to DIR/bench (removed at the end)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: smoke mode, no figures")
     parser.add_argument("--reps", type=int, default=3, help="repetitions per timed figure (the median is shown)")
+    parser.add_argument(
+        "--staging-sizes",
+        default="1GiB,4GiB,12GiB",
+        help="synthetic states whose staging is timed (benches/gpu_targets.py)",
+    )
+    parser.add_argument("--targets-s", type=float, default=90.0, help="seconds for benches/gpu_targets.py's sections")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("torch sees no CUDA device (use --device cpu for the smoke mode)")
@@ -485,11 +496,13 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     ts = TrainingState(args.size, device)
-    ok = check_round_trip(ts, root)
-    check_staging(ts, root, args.reps)
+    ok = check_round_trip(ts, root)  # the checks that decide the exit status come first
     ok = check_load(ts, root, args.reps) and ok
+    check_staging(ts, root, args.reps)
     check_save(ts, root, args.reps)
     del ts
+    sizes = [parse_size(s) for s in args.staging_sizes.split(",")] if device.type == "cuda" else [16 * MiB]
+    gpu_targets.run(device, root, args.reps, sizes, args.targets_s)
     check_overlap(args.size, device, root, args.reps)
     shutil.rmtree(root, ignore_errors=True)
     return 0 if ok else 1

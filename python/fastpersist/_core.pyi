@@ -25,6 +25,7 @@ __all__ = [
     "ArenaLease",
     "Plan",
     "Pool",
+    "WriteGate",
     "WriteHandle",
     "__version__",
     "check_chunk_bytes",
@@ -209,6 +210,24 @@ class WriteHandle:
     def staged_seconds(self) -> float | None:
         """Seconds from the start until the job was staged, once it is."""
 
+@final
+class WriteGate:
+    """Holds a write's writes back until opened: the job stages (and releases its sources) at
+    once, then waits before its first write; cancelling the job ends the wait with
+    :class:`SaveCancelledError`. A write given a gate stages through its ``device.lease`` arena.
+
+    >>> gate = WriteGate()
+    >>> gate.is_open
+    False
+    """
+
+    def __new__(cls) -> WriteGate: ...
+    def open(self) -> None:
+        """Lets the job write."""
+    @property
+    def is_open(self) -> bool:
+        """Whether it was opened."""
+
 @type_check_only
 class _DeviceHook(Protocol):
     @property
@@ -251,6 +270,8 @@ class WriteRequest(Protocol):
       stream whose CRC-32 (IEEE, ``zlib.crc32``) is written little-endian at each offset while
       the range streams through staging (the record CRCs of a zip archive). Ranges sorted and
       disjoint, each offset after its range's end; the plan must have a single part.
+    * ``write_gate``: a :class:`WriteGate` that holds the writes back until opened (with
+      ``device`` only: the arena holds the snapshot meanwhile).
     """
 
     @property
@@ -287,6 +308,8 @@ class WriteRequest(Protocol):
     def device(self) -> _DeviceHook | None: ...
     @property
     def crc32_fields(self) -> Sequence[tuple[int, int, Sequence[int]]]: ...
+    @property
+    def write_gate(self) -> WriteGate | None: ...
 
 def start_write(request: WriteRequest) -> WriteHandle:
     """Starts the write that ``request`` describes (see :class:`WriteRequest`); returns its handle."""

@@ -424,3 +424,45 @@ def test_cuda_chunks_copied_ahead_of_their_checksum_round_trip(workdir: str) -> 
         loaded = fp.load(path, map_location="cuda")
         for key, value in state.items():
             assert torch.equal(loaded[key], value), (name, key)
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_gated_save_is_staged_at_once_and_written_when_the_gate_opens(
+    workdir: str, backend: str, fake_device: set[int], on_device: bool
+) -> None:
+    # A Checkpointer's snapshot waiting for the disk: staged (host tensors too) into an arena at
+    # once, its writes held back; cancelled while it waits, it commits nothing.
+    from fastpersist.futures import SaveFuture
+    from fastpersist.saving.start import start_save
+
+    state = {"w": torch.randn(300_000), "b": torch.arange(10.0)}
+    expected = {k: v.clone() for k, v in state.items()}
+    if on_device:
+        _put_on_device(fake_device, state["w"])
+    config = fp.Config(backend=backend, chunk_bytes=CHUNK).resolved_for(workdir)
+    for cancel in (False, True):
+        path = os.path.join(workdir, f"gated-{cancel}")
+        gate = _core.WriteGate()
+        fut = SaveFuture(start_save(state, path, config, write_gate=gate))
+        fut.wait_staged()
+        for t in state.values():
+            t.add_(1)  # after wait_staged(): the snapshot is taken
+        time.sleep(0.05)
+        assert not fut.done() and not os.path.exists(path)
+        assert any(kept.arena.leased for kept in ARENAS._kept)
+        if cancel:
+            assert fut.cancel()
+            with pytest.raises(fp.SaveCancelledError):
+                fut.wait()
+            assert not os.path.exists(path)
+        else:
+            gate.open()
+            fut.wait()
+            loaded = fp.load(path)
+            assert all(torch.equal(loaded[k], v) for k, v in expected.items())
+        for t in state.values():
+            t.sub_(1)
+        deadline = time.monotonic() + 5
+        while any(kept.arena.leased for kept in ARENAS._kept) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not any(kept.arena.leased for kept in ARENAS._kept)

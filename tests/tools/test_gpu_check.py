@@ -129,6 +129,12 @@ def test_the_bench_smoke_mode_checks_the_round_trip_on_the_cpu(tmp_path: pathlib
     assert re.search(r"checksum off: .* save_async returned in [\d.]+ ms", lines)
     assert re.search(r"checksum crc32c: .* save_async returned in [\d.]+ ms", lines)
     assert re.search(r"one warmed Checkpointer\(every=\d+\)", lines)
+    assert re.search(r"fp.torch_save from cpu: .* fp.save \(target >= 0.8x\)", lines)
+    assert re.search(r"dcp.save\(FastPersistWriter\) from cpu: .* fp.save", lines)
+    # benches/gpu_targets.py's sections, each measured (or saying why not)
+    assert re.search(r"staging 0.0 GiB in \d+ fp32 tensors: save_async -> wait_staged", lines)
+    assert re.search(r"training loop( \(GPT-2|: not measured)", lines)
+    assert "pinned memory over 100 saves" in lines
     assert os.listdir(tmp_path) == []
 
 

@@ -60,6 +60,7 @@ class WriteRequest:
     copy_early: Sequence[int] = ()
     device: DeviceHook | None = None
     crc32_fields: Sequence[tuple[int, int, Sequence[int]]] = ()
+    write_gate: _core.WriteGate | None = None
 
 
 class ConfigKnobs(TypedDict):

@@ -152,6 +152,9 @@ class SaveJob:
         self._copy_early: list[int] = []
         self._copy_early_on_device: list[int] = []
         self._device: DeviceStaging | None = None
+        #: Holds the writes back until opened (a Checkpointer's snapshot waiting for the disk):
+        #: the state is staged into an arena at once, host tensors included.
+        self.write_gate: _core.WriteGate | None = None
         self.stripe_dirs: list[str] = []
         self.stripe_dirs_used: list[str] = []
         self.my_parts: list[PlanPart] = []
@@ -240,7 +243,7 @@ class SaveJob:
         flat, config, pool = self._flat, self.config, self.pool
         assert flat is not None and self.writers and pool is not None
         make_room(paths, [part.len_bytes for part in self.my_parts])  # a replaced tree's space may be queued
-        if has_device_blobs(flat.blobs):
+        if has_device_blobs(flat.blobs) or self.write_gate is not None:
             chunk = config.resolved_chunk_bytes
             self._device = start_device_staging(
                 flat.blobs,
@@ -265,6 +268,7 @@ class SaveJob:
                 on_staged=self._check_staged,
                 copy_early=self._copy_early,
                 device=self._device,
+                write_gate=self.write_gate,
             )
         )
         _warn_fallback_once(self.handle.fallback_reason)

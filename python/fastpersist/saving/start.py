@@ -32,18 +32,23 @@ def start_save(
     pool: _core.Pool | None = None,
     replicas: int = 0,
     blocking: bool = False,
+    write_gate: _core.WriteGate | None = None,
 ) -> SaveJob | GroupSaveJob:
     """Starts saving `state` to `path`: alone, or with every rank of `group` (``sharded``: each
     rank its own shard; ``replicas``: each node commits its own copy, and each share is also kept
     on `replicas` other nodes). `pool`: a staging pool to reuse (a Checkpointer's); else one per config.
     `blocking`: the caller waits for the save before it touches the state again (``fp.save``), so
     the small tensors that ``save_async`` copies before returning (docs/overlap.md) need no copy.
+    `write_gate`: stage at once, write once the gate is opened (one process only).
     Missing directories above `path` are created first (``mkdir -p``)."""
     make_parents(os.fspath(path), durable=config.durable)
     # The engine always runs on its own thread, so that waiting for it can be interrupted.
     job: SaveJob | GroupSaveJob
+    if write_gate is not None and (group is not None or sharded):
+        raise ValueError("a save held back by a write gate must be one process's (no group, not sharded)")
     if group is None and not sharded:
         job = SaveJob(path, config, pool=pool)
+        job.write_gate = write_gate
     elif replicas:
         job = PartnerSaveJob(path, config, group, sharded=sharded, replicas=replicas, pool=pool)
     else:

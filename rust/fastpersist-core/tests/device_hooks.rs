@@ -257,3 +257,65 @@ fn windows_are_written_from_the_arena_on_every_backend_direct_or_not() {
         assert!(!arena.is_leased());
     }
 }
+
+#[test]
+fn a_gated_job_stages_releases_its_sources_and_writes_only_once_opened() {
+    use fastpersist_core::error::Error;
+    use fastpersist_core::job::WriteGate;
+    let sizes = [3 * CHUNK as usize + 9, 500];
+    for cancel in [false, true] {
+        let mut s = setup(&sizes, 1, 0);
+        let device_memory = patterned(&sizes);
+        s.data[1] = device_memory[1].clone();
+        let arena = Arena::new(1).unwrap();
+        let progress = Arc::new(JobProgress::default());
+        let gate = Arc::new(WriteGate::default());
+        let mut sources = regions(&mut s.data);
+        sources[0] = SourceRegion::device(sizes[0]);
+        let job = {
+            let (plan, targets, progress, gate) = (
+                s.plan.clone(),
+                s.targets.clone(),
+                Arc::clone(&progress),
+                Arc::clone(&gate),
+            );
+            let device = ThreadDevice::new(device_memory.clone(), &arena, &progress);
+            let lease = arena.try_lease();
+            std::thread::spawn(move || {
+                write_parts_with(
+                    &plan,
+                    &targets,
+                    sources,
+                    &Pool::new(CHUNK as usize, 2 * CHUNK as usize),
+                    &options(),
+                    &progress,
+                    JobHooks {
+                        device: Some(Box::new(device)),
+                        arena: lease,
+                        write_gate: Some(gate),
+                        ..JobHooks::default()
+                    },
+                )
+            })
+        };
+        assert!(progress.wait_sources_released(std::time::Duration::from_secs(10)));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert_eq!(
+            progress.written_bytes(),
+            0,
+            "nothing is written before the gate opens"
+        );
+        assert!(arena.is_leased());
+        if cancel {
+            progress.cancel();
+            let err = job.join().unwrap().unwrap_err();
+            assert!(matches!(err, Error::Cancelled(_)), "{err:?}");
+        } else {
+            gate.open();
+            let report = job.join().unwrap().unwrap();
+            let written = std::fs::read(&report.parts[0].path).unwrap();
+            assert!(written == expected_file(&s, &device_memory, 0));
+        }
+        assert!(!arena.is_leased());
+    }
+}

@@ -169,6 +169,34 @@ impl DeviceCopier for PyDeviceCopier {
     }
 }
 
+/// Holds a write job's writes back until opened (`fastpersist_core::job::WriteGate`): a
+/// snapshot staged now is written once the disk is free.
+#[pyclass(frozen, module = "fastpersist._core")]
+pub(crate) struct WriteGate {
+    pub inner: Arc<fastpersist_core::job::WriteGate>,
+}
+
+#[pymethods]
+impl WriteGate {
+    #[new]
+    fn new() -> Self {
+        WriteGate {
+            inner: Arc::default(),
+        }
+    }
+
+    /// Lets the job write.
+    fn open(&self) {
+        self.inner.open();
+    }
+
+    /// Whether it was opened.
+    #[getter]
+    fn is_open(&self) -> bool {
+        self.inner.is_open()
+    }
+}
+
 /// A running (or finished) write job.
 #[pyclass(frozen, module = "fastpersist._core")]
 pub(crate) struct WriteHandle {

@@ -261,6 +261,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<arena::Arena>()?;
     m.add_class::<arena::ArenaLease>()?;
     m.add_class::<WriteHandle>()?;
+    m.add_class::<handle::WriteGate>()?;
     m.add_class::<PagedBuffer>()?;
     m.add_function(wrap_pyfunction!(write::start_write, m)?)?;
     m.add_function(wrap_pyfunction!(read::read_ranges_into, m)?)?;

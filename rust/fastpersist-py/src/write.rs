@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 
 use crate::arena::ArenaLease;
 use crate::buffers::HeldBuffer;
-use crate::handle::{PyDeviceCopier, PyStagingObserver, Shared, WriteHandle};
+use crate::handle::{PyDeviceCopier, PyStagingObserver, Shared, WriteGate, WriteHandle};
 use crate::{Plan, Pool};
 
 /// What `start_write` is asked to do: the attributes of a Python `WriteRequest`
@@ -55,6 +55,8 @@ pub(crate) struct WriteRequest<'py> {
     also_writers: Vec<usize>,
     #[pyo3(attribute)]
     crc32_fields: Vec<(u64, u64, Vec<u64>)>,
+    #[pyo3(attribute)]
+    write_gate: Option<PyRef<'py, WriteGate>>,
 }
 
 /// Starts the write that `request` describes (see `WriteRequest` in `_core.pyi`).
@@ -98,6 +100,7 @@ pub(crate) fn start_write(py: Python<'_>, request: WriteRequest<'_>) -> PyResult
         device,
         arena,
         crc32_fields: crc32_fields_from(request.crc32_fields),
+        write_gate: request.write_gate.map(|gate| Arc::clone(&gate.inner)),
     };
     let shared = Shared::new();
     let (job_plan, job_pool, job_shared) = (

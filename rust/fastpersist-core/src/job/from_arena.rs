@@ -58,6 +58,7 @@ pub(super) fn write(
     hooks: JobHooks,
 ) -> Result<Written> {
     let copied_early = CopiedEarly(progress);
+    let gate = hooks.write_gate.clone();
     let mut job = ArenaJob::new(plan, targets, sources, pool, options, progress, hooks)?;
     let windows = job.windows();
     if let Some(first) = windows.first() {
@@ -80,6 +81,11 @@ pub(super) fn write(
             job.release_sources(); // every byte is in the arena: the caller may go on
         }
         progress.check_cancelled("while staging")?;
+        if i == 0
+            && let Some(gate) = gate.as_ref()
+        {
+            gate.wait(progress)?; // a snapshot: written once the disk is free
+        }
         job.write(window.clone(), &files, &direct, options)?;
     }
     job.release_sources();

@@ -36,7 +36,7 @@ use crate::probe::{BackendKind, DirectMode};
 pub use crc32_fields::{CRC32_FIELD_BYTES, Crc32Field};
 pub use guard::{Guard, StagingObserver};
 pub use memory::is_memory_fs;
-pub use progress::JobProgress;
+pub use progress::{JobProgress, WriteGate};
 pub use source::{CopyPiece, DeviceCopier, SourceRegion};
 use staging::Staging;
 
@@ -96,6 +96,9 @@ pub struct JobHooks {
     /// The staging memory of a save with device sources: its chunks are staged here and
     /// written straight from here (required with `device`; host sources then go here too).
     pub arena: Option<ArenaLease>,
+    /// Holds the writes back until opened (with `arena` only): the job stages, releases its
+    /// sources, and waits for the gate before its first write.
+    pub write_gate: Option<std::sync::Arc<WriteGate>>,
     /// CRC-32 fields filled in while staging (the job must then write the whole stream).
     pub crc32_fields: Vec<Crc32Field>,
 }
@@ -106,6 +109,7 @@ impl std::fmt::Debug for JobHooks {
             .field("guard", &self.guard)
             .field("device", &self.device.is_some())
             .field("arena", &self.arena)
+            .field("write_gate", &self.write_gate)
             .field("crc32_fields", &self.crc32_fields.len())
             .finish()
     }
@@ -148,11 +152,12 @@ pub fn write_parts_with(
     progress: &JobProgress,
     hooks: JobHooks,
 ) -> Result<WriteReport> {
-    let (crcs, direct) = if hooks.arena.is_some() || hooks.device.is_some() {
-        from_arena::write(plan, targets, sources, pool, options, progress, hooks)?
-    } else {
-        write_from_pool(plan, targets, sources, pool, options, progress, hooks)?
-    };
+    let (crcs, direct) =
+        if hooks.arena.is_some() || hooks.device.is_some() || hooks.write_gate.is_some() {
+            from_arena::write(plan, targets, sources, pool, options, progress, hooks)?
+        } else {
+            write_from_pool(plan, targets, sources, pool, options, progress, hooks)?
+        };
     let parts = targets
         .iter()
         .zip(crcs)

@@ -127,3 +127,31 @@ impl JobProgress {
         self.released.wait(timeout)
     }
 }
+
+/// Holds a job's writes back until it is opened: a snapshot staged now is written once the
+/// disk is free (a `Checkpointer` saving every step). The job stages as usual, releases its
+/// sources, then waits here before its first write; a cancelled job stops waiting and fails.
+#[derive(Debug, Default)]
+pub struct WriteGate {
+    opened: Latch,
+}
+
+impl WriteGate {
+    /// Lets the job write.
+    pub fn open(&self) {
+        self.opened.set(Duration::ZERO);
+    }
+
+    /// Whether [`WriteGate::open`] was called.
+    pub fn is_open(&self) -> bool {
+        self.opened.get().is_some()
+    }
+
+    /// Returns once the gate is open; fails if the job is cancelled first.
+    pub(super) fn wait(&self, progress: &JobProgress) -> Result<()> {
+        while !self.opened.wait(Duration::from_millis(20)) {
+            progress.check_cancelled("while its snapshot waited for the disk")?;
+        }
+        Ok(())
+    }
+}
