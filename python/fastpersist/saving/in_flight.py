@@ -1,0 +1,84 @@
+"""A Checkpointer's saves in flight: at most one writing, and one snapshot waiting for the disk.
+
+``Checkpointer(every=1)`` on a GPU must cost training one device-to-host copy per step, not a
+disk write. When a step is due while the previous save is still writing, the Checkpointer stages
+the new step at once into an arena (one copy; ``wait_staged()`` returns when it has landed) and
+holds its writes back behind a write gate (``_core.WriteGate``); the gate opens when the writing
+save ends, whatever its outcome. A newer step due while a snapshot still waits replaces it: the
+waiting save is cancelled, commits nothing, and that step is simply not on the local level. So
+the disk always writes the newest snapshot it can, and ``Checkpointer.levels()`` says which
+steps it holds.
+
+Example:
+    >>> queue = InFlight()
+    >>> queue.disk_busy(), queue.newest()
+    (False, None)
+"""
+
+from __future__ import annotations
+
+import threading
+
+from .. import _core
+from ..futures import SaveFuture
+
+__all__ = ["InFlight"]
+
+
+class InFlight:
+    """The saves of one Checkpointer that have not ended (see the module docs)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.writing: SaveFuture | None = None
+        self.waiting: tuple[SaveFuture, _core.WriteGate] | None = None
+
+    def disk_busy(self) -> bool:
+        """Whether a save is writing now (a new step would wait behind it)."""
+        with self._lock:
+            return self.writing is not None and not self.writing.done()
+
+    def newest(self) -> SaveFuture | None:
+        """The save started last (waiting or writing), or None."""
+        with self._lock:
+            return self.waiting[0] if self.waiting is not None else self.writing
+
+    def all(self) -> list[SaveFuture]:
+        """Every save in flight, oldest first."""
+        with self._lock:
+            found = [self.writing] if self.writing is not None else []
+            if self.waiting is not None:
+                found.append(self.waiting[0])
+        return found
+
+    def started(self, future: SaveFuture, gate: _core.WriteGate | None = None) -> None:
+        """Records a save just started: writing (no `gate`), or a snapshot waiting behind the
+        writing save, replacing (cancelling) the snapshot that waited before it."""
+        with self._lock:
+            if gate is None:
+                self.writing, self.waiting = future, None
+                return
+            replaced, self.waiting = self.waiting, (future, gate)
+            writing = self.writing
+        if replaced is not None:
+            replaced[0].cancel()  # never written: a newer snapshot takes its place
+        if writing is None:
+            self._promote(future, gate)
+        else:
+            writing.add_done_callback(lambda _: self._promote(future, gate))  # at once if done already
+
+    def _promote(self, future: SaveFuture, gate: _core.WriteGate) -> None:
+        """The disk is free: the waiting snapshot (if it is still `future`) starts writing."""
+        with self._lock:
+            if self.waiting is None or self.waiting[0] is not future:
+                return  # replaced meanwhile: cancelled, never written
+            self.writing, self.waiting = future, None
+        gate.open()
+
+    def forget(self, future: SaveFuture) -> None:
+        """Drops `future` once it has ended and its outcome was taken."""
+        with self._lock:
+            if self.writing is future:
+                self.writing = None
+            if self.waiting is not None and self.waiting[0] is future:
+                self.waiting = None
