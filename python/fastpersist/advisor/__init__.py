@@ -6,15 +6,15 @@
 * :mod:`.devinfo`: the filesystem, write cache and FUA under a directory;
 * :mod:`.sources`: reading measurements from a ``Checkpointer``, its root, or a bench JSON;
 * :mod:`.levels`: :func:`advise_levels`, ``every``, ``replicas`` and ``remote_every`` together;
-* :mod:`.advise`: :func:`advise` puts them together; :mod:`.report` prints it; :mod:`fastpersist.tools.advise` is
-  ``fastpersist advise``.
+* :mod:`.interval`: :func:`advise` puts them together into the interval advice; :mod:`.report`
+  prints it; :mod:`fastpersist.tools.advise` is ``fastpersist advise``.
 
 See docs/advisor.md.
 """
 
-from .advise import advise
 from .devinfo import DeviceInfo, device_info
 from .history import SaveHistory
+from .interval import advise
 from .levels import Failures, LevelAdvice, LevelCosts, LevelPlan, advise_levels
 from .model import Costs, Outcome, best_every, daly_interval_s, job_mtbf_s, outcome, young_interval_s
 from .report import Advice

@@ -9,8 +9,8 @@ import json
 import os
 import sys
 
-from ..advisor.advise import advise
 from ..advisor.devinfo import device_info
+from ..advisor.interval import advise
 from ..advisor.levels import Failures, LevelAdvice, LevelCosts, advise_levels
 from ..advisor.report import Advice
 from ..advisor.sources import Measured, from_bench, from_root
