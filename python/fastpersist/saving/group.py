@@ -1,4 +1,4 @@
-"""Saves across a ``torch.distributed`` process group (DESIGN.md §5).
+"""Saves across a ``torch.distributed`` process group (docs/architecture.md, "Saves across a process group").
 
 **Replicated** state (DDP, or the data-parallel copies of a model-parallel shard): the logical
 byte stream is split at chunk granularity into near-equal ranges, one per writer rank; each
