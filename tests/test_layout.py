@@ -224,7 +224,7 @@ def test_only_format_spells_an_on_disk_name() -> None:
 def test_the_control_plane_sits_below_saving_and_loading() -> None:
     edges = _imports(_modules())
     control = "fastpersist.distributed.control"
-    assert control in edges["fastpersist.saving.group"] and control in edges["fastpersist.loading.group"]
+    assert control in edges["fastpersist.saving.group"] and control in edges["fastpersist.loading.shared_read"]
     above = ("fastpersist.saving", "fastpersist.loading", "fastpersist.api", "fastpersist.checkpointer")
     assert sorted(t for t in edges[control] if t.startswith(above)) == []
 

@@ -130,7 +130,7 @@ def load(
             replicated one, every rank gets the whole state; with `shared_read` each rank reads
             only ~1/N of it from disk and the ranks exchange the rest over gloo (every rank of
             `group` must call ``load`` with the same arguments; see
-            :mod:`fastpersist.loading.group`).
+            :mod:`fastpersist.loading.shared_read`).
         shard: read this shard of a sharded checkpoint (without a group).
         config: backend knobs for the read; its ``stripes``, when set, also confine the read:
             stripe directories outside those roots are refused; stripe directories moved to

@@ -4,7 +4,7 @@ stream (alone, shared across a group, or straight to the devices), fill `out` or
 state, and place its tensors.
 
 The steps it calls each live in their own module of this folder (opened, relocate, reading,
-fill, todevice, maplocation, group, phases); this module only orders them.
+fill, todevice, maplocation, shared_read, phases); this module only orders them.
 
 Example:
     >>> import fastpersist as fp, torch
@@ -33,12 +33,12 @@ from ..format.manifest import Manifest
 from ..format.records import TensorRecord
 from ..logs import log_load
 from .fill import fill_by_key, fill_from_stream
-from .group import read_stream_shared
 from .maplocation import MapLocation, MappedStorages, check_targets_exist, map_tensor
 from .opened import OpenedCheckpoint, opened_checkpoint, opened_shard
 from .phases import PhaseClock
 from .reading import blob_buffers, read_stream, windowable
 from .relocate import check_stripes_present, read_opened
+from .shared_read import read_stream_shared
 from .todevice import device_targets, load_blobs
 
 __all__ = ["LoadOptions", "build_state", "load_checkpoint", "state_from_stream"]
