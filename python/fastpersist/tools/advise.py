@@ -11,7 +11,7 @@ import sys
 
 from ..advisor.devinfo import device_info
 from ..advisor.interval import advise
-from ..advisor.levels import Failures, LevelAdvice, LevelCosts, advise_levels
+from ..advisor.multilevel import Failures, LevelAdvice, LevelCosts, advise_levels
 from ..advisor.report import Advice
 from ..advisor.sources import Measured, from_bench, from_root
 from ..advisor.wear import Endurance
