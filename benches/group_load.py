@@ -36,11 +36,11 @@ def _state(size_bytes: int) -> dict[str, Any]:
 
 def _count_reads() -> dict[str, int]:
     """Counts stream bytes this process reads from disk (shared runs and whole-stream reads)."""
-    import fastpersist.loading.group
     import fastpersist.loading.pipeline
+    import fastpersist.loading.shared_read
 
     counts = {"bytes": 0}
-    read_window, read_stream = fastpersist.loading.group.read_window, fastpersist.loading.pipeline.read_stream
+    read_window, read_stream = fastpersist.loading.shared_read.read_window, fastpersist.loading.pipeline.read_stream
 
     def counted_window(root: str, m: Any, lo: int, hi: int, *args: Any) -> None:
         counts["bytes"] += hi - lo
@@ -50,7 +50,7 @@ def _count_reads() -> dict[str, int]:
         counts["bytes"] += m.total_bytes
         return read_stream(root, m, *args)
 
-    fastpersist.loading.group.read_window = counted_window  # type: ignore[assignment]
+    fastpersist.loading.shared_read.read_window = counted_window  # type: ignore[assignment]
     fastpersist.loading.pipeline.read_stream = counted_stream  # type: ignore[assignment]
     return counts
 

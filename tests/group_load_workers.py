@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import fastpersist as fp
-import fastpersist.loading.group
 import fastpersist.loading.pipeline
+import fastpersist.loading.shared_read
 from fastpersist.format.manifest import read_manifest
 
 from dist_workers import SCENARIOS, make_state
@@ -34,7 +34,7 @@ def bits(a: Any, b: Any) -> bool:
 def count_reads() -> dict[str, int]:
     """Counts the stream bytes this process reads, on the shared path and on the old one."""
     counts = {"shared": 0, "whole": 0}
-    read_window, read_stream = fastpersist.loading.group.read_window, fastpersist.loading.pipeline.read_stream
+    read_window, read_stream = fastpersist.loading.shared_read.read_window, fastpersist.loading.pipeline.read_stream
 
     def counted_window(root: str, m: Any, lo: int, hi: int, *args: Any) -> None:
         counts["shared"] += hi - lo
@@ -44,7 +44,7 @@ def count_reads() -> dict[str, int]:
         counts["whole"] += m.total_bytes
         return read_stream(root, m, *args)
 
-    fastpersist.loading.group.read_window = counted_window  # type: ignore[assignment]
+    fastpersist.loading.shared_read.read_window = counted_window  # type: ignore[assignment]
     fastpersist.loading.pipeline.read_stream = counted_stream  # type: ignore[assignment]
     return counts
 
@@ -82,7 +82,7 @@ def corrupt_share(rank: int, world: int, workdir: str, backend: str) -> dict[str
     path, _state = save_replicated(workdir, backend)
     if rank == 0:
         m = read_manifest(path)
-        lo, _hi = fastpersist.loading.group.read_shares(m.total_bytes, m.chunk_bytes, world)[-1]
+        lo, _hi = fastpersist.loading.shared_read.read_shares(m.total_bytes, m.chunk_bytes, world)[-1]
         f = next(f for f in m.files if f.stream_offset_bytes <= lo < f.stream_offset_bytes + f.len_bytes)
         with open(m.file_path(path, f), "r+b") as out:
             out.seek(lo - f.stream_offset_bytes + 100)
@@ -107,13 +107,13 @@ def hung_reader(rank: int, world: int, workdir: str, backend: str) -> dict[str, 
     """Rank 1 stalls inside its read for longer than timeout_s; every rank must still raise."""
     path, _state = save_replicated(workdir, backend)
     if rank == 1:
-        read_window = fastpersist.loading.group.read_window
+        read_window = fastpersist.loading.shared_read.read_window
 
         def stalled(*args: Any) -> None:
             time.sleep(8)
             read_window(*args)
 
-        fastpersist.loading.group.read_window = stalled  # type: ignore[assignment]
+        fastpersist.loading.shared_read.read_window = stalled  # type: ignore[assignment]
     started = time.monotonic()
     group_error = False
     try:

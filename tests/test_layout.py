@@ -1,4 +1,4 @@
-"""The rules of the package layout, checked from the source (README, "Layout")."""
+"""The rules of the package layout, checked from the source (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -224,7 +224,7 @@ def test_only_format_spells_an_on_disk_name() -> None:
 def test_the_control_plane_sits_below_saving_and_loading() -> None:
     edges = _imports(_modules())
     control = "fastpersist.distributed.control"
-    assert control in edges["fastpersist.saving.group"] and control in edges["fastpersist.loading.group"]
+    assert control in edges["fastpersist.saving.group"] and control in edges["fastpersist.loading.shared_read"]
     above = ("fastpersist.saving", "fastpersist.loading", "fastpersist.api", "fastpersist.checkpointer")
     assert sorted(t for t in edges[control] if t.startswith(above)) == []
 
@@ -241,11 +241,14 @@ def test_the_checkpointer_imports_nothing_above_it() -> None:
     assert sorted(t for t in edges["fastpersist.checkpointer"] if t.startswith(above)) == []
 
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
-#: The folders whose every module the README's Layout section names (tools/bench/ is one entry).
+ARCHITECTURE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
+#: The folders whose every module the architecture's module map names (tools/bench/ is one entry).
 LISTED_FOLDERS = (
     "",
+    "engine",
+    "gpu",
     "format",
+    "tuning",
     "saving",
     "loading",
     "levels",
@@ -257,9 +260,9 @@ LISTED_FOLDERS = (
 )
 
 
-def _layout_entries() -> dict[str, str]:
-    """The README's Layout block under python/fastpersist/: folder ("" for the top) -> its text."""
-    block = README.read_text().split("## Layout", 1)[1].split("```")[1]
+def _module_map() -> dict[str, str]:
+    """The module map of docs/architecture.md under python/fastpersist/: folder ("" for the top) -> its text."""
+    block = ARCHITECTURE.read_text().split("## Module map", 1)[1].split("```")[1]
     package = block.split("python/fastpersist/\n", 1)[1].split("\ntests/", 1)[0]
     entries: dict[str, str] = {}
     folder = ""
@@ -271,11 +274,17 @@ def _layout_entries() -> dict[str, str]:
     return entries
 
 
-def test_the_readme_layout_names_every_module() -> None:
-    entries = _layout_entries()
+def test_the_module_map_names_every_module() -> None:
+    entries = _module_map()
+    assert sorted(entries) == sorted(LISTED_FOLDERS)
     missing = []
     for folder in LISTED_FOLDERS:
         for path in sorted((PACKAGE / folder).glob("*.py")):
             if path.stem not in ("__init__", "__main__") and not re.search(rf"\b{path.stem}\b", entries[folder]):
                 missing.append(f"{folder or 'fastpersist'}/{path.name}")
     assert missing == []
+
+
+def test_every_folder_of_the_package_is_in_the_module_map() -> None:
+    folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert sorted(folders - set(LISTED_FOLDERS)) == []

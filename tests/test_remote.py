@@ -246,7 +246,7 @@ def test_remote_every_none_with_failures_follows_the_advisor(tmp_path: Any, capl
     advisor's choice for the measured costs (logged at INFO), in steps, and later steps follow it."""
     import dataclasses
 
-    from fastpersist.advisor.levels import best_remote_every
+    from fastpersist.advisor.multilevel import best_remote_every
     from fastpersist.levels.drain import Drainer
 
     drain = Drainer.drain  # each drain made to cost training 50 ms of CPU: the advice spaces drains

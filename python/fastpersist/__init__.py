@@ -23,8 +23,8 @@ from .errors import (
     SaveCancelledError,
     UnsupportedValueError,
 )
-from .export import export_hf
 from .futures import SaveFuture
+from .hfapi import export_hf
 from .interop.torchfile import torch_save
 from .saving.remover import wait_removed
 

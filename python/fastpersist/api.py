@@ -7,7 +7,6 @@ verify :mod:`fastpersist.loading.examine`.
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -20,8 +19,7 @@ from .loading.fill import check_out
 from .loading.maplocation import MapLocation, check_load_flags
 from .loading.phases import PhaseClock
 from .loading.pipeline import LoadOptions, load_checkpoint
-from .saving.remover import removals_pending, wait_removed
-from .saving.start import start_save
+from .saving.start import save_blocking, start_save
 
 __all__ = ["inspect", "load", "save", "save_async", "verify"]
 
@@ -60,17 +58,7 @@ def save(
         >>> res.nbytes > 0
         True
     """
-    config = given_config(config)
-    try:
-        return start_save(state, path, config, group=group, sharded=sharded, blocking=True).finish()
-    except OSError as e:
-        # Replaced trees are deleted after their commit, in the background: on a disk that holds
-        # little more than two checkpoints, the space this save lacks may be one still queued.
-        # A group's ranks cannot retry one by one, so only a single process does.
-        if e.errno != errno.ENOSPC or group is not None or not removals_pending():
-            raise
-    wait_removed()
-    return start_save(state, path, config, sharded=sharded, blocking=True).finish()
+    return save_blocking(state, path, given_config(config), group=group, sharded=sharded)
 
 
 def save_async(
@@ -142,7 +130,7 @@ def load(
             replicated one, every rank gets the whole state; with `shared_read` each rank reads
             only ~1/N of it from disk and the ranks exchange the rest over gloo (every rank of
             `group` must call ``load`` with the same arguments; see
-            :mod:`fastpersist.loading.group`).
+            :mod:`fastpersist.loading.shared_read`).
         shard: read this shard of a sharded checkpoint (without a group).
         config: backend knobs for the read; its ``stripes``, when set, also confine the read:
             stripe directories outside those roots are refused; stripe directories moved to

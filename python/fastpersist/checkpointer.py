@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
-from .advisor.levels import Failures, local_mtbf_s
+from .advisor.multilevel import Failures, local_mtbf_s
 from .api import load, verify
 from .cleanup import clean, stripe_leftovers
 from .config import Config, SaveResult, given_config

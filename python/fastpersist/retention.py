@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cleanup import stripe_leftovers
 from .errors import FastPersistError
 from .format.confine import data_file_problem, real_roots, under_roots
 from .format.manifest import Manifest, read_manifest
+from .saving.leftovers import stripe_leftovers
 from .saving.recycle import recycle_checkpoint
 from .saving.remover import remove_checkpoint_later, run_later
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from fastpersist.loading.group import read_pieces, read_shares
+from fastpersist.loading.shared_read import read_pieces, read_shares
 
 from gloo import run_ranks
 from group_load_workers import CHUNK_BYTES, run

@@ -20,8 +20,7 @@ import torch
 from conftest import is_root
 
 import fastpersist as fp
-from fastpersist import api
-from fastpersist.saving import job, remover
+from fastpersist.saving import job, remover, start
 from fastpersist.saving.remover import run_later
 
 MIB = 1 << 20
@@ -113,8 +112,8 @@ def test_a_save_that_runs_out_of_space_anyway_waits_for_the_removals_and_retries
     # and the disk still filled, a blocking save waits for the queued removals and tries again.
     monkeypatch.setattr(job, "make_room", lambda paths, nbytes: None)
     waits: list[bool] = []
-    real_wait = api.wait_removed
-    monkeypatch.setattr(api, "wait_removed", lambda: waits.append(real_wait()))
+    real_wait = start.wait_removed
+    monkeypatch.setattr(start, "wait_removed", lambda: waits.append(real_wait()))
     with tmpfs(tmp_path / "small", "size=10m") as small:
         _three_saves_on_room_for_two(small, backend, fp.save)
     assert waits == [True]  # the first try ran out of space, the second fit

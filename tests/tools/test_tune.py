@@ -11,12 +11,12 @@ import os
 import pytest
 
 from fastpersist.tools import cli
+from fastpersist.tools import sweep as sweep_module
 from fastpersist.tools.bench.settings import settle_settings
+from fastpersist.tools.sweep import FINAL_ROUNDS, SweepLimits, pick_best, sweep
 from fastpersist.tools.tune import result_table
-from fastpersist.tuning import sweep as sweep_module
 from fastpersist.tuning.cache import CACHE_ENV, Best, Figure, lookup
 from fastpersist.tuning.identity import device_identity
-from fastpersist.tuning.sweep import FINAL_ROUNDS, SweepLimits, pick_best, sweep
 
 TINY = ["--seconds", "0.5", "--chunk-sizes", "64KiB,128KiB", "--depths", "1,2", "--max-trial-bytes", "1MiB"]
 

@@ -5,18 +5,18 @@
 * :mod:`.wear`: bytes written per target and drive endurance;
 * :mod:`.devinfo`: the filesystem, write cache and FUA under a directory;
 * :mod:`.sources`: reading measurements from a ``Checkpointer``, its root, or a bench JSON;
-* :mod:`.levels`: :func:`advise_levels`, ``every``, ``replicas`` and ``remote_every`` together;
-* :mod:`.advise`: :func:`advise` puts them together; :mod:`.report` prints it; :mod:`fastpersist.tools.advise` is
-  ``fastpersist advise``.
+* :mod:`.multilevel`: :func:`advise_levels`, ``every``, ``replicas`` and ``remote_every`` together;
+* :mod:`.interval`: :func:`advise` puts them together into the interval advice; :mod:`.report`
+  prints it; :mod:`fastpersist.tools.advise` is ``fastpersist advise``.
 
 See docs/advisor.md.
 """
 
-from .advise import advise
 from .devinfo import DeviceInfo, device_info
 from .history import SaveHistory
-from .levels import Failures, LevelAdvice, LevelCosts, LevelPlan, advise_levels
+from .interval import advise
 from .model import Costs, Outcome, best_every, daly_interval_s, job_mtbf_s, outcome, young_interval_s
+from .multilevel import Failures, LevelAdvice, LevelCosts, LevelPlan, advise_levels
 from .report import Advice
 from .wear import Endurance, WearLog
 

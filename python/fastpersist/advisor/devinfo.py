@@ -1,11 +1,12 @@
 """What "durable" means for a directory: its filesystem, block device, write cache and FUA.
 
-Everything comes from the kernel's own view: ``/proc/self/mountinfo`` (filesystem, mount
-options) and sysfs (``/sys/dev/block/MAJ:MIN`` -> the device; for a partition the ``queue/``
-directory is its parent disk's). ``queue/write_cache`` says whether the kernel treats the
-device as having a volatile write cache ("write back") or not ("write through");
-``queue/fua`` whether it accepts Force-Unit-Access writes. Both roots are parameters so tests
-can point them at a fake tree.
+Everything comes from the kernel's own view, read through :mod:`fastpersist.blockdev`:
+``/proc/self/mountinfo`` (filesystem, mount options) and sysfs (``/sys/dev/block/MAJ:MIN`` ->
+the device; for a partition the ``queue/`` directory is its parent disk's).
+``queue/write_cache`` says whether the kernel treats the device as having a volatile write
+cache ("write back") or not ("write through"); ``queue/fua`` whether it accepts
+Force-Unit-Access writes. An attribute that is missing or empty is not reported (None). Both
+roots are parameters so tests can point them at a fake tree.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["DeviceInfo", "device_info", "mount_of"]
+from ..blockdev import block_node, mount_of, sysfs_text
+
+__all__ = ["DeviceInfo", "device_info"]
 
 _MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"}
 _NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "fuse", "fuse.sshfs", "ceph", "lustre", "gpfs", "9p", "virtiofs"}
@@ -65,34 +68,6 @@ class DeviceInfo:
         return asdict(self)
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def mount_of(path: str, dev: int, mountinfo: str) -> tuple[str | None, str | None, list[str]]:
-    """(fs type, mount point, options) of the mount holding `path`: same device, longest prefix."""
-    text = _read(mountinfo) or ""
-    want = f"{os.major(dev)}:{os.minor(dev)}"
-    best: tuple[int, bool, str, str, list[str]] | None = None
-    for line in text.splitlines():
-        left, _, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if len(fields) < 6 or len(tail) < 2:
-            continue
-        point = fields[4].replace("\\040", " ")
-        if not (path == point or path.startswith(point.rstrip("/") + "/")):
-            continue
-        options = list(dict.fromkeys(fields[5].split(",") + (tail[2].split(",") if len(tail) > 2 else [])))
-        key = (len(point), fields[2] == want, tail[0], point, options)
-        if best is None or key[:2] > best[:2]:
-            best = key
-    return (best[2], best[3], best[4]) if best else (None, None, [])
-
-
 def _nvme_percent_used(disk: str) -> float | None:
     """NVMe SMART "percentage used" through the ``nvme`` tool, where installed and permitted."""
     tool = shutil.which("nvme")
@@ -110,16 +85,15 @@ def _nvme_percent_used(disk: str) -> float | None:
 
 def _block_facts(dev: int, sysfs: str) -> dict[str, Any]:
     """The sysfs facts of block device `dev` (empty when it is not a block device)."""
-    link = os.path.join(sysfs, "dev", "block", f"{os.major(dev)}:{os.minor(dev)}")
-    if os.major(dev) == 0 or not os.path.exists(link):
+    found = block_node(dev, sysfs)
+    if found is None:
         return {}
-    node = os.path.realpath(link)
-    disk_dir = os.path.dirname(node) if os.path.exists(os.path.join(node, "partition")) else node
+    node, disk_dir = found
     disk = os.path.basename(disk_dir)
     q = os.path.join(disk_dir, "queue")
-    sectors = _read(os.path.join(disk_dir, "size"))
-    fua = _read(os.path.join(q, "fua"))
-    rotational = _read(os.path.join(q, "rotational"))
+    sectors = sysfs_text(os.path.join(disk_dir, "size"))
+    fua = sysfs_text(os.path.join(q, "fua"))
+    rotational = sysfs_text(os.path.join(q, "rotational"))
     try:
         slaves = sorted(os.listdir(os.path.join(node, "slaves")))
     except OSError:
@@ -127,11 +101,11 @@ def _block_facts(dev: int, sysfs: str) -> dict[str, Any]:
     return {
         "device": os.path.basename(node),
         "disk": disk,
-        "write_cache": _read(os.path.join(q, "write_cache")),
+        "write_cache": sysfs_text(os.path.join(q, "write_cache")),
         "fua": None if fua is None else fua == "1",
         "rotational": None if rotational is None else rotational == "1",
         "capacity_bytes": int(sectors) * 512 if sectors and sectors.isdigit() else None,
-        "model": _read(os.path.join(disk_dir, "device", "model")),
+        "model": sysfs_text(os.path.join(disk_dir, "device", "model")),
         "nvme": disk.startswith("nvme"),
         "slaves": slaves,
     }

@@ -70,7 +70,7 @@ def _row(a: Advice, label: str, o: Outcome) -> str:
 
 
 def format_advice(a: Advice) -> str:
-    """The human-readable report of an :class:`~fastpersist.advisor.advise.Advice`."""
+    """The human-readable report of an :class:`Advice`."""
     lines = ["fastpersist advise: how often to checkpoint", "", "inputs (see docs/advisor.md)"]
     lines += _inputs(a)
     lines += [

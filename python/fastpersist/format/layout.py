@@ -67,6 +67,7 @@ __all__ = [
     "atomic_file",
     "dead_tmp_files",
     "is_checkpointer_root",
+    "is_dcp_checkpoint",
     "drained_marker_name",
     "check_stripe_dirs",
     "data_file_name",
@@ -229,6 +230,12 @@ def is_checkpointer_root(path: str) -> bool:
         return False
     names = os.listdir(path)
     return INDEX_NAME in names or any(parse_step_dir(n) is not None for n in names)
+
+
+def is_dcp_checkpoint(path: str) -> bool:
+    """A directory written through the DCP plug-in: DCP's metadata file and no manifest."""
+    has = os.path.exists
+    return not has(os.path.join(path, MANIFEST_NAME)) and has(os.path.join(path, DCP_METADATA_NAME))
 
 
 @contextlib.contextmanager

@@ -34,12 +34,17 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from ..config import Config
 from ..errors import FastPersistError, UnsupportedValueError
 from ..format.flatten import flatten, materialize, records_from_json, records_to_json, unflatten
 from ..format.layout import MANIFEST_NAME, atomic_file
 from ..format.manifest import read_manifest
 from ..format.quote import shown
 from ..format.records import TORCH_DTYPES, TensorRecord, dtype_itemsize, span_elems
+from ..loading.phases import PhaseClock
+from ..loading.pipeline import LoadOptions, load_checkpoint
+from ..saving.start import save_blocking
+from .torchfile import torch_save
 
 __all__ = ["Format", "convert", "detect_format", "read_any", "read_checkpoint", "write_safetensors"]
 
@@ -83,13 +88,12 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Any:
     ``fastpersist.load`` may return large tensors as views into one read buffer; exported
     files should instead hold exactly the storages the saved state had.
     """
-    from ..api import load
-
     root = os.path.abspath(os.fspath(path))
     m = read_manifest(root)
     if m.shards:
         raise FastPersistError(f"{root} is sharded over {len(m.shards)} ranks; convert one shard at a time")
-    state = load(root, map_location="cpu")
+    options = LoadOptions(map_location="cpu", verify=True, config=Config(), namedtuple_types=(), clock=PhaseClock(None))
+    state = load_checkpoint(root, options)
     leaves = flatten(state).leaves
     if len(leaves) != len(m.tensors):
         return state
@@ -360,12 +364,8 @@ def convert(
             raise
         count = sum(isinstance(x, torch.Tensor) for _, x in _walk(state, ""))
     if to == "fastpersist":
-        from ..api import save
-
-        save(state, out)
+        save_blocking(state, out, Config())
     elif to == "torch":
-        from .torchfile import torch_save
-
         torch_save(state, out)
     else:
         write_safetensors(state, out)

@@ -1,7 +1,8 @@
 """Consolidation to Hugging Face format: a checkpoint's model tensors as sharded safetensors.
 
 :func:`export_checkpoint` (public as :func:`fastpersist.export_hf`, which also takes a
-Checkpointer root) reads a replicated, sharded or DCP-written checkpoint and writes what
+Checkpointer root, and opens a DCP-written checkpoint with the DCP plug-in's source) reads a
+replicated or sharded checkpoint, or any :class:`~.hfsources.Source`, and writes what
 ``from_pretrained`` loads: ``model.safetensors``, or
 size-limited ``model-0000K-of-0000N.safetensors`` shards and ``model.safetensors.index.json``
 (:mod:`.hfshards`). Memory stays bounded: the tensors are read one window at a time
@@ -49,7 +50,7 @@ from .hfshards import (
     stale_files,
     write_index,
 )
-from .hfsources import Named, Source, opened_sources
+from .hfsources import Named, Source, SourceOpener, opened_sources
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "ExportResult", "export_checkpoint"]
 
@@ -139,17 +140,21 @@ def export_checkpoint(
     config: Config | None = None,
     durable: bool = True,
     pause: Callable[[], None] | None = None,
+    open_sources: SourceOpener = opened_sources,
 ) -> ExportResult:
     """Writes the tensors of the checkpoint `src` as Hugging Face safetensors shards in `outdir`
     (:func:`fastpersist.export_hf`, which also takes a Checkpointer root, documents it all).
 
-    `src`: a checkpoint directory (replicated, sharded, or written through DCP with
-    :class:`~fastpersist.integrations.dcp.FastPersistWriter`). `key`: the sub-tree to export, by
-    its dotted name (``"model"``); None: the whole state. `prefix`: stripped from each name that starts with it.
+    `src`: a checkpoint directory (replicated or sharded; one written through DCP with
+    :class:`~fastpersist.integrations.dcp.FastPersistWriter` is read through the DCP plug-in's
+    `open_sources`). `key`: the sub-tree to export, by its dotted name (``"model"``); None: the
+    whole state. `prefix`: stripped from each name that starts with it.
     `max_shard_bytes`: tensor bytes per shard file (``save_pretrained``'s 5 GB by default).
     `config`: the read's engine knobs (``stripes`` as for :func:`fastpersist.load`).
     `pause`: called before each tensor is written (a background export waits there while a
-    save is staging).
+    save is staging). `open_sources`: how `src` is read, :func:`~.hfsources.opened_sources`
+    (a fastpersist checkpoint) unless the caller knows better (``fp.export_hf`` passes the DCP
+    plug-in's opener for a DCP-written checkpoint).
     Each file is written under a temporary name, fsynced (`durable`) and renamed; the index
     goes last, and files of an earlier export to `outdir` that this one does not write are
     removed, as are the temporary files of an export that was killed. Every chunk read is
@@ -168,7 +173,7 @@ def export_checkpoint(
     started = time.perf_counter()
     source_path = os.path.abspath(os.fspath(src))
     out = os.path.abspath(os.fspath(outdir))
-    with opened_sources(source_path, config) as sources:
+    with open_sources(source_path, config) as sources:
         planned, tied = _selected(sources, key, prefix)
         tensors = [OutTensor(p.named.name, p.named.dtype, p.named.shape) for p in planned]
         shards = plan_shards(tensors, max_shard_bytes)

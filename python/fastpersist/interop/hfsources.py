@@ -11,9 +11,10 @@ asking for the next.
 * :class:`CheckpointSource`: one plain fastpersist checkpoint (replicated, or one shard of a
   sharded one). Names come from the manifest's tree: dict keys and list indices joined by
   ``.`` (``model.transformer.h.0.attn.c_attn.weight``), as ``state_dict()`` names them.
-* :class:`DcpSource`: a checkpoint written through :mod:`fastpersist.integrations.dcp`; names
-  are DCP's fully qualified names; read with ``dcp.load`` in batches of about a window, so a
-  tensor saved in chunks (by several ranks) is assembled by DCP's own planner.
+* a checkpoint written through :mod:`fastpersist.integrations.dcp` is a source of the DCP
+  plug-in's own (:class:`fastpersist.integrations.dcp_source.DcpSource`, above this package):
+  the export takes any :class:`Source`, and ``fp.export_hf`` opens the one its checkpoint needs
+  (a :data:`SourceOpener`).
 
 Example:
     >>> import fastpersist as fp, torch
@@ -28,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
@@ -37,7 +38,7 @@ import torch
 from ..config import Config
 from ..errors import FastPersistError
 from ..format.confine import check_data_files
-from ..format.layout import DCP_METADATA_NAME, MANIFEST_NAME
+from ..format.layout import MANIFEST_NAME
 from ..format.manifest import Manifest
 from ..format.quote import shown
 from ..format.records import TORCH_DTYPES, span_elems
@@ -46,7 +47,7 @@ from ..loading.opened import OpenedCheckpoint, opened_checkpoint, opened_shard
 from ..loading.reading import paged_uint8, read_window, stream_windows
 from ..loading.relocate import check_stripes_present, read_opened
 
-__all__ = ["CheckpointSource", "DcpSource", "Named", "Source", "opened_sources", "tree_names"]
+__all__ = ["CheckpointSource", "Named", "Source", "SourceOpener", "opened_sources", "tree_names"]
 
 log = logging.getLogger("fastpersist")
 
@@ -75,6 +76,10 @@ class Source(Protocol):
     def stream(self, wanted: list[Named]) -> Iterator[tuple[Named, torch.Tensor]]:
         """Yields each of `wanted` with its values (a contiguous CPU tensor, valid until the next)."""
         ...
+
+
+#: Opens the sources of the checkpoint at a path (with the read's Config) for the length of a ``with``.
+SourceOpener = Callable[[str, Config | None], contextlib.AbstractContextManager[list[Source]]]
 
 
 # ----------------------------------------------------------------------------- names
@@ -187,75 +192,17 @@ class CheckpointSource:
 # ----------------------------------------------------------------------------- DCP
 
 
-class DcpSource:
-    """The tensors of a checkpoint written by :class:`~fastpersist.integrations.dcp.FastPersistWriter`.
-
-    Read through DCP's own ``dcp.load`` with a :class:`~fastpersist.integrations.dcp.FastPersistReader`
-    (every chunk checksummed), in batches of about :data:`~fastpersist.loading.reading.WINDOW_BYTES`
-    of tensors (or one larger tensor): DCP's planner assembles a tensor saved in chunks by
-    several ranks, and the reader reads what each batch needs.
-    """
-
-    def __init__(self, path: str, config: Config) -> None:
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        from ..integrations.dcp import FastPersistReader
-
-        self.where = path
-        self._config = config
-        metadata = FastPersistReader(path, config).read_metadata()
-        self._named: list[Named] = []
-        skipped = []
-        for fqn, meta in metadata.state_dict_metadata.items():
-            if not isinstance(meta, TensorStorageMetadata):
-                skipped.append(fqn)
-                continue
-            self._named.append(Named(fqn, meta.properties.dtype, tuple(meta.size), fqn, ("dcp", fqn)))
-        if skipped:
-            log.debug("export of %s skips %d value(s) that are not tensors: %s", path, len(skipped), skipped)
-
-    def tensors(self) -> list[Named]:
-        return list(self._named)
-
-    def stream(self, wanted: list[Named]) -> Iterator[tuple[Named, torch.Tensor]]:
-        from torch.distributed.checkpoint.state_dict_loader import load
-
-        from ..integrations.dcp import FastPersistReader
-
-        batch: list[Named] = []
-        batch_bytes = 0
-        for k, n in enumerate(wanted):
-            batch.append(n)
-            batch_bytes += _numel(n.shape) * n.dtype.itemsize
-            if k + 1 < len(wanted) and batch_bytes < reading.WINDOW_BYTES:
-                continue
-            targets = {b.ref: torch.empty(b.shape, dtype=b.dtype) for b in batch}
-            # no_dist: one process reads the whole tensors, whatever group it may belong to.
-            load(targets, storage_reader=FastPersistReader(self.where, self._config), no_dist=True)
-            for b in batch:
-                yield b, targets[b.ref]
-            batch, batch_bytes = [], 0
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for n in shape:
-        count *= n
-    return count
-
-
 # ----------------------------------------------------------------------------- opening
 
 
 @contextlib.contextmanager
 def opened_sources(path: str | os.PathLike[str], config: Config | None = None) -> Iterator[list[Source]]:
-    """The sources of the checkpoint at `path`: one for a replicated or DCP checkpoint, one per
-    shard (in rank order) for a sharded one; each checkpoint directory held open until the end."""
+    """The sources of the fastpersist checkpoint at `path`: one for a replicated checkpoint, one
+    per shard (in rank order) for a sharded one; each checkpoint directory held open until the end.
+    (A checkpoint written through DCP opens with
+    :func:`fastpersist.integrations.dcp_source.opened_dcp_sources`.)"""
     config = config or Config()
     root = os.path.abspath(os.fspath(path))
-    if not os.path.exists(os.path.join(root, MANIFEST_NAME)) and os.path.exists(os.path.join(root, DCP_METADATA_NAME)):
-        yield [DcpSource(root, config)]
-        return
     with opened_checkpoint(root) as ck:
         m = read_opened(ck, config.stripes)
         if not m.shards:

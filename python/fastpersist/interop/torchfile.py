@@ -48,6 +48,7 @@ from ..engine import WriteRequest, knobs, start_write
 from ..format.layout import atomic_file
 from ..gpu.copiers import copier_for
 from ..gpu.staging import stage_from_devices
+from ..saving.pools import pool_for
 from .ziprecords import ReadAt, zip_records
 
 __all__ = ["torch_save"]
@@ -393,8 +394,6 @@ def torch_save(
         log.warning("torch_save fell back to torch.save for %s: %s", target, e)
         _fallback(obj, target, args, config.durable)
         return _result(target, os.path.getsize(target), started, "torch.save")
-    from ..saving.pools import pool_for
-
     with atomic_file(target, durable=config.durable) as tmp:
         sources, device = stage_from_devices(extents, plan, pinned_bytes=config.pinned_bytes, what=target)
         request = WriteRequest(

@@ -1,2 +1,2 @@
-"""Checkpoint levels (DESIGN.md section 6): where each rank's share of a step lives beyond its own
+"""Checkpoint levels (docs/architecture.md, "Checkpoint levels"): where each rank's share of a step lives beyond its own
 node (partner replicas), and restoring from the fastest level that still holds a verified copy."""

@@ -11,7 +11,7 @@ import os
 import statistics
 from typing import Any
 
-from ..advisor.levels import Failures, LevelCosts, best_remote_every
+from ..advisor.multilevel import Failures, LevelCosts, best_remote_every
 from ..errors import FastPersistError
 from ..format.layout import MANIFEST_NAME
 from .drain import Drainer, DrainResult

@@ -40,9 +40,9 @@ from ..errors import FastPersistError, GroupLoadError
 from ..format.layout import MANIFEST_NAME, parse_step_dir, shard_name
 from ..format.manifest import Manifest, parse, read_manifest
 from ..loading.examine import verify_checkpoint, verify_file
-from ..loading.group import read_and_broadcast, read_pieces
 from ..loading.pipeline import LoadOptions, state_from_stream
 from ..loading.reading import direct_padded, read_stream, read_window
+from ..loading.shared_read import read_and_broadcast, read_pieces
 from .holdings import held_shares, shares_of
 
 __all__ = ["Candidate", "NodeReport", "StepReport", "candidates", "node_report", "restore_step", "verified_step"]

@@ -4,7 +4,7 @@ stream (alone, shared across a group, or straight to the devices), fill `out` or
 state, and place its tensors.
 
 The steps it calls each live in their own module of this folder (opened, relocate, reading,
-fill, todevice, maplocation, group, phases); this module only orders them.
+fill, todevice, maplocation, shared_read, phases); this module only orders them.
 
 Example:
     >>> import fastpersist as fp, torch
@@ -24,6 +24,7 @@ import torch
 
 from .. import _core
 from ..config import Config
+from ..distributed.control import group_rank_and_size
 from ..errors import CorruptCheckpointError
 from ..format.confine import check_data_files
 from ..format.flatten import materialize, unflatten
@@ -37,6 +38,7 @@ from .opened import OpenedCheckpoint, opened_checkpoint, opened_shard
 from .phases import PhaseClock
 from .reading import blob_buffers, read_stream, windowable
 from .relocate import check_stripes_present, read_opened
+from .shared_read import read_stream_shared
 from .todevice import device_targets, load_blobs
 
 __all__ = ["LoadOptions", "build_state", "load_checkpoint", "state_from_stream"]
@@ -142,8 +144,6 @@ def _load_new(
         if targets:
             buffers = load_blobs(root, m, verify, config, targets, stats)
         elif shared_group is not None and windowable(m):
-            from .group import read_stream_shared
-
             stream = read_stream_shared(root, m, verify, config, shared_group)
         else:
             stream = read_stream(root, m, verify, config, stats)
@@ -207,8 +207,6 @@ def build_state(
 
 
 def _group_size(group: object) -> int:
-    from ..distributed.control import group_rank_and_size
-
     return group_rank_and_size(group)[1]
 
 
@@ -218,8 +216,6 @@ def _shard_index(root: str, shard_count: int, group: object, shard: int | None) 
             raise ValueError(
                 f"{root} is sharded over {shard_count} ranks: load it with group= (a group of that size) or shard=k"
             )
-        from ..distributed.control import group_rank_and_size
-
         shard, size = group_rank_and_size(group)
         if size != shard_count:
             raise ValueError(f"{root} has {shard_count} shards but the group has {size} ranks")

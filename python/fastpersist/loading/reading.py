@@ -95,26 +95,11 @@ def _mapping_errors(root: str, m: Manifest, read: Callable[[], T]) -> T:
 def read_stream(
     root: str, m: Manifest, verify: bool, config: Config, stats: dict[str, float] | None = None
 ) -> _core.PagedBuffer:
-    """Reads the whole logical stream (O_DIRECT, checksums checked) into page-aligned memory;
+    """Reads the whole logical stream (O_DIRECT, checksums checked) into page-aligned memory:
+    :func:`read_window` of ``[0, total_bytes)``, every file of the manifest in one engine call;
     the engine adds its measures (``bytes``, ``crc32c_s``) to `stats`."""
     stream = _core.PagedBuffer(direct_padded(m.total_bytes))
-    ranges = [
-        (m.file_path(root, f), f.len_bytes, 0, f.len_bytes, f.stream_offset_bytes, f.chunk_crc32c if verify else [])
-        for f in m.files
-    ]
-    _mapping_errors(
-        root,
-        m,
-        lambda: _core.read_ranges_into(
-            ranges,
-            stream,
-            chunk_bytes=m.chunk_bytes,
-            backend=config.backend,
-            direct_io=config.direct_io,
-            queue_depth=read_queue_depth(config, root),
-            stats=stats,
-        ),
-    )
+    read_window(root, m, 0, m.total_bytes, stream, verify, config, stats)
     return stream
 
 

@@ -1,4 +1,4 @@
-"""Saves across a ``torch.distributed`` process group (DESIGN.md §5).
+"""Saves across a ``torch.distributed`` process group (docs/architecture.md, "Saves across a process group").
 
 **Replicated** state (DDP, or the data-parallel copies of a model-parallel shard): the logical
 byte stream is split at chunk granularity into near-equal ranges, one per writer rank; each
@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..cleanup import stripe_leftovers
 from ..config import Config, SaveResult
 from ..distributed.control import collective, control_for, describe, writer_map
 from ..errors import GroupSaveError
@@ -36,6 +35,7 @@ from ..format.layout import shard_name, stripe_tag, tmp_dir_for
 from ..format.manifest import FileEntry, build
 from ..format.ownership import DirLock, make_locked_dir
 from .job import Layout, SaveJob, Written
+from .leftovers import stripe_leftovers
 from .target import check_name_fits, check_stripe_roots, check_target, write_manifest
 
 __all__ = ["CommitOutcome", "GroupSaveJob", "RankStatus", "StartMessage"]

@@ -1,4 +1,4 @@
-"""A group save for the partner level (DESIGN.md section 6): every node commits its own step
+"""A group save for the partner level (docs/architecture.md, "Checkpoint levels"): every node commits its own step
 directory, holding its ranks' shares and copies of its partners' shares.
 
 Unlike a plain group save (:mod:`fastpersist.saving.group`, one directory that every rank

@@ -1,6 +1,7 @@
 """Which save job a save runs: one process's (:class:`~fastpersist.saving.job.SaveJob`) or a
 process group's (:class:`~fastpersist.saving.group.GroupSaveJob`), started on its own thread.
-``fp.save``, ``fp.save_async`` and the ``Checkpointer`` all start their saves here.
+``fp.save``, ``fp.save_async`` and the ``Checkpointer`` all start their saves here;
+:func:`save_blocking` is ``fp.save``'s whole save (and ``convert``'s), waited for.
 
 Example:
     >>> import fastpersist as fp, torch
@@ -10,16 +11,18 @@ Example:
 
 from __future__ import annotations
 
+import errno
 import os
 
 from .. import _core
-from ..config import Config
+from ..config import Config, SaveResult
 from .group import GroupSaveJob
 from .job import SaveJob
 from .partner import PartnerSaveJob
+from .remover import removals_pending, wait_removed
 from .target import make_parents
 
-__all__ = ["start_save"]
+__all__ = ["save_blocking", "start_save"]
 
 
 def start_save(
@@ -55,3 +58,20 @@ def start_save(
         job = GroupSaveJob(path, config, group, sharded=sharded, pool=pool)
     job.early_copy = not blocking
     return job.start(state)
+
+
+def save_blocking(
+    state: object, path: str | os.PathLike[str], config: Config, *, group: object = None, sharded: bool = False
+) -> SaveResult:
+    """Saves `state` to `path` and waits until it is committed (``fp.save``). A process that runs
+    out of space while replaced trees are still queued for deletion waits for them and tries once more."""
+    try:
+        return start_save(state, path, config, group=group, sharded=sharded, blocking=True).finish()
+    except OSError as e:
+        # Replaced trees are deleted after their commit, in the background: on a disk that holds
+        # little more than two checkpoints, the space this save lacks may be one still queued.
+        # A group's ranks cannot retry one by one, so only a single process does.
+        if e.errno != errno.ENOSPC or group is not None or not removals_pending():
+            raise
+    wait_removed()
+    return start_save(state, path, config, sharded=sharded, blocking=True).finish()

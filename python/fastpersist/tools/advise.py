@@ -9,9 +9,9 @@ import json
 import os
 import sys
 
-from ..advisor.advise import advise
 from ..advisor.devinfo import device_info
-from ..advisor.levels import Failures, LevelAdvice, LevelCosts, advise_levels
+from ..advisor.interval import advise
+from ..advisor.multilevel import Failures, LevelAdvice, LevelCosts, advise_levels
 from ..advisor.report import Advice
 from ..advisor.sources import Measured, from_bench, from_root
 from ..advisor.wear import Endurance

@@ -232,8 +232,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     import shutil
 
     from ..errors import FastPersistError
-    from ..export import export_hf
     from ..format.layout import atomic_file
+    from ..hfapi import export_hf
 
     try:
         done = export_hf(args.src, args.outdir, prefix=args.prefix, key=args.key, max_shard_bytes=args.max_shard_size)

@@ -1,6 +1,6 @@
 """``fastpersist tune DIR...``: measure each directory's device and cache its best settings.
 
-Each distinct device among the directories is swept once (:mod:`fastpersist.tuning.sweep`),
+Each distinct device among the directories is swept once (:mod:`fastpersist.tools.sweep`),
 its figures printed as a table, and the best write and read settings stored in the tuning
 cache (:mod:`fastpersist.tuning.cache`), where ``Config(chunk_bytes="auto", queue_depth="auto")``
 finds them for every later save and load on that device.
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from ..config import Config
 from ..tuning.cache import Best, TuneEntry, cache_path, check_writable, store
 from ..tuning.identity import device_identity
-from ..tuning.sweep import SweepLimits, SweepResult, sweep
+from .sweep import SweepLimits, SweepResult, sweep
 from .units import parse_size
 
 __all__ = ["add_arguments", "main", "register", "result_table", "run_cli"]

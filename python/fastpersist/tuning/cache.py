@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import _core
-from ..format.layout import atomic_file, tmp_file_for
+from ..format.layout import tmp_file_for, write_small_file
 from .identity import DeviceIdentity
 
 __all__ = [
@@ -242,8 +242,8 @@ def store(entry: TuneEntry) -> str:
     devices[str(entry.device["key"])] = entry.to_json()
     _cache_folder(path)
     try:
-        with atomic_file(path, durable=False) as tmp, open(tmp, "w") as f:
-            json.dump({"version": _VERSION, "devices": devices}, f, indent=1, sort_keys=True)
+        text = json.dumps({"version": _VERSION, "devices": devices}, indent=1, sort_keys=True)
+        write_small_file(path, text.encode(), durable=False)
     except OSError as e:
         raise _unwritable(path, e) from e
     return path

@@ -19,7 +19,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..advisor.devinfo import mount_of
+from ..blockdev import block_node, mount_of, sysfs_text
 
 __all__ = ["DeviceIdentity", "device_identity"]
 
@@ -61,14 +61,6 @@ class DeviceIdentity:
         return asdict(self)
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
 def _existing(path: str) -> str:
     """`path`, or its nearest existing ancestor (a save's target need not exist yet)."""
     path = os.path.realpath(path)
@@ -84,23 +76,22 @@ _known_lock = threading.Lock()
 def _identify(dev: int, path: str, sysfs: str, mountinfo: str) -> DeviceIdentity:
     fs_type, point, _ = mount_of(path, dev, mountinfo)
     key = f"{os.major(dev)}:{os.minor(dev)}"
-    link = os.path.join(sysfs, "dev", "block", key)
-    if os.major(dev) == 0 or not os.path.exists(link):
+    found = block_node(dev, sysfs)
+    if found is None:
         return DeviceIdentity(key=key, fs_type=fs_type, mount_point=point)
-    node = os.path.realpath(link)
-    disk_dir = os.path.dirname(node) if os.path.exists(os.path.join(node, "partition")) else node
+    disk_dir = found.disk_dir
     dev_dir = os.path.join(disk_dir, "device")
     serial = (  # NVMe and SCSI: device/serial or wwid; virtio-blk: the disk's own serial
-        _read(os.path.join(dev_dir, "serial"))
-        or _read(os.path.join(disk_dir, "serial"))
-        or _read(os.path.join(dev_dir, "wwid"))
+        sysfs_text(os.path.join(dev_dir, "serial"))
+        or sysfs_text(os.path.join(disk_dir, "serial"))
+        or sysfs_text(os.path.join(dev_dir, "wwid"))
     )
     return DeviceIdentity(
         key=key,
         fs_type=fs_type,
         mount_point=point,
         disk=os.path.basename(disk_dir),
-        model=_read(os.path.join(dev_dir, "model")),
+        model=sysfs_text(os.path.join(dev_dir, "model")),
         serial=serial,
     )
 

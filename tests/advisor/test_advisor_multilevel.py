@@ -1,4 +1,4 @@
-"""The multi-level interval model (fastpersist.advisor.levels) and its CLI face."""
+"""The multi-level interval model (fastpersist.advisor.multilevel) and its CLI face."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fastpersist.advisor.levels import Failures, LevelCosts, advise_levels, best_remote_every, plan_lost
+from fastpersist.advisor.multilevel import Failures, LevelCosts, advise_levels, best_remote_every, plan_lost
 
 DAY = 86_400.0
 COSTS = LevelCosts(

@@ -1,7 +1,10 @@
 """``fp.export_hf``: a checkpoint, or a Checkpointer root's latest step, as Hugging Face safetensors.
 
-The export itself is :mod:`fastpersist.interop.hfexport`; this module only resolves a root to
-its latest step with :meth:`Checkpointer.latest` (the step a restore would load).
+The export itself is :mod:`fastpersist.interop.hfexport`; this module only decides what it
+reads: a Checkpointer root's latest step (:meth:`Checkpointer.latest`, the step a restore would
+load), and for a checkpoint written through DCP the DCP plug-in's source
+(:mod:`fastpersist.integrations.dcp_source`, which the export below the Checkpointer cannot
+import).
 """
 
 from __future__ import annotations
@@ -9,9 +12,11 @@ from __future__ import annotations
 import errno
 import os
 
+from .checkpointer import Checkpointer
 from .config import Config
-from .format.layout import is_checkpointer_root
+from .format.layout import is_checkpointer_root, is_dcp_checkpoint
 from .interop.hfexport import DEFAULT_MAX_SHARD_BYTES, ExportResult, export_checkpoint
+from .interop.hfsources import SourceOpener, opened_sources
 
 __all__ = ["export_hf"]
 
@@ -55,13 +60,24 @@ def export_hf(
     """
     path = os.path.abspath(os.fspath(src))
     if is_checkpointer_root(path):
-        from .checkpointer import Checkpointer
-
         ck = Checkpointer(path)
         step = ck.latest()
         if step is None:
             raise FileNotFoundError(errno.ENOENT, "no committed, verified checkpoint in this Checkpointer root", path)
         path = ck.path(step)
+    open_sources: SourceOpener = opened_sources
+    if is_dcp_checkpoint(path):
+        # Import time: torch.distributed.checkpoint is loaded only when a DCP checkpoint is exported.
+        from .integrations.dcp_source import opened_dcp_sources
+
+        open_sources = opened_dcp_sources
     return export_checkpoint(
-        path, outdir, prefix=prefix, key=key, max_shard_bytes=max_shard_bytes, config=config, durable=durable
+        path,
+        outdir,
+        prefix=prefix,
+        key=key,
+        max_shard_bytes=max_shard_bytes,
+        config=config,
+        durable=durable,
+        open_sources=open_sources,
     )

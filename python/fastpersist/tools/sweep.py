@@ -45,9 +45,9 @@ from .. import _core
 from ..config import Config
 from ..engine import WriteRequest, start_write
 from ..loading.reading import aligned_uint8
-from .cache import Best, Figure
-from .defaults import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
-from .identity import DeviceIdentity, device_identity
+from ..tuning.cache import Best, Figure
+from ..tuning.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
+from ..tuning.identity import DeviceIdentity, device_identity
 
 __all__ = ["CLOSE_FRACTION", "FINALISTS", "FINAL_ROUNDS", "SweepLimits", "SweepResult", "pick_best", "sweep"]
 
