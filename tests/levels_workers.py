@@ -415,3 +415,39 @@ def restore_digest(rank: int, world: int, init_file: str, workdir: str, backend:
         return {"latest": ck.latest(), "digest": w_digest(ck.load())}
 
     report_rank(rank, world, init_file, workdir, compute)
+
+
+def drain_with_a_rank_failing(rank: int, world: int, init_file: str, workdir: str) -> None:
+    """2 nodes of 1 rank, replicas=1, a remote directory: step 1 drains; rank 1's data file of
+    step 2 cannot be written on the remote (a directory stands there). Reports what close()
+    raised on this rank, its errno, how long it took, and the remote steps."""
+    os.environ["FASTPERSIST_NODE"] = f"node{rank}"
+
+    def compute() -> Any:
+        ck = fp.Checkpointer(
+            os.path.join(workdir, f"node{rank}"),
+            keep=2,
+            config=fp.Config(chunk_bytes=64 << 10, timeout_s=60),
+            group=dist.group.WORLD,
+            replicas=1,
+            remote=os.path.join(workdir, "remote"),
+            remote_every=1,
+        )
+        ck.save(1, step_state(1, rank, False))
+        ck.close()
+        os.makedirs(os.path.join(workdir, "remote", "step-00000002", "data-w1-s0.bin"), exist_ok=True)
+        ck.save(2, step_state(2, rank, False))
+        started = time.monotonic()
+        try:
+            ck.close()
+            error, code = "", None
+        except OSError as e:
+            error, code = f"{type(e).__name__}: {e}", e.errno
+        return {
+            "error": error,
+            "errno": code,
+            "seconds": time.monotonic() - started,
+            "remote": ck.levels()["remote"]["steps"],
+        }
+
+    report_rank(rank, world, init_file, workdir, compute)

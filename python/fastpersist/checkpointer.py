@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 import threading
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -34,6 +35,7 @@ from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_n
 from .format.manifest import read_manifest
 from .futures import SaveFuture
 from .levels.hfexports import hf_exports_for
+from .levels.identity import LocalIdentity, read_local_index
 from .retention import retire, retire_in_group, retired_steps
 from .saving.optimizer_guard import guard_optimizer
 from .saving.pools import pool_for
@@ -68,8 +70,10 @@ class Checkpointer:
             so losing a node loses no step; needs `group`. See docs/levels.md.
         remote: the remote level: a directory on a shared filesystem that committed steps are
             drained to in the background (:mod:`fastpersist.levels.drain`), restored from when
-            no local or partner copy of a newer step is left; or an ``s3://bucket/prefix`` URL
-            (S3-compatible stores; endpoint and credentials from the AWS environment variables).
+            no local or partner copy of a newer step of this run is left; or an
+            ``s3://bucket/prefix`` URL (S3-compatible stores; endpoint and credentials from the AWS
+            environment variables, docs/levels.md#credentials). Refused (ValueError) when it is
+            the root, lies inside it or holds it, or is another live Checkpointer's remote.
         remote_every: drain a step whenever a multiple of `remote_every` was crossed since the
             last one drained (the first saved step is drained too); None: as often as one drain
             at a time allows (the newest committed step whenever the drain is free);
@@ -148,9 +152,12 @@ class Checkpointer:
         self.replicas = replicas
         self.rank = 0
         if group is not None:
-            from .distributed.control import group_rank_and_size
+            from .distributed.control import control_for, group_rank_and_size
 
             self.rank = group_rank_and_size(group)[0]
+            # Made now, while every rank is here: a rank lost during a later save or restore is then
+            # noticed through the group's watch (docs/distributed.md), not after timeout_s.
+            control_for(group, self._timeout_s())
         self._future: SaveFuture | None = None
         self._pool: Any = None
         self._lock = threading.Lock()
@@ -162,6 +169,9 @@ class Checkpointer:
         self.history.persist = self.rank == 0
         self._partner: Any = None
         self._last: SaveResult | None = None
+        #: This root's run id (levels/identity.py): from its index, else drawn at the first commit,
+        #: or taken from the remote level when a root with no index is refilled from it.
+        self._run: str | None = None
         self._remote: Any = None
         if remote is not None:
             from .levels.remote_level import RemoteLevel
@@ -173,6 +183,9 @@ class Checkpointer:
             from .levels.partner import PartnerLevel
 
             self._partner = PartnerLevel(self, replicas)
+
+    def _timeout_s(self) -> float:
+        return float(self.config.timeout_s) if self.config is not None else Config().timeout_s
 
     @property
     def every(self) -> int:
@@ -256,6 +269,8 @@ class Checkpointer:
             raise ValueError(f"step={step!r}: expected a non-negative integer")
         if not self.history.due(step):
             return None
+        if self._remote is not None:
+            self._remote.claim.hold()  # given up at close(): another root may have taken the remote since
         with self.history.waiting("commit"):
             self._finish_previous()
         with self.history.waiting("start"), self._lock:
@@ -300,6 +315,7 @@ class Checkpointer:
         if self._hf is not None:
             pinned |= self._hf.pinned()
         candidates = [self.path(s) for s in retired_steps(self.steps(), step, self.keep) if s not in pinned]
+        self._resolve_run()
         if self._partner is not None:
             self._partner.after_commit(step, result, candidates)  # per node: index and retention
         else:
@@ -318,12 +334,28 @@ class Checkpointer:
         if self._hf is not None and self.rank == 0:
             self._hf.after_commit(step)
 
+    def _resolve_run(self) -> None:
+        """Sets this root's run id once: the one an index names (the lowest rank's that has one),
+        else a new one (drawn by rank 0); agreed over the group."""
+        if self._run is not None:
+            return
+        mine = (read_local_index(self.root).run, secrets.token_hex(8))
+        found = [mine]
+        if self.group is not None:
+            from .distributed.control import control_for
+
+            found = control_for(self.group, self._timeout_s()).all_gather(mine)
+        named = [run for run, _ in found if run]
+        self._run = named[0] if named else found[0][1]
+
     def _write_index(self, step: int) -> None:
-        doc = {
+        doc: dict[str, Any] = {
             "step": step,
             "path": os.path.basename(self.path(step)),
             "updated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
+        if self._run is not None:
+            doc["run"] = self._run
         write_small_file(os.path.join(self.root, INDEX_NAME), (json.dumps(doc, indent=2) + "\n").encode(), durable=True)
 
     def wait_staged(self, timeout: float | None = None) -> None:
@@ -371,20 +403,7 @@ class Checkpointer:
 
     def _index_step(self) -> int | None:
         """The step ``latest.json`` names, or None (no index yet, or unreadable: then logged)."""
-        path = os.path.join(self.root, INDEX_NAME)
-        try:
-            with open(path, "rb") as f:
-                doc = json.loads(f.read(1 << 16))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            log.warning("ignoring the unreadable index %s: %s", path, e)
-            return None
-        step = doc.get("step") if isinstance(doc, dict) else None
-        if type(step) is not int or step < 0:
-            log.warning("ignoring the index %s: no valid step in it", path)
-            return None
-        return step
+        return read_local_index(self.root).step
 
     def latest(self) -> int | None:
         """The newest step, up to the one the index names, whose checkpoint is committed and verifies, or None.
@@ -398,12 +417,38 @@ class Checkpointer:
         With ``replicas``, every rank must call it: the newest step, up to the highest any node's
         index names, that every rank can restore from some level, each share's copy verified
         (docs/levels.md); the ranks agree on it. It waits for the save in flight first.
+
+        With ``remote``, a remote step counts only where the local and partner levels hold
+        nothing as new, and only one of this run's (the run identity rule, docs/levels.md): the
+        remote is not asked at all when the local level holds the step its index names, never
+        waits for the drain, and an unreachable store costs at most about
+        ``fastpersist.levels.stores.PROBE_TIMEOUT_S`` (10 s) and one WARNING.
         """
+        return self._restore_point()[0]
+
+    def _restore_point(self) -> tuple[int | None, Any]:
+        """(the step :meth:`latest` names, the :class:`~fastpersist.levels.remote_level.RemoteChoice`
+        when it comes from the remote level, else None)."""
+        if self.group is not None:
+            self._finish_previous()  # its commit thread's collectives (retention, the run id) come first
         local = self._partner.latest() if self._partner is not None else self._local_latest()
         if self._remote is None:
-            return local
-        remote = self._remote.latest(above=local)
-        return local if remote is None else remote
+            return local, None
+        identity = self._identity()
+        if local is not None and identity.cap is not None and local >= identity.cap:
+            return local, None  # no remote step may be newer than the index: nothing to ask the store
+        chosen = self._remote.choose(identity, above=local)
+        return (local, None) if chosen is None else (chosen.step, chosen)
+
+    def _identity(self) -> LocalIdentity:
+        """The local level's identity over every rank's root (collective in a group)."""
+        mine = read_local_index(self.root)
+        found = [mine]
+        if self.group is not None:
+            from .distributed.control import control_for
+
+            found = control_for(self.group, self._timeout_s()).all_gather(mine)
+        return LocalIdentity.of(found)
 
     def _local_latest(self) -> int | None:
         indexed = self._index_step()
@@ -431,9 +476,18 @@ class Checkpointer:
             FileNotFoundError: there is no good checkpoint under `root`.
         """
         if self._remote is not None:
-            step = self.latest() if step is None else step
-            if step is not None and self._remote.holds_only(step):
-                self._remote.refill(step)  # then loaded as a local step
+            if step is None:
+                step, chosen = self._restore_point()
+            else:  # an explicit step is an explicit choice: from the remote if no local copy holds it
+                from .levels.remote_level import RemoteChoice
+
+                chosen = None if self._held_locally(step) or not self._remote.holds(step) else RemoteChoice(step)
+            if chosen is not None:
+                if self._run is None and chosen.adopted_run is not None:
+                    self._run = chosen.adopted_run  # a root with no index takes over the remote's run
+                self._remote.refill(chosen.step)  # then loaded as a local step
+            if step is None:
+                raise FileNotFoundError(errno.ENOENT, "no committed, verified checkpoint on any level", self.root)
         if self._partner is not None:
             with self.history.loading():
                 return self._partner.load(step, map_location, namedtuple_types, out)
@@ -449,6 +503,19 @@ class Checkpointer:
                 group=self.group,
                 namedtuple_types=namedtuple_types,
             )
+
+    def _held_locally(self, step: int) -> bool:
+        """Whether the local (and partner) level can restore `step` (collective in a group)."""
+        if self.group is not None:
+            self._finish_previous()  # its commit thread's collectives come first
+        if self._partner is not None:
+            return bool(self._partner.holds(step))
+        held = os.path.exists(os.path.join(self.path(step), MANIFEST_NAME))
+        if self.group is not None:
+            from .distributed.control import control_for
+
+            held = all(control_for(self.group, self._timeout_s()).all_gather(held))
+        return held
 
     def levels(self) -> dict[str, Any]:
         """What this rank's node holds on each level: ``{"local": {...}, "partner": {...}}``, each
