@@ -20,7 +20,6 @@ import functools
 import json
 import logging
 import os
-import secrets
 import threading
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -35,7 +34,8 @@ from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_n
 from .format.manifest import read_manifest
 from .futures import SaveFuture
 from .levels.hfexports import hf_exports_for
-from .levels.identity import LocalIdentity, read_local_index
+from .levels.identity import read_local_index
+from .levels.resume import bring_in, restore_point, run_id
 from .retention import retire, retire_in_group, retired_steps
 from .saving.optimizer_guard import guard_optimizer
 from .saving.pools import pool_for
@@ -169,9 +169,7 @@ class Checkpointer:
         self.history.persist = self.rank == 0
         self._partner: Any = None
         self._last: SaveResult | None = None
-        #: This root's run id (levels/identity.py): from its index, else drawn at the first commit,
-        #: or taken from the remote level when a root with no index is refilled from it.
-        self._run: str | None = None
+        self._run: str | None = None  # this root's run id (levels/identity.py), set at the first commit
         self._remote: Any = None
         if remote is not None:
             from .levels.remote_level import RemoteLevel
@@ -315,7 +313,8 @@ class Checkpointer:
         if self._hf is not None:
             pinned |= self._hf.pinned()
         candidates = [self.path(s) for s in retired_steps(self.steps(), step, self.keep) if s not in pinned]
-        self._resolve_run()
+        if self._run is None:
+            self._run = run_id(self)
         if self._partner is not None:
             self._partner.after_commit(step, result, candidates)  # per node: index and retention
         else:
@@ -333,20 +332,6 @@ class Checkpointer:
             self._remote.after_commit(step)
         if self._hf is not None and self.rank == 0:
             self._hf.after_commit(step)
-
-    def _resolve_run(self) -> None:
-        """Sets this root's run id once: the one an index names (the lowest rank's that has one),
-        else a new one (drawn by rank 0); agreed over the group."""
-        if self._run is not None:
-            return
-        mine = (read_local_index(self.root).run, secrets.token_hex(8))
-        found = [mine]
-        if self.group is not None:
-            from .distributed.control import control_for
-
-            found = control_for(self.group, self._timeout_s()).all_gather(mine)
-        named = [run for run, _ in found if run]
-        self._run = named[0] if named else found[0][1]
 
     def _write_index(self, step: int) -> None:
         doc: dict[str, Any] = {
@@ -418,37 +403,11 @@ class Checkpointer:
         index names, that every rank can restore from some level, each share's copy verified
         (docs/levels.md); the ranks agree on it. It waits for the save in flight first.
 
-        With ``remote``, a remote step counts only where the local and partner levels hold
-        nothing as new, and only one of this run's (the run identity rule, docs/levels.md): the
-        remote is not asked at all when the local level holds the step its index names, never
-        waits for the drain, and an unreachable store costs at most about
-        ``fastpersist.levels.stores.PROBE_TIMEOUT_S`` (10 s) and one WARNING.
+        With ``remote``: a newer step of this run's remote lineage (docs/levels.md), never
+        waiting for the drain; the store is asked only if the local level lacks the step its
+        index names, for at most about 10 s (``levels.stores.PROBE_TIMEOUT_S``) and one WARNING.
         """
-        return self._restore_point()[0]
-
-    def _restore_point(self) -> tuple[int | None, Any]:
-        """(the step :meth:`latest` names, the :class:`~fastpersist.levels.remote_level.RemoteChoice`
-        when it comes from the remote level, else None)."""
-        if self.group is not None:
-            self._finish_previous()  # its commit thread's collectives (retention, the run id) come first
-        local = self._partner.latest() if self._partner is not None else self._local_latest()
-        if self._remote is None:
-            return local, None
-        identity = self._identity()
-        if local is not None and identity.cap is not None and local >= identity.cap:
-            return local, None  # no remote step may be newer than the index: nothing to ask the store
-        chosen = self._remote.choose(identity, above=local)
-        return (local, None) if chosen is None else (chosen.step, chosen)
-
-    def _identity(self) -> LocalIdentity:
-        """The local level's identity over every rank's root (collective in a group)."""
-        mine = read_local_index(self.root)
-        found = [mine]
-        if self.group is not None:
-            from .distributed.control import control_for
-
-            found = control_for(self.group, self._timeout_s()).all_gather(mine)
-        return LocalIdentity.of(found)
+        return restore_point(self)[0]
 
     def _local_latest(self) -> int | None:
         indexed = self._index_step()
@@ -476,16 +435,7 @@ class Checkpointer:
             FileNotFoundError: there is no good checkpoint under `root`.
         """
         if self._remote is not None:
-            if step is None:
-                step, chosen = self._restore_point()
-            else:  # an explicit step is an explicit choice: from the remote if no local copy holds it
-                from .levels.remote_level import RemoteChoice
-
-                chosen = None if self._held_locally(step) or not self._remote.holds(step) else RemoteChoice(step)
-            if chosen is not None:
-                if self._run is None and chosen.adopted_run is not None:
-                    self._run = chosen.adopted_run  # a root with no index takes over the remote's run
-                self._remote.refill(chosen.step)  # then loaded as a local step
+            step = bring_in(self, step)
             if step is None:
                 raise FileNotFoundError(errno.ENOENT, "no committed, verified checkpoint on any level", self.root)
         if self._partner is not None:
@@ -503,19 +453,6 @@ class Checkpointer:
                 group=self.group,
                 namedtuple_types=namedtuple_types,
             )
-
-    def _held_locally(self, step: int) -> bool:
-        """Whether the local (and partner) level can restore `step` (collective in a group)."""
-        if self.group is not None:
-            self._finish_previous()  # its commit thread's collectives come first
-        if self._partner is not None:
-            return bool(self._partner.holds(step))
-        held = os.path.exists(os.path.join(self.path(step), MANIFEST_NAME))
-        if self.group is not None:
-            from .distributed.control import control_for
-
-            held = all(control_for(self.group, self._timeout_s()).all_gather(held))
-        return held
 
     def levels(self) -> dict[str, Any]:
         """What this rank's node holds on each level: ``{"local": {...}, "partner": {...}}``, each

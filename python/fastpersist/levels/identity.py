@@ -38,7 +38,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..format.layout import INDEX_NAME
+from ..format.layout import INDEX_NAME, step_dir_name
 
 __all__ = [
     "LocalIdentity",
@@ -128,7 +128,7 @@ class RemoteIndex:
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step,
-            "path": f"step-{self.step:08d}",
+            "path": step_dir_name(self.step),
             "checkpoint_id": self.checkpoint_id,
             "run": self.run,
             "lineage": {str(k): v for k, v in sorted((self.lineage or {}).items(), reverse=True)},
