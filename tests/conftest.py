@@ -2,7 +2,8 @@
 
 The S3 fixtures (``s3_server``, ``s3_bucket``) live in tests/s3server.py. Also loads the
 hypothesis profile (``HYPOTHESIS_PROFILE=ci``, the default, or ``soak``; see tests/budget.py)
-before any test module is imported.
+before any test module is imported, and installs tests/netguard.py: no test reaches anything
+but this machine, nor an object store it did not name (``no_traffic_beyond_loopback``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 
+import netguard
 import pytest
 from s3server import s3_bucket, s3_server  # noqa: F401 (fixtures: a real S3-compatible server)
 
@@ -22,6 +24,7 @@ from budget import register_profiles
 from fake_cuda import FakeRuntime
 
 register_profiles()
+netguard.install()
 
 # Saves resolve Config "auto" from the tuning cache: point every test (and every worker process
 # it starts) at a file nobody writes, so a developer's own `fastpersist tune` cannot change them.
@@ -49,6 +52,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     kept = [item for item in items if _for_gpu_check(item)]
     config.hook.pytest_deselected(items=[item for item in items if not _for_gpu_check(item)])
     items[:] = kept
+
+
+@pytest.fixture(autouse=True)
+def no_traffic_beyond_loopback() -> Iterator[None]:
+    """Fails a test that reached beyond this machine, or an object store it did not name
+    (tests/netguard.py): its trap, or a Python socket to a non-loopback address."""
+    yield
+    found = netguard.take()
+    if found:
+        pytest.fail("this test reached beyond what it configured (tests/netguard.py): " + "; ".join(found[:5]))
 
 
 @pytest.fixture(params=available_backends())

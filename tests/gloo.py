@@ -57,7 +57,9 @@ def report_rank(
     result as ``result-{rank}.json`` or its traceback as ``error-{rank}.txt`` (then re-raises).
     `destroy=False` leaves the group as it is (a scenario whose rank is killed)."""
     import torch.distributed as dist
+    from netguard import guard_sockets
 
+    guard_sockets()  # a rank reaches nothing beyond this machine either (tests/netguard.py)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         result = compute()

@@ -140,6 +140,49 @@ def save_with_a_partner_killed(
     report_rank(rank, world, init_file, workdir, compute, destroy=False)
 
 
+#: How long the survivors of a rank killed during a restore may take to raise (the control group's
+#: timeout_s is 60 s in these tests).
+RESTORE_KILLED_BOUND_S = 15.0
+
+
+def restore_with_a_rank_killed(
+    rank: int, world: int, init_file: str, workdir: str, backend: str, victim: int, kill_at: int
+) -> None:
+    """``ck.load()`` of a replicated step, rank `victim` SIGKILLed as it enters its `kill_at`-th
+    broadcast of the restore's bytes: each survivor reports what it raised and how long it waited."""
+    os.environ["FASTPERSIST_NODE"] = node_of(rank)
+    broadcast = dist.broadcast
+    calls = [0]
+
+    def dying(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return broadcast(*args, **kwargs)
+
+    def compute() -> Any:
+        ck = checkpointer(workdir, rank, False, backend)
+        if rank == victim:
+            dist.broadcast = dying  # type: ignore[assignment]
+        started = time.monotonic()
+        try:
+            ck.load()
+            outcome = "restored"
+        except Exception as e:
+            outcome = f"{type(e).__name__}: {e}"
+        return {"outcome": outcome, "seconds": time.monotonic() - started, "timeout_s": ck.config.timeout_s}
+
+    report_rank(rank, world, init_file, workdir, compute, destroy=False)
+    # A rank that raised stays alive, its connections open (a training process that catches the
+    # error and goes on), until every survivor has raised too: their waits cannot end by its exit.
+    deadline = time.monotonic() + 3 * RESTORE_KILLED_BOUND_S
+    survivors = [r for r in range(world) if r != victim]
+    while time.monotonic() < deadline and not all(
+        os.path.exists(os.path.join(workdir, f"result-{r}.json")) for r in survivors
+    ):
+        time.sleep(0.05)
+
+
 def digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
@@ -370,5 +413,41 @@ def restore_digest(rank: int, world: int, init_file: str, workdir: str, backend:
     def compute() -> Any:
         ck = checkpointer(workdir, rank, False, backend)
         return {"latest": ck.latest(), "digest": w_digest(ck.load())}
+
+    report_rank(rank, world, init_file, workdir, compute)
+
+
+def drain_with_a_rank_failing(rank: int, world: int, init_file: str, workdir: str) -> None:
+    """2 nodes of 1 rank, replicas=1, a remote directory: step 1 drains; rank 1's data file of
+    step 2 cannot be written on the remote (a directory stands there). Reports what close()
+    raised on this rank, its errno, how long it took, and the remote steps."""
+    os.environ["FASTPERSIST_NODE"] = f"node{rank}"
+
+    def compute() -> Any:
+        ck = fp.Checkpointer(
+            os.path.join(workdir, f"node{rank}"),
+            keep=2,
+            config=fp.Config(chunk_bytes=64 << 10, timeout_s=60),
+            group=dist.group.WORLD,
+            replicas=1,
+            remote=os.path.join(workdir, "remote"),
+            remote_every=1,
+        )
+        ck.save(1, step_state(1, rank, False))
+        ck.close()
+        os.makedirs(os.path.join(workdir, "remote", "step-00000002", "data-w1-s0.bin"), exist_ok=True)
+        ck.save(2, step_state(2, rank, False))
+        started = time.monotonic()
+        try:
+            ck.close()
+            error, code = "", None
+        except OSError as e:
+            error, code = f"{type(e).__name__}: {e}", e.errno
+        return {
+            "error": error,
+            "errno": code,
+            "seconds": time.monotonic() - started,
+            "remote": ck.levels()["remote"]["steps"],
+        }
 
     report_rank(rank, world, init_file, workdir, compute)

@@ -119,6 +119,22 @@ def test_replicated_copies_are_made_from_each_partners_own_state(tmp_path: Any, 
     assert all(r == {"latest": 1, "digest": saved[0]["digest"]} for r in restored), restored
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rank_killed_during_a_restore_hangs_no_one(tmp_path: Any, backend: str) -> None:
+    """A rank killed at its first broadcast of a partner-level restore's bytes, the survivors
+    staying alive after they raise: gloo lets some survivors wait on others that already left the
+    broadcasts (before the fix: 60 s, the whole timeout_s); the control group's watch connections
+    tell every survivor at once, so each raises within seconds (repro 32)."""
+    d = str(tmp_path)
+    _run(w.save_steps, d, False, backend, [1])
+    _clear(d)
+    results = run_ranks(w.restore_with_a_rank_killed, 4, (d, backend, 3, 1), d, timeout_s=120)
+    assert results[3]["exitcode"] == -9, results[3]
+    for r in results[:3]:
+        assert "GroupLoadError" in r["outcome"], r
+        assert r["seconds"] < w.RESTORE_KILLED_BOUND_S < r["timeout_s"], r
+
+
 @pytest.mark.parametrize("sharded", MODES)
 def test_a_partner_killed_mid_copy_commits_nothing_and_hangs_no_one(tmp_path: Any, sharded: bool) -> None:
     d = str(tmp_path)

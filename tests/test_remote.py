@@ -138,7 +138,7 @@ def test_a_retry_after_the_remote_commit_succeeds_and_rewrites_nothing(tmp_path:
     manifest = remote / "step-00000001" / "manifest.json"
     inode = os.stat(manifest).st_ino
     assert r.drain_share(1, ck.path(1), m, 0, lambda n: None) == 0
-    r.commit(1, ck.path(1), m, timeout_s=5)
+    r.commit(1, ck.path(1), m, timeout_s=5, run=None, keep=2)
     assert os.stat(manifest).st_ino == inode  # the committed manifest was not replaced
     other = dataclasses.replace(m, checkpoint_id="another")
     with pytest.raises(FileExistsError):

@@ -1,11 +1,14 @@
 """The remote level on a real S3-compatible server (moto's, on 127.0.0.1, through obstore):
 drain, restore when the local root is gone, a damaged object, the server gone mid-drain and
-back, fp.load/inspect/verify of an s3:// URL, and 4 gloo ranks as 2 nodes losing every node."""
+back, fp.load/inspect/verify of an s3:// URL, 4 gloo ranks as 2 nodes losing every node, and a
+restore while the store is down or never answers."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import socket
 import threading
 import time
 from typing import Any
@@ -16,6 +19,7 @@ import torch
 from s3server import S3Server
 
 import fastpersist as fp
+from fastpersist.levels import stores
 
 from gloo import run_ranks
 
@@ -104,3 +108,69 @@ def test_a_group_that_loses_every_node_restores_from_s3(tmp_path: Any, s3_bucket
             os.remove(os.path.join(d, name))
     results = run_ranks(w.restore_with_remote, 4, (d, remote), d, timeout_s=180)
     assert all(r == {"latest": 4, "step": 4, "same": True, "local": [4, 5]} for r in results), results
+
+
+def _flip_a_byte(step_dir: Any) -> None:
+    data = next(p for p in os.listdir(step_dir) if p.endswith(".bin"))
+    with open(os.path.join(step_dir, data), "r+b") as f:
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+def test_an_unreachable_store_never_stops_a_restore_from_the_local_level(
+    tmp_path: Any, s3_bucket: str, s3_server: S3Server, caplog: Any
+) -> None:
+    """Repro 27: with the store down, the local level's step is restored: without asking the
+    store while the local level holds the step its index names; else within the probe's bound,
+    with one WARNING, the newest local step that verifies."""
+    url = f"s3://{s3_bucket}/down"
+    with fp.Checkpointer(tmp_path / "local", config=CONFIG, remote=url, remote_every=1) as ck:
+        for step in (1, 2):
+            ck.save(step, state(step))
+            ck.close()
+    s3_server.proxy.stop()  # nothing listens: every request is refused
+    try:
+        again = fp.Checkpointer(tmp_path / "local", config=CONFIG, remote=url)
+        started = time.monotonic()
+        assert again.latest() == 2 and torch.equal(again.load()["w"], state(2)["w"])
+        assert time.monotonic() - started < 2.0
+        _flip_a_byte(tmp_path / "local" / "step-00000002")  # the remote would now be worth asking
+        with caplog.at_level(logging.WARNING, logger="fastpersist"):
+            started = time.monotonic()
+            assert again.latest() == 1
+            assert torch.equal(again.load()["w"], state(1)["w"])
+            took = time.monotonic() - started
+        assert took < 3 * stores.PROBE_TIMEOUT_S, took
+        said = [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
+        assert len(said) == 1 and url in said[0], said
+    finally:
+        s3_server.proxy.start()
+
+
+def test_a_store_that_never_answers_costs_a_restore_a_bounded_time(
+    tmp_path: Any, s3_server: S3Server, monkeypatch: Any, caplog: Any
+) -> None:
+    """Repro 27 ("blackhole"): a store that accepts connections and never answers blocked
+    latest() for obstore's 3-minute retry budget; a restore's look at the store now gives up
+    after PROBE_TIMEOUT_S (1 s here) per request and restores the local step."""
+    hole = socket.create_server(("127.0.0.1", 0))  # the backlog accepts; nothing ever reads
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{hole.getsockname()[1]}")
+    monkeypatch.setattr(stores, "PROBE_TIMEOUT_S", 1.0)
+    try:
+        with fp.Checkpointer(tmp_path / "local", config=CONFIG) as ck:
+            for step in (1, 2):
+                ck.save(step, state(step))
+        _flip_a_byte(tmp_path / "local" / "step-00000002")
+        again = fp.Checkpointer(tmp_path / "local", config=CONFIG, remote="s3://bucket/never")
+        with caplog.at_level(logging.WARNING, logger="fastpersist"):
+            started = time.monotonic()
+            assert again.latest() == 1
+            took = time.monotonic() - started
+        assert took < 5.0, took
+        assert any("did not answer" in r.getMessage() for r in caplog.records)
+    finally:
+        hole.close()

@@ -34,7 +34,9 @@ from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_n
 from .format.manifest import read_manifest
 from .futures import SaveFuture
 from .levels.hfexports import hf_exports_for
+from .levels.identity import read_local_index
 from .levels.remote_arguments import check_remote_arguments
+from .levels.resume import bring_in, restore_point, run_id
 from .retention import retire, retire_in_group, retired_steps
 from .saving.optimizer_guard import guard_optimizer
 from .saving.pools import pool_for
@@ -69,8 +71,10 @@ class Checkpointer:
             so losing a node loses no step; needs `group`. See docs/levels.md.
         remote: the remote level: a directory on a shared filesystem that committed steps are
             drained to in the background (:mod:`fastpersist.levels.drain`), restored from when
-            no local or partner copy of a newer step is left; or an ``s3://bucket/prefix`` URL
-            (S3-compatible stores; endpoint and credentials from the AWS environment variables).
+            no local or partner copy of a newer step of this run is left; or an
+            ``s3://bucket/prefix`` URL (S3-compatible stores; endpoint and credentials from the AWS
+            environment variables, docs/levels.md#credentials). Refused (ValueError) when it is
+            the root, lies inside it or holds it, or is another live Checkpointer's remote.
         remote_every: drain a step whenever a multiple of `remote_every` was crossed since the
             last one drained (the first saved step is drained too); None: as often as one drain
             at a time allows (the newest committed step whenever the drain is free);
@@ -154,9 +158,12 @@ class Checkpointer:
         self.replicas = replicas
         self.rank = 0
         if group is not None:
-            from .distributed.control import group_rank_and_size
+            from .distributed.control import control_for, group_rank_and_size
 
             self.rank = group_rank_and_size(group)[0]
+            # Made now, while every rank is here: a rank lost during a later save or restore is then
+            # noticed through the group's watch (docs/distributed.md), not after timeout_s.
+            control_for(group, self._timeout_s())
         self._future: SaveFuture | None = None
         self._pool: Any = None
         self._lock = threading.Lock()
@@ -168,6 +175,7 @@ class Checkpointer:
         self.history.persist = self.rank == 0
         self._partner: Any = None
         self._last: SaveResult | None = None
+        self._run: str | None = None  # this root's run id (levels/identity.py), set at the first commit
         self._remote: Any = None
         if remote is not None:
             from .levels.remote_level import RemoteLevel
@@ -179,6 +187,9 @@ class Checkpointer:
             from .levels.partner import PartnerLevel
 
             self._partner = PartnerLevel(self, replicas)
+
+    def _timeout_s(self) -> float:
+        return float(self.config.timeout_s) if self.config is not None else Config().timeout_s
 
     @property
     def every(self) -> int:
@@ -262,6 +273,8 @@ class Checkpointer:
             raise ValueError(f"step={step!r}: expected a non-negative integer")
         if not self.history.due(step):
             return None
+        if self._remote is not None:
+            self._remote.claim.hold()  # given up at close(): another root may have taken the remote since
         with self.history.waiting("commit"):
             self._finish_previous()
         with self.history.waiting("start"), self._lock:
@@ -306,6 +319,8 @@ class Checkpointer:
         if self._hf is not None:
             pinned |= self._hf.pinned()
         candidates = [self.path(s) for s in retired_steps(self.steps(), step, self.keep) if s not in pinned]
+        if self._run is None:
+            self._run = run_id(self)
         if self._partner is not None:
             self._partner.after_commit(step, result, candidates)  # per node: index and retention
         else:
@@ -325,11 +340,13 @@ class Checkpointer:
             self._hf.after_commit(step)
 
     def _write_index(self, step: int) -> None:
-        doc = {
+        doc: dict[str, Any] = {
             "step": step,
             "path": os.path.basename(self.path(step)),
             "updated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
+        if self._run is not None:
+            doc["run"] = self._run
         write_small_file(os.path.join(self.root, INDEX_NAME), (json.dumps(doc, indent=2) + "\n").encode(), durable=True)
 
     def wait_staged(self, timeout: float | None = None) -> None:
@@ -377,20 +394,7 @@ class Checkpointer:
 
     def _index_step(self) -> int | None:
         """The step ``latest.json`` names, or None (no index yet, or unreadable: then logged)."""
-        path = os.path.join(self.root, INDEX_NAME)
-        try:
-            with open(path, "rb") as f:
-                doc = json.loads(f.read(1 << 16))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError) as e:
-            log.warning("ignoring the unreadable index %s: %s", path, e)
-            return None
-        step = doc.get("step") if isinstance(doc, dict) else None
-        if type(step) is not int or step < 0:
-            log.warning("ignoring the index %s: no valid step in it", path)
-            return None
-        return step
+        return read_local_index(self.root).step
 
     def latest(self) -> int | None:
         """The newest step, up to the one the index names, whose checkpoint is committed and verifies, or None.
@@ -404,12 +408,12 @@ class Checkpointer:
         With ``replicas``, every rank must call it: the newest step, up to the highest any node's
         index names, that every rank can restore from some level, each share's copy verified
         (docs/levels.md); the ranks agree on it. It waits for the save in flight first.
+
+        With ``remote``: a newer step of this run's remote lineage (docs/levels.md), never
+        waiting for the drain; the store is asked only if the local level lacks the step its
+        index names, for at most about 10 s (``levels.stores.PROBE_TIMEOUT_S``) and one WARNING.
         """
-        local = self._partner.latest() if self._partner is not None else self._local_latest()
-        if self._remote is None:
-            return local
-        remote = self._remote.latest(above=local)
-        return local if remote is None else remote
+        return restore_point(self)[0]
 
     def _local_latest(self) -> int | None:
         indexed = self._index_step()
@@ -439,9 +443,9 @@ class Checkpointer:
         if step is not None and (type(step) is not int or step < 0):
             raise TypeError(f"step={step!r}: expected a step number (a non-negative integer) or None (the latest)")
         if self._remote is not None:
-            step = self.latest() if step is None else step
-            if step is not None and self._remote.holds_only(step):
-                self._remote.refill(step)  # then loaded as a local step
+            step = bring_in(self, step)
+            if step is None:
+                raise FileNotFoundError(errno.ENOENT, "no committed, verified checkpoint on any level", self.root)
         if self._partner is not None:
             with self.history.loading():
                 return self._partner.load(step, map_location, namedtuple_types, out)

@@ -5,7 +5,10 @@ from the group (its rank and size, which ranks write).
 Collectives on the control group time out after ``Config.timeout_s``; :func:`collective` turns
 a timeout or a dead peer into the caller's error class (:class:`~fastpersist.GroupSaveError`,
 :class:`~fastpersist.GroupLoadError`) and forgets the control group, whose state is no longer
-trustworthy after a failed collective.
+trustworthy after a failed collective. Every wait on the group (:meth:`ControlGroup.wait`) also
+watches the peers (:mod:`fastpersist.distributed.watch`): a rank killed, or one that left a failed
+collective (forgetting the group closes its connections), is noticed by every other rank within
+about :data:`GONE_GRACE_S`, wherever they wait, instead of after ``timeout_s``.
 
 Example:
     >>> writer_map(["a", "a", "b", "b"], "node")
@@ -14,18 +17,26 @@ Example:
 
 from __future__ import annotations
 
+import pickle
 import threading
+import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
+import torch
 import torch.distributed as dist
 
 from ..errors import FastPersistError
 from ..levels.placement import node_name
+from .watch import Address, PeerWatch
 
 __all__ = [
+    "GONE_GRACE_S",
+    "WAIT_SLICE",
     "ControlGroup",
+    "PeerGoneError",
     "collective",
     "control_for",
     "describe",
@@ -36,37 +47,119 @@ __all__ = [
 
 T = TypeVar("T")
 
+#: How long a wait blocks before it looks at the watch again.
+WAIT_SLICE = timedelta(seconds=0.05)
+#: How long a work may still finish after a peer's connection closed (a rank that exits right
+#: after its last send closes it while its bytes are still arriving).
+GONE_GRACE_S = 0.5
+
+
+class PeerGoneError(FastPersistError):
+    """A peer rank of a control group is gone (killed, or it left a failed collective)."""
+
 
 class ControlGroup:
-    """A private gloo group with the save's timeout, for the protocol's small messages."""
+    """A private gloo group with the save's timeout, for the protocol's small messages, and the
+    watch that tells at once when a peer is gone (:mod:`fastpersist.distributed.watch`)."""
 
     def __init__(self, group: Any, timeout_s: float) -> None:
         ranks = dist.get_process_group_ranks(group)
-        self.pg: Any = cast(
+        self._pg: Any = cast(
             Any,
             dist.new_group(
                 ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
             ),
         )
-        self.rank = dist.get_rank(self.pg)
-        self.size = dist.get_world_size(self.pg)
+        self.rank = dist.get_rank(self._pg)
+        self.size = dist.get_world_size(self._pg)
         self.timeout_s = timeout_s
+        self._abandoned: Any = None  # a work given up on: see close()
+        self.watch = PeerWatch(self.rank, self.size, self._exchange_addresses, timeout_s)
         #: Each rank's node (:func:`fastpersist.levels.placement.node_name`), gathered once per group.
         self.nodes: list[str] = self.all_gather(node_name())
 
-    def all_gather(self, obj: T) -> list[T]:
-        """Every rank's `obj`, in rank order."""
+    def _exchange_addresses(self, mine: Address) -> list[Address]:
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.pg)
+        dist.all_gather_object(out, mine, group=self._pg)  # the watch is not up yet: a plain wait
         return out
 
-    def broadcast(self, obj: T) -> T:
-        """Rank 0's `obj` on every rank."""
-        box = [obj]
-        dist.broadcast_object_list(box, group=self.pg, group_src=0)
-        return box[0]
+    @property
+    def pg(self) -> Any:
+        """The gloo process group; raises once :meth:`close` dropped it (never falls back to the
+        default group, as ``group=None`` would)."""
+        if self._pg is None:
+            raise FastPersistError(
+                f"rank {self.rank}: this control group was closed after a failed collective; a new one is made "
+                "for the next save or load"
+            )
+        return self._pg
+
+    def wait(self, work: Any) -> None:
+        """Waits for the gloo `work` of this group (an ``async_op`` collective, an ``isend`` or
+        ``irecv``), raising its error; raises :class:`PeerGoneError` as soon as a peer's watch
+        connection closed and the work does not finish within :data:`GONE_GRACE_S` after, and
+        TimeoutError after ``timeout_s``."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                work.wait(WAIT_SLICE)
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    work.wait()  # the work's own outcome: its error, or done as the slice ran out
+                    return
+            gone = self.watch.gone()
+            if gone and time.monotonic() - min(gone.values()) > GONE_GRACE_S:
+                self._abandoned = work
+                raise PeerGoneError(
+                    f"rank {self.rank}: ranks {sorted(gone)} are gone (killed, or left a failed collective: their "
+                    "connections closed)"
+                )
+            if time.monotonic() > deadline:
+                self._abandoned = work
+                raise TimeoutError(f"rank {self.rank}: no answer from the group within timeout_s={self.timeout_s}")
+
+    def all_gather(self, obj: T) -> list[T]:
+        """Every rank's `obj` (pickled), in rank order."""
+        data = pickle.dumps(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self.wait(dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.pg, async_op=True))
+        longest = max(int(n.item()) for n in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        self.wait(dist.all_gather(out, mine, group=self.pg, async_op=True))
+        return [pickle.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        """Rank `src`'s `obj` (pickled) on every rank."""
+        data = pickle.dumps(obj) if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        self.wait(dist.broadcast(size, group=self.pg, group_src=src, async_op=True))
+        payload = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if self.rank == src:
+            payload[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.wait(dist.broadcast(payload, group=self.pg, group_src=src, async_op=True))
+        return cast(T, obj if self.rank == src else pickle.loads(payload.numpy().tobytes()))
+
+    def close(self) -> None:
+        """Closes the watch connections, so that every peer still waiting on this rank fails at
+        once, and destroys the gloo group (idempotent). A group with a work left waiting on a gone
+        peer is kept instead (destroying it would wait for that work, up to ``timeout_s``); it is
+        never used again."""
+        self.watch.close()
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        if self._abandoned is not None:
+            _abandoned.append((pg, self._abandoned))
+            return
+        dist.destroy_process_group(pg)
 
 
+#: Groups closed with a work still waiting on a gone peer, and that work: kept alive (see
+#: :meth:`ControlGroup.close`).
+_abandoned: list[tuple[Any, Any]] = []
 _controls: dict[tuple[int, float], ControlGroup] = {}
 _controls_lock = threading.Lock()
 
@@ -88,11 +181,13 @@ def control_for(group: Any, timeout_s: float) -> ControlGroup:
 
 
 def forget_control(control: ControlGroup) -> None:
-    """Drops a control group after a failed collective (its state is no longer trustworthy)."""
+    """Drops a control group after a failed collective (its state is no longer trustworthy) and
+    closes it, so that the peers blocked on this rank notice at once (:meth:`ControlGroup.close`)."""
     with _controls_lock:
         for key, value in list(_controls.items()):
             if value is control:
                 del _controls[key]
+    control.close()
 
 
 def collective(
@@ -103,6 +198,11 @@ def collective(
     try:
         return op()
     except Exception as e:
+        # The frames of the failed call and `op` hold the group (torch's arguments, a partial):
+        # released here, the group's last reference goes with forget_control and its sockets close.
+        del op
+        if e.__traceback__ is not None and e.__traceback__.tb_next is not None:
+            traceback.clear_frames(e.__traceback__.tb_next)
         forget_control(control)
         raise error(
             f"rank {control.rank}: the process group stopped answering while trying to {what} "

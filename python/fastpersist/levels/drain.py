@@ -6,11 +6,14 @@ remote needs the newest, not every one). A drain copies this rank's share from t
 local copy (never from the training tensors), throttled to ``bytes_per_s``, pausing while a
 save is staging (the part of a save that training waits for) and yielding to a save that is
 writing: after each piece it then waits as long as the piece took, so it takes at most half of
-the drive and the cores from a running save and all of them between saves; rank 0 then commits the remote
-step and retires old ones, and every rank waits until the commit is visible, so every rank
-knows the outcome. A failed drain is logged at WARNING and retried with backoff (a newer step
-supersedes it); :meth:`close` waits for the drain in flight and raises if the newest submitted
-step could not be drained.
+the drive and the cores from a running save and all of them between saves. First rank 0 clears
+the step number if another checkpoint holds it on the remote (a step a rollback abandoned,
+another run's: WARNING); then every rank uploads its share; then rank 0 commits the remote step
+and retires old ones. In a group the ranks' drain threads tell each other how each phase went
+(:mod:`fastpersist.levels.drainpeers`), so every rank knows the outcome at once, and a rank's
+failure is every rank's, with its real error. A failed drain is logged at WARNING and retried
+with backoff (a newer step supersedes it, on every rank alike); :meth:`close` waits for the
+drain in flight and raises if the newest submitted step could not be drained.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..format.manifest import read_manifest
+from .drainpeers import DrainPeers
 from .remote import Remote
 
 __all__ = ["DrainResult", "Drainer"]
@@ -63,7 +67,8 @@ class Drainer:
         bytes_per_s: float | None = None,
         staging: Callable[[], bool] = lambda: False,
         writing: Callable[[], bool] = lambda: False,
-        agree: Callable[[int], int] | None = None,
+        peers: DrainPeers | None = None,
+        run: Callable[[], str | None] = lambda: None,
         on_drained: Callable[[DrainResult], None] | None = None,
     ) -> None:
         self.remote, self.local_path = remote, local_path
@@ -71,10 +76,11 @@ class Drainer:
         self.bytes_per_s = bytes_per_s
         self.staging = staging  # whether a save is staging now (the drain pauses meanwhile)
         self.writing = writing  # whether a save is writing now (the drain yields half its time)
-        #: In a group: every rank's drain thread calls it with the step it would drain; it
-        #: returns the step they all drain (the newest proposed: each rank replaced waiting steps
-        #: on its own timing, but a step one rank committed, every rank committed).
-        self.agree = agree
+        #: In a group: the other ranks' drain threads. They agree on the step they all drain (the
+        #: newest proposed: each rank replaced waiting steps on its own timing, but a step one
+        #: rank committed, every rank committed) and share each phase's outcome.
+        self.peers = peers
+        self.run = run  # the Checkpointer's run id, recorded in the remote index
         self.on_drained = on_drained  # called on the drain's thread after each step it drained
         self._cond = threading.Condition()
         self._pending: int | None = None
@@ -115,25 +121,54 @@ class Drainer:
 
         return throttle
 
+    def _outcome(self, what: str, step: int, error: BaseException | None) -> None:
+        if self.peers is not None:
+            self.peers.outcome(what, step, error)
+        elif error is not None:
+            raise error
+
     def drain(self, step: int) -> DrainResult:
-        """Drains one step now (on the calling thread); raises on failure."""
+        """Drains one step now (on the calling thread; in a group every rank's drain thread at
+        once); raises on failure, on every rank alike."""
         started, cpu_started = time.monotonic(), time.thread_time()
         local = self.local_path(step)
-        m = read_manifest(local)
-        done = [0]
-        nbytes = self.remote.drain_share(step, local, m, self.rank, self._throttle(started, done))
+        error: BaseException | None = None
+        try:
+            m = read_manifest(local)
+            if self.rank == 0:
+                replaced = self.remote.clear_for(step, m.checkpoint_id)
+                if replaced is not None:
+                    log.warning(
+                        "%s held another checkpoint (id %s: a step a rollback abandoned, or another run's); it is "
+                        "removed, and step %d of this run takes its place",
+                        self.remote.path(step),
+                        replaced[:12],
+                        step,
+                    )
+        except Exception as e:
+            error = e
+        self._outcome("prepare the drain", step, error)
+        nbytes = 0
+        try:
+            done = [0]
+            nbytes = self.remote.drain_share(step, local, m, self.rank, self._throttle(started, done))
+        except Exception as e:
+            error = e
+        self._outcome("upload its share", step, error)
         if self.rank == 0:
-            self.remote.commit(step, local, m, self.timeout_s)
-            gone = self.remote.retire(step, self.keep)
-            log.info(
-                "step %d is on the remote level %s (%d bytes from rank 0); retired %s",
-                step,
-                self.remote.root,
-                nbytes,
-                gone,
-            )
-        else:
-            self.remote.wait_committed(step, m.checkpoint_id, self.timeout_s)
+            try:
+                kept = self.remote.commit(step, local, m, self.timeout_s, run=self.run(), keep=self.keep)
+                gone = self.remote.retire(step, kept)
+                log.info(
+                    "step %d is on the remote level %s (%d bytes from rank 0); retired %s",
+                    step,
+                    self.remote.root,
+                    nbytes,
+                    gone,
+                )
+            except Exception as e:
+                error = e
+        self._outcome("commit the step", step, error)
         return DrainResult(step, nbytes, time.monotonic() - started, cpu_s=time.thread_time() - cpu_started)
 
     def _run(self) -> None:
@@ -146,8 +181,8 @@ class Drainer:
                 step, self._pending, self._busy = self._pending, None, True
                 self._draining = step
             try:
-                step = self.agree(step) if self.agree is not None else step
-            except Exception as e:  # the group stopped answering: this drain is lost, not the next
+                step = self.peers.agree(step) if self.peers is not None else step
+            except Exception as e:  # the group stopped answering: this drain is lost (and the next)
                 log.warning("the ranks could not agree on the step to drain to %s: %s", self.remote.root, e)
                 self.last = DrainResult(step, error=e)
             else:
@@ -166,6 +201,14 @@ class Drainer:
                 self._draining = None
                 self._cond.notify_all()
 
+    def _superseded(self) -> bool:
+        """Whether a newer step is waiting (in a group: on any rank, so that all give up alike)."""
+        with self._cond:
+            newer = self._pending is not None
+        if self.peers is None:
+            return newer
+        return self.peers.any(newer, "learn whether a newer step supersedes a failed drain")
+
     def _attempts(self, step: int) -> DrainResult:
         backoff = BACKOFF_S
         for attempt in range(1, ATTEMPTS + 1):
@@ -176,9 +219,15 @@ class Drainer:
                     "drain of step %d to %s failed (attempt %d of %d): %s", step, self.remote.root, attempt, ATTEMPTS, e
                 )
                 failure = DrainResult(step, error=e)
-                with self._cond:
-                    if self._pending is not None:  # a newer step supersedes this one
+                if self.peers is not None and self.peers.broken is not None:
+                    return failure  # the ranks no longer answer each other: no retry can commit
+                try:
+                    if attempt == ATTEMPTS or self._superseded():
                         return failure
+                except Exception as broken:
+                    log.warning("the ranks' drains of %s stopped answering each other: %s", self.remote.root, broken)
+                    return failure
+                with self._cond:
                     self._cond.wait(backoff)
                 backoff *= 2
         return failure
@@ -204,3 +253,5 @@ class Drainer:
         self._thread.join(5)
         if last is not None and last.error is not None:
             raise last.error
+        if self.peers is not None and self.peers.broken is not None:
+            raise self.peers.broken

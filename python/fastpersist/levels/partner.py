@@ -21,7 +21,7 @@ from ..loading.phases import PhaseClock
 from ..loading.pipeline import LoadOptions
 from .holdings import retire_on_node, share_problem, shares_of
 from .placement import Placement, node_name
-from .restore import node_report, restore_step, verified_step
+from .restore import candidates, node_report, restore_step, verified_step
 
 if TYPE_CHECKING:
     from ..distributed.control import ControlGroup
@@ -88,6 +88,12 @@ class PartnerLevel:
         self.ck._finish_previous()  # the save in flight uses the same control group
         control = self.control()
         return verified_step(control, self.ck.root, self.ck.path, self._reports(), self.verified)
+
+    def holds(self, step: int) -> bool:
+        """Whether the nodes, between them, hold every share of `step` (copies not yet read:
+        the restore verifies them). Collective."""
+        self.ck._finish_previous()
+        return any(c.step == step for c in candidates(self._reports()))
 
     def load(self, step: int | None, map_location: Any, namedtuple_types: Any, out: object = None) -> Any:
         self.ck._finish_previous()

@@ -8,6 +8,14 @@ last and commits (each node then holds its ranks' shares; the next save replicat
 process, or a plain group save, rank 0 downloads everything. Every chunk is checked on the way
 (:meth:`fastpersist.levels.remote.Remote.download`); a failure on any rank fails the refill on
 every rank and leaves nothing committed.
+
+A refill writes into the root, so, like a save, it first removes what interrupted saves and
+refills left there (:func:`fastpersist.clean`: a refill killed midway leaves its temporary
+directory, named after the remote step's id, which would otherwise block every later refill of
+that step). It commits by an atomic exchange: a step directory of that number already there (a
+node's incomplete or damaged copy) is replaced, never collided with. The root's index is
+written only where it has none (the run taken over from the remote: docs/levels.md); a root
+that has one keeps it.
 """
 
 from __future__ import annotations
@@ -17,10 +25,13 @@ import shutil
 from typing import Any
 
 from .. import _core
+from ..cleanup import clean
 from ..distributed.control import describe
 from ..errors import FastPersistError, GroupLoadError
 from ..format.layout import MANIFEST_NAME, tmp_dir_for, write_new_file
 from ..format.ownership import make_locked_dir
+from ..saving.target import replace_as_last_writer
+from .identity import read_local_index
 from .remote import Remote, of_writers, owned_shares
 
 __all__ = ["refill_step"]
@@ -44,6 +55,7 @@ def refill_step(ck: Any, remote: Remote, step: int, timeout_s: float) -> None:
     error: BaseException | None = None
     try:
         if committer:
+            ck.removed_leftovers.extend(clean(ck.root))  # a killed refill's temporary directory among them
             lock = make_locked_dir(tmp)
     except OSError as e:
         error = e
@@ -63,9 +75,10 @@ def refill_step(ck: Any, remote: Remote, step: int, timeout_s: float) -> None:
             try:
                 write_new_file(os.path.join(tmp, MANIFEST_NAME), raw, durable=True)
                 _core.fsync_dir(tmp)
-                os.rename(tmp, ck.path(step))
+                replace_as_last_writer(tmp, ck.path(step))  # a copy there before is now at `tmp`
                 _core.fsync_dir(ck.root)
-                ck._write_index(step)
+                if read_local_index(ck.root).step is None:
+                    ck._write_index(step)
             except OSError as e:
                 error = e
         _agree(control, "commit the refilled step", error)

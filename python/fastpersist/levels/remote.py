@@ -5,12 +5,14 @@ A remote step has the layout of a committed checkpoint (docs/format.md): its dat
 sharded step: its shard directories) and, written last, its manifest, whose presence is the
 commit. Each rank that owns a share uploads that share's files from its node's committed local
 copy (every chunk's crc32c checked on the way) and leaves a marker (``.fpdrained-RRRRR.json``);
-rank 0 waits for every owner's marker, checks that every object is there at its recorded size
-(a stat or a HEAD each), writes the manifest, then the remote index
-(``latest.json``), then retires the remote steps beyond ``remote_keep`` (the manifest goes
-first). A committed remote step is never written again. A restore downloads a step into the
-local root, checked chunk by chunk, and commits it there (the local level is refilled), so it
-is then loaded like any local step.
+rank 0, once every owner's upload succeeded, checks that every object is there at its recorded
+size (a stat or a HEAD each), writes the manifest, then the remote index (``latest.json``: the
+step, its run and the run's lineage, :mod:`fastpersist.levels.identity`), then retires the
+remote steps older than the step that the lineage does not keep (the manifest goes first). A
+committed remote step is never written again; a step number held by another checkpoint (a step
+a rollback abandoned, another run's) is removed before a drain takes the number. A restore
+downloads a step into the local root, checked chunk by chunk, and commits it there (the local
+level is refilled), so it is then loaded like any local step.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ from ..errors import CorruptCheckpointError, FastPersistError
 from ..format.layout import INDEX_NAME, MANIFEST_NAME, drained_marker_name, parse_step_dir, shard_name, step_dir_name
 from ..format.manifest import Manifest, parse, read_manifest
 from .holdings import shares_of
+from .identity import RemoteIndex, lineage_for, remote_retention
 from .stores import FileCopy, Store, open_store
 
 __all__ = ["Remote", "files_named", "of_writers", "owned_files", "owned_shares", "step_files"]
 
 log = logging.getLogger("fastpersist")
 
-#: Polling the store for the other ranks' markers and rank 0's commit: the first pause, doubled
-#: up to the last (a store is asked about once a second per rank once a drain is slow).
+#: Polling the store for the owners' markers (each owner's upload already reported done): the
+#: first pause, doubled up to the last.
 POLL_FIRST_S = 0.02
 POLL_MAX_S = 1.0
 
@@ -97,10 +100,16 @@ def files_named(store: Store, name: str, m: Manifest, shards: list[int] | None =
 
 
 class Remote:
-    """The remote level on one store: its committed steps, their drain, commit, retention and download."""
+    """The remote level on one store: its committed steps, their drain, commit, retention and download.
+
+    `store` is patient (an object store client retries for minutes: drains, downloads);
+    `probe` answers the few small reads a restore makes first (the index, the listing, the
+    manifests) within a bounded time, so an unreachable store costs a restore seconds, not
+    minutes (:data:`fastpersist.levels.stores.PROBE_TIMEOUT_S`)."""
 
     def __init__(self, target: str | os.PathLike[str]) -> None:
         self.store: Store = open_store(target)
+        self.probe: Store = open_store(target, bounded=True)
         self.root = self.store.url
 
     def path(self, step: int) -> str:
@@ -109,32 +118,50 @@ class Remote:
     def _key(self, step: int, name: str) -> str:
         return f"{step_dir_name(step)}/{name}"
 
-    def manifest(self, step: int) -> tuple[bytes, Manifest] | None:
+    def manifest(self, step: int, store: Store | None = None) -> tuple[bytes, Manifest] | None:
         """The committed manifest of `step` (raw and parsed), or None if the step is not committed."""
-        raw = self.store.get_bytes(self._key(step, MANIFEST_NAME))
+        store = store or self.store
+        raw = store.get_bytes(self._key(step, MANIFEST_NAME))
         if raw is None:
             return None
-        return raw, parse(raw, where=self.store.where(self._key(step, MANIFEST_NAME)))
+        return raw, parse(raw, where=store.where(self._key(step, MANIFEST_NAME)))
 
-    def committed_id(self, step: int) -> str | None:
+    def committed_id(self, step: int, store: Store | None = None) -> str | None:
+        """The checkpoint id of the committed remote `step`, or None (not committed, or unreadable)."""
         try:
-            found = self.manifest(step)
+            found = self.manifest(step, store)
         except (FastPersistError, OSError):
             return None
         return found[1].checkpoint_id if found is not None else None
 
-    def steps(self) -> list[int]:
+    def steps(self, store: Store | None = None) -> list[int]:
         """Committed remote steps, oldest first."""
-        names = [s for n in self.store.children() if (s := parse_step_dir(n)) is not None]
-        return sorted(s for s in names if self.store.get_bytes(self._key(s, MANIFEST_NAME)) is not None)
+        store = store or self.store
+        names = [s for n in store.children() if (s := parse_step_dir(n)) is not None]
+        return sorted(s for s in names if store.get_bytes(self._key(s, MANIFEST_NAME)) is not None)
 
-    def index_step(self) -> int | None:
-        raw = self.store.get_bytes(INDEX_NAME)
-        try:
-            step = json.loads(raw or b"null").get("step")
-        except (ValueError, AttributeError):
+    def committed_ids(self, store: Store | None = None) -> dict[int, str]:
+        """Every committed remote step and its checkpoint id (unreadable manifests left out)."""
+        found = {}
+        for step in self.steps(store):
+            cid = self.committed_id(step, store)
+            if cid is not None:
+                found[step] = cid
+        return found
+
+    def index(self, store: Store | None = None) -> RemoteIndex | None:
+        """The remote index (step, run, lineage), or None if there is none."""
+        return RemoteIndex.parse((store or self.store).get_bytes(INDEX_NAME))
+
+    def clear_for(self, step: int, checkpoint_id: str) -> str | None:
+        """Rank 0, before the drain of `step` (`checkpoint_id`): removes a committed remote step of
+        that number that is another checkpoint (a step a rollback abandoned, or another run's), so
+        that the drain takes its place; returns the removed step's checkpoint id, or None."""
+        committed = self.committed_id(step)
+        if committed is None or committed == checkpoint_id:
             return None
-        return step if type(step) is int else None
+        self.store.remove_step(step_dir_name(step), MANIFEST_NAME)
+        return committed
 
     def drain_share(self, step: int, local_dir: str, m: Manifest, rank: int, throttle: Callable[[int], None]) -> int:
         """Uploads `rank`'s files of the committed local step; leaves its marker; returns the bytes."""
@@ -163,9 +190,12 @@ class Remote:
         shares = shares_of(m)
         return sorted({s.owner for s in shares}) if shares is not None else [0]
 
-    def commit(self, step: int, local_dir: str, m: Manifest, timeout_s: float) -> None:
+    def commit(
+        self, step: int, local_dir: str, m: Manifest, timeout_s: float, *, run: str | None, keep: int
+    ) -> dict[int, str]:
         """Rank 0: waits for every owner's marker, checks that every object is there at its
-        recorded size, then writes the manifest (the commit) and the index."""
+        recorded size, then writes the manifest (the commit) and the index, naming `run` and the
+        lineage's newest `keep` steps; returns that lineage (step -> checkpoint id)."""
         owners = self.owners(m)
         deadline = time.monotonic() + timeout_s
         pause = POLL_FIRST_S
@@ -180,8 +210,12 @@ class Remote:
             self._check_sizes(step, m)
             with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as f:
                 self.store.put_bytes(self._key(step, MANIFEST_NAME), f.read())
-        doc = {"step": step, "path": step_dir_name(step), "checkpoint_id": m.checkpoint_id}
+        committed = self.committed_ids()
+        lineage = lineage_for(self.index(), run, step, m.checkpoint_id, committed)
+        kept, _ = remote_retention(lineage, list(committed), step, keep)
+        doc = RemoteIndex(step, m.checkpoint_id, run, kept).to_json()
         self.store.put_bytes(INDEX_NAME, (json.dumps(doc) + "\n").encode())
+        return kept
 
     def _check_sizes(self, step: int, m: Manifest) -> None:
         """Raises unless every object of the step is in the store at its recorded size (a marker
@@ -198,22 +232,13 @@ class Remote:
                 f"{self.path(step)} was not committed: {len(wrong)} objects are not as drained: {'; '.join(wrong[:4])}"
             )
 
-    def wait_committed(self, step: int, checkpoint_id: str, timeout_s: float) -> None:
-        """Any rank: waits until rank 0 has committed `step` with `checkpoint_id`."""
-        deadline = time.monotonic() + timeout_s
-        pause = POLL_FIRST_S
-        while self.committed_id(step) != checkpoint_id:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.path(step)} was not committed within {timeout_s} s")
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_MAX_S)
-
-    def retire(self, newest: int, keep: int) -> list[int]:
-        """Rank 0: removes committed steps older than `newest` beyond `keep`, and older uncommitted leftovers."""
+    def retire(self, newest: int, kept: dict[int, str]) -> list[int]:
+        """Rank 0, once `newest` is committed and the index names its `kept` lineage: removes the
+        committed steps older than `newest` that the lineage does not keep, and older uncommitted
+        leftovers; returns the committed steps removed. Steps above `newest` stay."""
         names = {s: n for n in self.store.children() if (s := parse_step_dir(n)) is not None}
         committed = self.steps()
-        older = [s for s in committed if s < newest]
-        gone = older[: max(0, len(older) - (keep - 1))]
+        _, gone = remote_retention(kept, committed, newest, len(kept))
         leftovers = [s for s in names if s < newest and s not in committed]
         for step in gone + leftovers:
             try:

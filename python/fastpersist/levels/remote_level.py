@@ -1,24 +1,36 @@
-"""A :class:`~fastpersist.Checkpointer`'s remote level: when a step is due for the remote, where
-restore finds it, what ``levels()`` says of it (the drain: :mod:`fastpersist.levels.drain`; the
-directory: :mod:`fastpersist.levels.remote`)."""
+"""A :class:`~fastpersist.Checkpointer`'s remote level: when a step is due for the remote, which
+remote step a restore may take and how long it waits for the store, what ``levels()`` says of it
+(the drain: :mod:`fastpersist.levels.drain`; the store: :mod:`fastpersist.levels.remote`; which
+run a remote step belongs to: :mod:`fastpersist.levels.identity`)."""
 
 from __future__ import annotations
 
 import collections
-import datetime
 import logging
 import os
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 from ..advisor.multilevel import Failures, LevelCosts, best_remote_every
 from ..errors import FastPersistError
-from ..format.layout import MANIFEST_NAME
+from .claims import claim_remote
 from .drain import Drainer, DrainResult
+from .drainpeers import DrainPeers
+from .identity import LocalIdentity, RemoteVerdict, judge_remote
 from .refill import refill_step
 from .remote import Remote
 
-__all__ = ["RemoteLevel"]
+__all__ = ["RemoteChoice", "RemoteLevel"]
+
+
+@dataclass(frozen=True)
+class RemoteChoice:
+    """A remote step a restore takes: its step, and the run a root with no index of its own takes over."""
+
+    step: int
+    adopted_run: str | None = None
+
 
 log = logging.getLogger("fastpersist")
 
@@ -42,6 +54,7 @@ class RemoteLevel:
         if bytes_per_s is not None and not bytes_per_s > 0:
             raise ValueError(f"remote_bytes_per_s={bytes_per_s!r}: expected a positive number or None")
         self.ck = ck  # the Checkpointer (not imported: it imports this module)
+        self.claim = claim_remote(ck, target)  # refuses a remote that overlaps a root (ValueError)
         self.remote = Remote(target)
         #: None: every committed step is handed over and the drain takes the newest whenever it is
         #: free, i.e. as often as one drain at a time allows; with `failures`, each drain's
@@ -57,17 +70,13 @@ class RemoteLevel:
         self.drainer: Drainer | None = None
         self.last: DrainResult | None = None
         self.last_submitted = -1
-        self._agree_pg: Any = None
+        self._peers: DrainPeers | None = None
         if ck.group is not None:  # collective: every rank makes its Checkpointer
-            import torch.distributed as dist
+            from ..distributed.control import ControlGroup
 
-            self._agree_pg = dist.new_group(
-                ranks=dist.get_process_group_ranks(ck.group),
-                backend="gloo",
-                timeout=datetime.timedelta(seconds=self._timeout()),
-                use_local_synchronization=True,
-            )
+            self._peers = DrainPeers(ControlGroup(ck.group, self._timeout()), self.remote.root)
         self._verified: dict[int, tuple[Any, ...]] = {}
+        self._unreachable_warned = False
 
     def _timeout(self) -> float:
         return float(self.ck.config.timeout_s) if self.ck.config is not None else 600.0
@@ -91,18 +100,12 @@ class RemoteLevel:
                 bytes_per_s=self.bytes_per_s,
                 staging=self._staging,
                 writing=self._writing,
-                agree=self._agree if self._agree_pg is not None else None,
+                peers=self._peers,
+                run=lambda: self.ck._run,
                 on_drained=self._advise if self.failures is not None else None,
             )
+            self.claim.hold()
         self.drainer.submit(step)
-
-    def _agree(self, step: int) -> int:
-        """The step every rank's drain takes now: the newest any rank proposes."""
-        import torch.distributed as dist
-
-        proposals: list[Any] = [None] * dist.get_world_size(self._agree_pg)
-        dist.all_gather_object(proposals, step, group=self._agree_pg)
-        return max(int(p) for p in proposals)
 
     def costs(self) -> LevelCosts | None:
         """The Checkpointer's measured costs with this level's drains (medians), for the advisor;
@@ -163,56 +166,114 @@ class RemoteLevel:
     def close(self) -> None:
         """Waits for the drain (its thread stops; a later save starts another); raises its failure."""
         drainer, self.drainer = self.drainer, None
+        self.claim.release()
         if drainer is not None:
             try:
                 drainer.close()
             finally:
                 self.last = drainer.last
 
-    def _verifies(self, step: int) -> bool:
+    def _verifies(self, step: int, checkpoint_id: str | None) -> bool:
         path = self.remote.path(step)
         try:
-            fingerprint = (self.remote.committed_id(step),)
-            if self._verified.get(step) == fingerprint:
+            found = self.remote.committed_id(step, self.remote.probe)
+            if checkpoint_id is not None and found != checkpoint_id:
+                log.warning("the remote step %s is no longer the checkpoint its index names, skipping it", path)
+                return False
+            if self._verified.get(step) == (found,):
                 return True
             self.remote.verify(step)
         except (FastPersistError, OSError) as e:
             log.warning("the remote copy %s fails verification, skipping it: %s", path, e)
             return False
-        self._verified[step] = fingerprint
+        self._verified[step] = (found,)
         return True
 
-    def latest(self, above: int | None = None) -> int | None:
-        """The newest committed remote step, up to the remote index and newer than `above` (the
-        local level's newest: an older remote step is not worth reading), that verifies; in a
-        group rank 0 checks and the others follow it."""
-        if self.drainer is not None:
-            self.drainer.wait()
-        indexed = self.remote.index_step()
+    def _choose_here(self, local: LocalIdentity, above: int | None) -> RemoteChoice | None:
+        """Rank 0 (or the one process): the newest remote step the run identity rule allows
+        (:mod:`fastpersist.levels.identity`) above `above` that verifies; a store that does not
+        answer within the probe's bound is logged once at WARNING and counts as holding nothing."""
+        try:
+            index = self.remote.index(self.remote.probe)
+            committed = self.remote.steps(self.remote.probe) if index is not None else []
+        except Exception as e:  # any failure of the store (obstore raises its own classes)
+            if not self._unreachable_warned:
+                log.warning(
+                    "the remote level %s did not answer (%s: %s); restoring from the local level only",
+                    self.remote.root,
+                    type(e).__name__,
+                    str(e).splitlines()[0][:300] if str(e) else "",
+                )
+                self._unreachable_warned = True
+            return None
+        try:
+            return self._take(judge_remote(local, index, committed, above), local, above)
+        except Exception as e:  # the store stopped answering after the listing
+            log.warning("the remote level %s failed during a restore's look at it: %s", self.remote.root, e)
+            return None
+
+    def _take(self, verdict: RemoteVerdict, local: LocalIdentity, above: int | None) -> RemoteChoice | None:
+        """Logs what the rule passed over; the newest allowed step that verifies, or None."""
+        committed = verdict.committed
+        if verdict.foreign_run is not None:
+            log.warning(
+                "the remote level %s holds another run's steps %s (run %s; this root's run is %s): they are never "
+                "restored by this run. To restore one anyway, pass its step: ck.load(step=N)",
+                self.remote.root,
+                committed[-10:],
+                verdict.foreign_run,
+                ", ".join(sorted(local.runs)),
+            )
+        if verdict.above_cap and (above is None or max(verdict.above_cap) > above):
+            log.warning(
+                "the remote level %s holds steps %s above step %d, the newest this root's index names (another "
+                "run's, or steps a rollback abandoned): they are not restored",
+                self.remote.root,
+                verdict.above_cap[:10],
+                local.cap,
+            )
+        for step, checkpoint_id in verdict.candidates:
+            if self._verifies(step, checkpoint_id):
+                if verdict.adopted_run is not None:
+                    log.warning(
+                        "no node holds an index under %s: restoring step %d of run %s from the remote level %s (if "
+                        "this is a new run on a prefix another run used, give it a new remote prefix)",
+                        self.ck.root,
+                        step,
+                        verdict.adopted_run,
+                        self.remote.root,
+                    )
+                return RemoteChoice(step, verdict.adopted_run)
+        return None
+
+    def choose(self, local: LocalIdentity, above: int | None = None) -> RemoteChoice | None:
+        """The remote step to restore, if any, newer than `above` (the local level's newest: an
+        older remote step is not worth reading); in a group rank 0 looks and the others follow.
+        It never waits for the drain: a restore from the local level does not wait for a slower
+        level's copy."""
         found = None
         if self.ck.rank == 0 or self.ck.group is None:
-            for step in reversed(self.remote.steps()):
-                if above is not None and step <= above:
-                    break
-                if (indexed is None or step <= indexed) and self._verifies(step):
-                    found = step
-                    break
+            found = self._choose_here(local, above)
         if self.ck.group is not None:
             from ..distributed.control import control_for
 
             found = control_for(self.ck.group, self._timeout()).broadcast(found)
         return found
 
-    def holds_only(self, step: int) -> bool:
-        """Whether `step` is to come from the remote: committed there, and not under the local
-        root of some rank (agreed over the group)."""
-        there = self.remote.committed_id(step) is not None
-        held = os.path.exists(os.path.join(self.ck.path(step), MANIFEST_NAME))
+    def holds(self, step: int) -> bool:
+        """Whether `step` is committed on the remote (rank 0 looks, within the probe's bound;
+        the others follow)."""
+        there = False
+        if self.ck.rank == 0 or self.ck.group is None:
+            try:
+                there = self.remote.committed_id(step, self.remote.probe) is not None
+            except Exception as e:
+                log.warning("the remote level %s did not answer: %s", self.remote.root, e)
         if self.ck.group is not None:
             from ..distributed.control import control_for
 
-            held = all(control_for(self.ck.group, self._timeout()).all_gather(held))
-        return there and not held
+            there = control_for(self.ck.group, self._timeout()).broadcast(there)
+        return there
 
     def refill(self, step: int) -> None:
         """Downloads `step` from the remote into the local level (every rank its shares), so it

@@ -27,7 +27,6 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -164,11 +163,8 @@ class _Restore:
         if self.control.rank == src:
             with open(os.path.join(self.step_dir, MANIFEST_NAME), "rb") as f:
                 raw = f.read()
-        box = [raw]
-        self.collective(
-            "share the manifest", lambda: dist.broadcast_object_list(box, group=self.control.pg, group_src=src)
-        )
-        m = parse(box[0], where=f"{self.step_dir}/{MANIFEST_NAME} (from rank {src})")
+        raw = self.collective("share the manifest", lambda: self.control.broadcast(raw, src))
+        m = parse(raw, where=f"{self.step_dir}/{MANIFEST_NAME} (from rank {src})")
         if m.checkpoint_id != self.c.checkpoint_id:
             raise GroupLoadError(f"{self.step_dir}: rank {src}'s manifest names another checkpoint")
         return m
@@ -365,7 +361,6 @@ def _load_sharded(r: _Restore, m: Manifest, options: LoadOptions, out: object) -
         stream = _core.PagedBuffer(max(direct_padded(total), _core.DIRECT_ALIGN_BYTES))
         stream_t = torch.frombuffer(stream, dtype=torch.uint8)[:total] if total else torch.empty(0, dtype=torch.uint8)
     works = []
-    timeout = timedelta(seconds=options.config.timeout_s)
 
     def exchange() -> None:
         for share, v in mine.items():
@@ -385,9 +380,13 @@ def _load_sharded(r: _Restore, m: Manifest, options: LoadOptions, out: object) -
             works.append(dist.irecv(raw_t, group=control.pg, group_src=reader))
             if stream_t.numel():
                 works.append(dist.irecv(stream_t, group=control.pg, group_src=reader))
-        for w in works:
-            if w is not None:
-                w.wait(timeout)
+        try:
+            for w in works:
+                if w is not None:
+                    control.wait(w)
+        except BaseException:
+            works.clear()  # pending works hold the group open: the peers must see it close (control.py)
+            raise
 
     r.collective("send each shard to its rank", exchange)
     if reader != me:

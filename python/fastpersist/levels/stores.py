@@ -8,29 +8,56 @@ downloaded with ranged reads, checked again. The object store is reached through
 Rust ``object_store`` crate: parallel multipart uploads and concurrent ranged reads, the GIL
 released while it waits; docs/levels.md says why); its endpoint, region and credentials come
 from the usual AWS environment variables (``AWS_ENDPOINT_URL``, ``AWS_REGION``,
-``AWS_ACCESS_KEY_ID``, ...), so S3-compatible stores work too.
+``AWS_ACCESS_KEY_ID``, ...), so S3-compatible stores work too. With no credentials in the
+environment, the client asks the cloud's instance metadata service (169.254.169.254) for them;
+``FASTPERSIST_S3_INSTANCE_METADATA=off`` forbids that (:func:`check_credentials`).
 """
 
 from __future__ import annotations
 
 import abc
+import datetime
 import errno
 import os
 import shutil
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from .. import _core
 from ..errors import ChecksumMismatchError, CorruptCheckpointError
 from ..format.layout import write_small_file
 from ..format.ownership import REMOVING, remove_owned_dir
 
-__all__ = ["COPY_PIECE_BYTES", "DirStore", "FileCopy", "S3Store", "Store", "first_bad_chunk", "open_store"]
+__all__ = [
+    "COPY_PIECE_BYTES",
+    "METADATA_ENV",
+    "PROBE_TIMEOUT_S",
+    "DirStore",
+    "FileCopy",
+    "S3Store",
+    "Store",
+    "check_credentials",
+    "first_bad_chunk",
+    "open_store",
+]
 
 #: Bytes moved at a time (the throttle runs between pieces).
 COPY_PIECE_BYTES = 8 << 20
+#: The longest one request of a restore's first look at an object store may take, retries
+#: included (a bounded store: see :class:`S3Store`); connecting gets a fifth of it.
+PROBE_TIMEOUT_S = 10.0
+#: ``off``: never ask the instance metadata service for credentials (:func:`check_credentials`).
+METADATA_ENV = "FASTPERSIST_S3_INSTANCE_METADATA"
+#: The environment variables that give the object store client credentials without asking the
+#: instance metadata service.
+_CREDENTIAL_SOURCES = (
+    ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
+    ("AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN"),
+    ("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",),
+    ("AWS_CONTAINER_CREDENTIALS_FULL_URI",),
+)
 
 
 @dataclass(frozen=True)
@@ -273,10 +300,37 @@ class DirStore(Store):
         remove_owned_dir(self.where(name))  # renamed first: one atomic step out of sight
 
 
-class S3Store(Store):
-    """An S3-compatible bucket and prefix, through obstore."""
+def check_credentials(url: str, environ: Any = os.environ) -> None:
+    """Raises ValueError when ``FASTPERSIST_S3_INSTANCE_METADATA=off`` and the environment names
+    no credentials: the client would otherwise ask the instance metadata service for them.
 
-    def __init__(self, url: str) -> None:
+    The client's order (obstore, the Rust ``object_store`` crate): ``AWS_ACCESS_KEY_ID`` and
+    ``AWS_SECRET_ACCESS_KEY``; a web identity token (``AWS_WEB_IDENTITY_TOKEN_FILE`` and
+    ``AWS_ROLE_ARN``); container credentials (``AWS_CONTAINER_CREDENTIALS_RELATIVE_URI`` or
+    ``_FULL_URI``); else the instance metadata service (``AWS_METADATA_ENDPOINT``, by default
+    ``http://169.254.169.254``). ``AWS_SKIP_SIGNATURE=true`` sends unsigned requests instead.
+    """
+    if environ.get(METADATA_ENV, "").lower() not in ("off", "0", "false", "no"):
+        return
+    if environ.get("AWS_SKIP_SIGNATURE", "").lower() in ("1", "true", "yes"):
+        return
+    if any(all(environ.get(name) for name in names) for names in _CREDENTIAL_SOURCES):
+        return
+    wanted = "; ".join(" and ".join(names) for names in _CREDENTIAL_SOURCES)
+    raise ValueError(
+        f"{url}: no S3 credentials in the environment, and {METADATA_ENV}=off forbids asking the instance "
+        f"metadata service for them. Set one of: {wanted}; or AWS_SKIP_SIGNATURE=true for a public bucket"
+    )
+
+
+class S3Store(Store):
+    """An S3-compatible bucket and prefix, through obstore.
+
+    `bounded`: each request, retries included, gives up after :data:`PROBE_TIMEOUT_S` (a
+    restore's first look at the store); otherwise the client's defaults (30 s per request,
+    retried for up to 3 minutes: a drain outlives a short outage)."""
+
+    def __init__(self, url: str, *, bounded: bool = False) -> None:
         try:
             from obstore.store import S3Store as ObjectStore
         except ImportError as e:
@@ -284,12 +338,20 @@ class S3Store(Store):
         bucket, _, prefix = url[len("s3://") :].partition("/")
         if not bucket:
             raise ValueError(f"{url!r}: expected s3://bucket/prefix")
+        check_credentials(url)
         self.url = url.rstrip("/")
         self.prefix = prefix.strip("/")
+        client: dict[str, Any] = {}
         # An http:// endpoint (a local S3-compatible server) needs plain HTTP allowed.
-        allow_http = os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://")
+        if os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://"):
+            client["allow_http"] = True
+        retry: Any = None
+        if bounded:
+            limit = datetime.timedelta(seconds=PROBE_TIMEOUT_S)
+            client.update(connect_timeout=limit / 5, timeout=limit)
+            retry = {"max_retries": 2, "retry_timeout": limit}
         self.store: Any = ObjectStore(
-            bucket, prefix=self.prefix or None, client_options={"allow_http": True} if allow_http else None
+            bucket, prefix=self.prefix or None, client_options=cast(Any, client or None), retry_config=retry
         )
 
     def where(self, key: str) -> str:
@@ -358,11 +420,11 @@ class S3Store(Store):
             obstore.delete(self.store, keys)
 
 
-def open_store(target: str | os.PathLike[str]) -> Store:
-    """The store `target` names: ``s3://bucket/prefix``, else a directory."""
+def open_store(target: str | os.PathLike[str], *, bounded: bool = False) -> Store:
+    """The store `target` names: ``s3://bucket/prefix``, else a directory (`bounded`: see :class:`S3Store`)."""
     text = os.fspath(target)
     if text.startswith("s3://"):
-        return S3Store(text)
+        return S3Store(text, bounded=bounded)
     if "://" in text:
         raise ValueError(f"{text!r}: a remote is a directory or an s3://bucket/prefix URL")
     return DirStore(text)

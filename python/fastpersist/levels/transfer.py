@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import os
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -205,7 +206,8 @@ def send_and_receive(
     Raises on a failed read, a checksum mismatch on arrival, or a peer that stops answering."""
     timeout = timedelta(seconds=timeout_s)
     rounds = _Rounds(pg, rank, transfers, chunk_bytes, durable)
-    previous = None
+    previous: Any = None
+    posted: Any = None
     try:
         if rounds.count:
             rounds.read(0, src_dir)
@@ -218,6 +220,13 @@ def send_and_receive(
             previous = posted
         if previous is not None:
             rounds.finish(previous, dst_dir, timeout)
+    except BaseException as e:
+        # Pending works hold the group open: dropped, so that a failed collective that follows can
+        # close it and the peers see it close (fastpersist.distributed.control).
+        previous = posted = None
+        if e.__traceback__ is not None and e.__traceback__.tb_next is not None:
+            traceback.clear_frames(e.__traceback__.tb_next)
+        raise
     finally:
         for r in rounds.receiving.values():
             os.close(r.fd)

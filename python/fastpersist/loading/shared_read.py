@@ -124,9 +124,13 @@ def read_and_broadcast(
                         control,
                         root,
                         f"receive rank {src}'s bytes [{a}, {b})",
-                        partial(dist.broadcast, whole[a:b], group=control.pg, group_src=src),
+                        partial(_broadcast, control, whole[a:b], src),
                     )
     return error
+
+
+def _broadcast(control: ControlGroup, piece: torch.Tensor, src: int) -> None:
+    control.wait(dist.broadcast(piece, group=control.pg, group_src=src, async_op=True))
 
 
 def _error_status(rank: int, error: BaseException) -> tuple[Any, ...]:
