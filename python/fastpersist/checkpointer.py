@@ -24,6 +24,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any, Literal
 
+from . import _core
 from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
 from .advisor.multilevel import Failures, local_mtbf_s
 from .api import load, verify
@@ -38,6 +39,7 @@ from .levels.identity import read_local_index
 from .levels.remote_arguments import check_remote_arguments
 from .levels.resume import bring_in, restore_point, run_id
 from .retention import retire, retire_in_group, retired_steps
+from .saving.in_flight import InFlight
 from .saving.optimizer_guard import guard_optimizer
 from .saving.pools import pool_for
 from .saving.remover import wait_removed
@@ -164,7 +166,7 @@ class Checkpointer:
             # Made now, while every rank is here: a rank lost during a later save or restore is then
             # noticed through the group's watch (docs/distributed.md), not after timeout_s.
             control_for(group, self._timeout_s())
-        self._future: SaveFuture | None = None
+        self._saves = InFlight()
         self._pool: Any = None
         self._lock = threading.Lock()
         self._verified: dict[str, tuple[Any, ...]] = {}
@@ -265,9 +267,12 @@ class Checkpointer:
     def save(self, step: int, state: object) -> SaveFuture | None:
         """Starts saving `state` as `step` if the step is due; returns its future, else None.
 
-        Waits for the previous save to finish first (at most one save is in flight). If the
-        previous save failed and nobody has seen its error yet (``wait_staged()`` raises it at
-        once), it is raised here and this step is not saved.
+        Waits for the previous save to finish first, except where one process saves alone (no
+        `group`): while the previous save still writes, the new step is staged at once (one
+        copy of the state) and written once the disk is free, and a newer step due before then
+        takes its place (that step is not on the local level; saving/in_flight.py). If a save
+        failed and nobody has seen its error yet (``wait_staged()`` raises it at once), it is
+        raised here and this step is not saved.
         """
         if type(step) is not int or step < 0:
             raise ValueError(f"step={step!r}: expected a non-negative integer")
@@ -275,14 +280,16 @@ class Checkpointer:
             return None
         if self._remote is not None:
             self._remote.claim.hold()  # given up at close(): another root may have taken the remote since
+        ahead = self.group is None and not self.sharded and self._saves.disk_busy()
         with self.history.waiting("commit"):
-            self._finish_previous()
+            self._saves.raise_unseen() if ahead else self._saves.finish_all()
         with self.history.waiting("start"), self._lock:
             config = self._config_for(state)
             if not self._cleaned:
                 self._before_first_save(step)
             if self._pool is None:
                 self._pool = pool_for(config)  # held for this Checkpointer's life, reused by every save
+            gate = _core.WriteGate() if ahead else None
             job = start_save(
                 state,
                 self.path(step),
@@ -291,26 +298,16 @@ class Checkpointer:
                 sharded=self.sharded,
                 pool=self._pool,
                 replicas=self.replicas,
+                write_gate=gate,
             )
-            self._future = SaveFuture(job, on_commit=functools.partial(self._after_commit, step))
-            return self._future
+            future = SaveFuture(job, on_commit=functools.partial(self._after_commit, step))
+            self._saves.started(future, gate)
+            return future
 
-    def _finish_previous(self) -> None:
-        """Waits for the save in flight; raises its error unless the caller has seen it already."""
-        future = self._future
-        if future is None:
-            return
-        seen = future.error_seen
-        try:
-            future.wait()
-        except BaseException as e:
-            if not seen:
-                raise
-            log.info("not raising again the failure of %s, already raised to the caller: %s", future.path, e)
-        finally:
-            with self._lock:
-                if self._future is future:
-                    self._future = None
+    @property
+    def _future(self) -> SaveFuture | None:
+        """The save started last (the levels ask whether it stages or writes)."""
+        return self._saves.newest()
 
     def _after_commit(self, step: int, result: SaveResult) -> None:
         """On every rank, once `step` committed: the index (rank 0), then retention, then the costs."""
@@ -350,24 +347,13 @@ class Checkpointer:
         write_small_file(os.path.join(self.root, INDEX_NAME), (json.dumps(doc, indent=2) + "\n").encode(), durable=True)
 
     def wait_staged(self, timeout: float | None = None) -> None:
-        """Blocks until the in-flight save (if any) no longer reads the state's tensors."""
-        future = self._future
-        if future is not None:
-            with self.history.waiting("staged"):
-                future.wait_staged(timeout)
+        """Blocks until the newest save (if any) no longer reads the state's tensors."""
+        with self.history.waiting("staged"):
+            self._saves.wait_staged(timeout)
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
-        """Blocks until the in-flight save (if any) commits; returns its result or raises its error."""
-        future = self._future
-        if future is None:
-            return None
-        try:
-            return future.wait(timeout)
-        finally:
-            if future.done():
-                with self._lock:
-                    if self._future is future:
-                        self._future = None
+        """Blocks until every save in flight commits; returns the newest's result or raises an error."""
+        return self._saves.wait(timeout)
 
     # -- resuming ----------------------------------------------------------------------------
 
@@ -476,7 +462,7 @@ class Checkpointer:
         """Waits for every pending copy, the remote drain and Hugging Face export included (raising
         a failure nobody has seen yet, or the newest drain's or export's), and for the removal of
         retired steps; the Checkpointer can still be used afterwards."""
-        self._finish_previous()
+        self._saves.finish_all()
         if self._remote is not None:
             self._remote.close()
         if self._hf is not None:

@@ -85,18 +85,18 @@ class PartnerLevel:
         return control.all_gather(mine)
 
     def latest(self) -> int | None:
-        self.ck._finish_previous()  # the save in flight uses the same control group
+        self.ck._saves.finish_all()  # the save in flight uses the same control group
         control = self.control()
         return verified_step(control, self.ck.root, self.ck.path, self._reports(), self.verified)
 
     def holds(self, step: int) -> bool:
         """Whether the nodes, between them, hold every share of `step` (copies not yet read:
         the restore verifies them). Collective."""
-        self.ck._finish_previous()
+        self.ck._saves.finish_all()
         return any(c.step == step for c in candidates(self._reports()))
 
     def load(self, step: int | None, map_location: Any, namedtuple_types: Any, out: object = None) -> Any:
-        self.ck._finish_previous()
+        self.ck._saves.finish_all()
         config = self.ck.config or _default_config()
         options = LoadOptions(map_location, True, config, namedtuple_types, PhaseClock(None))
         found, state = restore_step(self.control(), self.ck.root, self.ck.path, self._reports(), options, step, out)

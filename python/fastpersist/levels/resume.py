@@ -42,7 +42,7 @@ def restore_point(ck: Any) -> tuple[int | None, Any]:
     comes from the remote level, else None). The remote is not asked while the local (or partner)
     level holds the step its index names: no remote step may be newer."""
     if ck.group is not None:
-        ck._finish_previous()  # its commit thread's collectives (retention, the run id) come first
+        ck._saves.finish_all()  # its commit thread's collectives (retention, the run id) come first
     local = ck._partner.latest() if ck._partner is not None else ck._local_latest()
     if ck._remote is None:
         return local, None
@@ -56,7 +56,7 @@ def restore_point(ck: Any) -> tuple[int | None, Any]:
 def held_locally(ck: Any, step: int) -> bool:
     """Whether the local (and partner) level can restore `step`."""
     if ck.group is not None:
-        ck._finish_previous()
+        ck._saves.finish_all()
     if ck._partner is not None:
         return bool(ck._partner.holds(step))
     return all(_gathered(ck, os.path.exists(os.path.join(ck.path(step), MANIFEST_NAME))))

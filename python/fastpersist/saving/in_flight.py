@@ -17,10 +17,15 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 
 from .. import _core
+from ..config import SaveResult
 from ..futures import SaveFuture
+
+log = logging.getLogger("fastpersist")
 
 __all__ = ["InFlight"]
 
@@ -74,6 +79,48 @@ class InFlight:
                 return  # replaced meanwhile: cancelled, never written
             self.writing, self.waiting = future, None
         gate.open()
+
+    def raise_unseen(self) -> None:
+        """Raises the error of a save that failed and whose error nobody has seen yet (the
+        step after it is then not saved, as when the Checkpointer waits for each save)."""
+        for future in self.all():
+            if future.done() and not future.error_seen:
+                error = future.exception(0)
+                if error is not None:
+                    self.forget(future)
+                    raise error
+
+    def finish_all(self) -> None:
+        """Waits for every save in flight; raises the first error nobody has seen yet."""
+        for future in self.all():
+            seen = future.error_seen
+            try:
+                future.wait()
+            except BaseException as e:
+                if not seen:
+                    raise
+                log.info("not raising again the failure of %s, already raised to the caller: %s", future.path, e)
+            finally:
+                self.forget(future)
+
+    def wait_staged(self, timeout: float | None = None) -> None:
+        """Waits until the newest save no longer reads the state's tensors."""
+        newest = self.newest()
+        if newest is not None:
+            newest.wait_staged(timeout)
+
+    def wait(self, timeout: float | None = None) -> SaveResult | None:
+        """Waits until every save in flight has committed; returns the newest one's result."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        result = None
+        for future in self.all():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                result = future.wait(left)
+            finally:
+                if future.done():
+                    self.forget(future)
+        return result
 
     def forget(self, future: SaveFuture) -> None:
         """Drops `future` once it has ended and its outcome was taken."""

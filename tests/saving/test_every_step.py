@@ -1,0 +1,97 @@
+"""Checkpointer(every=1) while the disk is slower than a step (saving/in_flight.py): a step due
+while the previous save still writes is staged at once and written once the disk is free; a newer
+step takes the place of one still waiting, which is never written."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
+
+import pytest
+import torch
+
+import fastpersist as fp
+from fastpersist import checkpointer as checkpointer_module
+from fastpersist.gpu.arenas import ARENAS
+from fastpersist.gpu.copiers import use_copier
+
+
+@pytest.fixture
+def held_commit(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Holds step 0's commit (its after-commit work) until the event is set: the disk is busy."""
+    release = threading.Event()
+    original = checkpointer_module.Checkpointer._after_commit
+
+    def after_commit(self: fp.Checkpointer, step: int, result: fp.SaveResult) -> None:
+        if step == 0:
+            release.wait(30)
+        original(self, step, result)
+
+    monkeypatch.setattr(checkpointer_module.Checkpointer, "_after_commit", after_commit)
+    yield release
+    release.set()
+
+
+def _state(step: int) -> dict[str, object]:
+    return {"w": torch.full((200_000,), float(step)), "b": torch.arange(100.0) + step, "step": step}
+
+
+class InstantCopier:
+    """A device copier over host memory whose copies are done when ``copy`` returns."""
+
+    needs_pinned_memory: ClassVar[bool] = False
+
+    def __init__(self, device: torch.device) -> None:
+        pass
+
+    def begin(self) -> None:
+        pass
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, early: bool = False) -> None:
+        for src, dst in pairs:
+            dst.copy_(src)
+
+    def wait(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_steps_due_while_the_disk_is_busy_are_snapshots_and_the_newest_is_written(
+    workdir: str, backend: str, held_commit: threading.Event, on_device: bool
+) -> None:
+    seam = use_copier(lambda t: t.numel() == 200_000, InstantCopier) if on_device else contextlib.nullcontext()
+    with seam:
+        _every_step(workdir, backend, held_commit)
+
+
+def _every_step(workdir: str, backend: str, held_commit: threading.Event) -> None:
+    root = os.path.join(workdir, "ck")
+    ck = fp.Checkpointer(root, every=1, keep=3, config=fp.Config(backend=backend, chunk_bytes=64 << 10))
+    state = _state(0)
+    first = ck.save(0, state)
+    assert first is not None
+    futures = [first]
+    for step in range(1, 4):
+        ck.wait_staged()  # as before optimizer.step(): the newest snapshot has landed
+        state = _state(step)
+        fut = ck.save(step, state)  # returns without waiting for step 0's write
+        assert fut is not None and not first.done()
+        futures.append(fut)
+    ck.wait_staged()
+    for replaced in futures[1:3]:  # replaced before the disk was free: never written
+        with pytest.raises(fp.SaveCancelledError):
+            replaced.wait(30)
+        assert replaced.cancelled()
+    assert not first.done() and not futures[3].done()
+    held_commit.set()
+    result = ck.wait()
+    assert result is not None and result.path == ck.path(3)
+    ck.close()
+    assert ck.steps() == [0, 3]
+    assert ck.latest() == 3
+    loaded = ck.load(3)
+    assert torch.equal(loaded["w"], _state(3)["w"]) and loaded["step"] == 3  # type: ignore[index]
+    assert not any(k.arena.leased for k in ARENAS._kept)
