@@ -167,6 +167,7 @@ class Checkpointer:
             # noticed through the group's watch (docs/distributed.md), not after timeout_s.
             control_for(group, self._timeout_s())
         self._saves = InFlight()
+        self._from_device = False
         self._pool: Any = None
         self._lock = threading.Lock()
         self._verified: dict[str, tuple[Any, ...]] = {}
@@ -267,10 +268,11 @@ class Checkpointer:
     def save(self, step: int, state: object) -> SaveFuture | None:
         """Starts saving `state` as `step` if the step is due; returns its future, else None.
 
-        Waits for the previous save to finish first, except where one process saves alone (no
-        `group`): while the previous save still writes, the new step is staged at once (one
-        copy of the state) and written once the disk is free, and a newer step due before then
-        takes its place (that step is not on the local level; saving/in_flight.py). If a save
+        Waits for the previous save to finish first, except for a state of device (GPU) tensors
+        saved by one process alone (no `group`): while the previous save still writes, the new
+        step is staged at once (one device-to-host copy) and written once the disk is free, and
+        a newer step due before then takes its place (that step is not on the local level;
+        saving/in_flight.py, docs/levels.md). If a save
         failed and nobody has seen its error yet (``wait_staged()`` raises it at once), it is
         raised here and this step is not saved.
         """
@@ -280,7 +282,7 @@ class Checkpointer:
             return None
         if self._remote is not None:
             self._remote.claim.hold()  # given up at close(): another root may have taken the remote since
-        ahead = self.group is None and not self.sharded and self._saves.disk_busy()
+        ahead = self._from_device and self.group is None and not self.sharded and self._saves.disk_busy()
         with self.history.waiting("commit"):
             self._saves.raise_unseen() if ahead else self._saves.finish_all()
         with self.history.waiting("start"), self._lock:
@@ -302,6 +304,7 @@ class Checkpointer:
             )
             future = SaveFuture(job, on_commit=functools.partial(self._after_commit, step))
             self._saves.started(future, gate)
+            self._from_device = getattr(job, "from_device", False)  # a GPU state's next steps may go ahead
             return future
 
     @property

@@ -155,6 +155,8 @@ class SaveJob:
         #: Holds the writes back until opened (a Checkpointer's snapshot waiting for the disk):
         #: the state is staged into an arena at once, host tensors included.
         self.write_gate: _core.WriteGate | None = None
+        #: Some of the state's tensors are staged from a device (known once the engine started).
+        self.from_device = False
         self.stripe_dirs: list[str] = []
         self.stripe_dirs_used: list[str] = []
         self.my_parts: list[PlanPart] = []
@@ -243,7 +245,8 @@ class SaveJob:
         flat, config, pool = self._flat, self.config, self.pool
         assert flat is not None and self.writers and pool is not None
         make_room(paths, [part.len_bytes for part in self.my_parts])  # a replaced tree's space may be queued
-        if has_device_blobs(flat.blobs) or self.write_gate is not None:
+        self.from_device = has_device_blobs(flat.blobs)
+        if self.from_device or self.write_gate is not None:
             chunk = config.resolved_chunk_bytes
             self._device = start_device_staging(
                 flat.blobs,
