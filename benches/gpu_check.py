@@ -41,7 +41,7 @@ import os
 import shutil
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal
 
 import gpu_targets  # benches/gpu_targets.py, beside this script
@@ -93,22 +93,11 @@ def _tree_map(node: Any, fn: Callable[[torch.Tensor], torch.Tensor], memo: dict[
     return node
 
 
-def _tensors(node: Any) -> Iterator[torch.Tensor]:
-    if isinstance(node, torch.Tensor):
-        yield node
-    elif isinstance(node, dict):
-        for v in node.values():
-            yield from _tensors(v)
-    elif isinstance(node, (list, tuple)):
-        for v in node:
-            yield from _tensors(v)
-
-
 def _device_sources(state: object, device: torch.device) -> list[torch.Tensor]:
     """One 1-D uint8 view per storage of `state` on `device` (tied tensors once)."""
     seen: set[int] = set()
     out = []
-    for t in _tensors(state):
+    for t in gpu_targets.tensors_of(state):
         if t.device == device and t.numel() and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             out.append(device_bytes(t))
@@ -184,7 +173,7 @@ class TrainingState:
 def _unique(state: object) -> list[torch.Tensor]:
     seen: set[int] = set()
     out = []
-    for t in _tensors(state):
+    for t in gpu_targets.tensors_of(state):
         if t.data_ptr() not in seen or not t.numel():
             seen.add(t.data_ptr())
             out.append(t)
@@ -228,7 +217,7 @@ def check_round_trip(ts: TrainingState, root: str) -> bool:
     for where in ("cpu", device):
         loaded = fp.load(path, map_location=where)
         bad = mismatches(loaded, expected)
-        on = {t.device.type for t in _tensors(loaded["model"])}
+        on = {t.device.type for t in gpu_targets.tensors_of(loaded["model"])}
         ok = ok and not bad and on == {torch.device(where).type}
         print(f"round trip, loaded to {where}: {'ok' if not bad else 'MISMATCH ' + ', '.join(bad[:8])} (model on {on})")
     loaded = fp.load(path, map_location=device)

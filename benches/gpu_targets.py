@@ -90,15 +90,16 @@ class PlainCopy:
             self.done = None
 
 
-def _tensors(node: Any) -> Iterator[torch.Tensor]:
+def tensors_of(node: Any) -> Iterator[torch.Tensor]:
+    """Every tensor of a nested state (dicts, lists, tuples), in order, repeats included."""
     if isinstance(node, torch.Tensor):
         yield node
     elif isinstance(node, dict):
         for v in node.values():
-            yield from _tensors(v)
+            yield from tensors_of(v)
     elif isinstance(node, (list, tuple)):
         for v in node:
-            yield from _tensors(v)
+            yield from tensors_of(v)
 
 
 def check_staging_sizes(sizes: list[int], device: torch.device, root: str, reps: int, budget: Budget) -> None:
@@ -195,7 +196,7 @@ def check_training_loop(device: torch.device, root: str, reps: int, budget: Budg
     nothing: Callable[[int], None] = lambda k: None  # noqa: E731
     loop.run(5, nothing, nothing)  # warm-up: the AdamW moments, autotuning, the allocator
     window = 25
-    tensors = list(_tensors(loop.state(0)))
+    tensors = list(tensors_of(loop.state(0)))
     nbytes = sum(t.nbytes for t in tensors)
     plain = PlainCopy(nbytes, device)
     futures: list[Any] = []
@@ -210,7 +211,7 @@ def check_training_loop(device: torch.device, root: str, reps: int, budget: Budg
 
     def plain_start(k: int) -> None:
         if k == 0:
-            plain.start(list(_tensors(loop.state(k))))
+            plain.start(list(tensors_of(loop.state(k))))
 
     def plain_wait(k: int) -> None:
         if k == 1:
@@ -235,7 +236,7 @@ def check_training_loop(device: torch.device, root: str, reps: int, budget: Budg
         f"= {lost_ours / max(lost_plain, 1e-4):.2f}x (target <= 1.2x)",
         flush=True,
     )
-    every_step_plain = loop.run(window, lambda k: plain.wait(), lambda k: plain.start(list(_tensors(loop.state(k)))))
+    every_step_plain = loop.run(window, lambda k: plain.wait(), lambda k: plain.start(list(tensors_of(loop.state(k)))))
     plain.wait()
     ck = fp.Checkpointer(os.path.join(root, "every1"), every=1, keep=2)
     every_step_ck = loop.run(window, lambda k: ck.wait_staged(), lambda k: ck.save(k, loop.state(k)))

@@ -11,6 +11,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 
 use crate::before_free::BeforeFree;
+use crate::buffers::export_writable;
 
 /// Page-aligned memory that device saves stage into and write from, one job at a time. What
 /// Python tied to it (its CUDA registration) is released by callbacks it calls before its
@@ -85,22 +86,9 @@ impl Arena {
             let this = slf.get();
             (this.inner.as_ptr(), this.inner.len_bytes())
         };
-        // SAFETY: `view` comes from Python's buffer machinery; the memory stays mapped while
-        // the exporting object (referenced by the view) lives, and it is writable.
-        let rc = unsafe {
-            ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                ptr.cast(),
-                len as ffi::Py_ssize_t,
-                0,
-                flags,
-            )
-        };
-        if rc != 0 {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        Ok(())
+        // SAFETY: `view` is Python's (our caller's contract); the arena stays mapped while the
+        // exporting object lives, and it is writable.
+        unsafe { export_writable(slf.as_any(), view, flags, ptr, len) }
     }
 }
 

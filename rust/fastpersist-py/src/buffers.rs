@@ -107,21 +107,38 @@ impl PagedBuffer {
             let this = slf.get();
             (this.span.as_ptr(), this.span.len_bytes())
         };
-        // SAFETY: `view` comes from Python's buffer machinery; the memory stays mapped while
-        // the exporting object (referenced by the view) lives, and it is writable.
-        let rc = unsafe {
-            ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                ptr.cast(),
-                len as ffi::Py_ssize_t,
-                0,
-                flags,
-            )
-        };
-        if rc != 0 {
-            return Err(PyErr::fetch(slf.py()));
-        }
-        Ok(())
+        // SAFETY: `view` is Python's (our caller's contract); the span's pages stay mapped
+        // while the exporting object lives, and they are writable.
+        unsafe { export_writable(slf.as_any(), view, flags, ptr, len) }
     }
+}
+
+/// Fills `view` with the writable bytes `[ptr, ptr + len)` that `owner` keeps alive: the
+/// `__getbuffer__` of the memory objects this module and `arena` export.
+///
+/// # Safety
+/// `view` must come from Python's buffer machinery, and `ptr..ptr + len` must stay valid and
+/// writable for as long as `owner` lives (the view holds a reference to it).
+pub(crate) unsafe fn export_writable(
+    owner: &Bound<'_, PyAny>,
+    view: *mut ffi::Py_buffer,
+    flags: c_int,
+    ptr: *mut u8,
+    len: usize,
+) -> PyResult<()> {
+    // SAFETY: the caller's contract above; PyBuffer_FillInfo takes a new reference to `owner`.
+    let rc = unsafe {
+        ffi::PyBuffer_FillInfo(
+            view,
+            owner.as_ptr(),
+            ptr.cast(),
+            len as ffi::Py_ssize_t,
+            0,
+            flags,
+        )
+    };
+    if rc != 0 {
+        return Err(PyErr::fetch(owner.py()));
+    }
+    Ok(())
 }

@@ -15,7 +15,7 @@ use std::ops::Range;
 
 use super::crc32_fields::Crc32Patcher;
 use super::guard::GuardState;
-use super::source::{CopyPiece, DeviceCopier, ExtentMap, SourceRegion};
+use super::source::{CopyPiece, DeviceCopier, ExtentMap, SourceRegion, check_against_plan};
 use super::staging::check_in_stream_order;
 use super::{JobHooks, JobProgress, WriteOptions, WriteTarget, finish_files, open_targets};
 use crate::DIRECT_ALIGN_BYTES;
@@ -341,16 +341,7 @@ impl<'p> ArenaJob<'p> {
 
 /// Checks that the sources match the plan's extents, and a copier is there for device ones.
 fn check_sources(plan: &Plan, sources: &[SourceRegion], has_copier: bool) -> Result<()> {
-    if sources.len() != plan.extent_bytes.len()
-        || sources
-            .iter()
-            .zip(&plan.extent_bytes)
-            .any(|(s, &l)| s.len_bytes as u64 != l)
-    {
-        return Err(Error::Internal(
-            "source regions do not match the plan's extents".into(),
-        ));
-    }
+    check_against_plan(plan, sources)?;
     if sources.iter().any(|r| r.device) && !has_copier {
         return Err(Error::InvalidArgument(
             "device-resident sources need a device copier".into(),

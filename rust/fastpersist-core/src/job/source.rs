@@ -2,7 +2,7 @@
 //! memory that a [`DeviceCopier`] copies into the job's arena), and the [`ExtentMap`] that
 //! finds the extents under a range of the logical stream.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::plan::Plan;
 
 /// Read-only memory of one source extent (a tensor's bytes), referenced by raw pointer so that a
@@ -91,6 +91,21 @@ pub trait DeviceCopier: Send {
     fn wait(&mut self) -> Result<()> {
         Ok(())
     }
+}
+
+/// Checks that there is one source per plan extent, each of its extent's length.
+pub(super) fn check_against_plan(plan: &Plan, sources: &[SourceRegion]) -> Result<()> {
+    if sources.len() != plan.extent_bytes.len()
+        || sources
+            .iter()
+            .zip(&plan.extent_bytes)
+            .any(|(s, &l)| s.len_bytes as u64 != l)
+    {
+        return Err(Error::Internal(
+            "source regions do not match the plan's extents".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Where each plan extent sits in the stream, for finding the extents under a byte range.

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use super::crc32_fields::Crc32Patcher;
 use super::guard::GuardState;
-use super::source::{ExtentMap, SourceRegion};
+use super::source::{ExtentMap, SourceRegion, check_against_plan};
 use super::{JobHooks, JobProgress, WriteOptions, WriteTarget};
 use crate::DIRECT_ALIGN_BYTES;
 use crate::align::round_up;
@@ -241,16 +241,7 @@ impl<'p> Staging<'p> {
 /// Checks that the sources match the plan's extents, the chunks fit the pool's slots, and
 /// every source is in host memory.
 fn check_sources(plan: &Plan, sources: &[SourceRegion], pool: &Pool) -> Result<()> {
-    if sources.len() != plan.extent_bytes.len()
-        || sources
-            .iter()
-            .zip(&plan.extent_bytes)
-            .any(|(s, &l)| s.len_bytes as u64 != l)
-    {
-        return Err(Error::Internal(
-            "source regions do not match the plan's extents".into(),
-        ));
-    }
+    check_against_plan(plan, sources)?;
     if plan.chunk_bytes as usize > pool.slot_bytes() {
         return Err(Error::InvalidArgument(format!(
             "chunk_bytes ({}) is larger than the pool's slots ({})",
