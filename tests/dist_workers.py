@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -241,7 +242,68 @@ def long_name(rank: int, world: int, workdir: str, backend: str) -> dict[str, An
     return {"raised": raised, "written": sorted(os.listdir(workdir)), "stripe": os.listdir(stripes[0])}
 
 
+class ThreadCopier:
+    """A fake copy engine: each copy call's pairs land on a thread of its own; wait joins it."""
+
+    needs_pinned_memory = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.threads: list[threading.Thread] = []
+
+    def begin(self) -> None:
+        pass
+
+    def copy(self, pairs: Any, *, early: bool = False) -> None:
+        if early:  # ordered before the caller's later work
+            for src, dst in pairs:
+                dst.copy_(src)
+            return
+
+        def land() -> None:
+            time.sleep(0.002)
+            for src, dst in pairs:
+                dst.copy_(src)
+
+        self.threads.append(threading.Thread(target=land))
+        self.threads[-1].start()
+
+    def wait(self) -> None:
+        for thread in self.threads:
+            thread.join()
+        self.threads = []
+
+
+def device_group(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    """Replicated and sharded saves of a state whose tensors a (fake) device copier stages:
+    each rank's share goes through its arena; a group Checkpointer waits for each save."""
+    from fastpersist.gpu.copiers import use_copier
+
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10)
+    with use_copier(lambda t: True, ThreadCopier):
+        state = make_state(7)
+        fut = fp.save_async(state, os.path.join(workdir, "replicated"), config=cfg, group=dist.group.WORLD)
+        fut.wait_staged()
+        for t in state["model"].values():
+            t.add_(1)  # after wait_staged(): not in the checkpoint
+        fut.wait()
+        shard = make_state(10 + rank)
+        fp.save(shard, os.path.join(workdir, "sharded"), config=cfg, group=dist.group.WORLD, sharded=True)
+        ck = fp.Checkpointer(os.path.join(workdir, "run"), keep=2, group=dist.group.WORLD, config=cfg)
+        for step in range(3):
+            ck.wait_staged()
+            ck.save(step, make_state(step))
+        ck.close()
+    dist.barrier()
+    return {
+        "same": same(make_state(7), fp.load(os.path.join(workdir, "replicated"))),
+        "shard_same": same(shard, fp.load(os.path.join(workdir, "sharded"), group=dist.group.WORLD)),
+        "steps": ck.steps(),
+        "ck_same": same(make_state(2), ck.load()),
+    }
+
+
 SCENARIOS: dict[str, Callable[[int, int, str, str], dict[str, Any]]] = {
+    "device_group": device_group,
     "long_name": long_name,
     "dtensor_leaf": dtensor_leaf,
     "copy_guard": copy_guard,

@@ -53,6 +53,11 @@ def test_one_writer_per_node(workdir: str) -> None:
     assert results[0]["nbytes"] == stream_bytes(os.path.join(workdir, "node"))
 
 
+def test_a_device_state_saves_through_each_ranks_arena(workdir: str, backend: str) -> None:
+    results = run_group(2, "device_group", workdir, backend)
+    assert results == [{"same": True, "shard_same": True, "steps": [1, 2], "ck_same": True}] * 2, results
+
+
 def test_sharded_round_trip_per_rank(workdir: str, backend: str) -> None:
     results = run_group(2, "sharded", workdir, backend)
     assert all(r.get("same") for r in results), results
