@@ -103,3 +103,16 @@ def _every_step(workdir: str, backend: str, held_commit: threading.Event) -> Non
     loaded = ck.load(3)
     assert torch.equal(loaded["w"], _state(3)["w"]) and loaded["step"] == 3  # type: ignore[index]
     assert not any(k.arena.leased for k in ARENAS._kept)
+
+
+def test_close_waits_for_replaced_snapshots_to_remove_their_files(workdir: str) -> None:
+    # Replaced snapshots clean up on their own threads; close() returns only once they have.
+    root = os.path.join(workdir, "ck")
+    with use_copier(lambda t: t.numel() == 200_000, InstantCopier):
+        ck = fp.Checkpointer(root, every=1, keep=2, config=fp.Config(chunk_bytes=64 << 10))
+        for step in range(60):
+            ck.wait_staged()
+            ck.save(step, _state(step))
+        ck.close()
+    assert ck.steps()[-1] == 59
+    assert [n for n in os.listdir(root) if ".fptmp-" in n] == []

@@ -37,6 +37,8 @@ class InFlight:
         self._lock = threading.Lock()
         self.writing: SaveFuture | None = None
         self.waiting: tuple[SaveFuture, _core.WriteGate] | None = None
+        #: Snapshots replaced while they waited, until their cancelled jobs have cleaned up.
+        self.replaced: list[SaveFuture] = []
 
     def disk_busy(self) -> bool:
         """Whether a save is writing now (a new step would wait behind it)."""
@@ -65,6 +67,9 @@ class InFlight:
                 return
             replaced, self.waiting = self.waiting, (future, gate)
             writing = self.writing
+            self.replaced = [f for f in self.replaced if not f.done()]
+            if replaced is not None:
+                self.replaced.append(replaced[0])
         if replaced is not None:
             replaced[0].cancel()  # never written: a newer snapshot takes its place
         if writing is None:
@@ -91,7 +96,12 @@ class InFlight:
                     raise error
 
     def finish_all(self) -> None:
-        """Waits for every save in flight; raises the first error nobody has seen yet."""
+        """Waits for every save in flight, and for the replaced snapshots to have removed their
+        temporary directories; raises the first error nobody has seen yet."""
+        with self._lock:
+            replaced, self.replaced = self.replaced, []
+        for future in replaced:
+            future.exception()  # cancelled on purpose: its outcome is nobody's error
         for future in self.all():
             seen = future.error_seen
             try:
