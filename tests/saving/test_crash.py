@@ -177,8 +177,15 @@ def test_kill_9_at_random_moments_never_loses_the_newest_committed_step(
         f"{cleaned} leftovers cleaned, newest step {newest}"
     )
     assert newest > 0
-    phases = len([p for p, n in died_in.items() if n and p not in ("starting", "idle")])
-    assert phases >= (4 if worker == "run_checkpointer" else 3), died_in
+    phases = {p for p, n in died_in.items() if n and p not in ("starting", "idle")}
+    if worker == "run_checkpointer":
+        assert len(phases) >= 4, died_in
+    else:
+        # A GPU state's Checkpointer stages each step while the disk writes the one before
+        # (saving/in_flight.py): the loop marks "staging" for every snapshot, so the marker
+        # seldom shows the background commit's phases. Kills in staging and in the commit
+        # (writing, manifest, rename or the index) are what this campaign needs.
+        assert "staging" in phases and len(phases) >= 2, died_in
 
 
 def test_kill_9_during_plain_saves_then_clean_removes_every_leftover(workdir: str, forkserver: ForkServer) -> None:
