@@ -65,12 +65,12 @@ def build(mib: int, rank: int, sharded: bool) -> dict[str, Any]:
 
 
 class WireCount:
-    """Counts the bytes of every ``isend``/``irecv`` of the partner transfer (fastpersist.levels.transfer)."""
+    """Counts the bytes of every ``isend``/``irecv`` of the partner transfer (fastpersist.distributed.transfer)."""
 
     def __init__(self) -> None:
         import torch.distributed
 
-        import fastpersist.levels.transfer as transfer
+        import fastpersist.distributed.transfer as transfer
 
         self.dist = torch.distributed
         self.sent = self.received = 0
@@ -93,10 +93,10 @@ def expected_bytes(step_dir: str, rank: int) -> tuple[int, int, int]:
     save, from the manifest of its node's `step_dir`. Sharded: each share goes once to each of its
     partners. Replicated: each partner writes its copy from its own identical state, so nothing
     crosses the group (the copy is checked against the owner's chunk checksums)."""
+    from fastpersist.distributed.placement import Placement
     from fastpersist.format.layout import MANIFEST_NAME, shard_name
     from fastpersist.format.manifest import read_manifest
     from fastpersist.levels.holdings import shares_of
-    from fastpersist.levels.placement import Placement
 
     m = read_manifest(step_dir)
     levels = m.extra["levels"]

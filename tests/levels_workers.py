@@ -113,7 +113,7 @@ def save_with_a_partner_killed(
 ) -> None:
     """Steps 1-2 save; during step 3's copies to partners, rank `victim` is killed (SIGKILL)."""
     os.environ["FASTPERSIST_NODE"] = node_of(rank)
-    from fastpersist.saving import partner
+    from fastpersist.saving import partner_copies as partner
 
     original = partner.send_and_receive
 
@@ -387,7 +387,7 @@ def save_replicated_counting_transfers(
     """Saves step 1 of a replicated state with replicas=1; reports how many share transfers
     the partner step sent over the group, and the digest of what a load returns."""
     os.environ["FASTPERSIST_NODE"] = node_of(rank)
-    from fastpersist.saving import partner
+    from fastpersist.saving import partner_copies as partner
 
     original = partner.send_and_receive
     transfers: list[int] = []

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import re
+import shutil
+import subprocess
 
 import fastpersist
 
 PACKAGE = pathlib.Path(fastpersist.__file__).parent
-RUST = pathlib.Path(__file__).resolve().parent.parent / "rust"
+REPO = pathlib.Path(__file__).resolve().parent.parent
+RUST = REPO / "rust"
 TOOLS = "fastpersist.tools"
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
@@ -80,14 +84,79 @@ def test_no_import_cycles() -> None:
     assert _cycles(_imports(_modules())) == []
 
 
-def test_the_library_never_imports_the_tools() -> None:
-    edges = _imports(_modules())
-    bad = {
-        m: sorted(t for t in targets if t.startswith(TOOLS))
-        for m, targets in edges.items()
-        if not m.startswith(TOOLS) and m != "fastpersist.__main__"
+def test_below_the_tools_the_package_root_gives_only_core() -> None:
+    """The import-linter contracts skip imports of the package itself (``from . import _core``
+    reads as one); so no module below the command line may take anything else from it."""
+    taken = {}
+    for mod, path in _modules().items():
+        if mod.startswith(TOOLS) or mod in ("fastpersist", "fastpersist.__main__"):
+            continue
+        depth = mod.count(".") + (path.name == "__init__.py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            root = (isinstance(node, ast.ImportFrom) and node.level == depth and not node.module) or (
+                isinstance(node, ast.ImportFrom) and node.module == "fastpersist"
+            )
+            names = [a.name for a in node.names] if root and isinstance(node, ast.ImportFrom) else []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name == "fastpersist"]
+            if [n for n in names if n != "_core"]:
+                taken[mod] = names
+    assert taken == {}
+
+
+#: The engine's entrances that only its front door (engine/) calls.
+ENGINE_CALLS = ("start_write", "read_ranges_into")
+
+
+def test_only_the_engine_front_door_starts_writes_and_reads() -> None:
+    calls = {
+        mod: sorted(
+            node.attr
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute)
+            and node.attr in ENGINE_CALLS
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "_core"
+        )
+        for mod, path in _modules().items()
+        if not mod.startswith("fastpersist.engine")
     }
-    assert {m: t for m, t in bad.items() if t} == {}
+    assert {m: c for m, c in calls.items() if c} == {}
+
+
+def _lint_imports(python_dir: pathlib.Path, config: pathlib.Path) -> subprocess.CompletedProcess[str]:
+    command = shutil.which("lint-imports")
+    assert command, "lint-imports is missing: pip install '.[test]' installs import-linter"
+    env = {**os.environ, "PYTHONPATH": str(python_dir)}
+    return subprocess.run(
+        [command, "--config", str(config), "--no-cache", "--no-logo"],
+        cwd=config.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_layer_contracts_hold() -> None:
+    """docs/architecture.md's layers, as pyproject.toml's import-linter contracts."""
+    run = _lint_imports(REPO / "python", REPO / "pyproject.toml")
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_contracts_catch_a_planted_loop(tmp_path: pathlib.Path) -> None:
+    """The old distributed <-> levels loop, planted again in a copy: the layers contract breaks."""
+    shutil.copytree(REPO / "python" / "fastpersist", tmp_path / "python" / "fastpersist", ignore=_not_source)
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    control = tmp_path / "python" / "fastpersist" / "distributed" / "control.py"
+    control.write_text(control.read_text() + "\nfrom ..levels.holdings import Share  # planted\n")
+    run = _lint_imports(tmp_path / "python", tmp_path / "pyproject.toml")
+    assert run.returncode != 0
+    assert "fastpersist.distributed.control -> fastpersist.levels.holdings" in run.stdout, run.stdout
+
+
+def _not_source(directory: str, names: list[str]) -> list[str]:
+    return [n for n in names if not n.endswith(".py") and not os.path.isdir(os.path.join(directory, n))]
 
 
 def test_files_and_functions_stay_small() -> None:
@@ -221,24 +290,10 @@ def test_only_format_spells_an_on_disk_name() -> None:
     assert spelled == {}
 
 
-def test_the_control_plane_sits_below_saving_and_loading() -> None:
-    edges = _imports(_modules())
-    control = "fastpersist.distributed.control"
-    assert control in edges["fastpersist.saving.group"] and control in edges["fastpersist.loading.shared_read"]
-    above = ("fastpersist.saving", "fastpersist.loading", "fastpersist.api", "fastpersist.checkpointer")
-    assert sorted(t for t in edges[control] if t.startswith(above)) == []
-
-
 def test_api_holds_only_the_public_entry_points() -> None:
     tree = ast.parse((PACKAGE / "api.py").read_text())
     defined = sorted(n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
     assert defined == sorted(fastpersist.api.__all__)
-
-
-def test_the_checkpointer_imports_nothing_above_it() -> None:
-    edges = _imports(_modules())
-    above = ("fastpersist.integrations", "fastpersist.interop", "fastpersist.tools")
-    assert sorted(t for t in edges["fastpersist.checkpointer"] if t.startswith(above)) == []
 
 
 ARCHITECTURE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "architecture.md"

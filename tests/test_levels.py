@@ -228,7 +228,7 @@ def test_arguments_are_checked() -> None:
 
 
 def test_placement_is_a_ring_over_nodes_never_on_the_same_node() -> None:
-    from fastpersist.levels.placement import Placement
+    from fastpersist.distributed.placement import Placement
 
     p = Placement(["a", "a", "a", "b", "c", "c"])
     for replicas in (1, 2):

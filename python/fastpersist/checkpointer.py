@@ -30,13 +30,18 @@ from .advisor.multilevel import Failures, local_mtbf_s
 from .api import load, verify
 from .cleanup import clean, stripe_leftovers
 from .config import Config, SaveResult, given_config
+from .distributed.control import control_for, group_rank_and_size
 from .errors import CorruptCheckpointError
+from .format.flatten import flatten
 from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name, write_small_file
 from .format.manifest import read_manifest
 from .futures import SaveFuture
-from .levels.hfexports import hf_exports_for
+from .levels.background_exports import hf_exports_for
+from .levels.holdings import local_levels
 from .levels.identity import read_local_index
+from .levels.partner_level import PartnerLevel
 from .levels.remote_arguments import check_remote_arguments
+from .levels.remote_level import RemoteLevel
 from .levels.resume import bring_in, restore_point, run_id
 from .retention import retire, retire_in_group, retired_steps
 from .saving.in_flight import InFlight
@@ -96,7 +101,7 @@ class Checkpointer:
             multi-level advisor's choice against the failures only the remote level survives
             (docs/advisor.md, "Several levels").
         export_hf_every: export a committed step to `export_dir` as Hugging Face safetensors
-            whenever a multiple of it was crossed, in the background (:mod:`fastpersist.levels.hfexports`);
+            whenever a multiple of it was crossed, in the background (:mod:`fastpersist.levels.background_exports`);
             `export_hf_key`/`export_hf_prefix`: :func:`fastpersist.export_hf`'s `key`/`prefix`.
 
     Levels (docs/levels.md): **local**, `root` itself (an NVMe directory, or a directory under
@@ -160,8 +165,6 @@ class Checkpointer:
         self.replicas = replicas
         self.rank = 0
         if group is not None:
-            from .distributed.control import control_for, group_rank_and_size
-
             self.rank = group_rank_and_size(group)[0]
             # Made now, while every rank is here: a rank lost during a later save or restore is then
             # noticed through the group's watch (docs/distributed.md), not after timeout_s.
@@ -181,14 +184,10 @@ class Checkpointer:
         self._run: str | None = None  # this root's run id (levels/identity.py), set at the first commit
         self._remote: Any = None
         if remote is not None:
-            from .levels.remote_level import RemoteLevel
-
             self._remote = RemoteLevel(self, remote, remote_every, remote_keep, remote_bytes_per_s, failures)
 
         self._hf = hf_exports_for(self, export_hf_every, export_dir, export_hf_key, export_hf_prefix)
         if replicas:
-            from .levels.partner import PartnerLevel
-
             self._partner = PartnerLevel(self, replicas)
 
     def _timeout_s(self) -> float:
@@ -255,7 +254,6 @@ class Checkpointer:
         if self.config is not None:
             self.config = self.config.resolved_for(self.root, tuned_chunk=tuned_chunk)
             return self.config
-        from .format.flatten import flatten
 
         nbytes = sum(b.nbytes for b in flatten(state).blobs)
         chunk = Config().resolved_for(self.root, tuned_chunk=tuned_chunk).resolved_chunk_bytes
@@ -454,7 +452,6 @@ class Checkpointer:
     def levels(self) -> dict[str, Any]:
         """What this rank's node holds on each level: ``{"local": {...}, "partner": {...}}``, each
         with the ``steps`` held, their ``bytes`` and ``last_seconds`` (the last copy's time)."""
-        from .levels.holdings import local_levels
 
         found = self._partner.levels() if self._partner is not None else local_levels(self)
         if self._remote is not None:

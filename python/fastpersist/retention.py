@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .distributed.control import control_for, forget_control
 from .errors import FastPersistError
 from .format.confine import data_file_problem, real_roots, under_roots
 from .format.manifest import Manifest, read_manifest
@@ -161,7 +162,6 @@ def _checkpoint_ids(paths: Sequence[str]) -> dict[str, str]:
 def retire_in_group(root: str, kept: str, candidates: list[str], config: Any, group: object, rank: int) -> None:
     """:func:`retire` on every rank of `group`, agreeing over its control group; if the group
     stops answering, this retention is skipped (logged) and the next commit's tries again."""
-    from .distributed.control import control_for, forget_control
 
     control = control_for(group, config.timeout_s)
     try:

@@ -204,7 +204,7 @@ def test_checkpointer_exports_in_the_background(tmp_path: Any) -> None:
 def test_background_export_never_blocks_the_loop_and_close_raises_its_failure(
     tmp_path: Any, monkeypatch: Any, caplog: Any
 ) -> None:
-    from fastpersist.levels import hfexports
+    from fastpersist.levels import background_exports
 
     release = threading.Event()
     started: list[str] = []
@@ -214,7 +214,7 @@ def test_background_export_never_blocks_the_loop_and_close_raises_its_failure(
         assert release.wait(60)
         raise FastPersistError("no tensor under key='nope'")
 
-    monkeypatch.setattr(hfexports, "export_checkpoint", slow_failing_export)
+    monkeypatch.setattr(background_exports, "export_checkpoint", slow_failing_export)
     ck = fp.Checkpointer(tmp_path / "root", keep=1, export_hf_every=1, export_dir=tmp_path / "hf")
     ck.save(1, {"w": torch.ones(2)})
     ck.wait()
@@ -279,7 +279,7 @@ def test_shard_plan_and_files_hold_every_tensor_aligned(tmp_path_factory: Any, s
 
 
 def test_background_export_pauses_while_a_save_is_staging(tmp_path: Any, monkeypatch: Any) -> None:
-    from fastpersist.levels.hfexports import HfExports
+    from fastpersist.levels.background_exports import HfExports
 
     fp.save({"a": torch.ones(4), "b": torch.zeros(4)}, tmp_path / "ck")
     staging = threading.Event()

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import FastPersistError
-from ..levels.placement import node_name
+from .placement import node_name
 from .watch import Address, PeerWatch
 
 __all__ = [
@@ -75,7 +75,7 @@ class ControlGroup:
         self.timeout_s = timeout_s
         self._abandoned: Any = None  # a work given up on: see close()
         self.watch = PeerWatch(self.rank, self.size, self._exchange_addresses, timeout_s)
-        #: Each rank's node (:func:`fastpersist.levels.placement.node_name`), gathered once per group.
+        #: Each rank's node (:func:`fastpersist.distributed.placement.node_name`), gathered once per group.
         self.nodes: list[str] = self.all_gather(node_name())
 
     def _exchange_addresses(self, mine: Address) -> list[Address]:

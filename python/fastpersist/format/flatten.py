@@ -155,7 +155,8 @@ class _Walker:
     walk reads or writes of a walker: it appends to `records`, `leaves` and `blobs`, fills
     `index` (``id(tensor)`` -> its record), `on_path` (ids of the containers being walked) and
     `storages` (a storage's key -> the record of its first tensor), reads `host_only`, and
-    calls back `node`, `_enter` and `_key` for what it does not build itself.
+    calls back `node`, `enter` (a container is entered: depth and cycle checks) and `encode_key`
+    (a key other than a str) for what it does not build itself.
     """
 
     __slots__ = (
@@ -221,7 +222,7 @@ class _Walker:
                 raise _unsupported(path, x, str(e)) from None
         if cls is set or cls is frozenset:
             self.kinds_used = True
-            return set_node(x, path, lambda e: self._key(e, path, depth + 1))  # type: ignore[arg-type]
+            return set_node(x, path, lambda e: self.encode_key(e, path, depth + 1))  # type: ignore[arg-type]
         if cls is bytearray:
             self.kinds_used = True
             return {"t": "bytearray", "v": self.node(bytes(x), path, depth)}  # type: ignore[call-overload]
@@ -256,7 +257,7 @@ class _Walker:
             )
         return node
 
-    def _enter(self, x: object, path: str, depth: int) -> None:
+    def enter(self, x: object, path: str, depth: int) -> None:
         if depth >= MAX_DEPTH:
             raise UnsupportedValueError(f"at key path {shown(path)}: containers nested deeper than {MAX_DEPTH} levels")
         if id(x) in self.on_path:
@@ -266,7 +267,7 @@ class _Walker:
         self.on_path.add(id(x))
 
     def _mapping(self, x: dict[Any, Any], path: str, depth: int, tag: str) -> dict[str, Any]:
-        self._enter(x, path, depth)
+        self.enter(x, path, depth)
         keys: list[Any] = []
         values: list[Any] = []
         for k, v in x.items():
@@ -274,7 +275,7 @@ class _Walker:
                 keys.append(k)
                 child = f"{path}.{k}" if k.isidentifier() else f"{path}[{k!r}]"
             else:
-                keys.append(self._key(k, path, depth))
+                keys.append(self.encode_key(k, path, depth))
                 child = f"{path}[{_key_text(k)}]"
             values.append(self.node(v, child, depth + 1))
         node = {"t": tag, "k": keys, "v": values}
@@ -287,12 +288,12 @@ class _Walker:
         return node
 
     def _items(self, x: list[Any] | tuple[Any, ...], path: str, depth: int) -> list[Any]:
-        self._enter(x, path, depth)
+        self.enter(x, path, depth)
         out = [self.node(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(x)]
         self.on_path.discard(id(x))
         return out
 
-    def _key(self, k: object, path: str, depth: int) -> Any:
+    def encode_key(self, k: object, path: str, depth: int) -> Any:
         cls = type(k)
         if cls is str or cls is bool or k is None:
             return k
@@ -302,7 +303,7 @@ class _Walker:
         if cls is tuple:
             if depth >= MAX_DEPTH:
                 raise UnsupportedValueError(f"at key path {shown(path)}: dict key nested too deeply")
-            return {"t": "tuple", "v": [self._key(e, path, depth + 1) for e in k]}  # type: ignore[attr-defined]
+            return {"t": "tuple", "v": [self.encode_key(e, path, depth + 1) for e in k]}  # type: ignore[attr-defined]
         raise UnsupportedValueError(
             f"at key path {shown(path)}: cannot save a dict key of type {_type_name(cls)} "
             f"({shown(k)}). Dict keys may be str, int, float, complex, bool, None, "

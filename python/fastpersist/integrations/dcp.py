@@ -50,12 +50,14 @@ from torch.futures import Future
 
 from .. import _core
 from ..config import Config
-from ..engine import WriteRequest, knobs, start_write
+from ..engine import WriteRequest, knobs, read_ranges, start_write
 from ..errors import CorruptCheckpointError
 from ..format.layout import DCP_DATA_SUFFIX, DCP_METADATA_NAME, dcp_data_file_name, write_small_file
 from ..format.quote import shown
 from ..gpu.copiers import copier_for, device_bytes
 from ..gpu.staging import stage_from_devices
+from ..loading.reading import aligned_uint8, direct_padded
+from ..saving.pools import pool_for
 from .dcp_args import checked_config, refuse_rank_local_metadata, writer_config
 from .dcp_metadata import read_dcp_metadata
 from .dcp_ranges import FileReads, box_view, needed_spans, plan_file_reads, stored_dtype
@@ -217,7 +219,6 @@ class FastPersistWriter(StorageWriter, BlockingAsyncStager):
         started = time.perf_counter()
         cfg = self.config.resolved_for(self.path)  # each rank's file records its own chunk size
         engine_plan = _core.Plan([source.nbytes for _, source, _, _ in items], 1, 1, cfg.resolved_chunk_bytes)
-        from ..saving.pools import pool_for
 
         report: Any = {"parts": [], "backend": "none"}
         if engine_plan.total_bytes:  # a rank with nothing (or only empty tensors) to write writes no file
@@ -360,7 +361,6 @@ class FastPersistReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Reads only the chunks holding the requested regions, of every file in one engine call
         (checksums verified), and hands every item to the planner."""
-        from ..loading.reading import aligned_uint8, direct_padded
 
         started = time.perf_counter()
         per_file: dict[str, list[ReadItem]] = {}
@@ -382,20 +382,16 @@ class FastPersistReader(StorageReader):
         buf = aligned_uint8(total)
         stats: dict[str, float] = {}
         for chunk_bytes, chunk_ranges in ranges.items():
-            try:
-                _core.read_ranges_into(
-                    chunk_ranges,
-                    buf.numpy(),
-                    chunk_bytes=chunk_bytes,
-                    backend=self.config.backend,
-                    direct_io=self.config.direct_io,
-                    queue_depth=self.config.resolved_for(self.path, "read").resolved_queue_depth,
-                    stats=stats,
-                )
-            except FileNotFoundError as e:
-                raise CorruptCheckpointError(
-                    f"{shown(e.filename, 300)}, named in {self.path}/{DCP_METADATA_NAME}, is missing"
-                ) from None
+            read_ranges(
+                chunk_ranges,
+                buf.numpy(),
+                chunk_bytes=chunk_bytes,
+                backend=self.config.backend,
+                direct_io=self.config.direct_io,
+                queue_depth=self.config.resolved_for(self.path, "read").resolved_queue_depth,
+                stats=stats,
+                named_in=f"{self.path}/{DCP_METADATA_NAME}",
+            )
         for items, reads, slots in planned:
             for item, w in zip(items, reads.window_of_item, strict=True):
                 info = self.storage[item.storage_index]

@@ -1,6 +1,6 @@
 """What a node's step directory holds on the partner level.
 
-A step saved with ``replicas=k`` (:mod:`fastpersist.saving.partner`) is a set of *shares*, one
+A step saved with ``replicas=k`` (:mod:`fastpersist.saving.partner_copies`) is a set of *shares*, one
 per writing rank: a replicated save's share is the data files of one writer, a sharded save's
 the shard directory of one rank. Every node's step directory carries the same manifest (its
 ``extra["levels"]`` names the placement) and the shares of its own ranks and of the ranks it is
@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ..distributed.placement import Placement
 from ..errors import FastPersistError
 from ..format.confine import data_file_problem
 from ..format.layout import shard_name
@@ -91,8 +92,6 @@ def held_shares(step_dir: str, m: Manifest) -> list[int]:
 
 def _placed_here(m: Manifest, node: str) -> list[Share]:
     """The shares the placement recorded in `m` puts on `node`."""
-    from .placement import Placement
-
     levels = m.extra.get("levels", {})
     placement = Placement(levels.get("rank_nodes", []))
     replicas = int(levels.get("replicas", 0))

@@ -26,7 +26,7 @@ from typing import Any
 
 from .. import _core
 from ..cleanup import clean
-from ..distributed.control import describe
+from ..distributed.control import collective, control_for, describe
 from ..errors import FastPersistError, GroupLoadError
 from ..format.layout import MANIFEST_NAME, tmp_dir_for, write_new_file
 from ..format.ownership import make_locked_dir
@@ -45,8 +45,6 @@ def refill_step(ck: Any, remote: Remote, step: int, timeout_s: float) -> None:
     raw, m = found
     control = None
     if ck.group is not None:
-        from ..distributed.control import control_for
-
         control = control_for(ck.group, timeout_s)
     committer = ck._partner.is_leader() if ck._partner is not None else ck.rank == 0
     downloads = owned_shares(m, ck.rank) if ck._partner is not None else (None if ck.rank == 0 else [])
@@ -94,7 +92,6 @@ def _agree(control: Any, what: str, error: BaseException | None) -> None:
         if error is not None:
             raise error
         return
-    from ..distributed.control import collective
 
     errors = collective(
         control, f"{what} of a refill", lambda: control.all_gather(describe(error) if error else ""), GroupLoadError

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..advisor.multilevel import Failures, LevelCosts, best_remote_every
+from ..distributed.control import ControlGroup, control_for, group_rank_and_size
 from ..errors import FastPersistError
 from .claims import claim_remote
 from .drain import Drainer, DrainResult
@@ -72,8 +73,6 @@ class RemoteLevel:
         self.last_submitted = -1
         self._peers: DrainPeers | None = None
         if ck.group is not None:  # collective: every rank makes its Checkpointer
-            from ..distributed.control import ControlGroup
-
             self._peers = DrainPeers(ControlGroup(ck.group, self._timeout()), self.remote.root)
         self._verified: dict[int, tuple[Any, ...]] = {}
         self._unreachable_warned = False
@@ -87,8 +86,6 @@ class RemoteLevel:
             return
         self.last_submitted = step
         if self.drainer is None:
-            from ..distributed.control import group_rank_and_size
-
             size = group_rank_and_size(self.ck.group)[1] if self.ck.group is not None else 1
             self.drainer = Drainer(
                 self.remote,
@@ -255,8 +252,6 @@ class RemoteLevel:
         if self.ck.rank == 0 or self.ck.group is None:
             found = self._choose_here(local, above)
         if self.ck.group is not None:
-            from ..distributed.control import control_for
-
             found = control_for(self.ck.group, self._timeout()).broadcast(found)
         return found
 
@@ -270,8 +265,6 @@ class RemoteLevel:
             except Exception as e:
                 log.warning("the remote level %s did not answer: %s", self.remote.root, e)
         if self.ck.group is not None:
-            from ..distributed.control import control_for
-
             there = control_for(self.ck.group, self._timeout()).broadcast(there)
         return there
 

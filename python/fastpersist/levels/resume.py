@@ -10,8 +10,10 @@ import os
 import secrets
 from typing import Any
 
+from ..distributed.control import control_for
 from ..format.layout import MANIFEST_NAME
 from .identity import LocalIdentity, read_local_index
+from .remote_level import RemoteChoice
 
 __all__ = ["bring_in", "held_locally", "local_identity", "restore_point", "run_id"]
 
@@ -19,7 +21,6 @@ __all__ = ["bring_in", "held_locally", "local_identity", "restore_point", "run_i
 def _gathered(ck: Any, mine: Any) -> list[Any]:
     if ck.group is None:
         return [mine]
-    from ..distributed.control import control_for
 
     return control_for(ck.group, ck._timeout_s()).all_gather(mine)
 
@@ -69,8 +70,6 @@ def bring_in(ck: Any, step: int | None) -> int | None:
     if step is None:
         step, chosen = restore_point(ck)
     else:
-        from .remote_level import RemoteChoice
-
         chosen = None if held_locally(ck, step) or not ck._remote.holds(step) else RemoteChoice(step)
     if chosen is not None:
         if ck._run is None and chosen.adopted_run is not None:

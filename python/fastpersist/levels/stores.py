@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from .. import _core
+from ..engine.read import first_bad_chunk, read_file_range
 from ..errors import ChecksumMismatchError, CorruptCheckpointError
 from ..format.layout import write_small_file
 from ..format.ownership import REMOVING, remove_owned_dir
@@ -39,7 +40,6 @@ __all__ = [
     "S3Store",
     "Store",
     "check_credentials",
-    "first_bad_chunk",
     "open_store",
 ]
 
@@ -83,22 +83,6 @@ class FileCopy:
             )
 
 
-def first_bad_chunk(
-    crcs: list[int], chunk_bytes: int, offset: int, data: bytes | memoryview | Any
-) -> tuple[int, int, int, int] | None:
-    """The first chunk of `data` (the bytes at chunk-aligned `offset` of a file whose chunks have
-    the checksums `crcs`; empty: unchecked) whose crc32c differs: ``(start, end, found,
-    expected)`` in file offsets, or None when every chunk matches."""
-    if not crcs:
-        return None
-    first, view = offset // chunk_bytes, memoryview(data)  # slices of a view copy nothing
-    for i, (start, n) in enumerate(_core.chunk_spans(len(view), chunk_bytes)):
-        expected, found = crcs[first + i], _core.crc32c(view[start : start + n])
-        if found != expected:
-            return offset + start, offset + start + n, found, expected
-    return None
-
-
 def _local_pieces(
     path: str, f: FileCopy, throttle: Callable[[int], None], *, reuse: bool = False
 ) -> Iterator[bytes | memoryview]:
@@ -133,9 +117,7 @@ def _engine_pieces(path: str, f: FileCopy, throttle: Callable[[int], None]) -> G
 
     def read(k: int) -> None:
         lo, hi = pieces[k]
-        first = lo // f.chunk_bytes
-        crcs = f.chunk_crc32c[first : first + _core.chunk_count(hi - lo, f.chunk_bytes)]
-        _core.read_ranges_into([(path, f.len_bytes, lo, hi - lo, 0, crcs)], buffers[k % 2], chunk_bytes=f.chunk_bytes)
+        read_file_range(path, f.len_bytes, lo, hi - lo, f.chunk_crc32c, buffers[k % 2], f.chunk_bytes)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastpersist-drain-read") as reader:
         ahead = reader.submit(read, 0) if pieces else None

@@ -63,7 +63,7 @@ class PhaseClock:
 
     @contextmanager
     def reading(self) -> Iterator[dict[str, float]]:
-        """Around a read: yields the dict the engine fills (``_core.read_ranges_into(stats=...)``), then
+        """Around a read: yields the dict the engine fills (``fastpersist.engine.read_ranges(stats=...)``), then
         marks ``read`` and records ``crc32c``, the minor faults and the system CPU time."""
         stats: dict[str, float] = {}
         before = resource.getrusage(resource.RUSAGE_SELF) if self.sink is not None else None

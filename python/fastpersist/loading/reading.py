@@ -19,7 +19,8 @@ import torch
 
 from .. import _core
 from ..config import Config
-from ..errors import ChecksumMismatchError, CorruptCheckpointError
+from ..engine.read import ReadRange, read_ranges
+from ..errors import ChecksumMismatchError
 from ..format.layout import MANIFEST_NAME
 from ..format.manifest import Manifest
 from ..format.quote import shown
@@ -80,13 +81,10 @@ def read_queue_depth(config: Config, root: str) -> int:
     return config.resolved_for(root, "read").resolved_queue_depth
 
 
-def _mapping_errors(root: str, m: Manifest, read: Callable[[], T]) -> T:
+def _naming_tensors(root: str, m: Manifest, read: Callable[[], T]) -> T:
+    """Runs `read`; a checksum mismatch is raised again naming the tensors in its range."""
     try:
         return read()
-    except FileNotFoundError as e:
-        raise CorruptCheckpointError(
-            f"data file {shown(e.filename, 300)} named in {root}/{MANIFEST_NAME} is missing"
-        ) from None
     except ChecksumMismatchError as e:
         assert e.filename is not None and e.offset_bytes is not None and e.len_bytes is not None
         raise checksum_error(m, root, e.filename, e.offset_bytes, e.len_bytes, e.expected or 0, e.found or 0) from None
@@ -169,11 +167,11 @@ def read_window(
             continue
         first = (a - start) // chunk
         crcs = f.chunk_crc32c[first : first + _core.chunk_count(b - a, chunk)] if verify else []
-        ranges.append((m.file_path(root, f), f.len_bytes, a - start, b - a, a - lo, crcs))
-    _mapping_errors(
+        ranges.append(ReadRange(m.file_path(root, f), f.len_bytes, a - start, b - a, a - lo, crcs))
+    _naming_tensors(
         root,
         m,
-        lambda: _core.read_ranges_into(
+        lambda: read_ranges(
             ranges,
             dest,
             chunk_bytes=chunk,
@@ -181,6 +179,7 @@ def read_window(
             direct_io=config.direct_io,
             queue_depth=read_queue_depth(config, root),
             stats=stats,
+            named_in=f"{root}/{MANIFEST_NAME}",
         ),
     )
 

@@ -26,7 +26,7 @@ import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from ..config import Config, SaveResult
 from ..distributed.control import collective, control_for, describe, writer_map
@@ -204,6 +204,27 @@ class GroupSaveJob:
         if self.job is not None:
             self.job.discard()
 
+    def _exchange(self, what: str, op: Callable[[], T]) -> T:
+        """A collective once this rank's share is written: if the group fails, this rank's share
+        takes the group's error as its verdict and is discarded before the error is raised."""
+        try:
+            return self._collective(what, op)
+        except GroupSaveError as e:
+            self._fail(e)
+            self._discard_local()
+            raise
+
+    def _raise_failed(self, failures: list[str], own: BaseException | None, what: str = "") -> NoReturn:
+        """Fails and discards this rank's share, then raises its own error, else one naming the
+        ranks' `failures` (the first four) and what the group failed `what` (e.g. "to ...")."""
+        detail = "; ".join(failures[:4]) + (f"; and {len(failures) - 4} more" if len(failures) > 4 else "")
+        doing = f" {what}" if what else ""
+        error = self._fail(
+            own or GroupSaveError(f"the save of {self.path} failed{doing} ({detail}); nothing was committed")
+        )
+        self._discard_local()
+        raise error
+
     def _write_share(self, timeout: float | None) -> tuple[RankStatus, Written | None, BaseException | None]:
         """Waits for this rank's files (and shard manifest); its status for the group."""
         local_error = self.start_error
@@ -245,20 +266,10 @@ class GroupSaveJob:
 
     def finish(self, timeout: float | None = None) -> SaveResult:
         status, written, local_error = self._write_share(timeout)
-        try:
-            statuses = self._collective("exchange write results", lambda: self.control.all_gather(status))
-        except GroupSaveError as e:
-            self._fail(e)
-            self._discard_local()
-            raise
+        statuses = self._exchange("exchange write results", lambda: self.control.all_gather(status))
         failures = self._failures(statuses)
         if failures:
-            detail = "; ".join(failures)
-            error = self._fail(
-                local_error or GroupSaveError(f"the save of {self.path} failed ({detail}); nothing was committed")
-            )
-            self._discard_local()
-            raise error
+            self._raise_failed(failures, local_error)
         assert self.job is not None and written is not None
         outcome: CommitOutcome | None = None
         if self.rank == 0:

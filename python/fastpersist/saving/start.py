@@ -18,7 +18,7 @@ from .. import _core
 from ..config import Config, SaveResult
 from .group import GroupSaveJob
 from .job import SaveJob
-from .partner import PartnerSaveJob
+from .partner_copies import PartnerSaveJob
 from .remover import removals_pending, wait_removed
 from .target import make_parents
 

@@ -9,6 +9,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import fastpersist as fp
+
+from . import advise as advise_cli
+from . import bench, tune
 from .clitools import STRIPES_HELP, Progress, add_convert_parser, add_export_parser, add_inspect_parser
 from .demo import add_demo_parser
 from .units import parse_size
@@ -17,7 +21,6 @@ __all__ = ["main", "parse_size"]
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    import fastpersist as fp
 
     t = time.perf_counter()
     try:
@@ -37,7 +40,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_clean(args: argparse.Namespace) -> int:
     """``fastpersist clean ROOT [--stripes DIR ...] [--dry-run]``: remove leftovers of interrupted saves."""
-    import fastpersist as fp
 
     removed = fp.clean(args.root, stripes=args.stripes, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
@@ -57,7 +59,6 @@ def add_clean_parser(sub: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench
 
     return bench.run_cli(args)
 
@@ -66,7 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastpersist", description="Fast, safe deep-learning checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_demo_parser(sub)
-    from . import bench
 
     bench_parser = sub.add_parser(
         "bench",
@@ -87,10 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     ver.set_defaults(func=cmd_verify)
     add_convert_parser(sub)
     add_export_parser(sub)
-    from . import advise as advise_cli
 
     advise_cli.register(sub)
-    from . import tune
 
     tune.register(sub)
     add_clean_parser(sub)

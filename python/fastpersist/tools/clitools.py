@@ -15,6 +15,16 @@ import time
 from types import TracebackType
 from typing import Any
 
+import fastpersist as fp
+
+from ..errors import FastPersistError
+from ..format.layout import atomic_file
+from ..hfapi import export_hf
+from ..interop.convert import convert
+from ..interop.hfshards import DEFAULT_MAX_SHARD_BYTES
+from .rootinfo import describe_root, is_checkpointer_root, print_root
+from .units import parse_size
+
 __all__ = [
     "STRIPES_HELP",
     "Progress",
@@ -103,9 +113,6 @@ def _human(nbytes: int) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``fastpersist inspect PATH [--all] [--json] [--limit N]``; PATH a checkpoint, or a
     Checkpointer root (its steps and levels: :mod:`fastpersist.tools.rootinfo`)."""
-    import fastpersist as fp
-
-    from .rootinfo import describe_root, is_checkpointer_root, print_root
 
     if is_checkpointer_root(args.path):
         info = describe_root(args.path, node=args.node)
@@ -180,8 +187,6 @@ def add_inspect_parser(sub: Any) -> None:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """``fastpersist convert SRC --to torch|safetensors|fastpersist OUT``."""
-    from ..errors import FastPersistError
-    from ..interop.convert import convert
 
     started = time.perf_counter()
     with Progress(total=2, desc="convert") as bar:
@@ -231,10 +236,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     """``fastpersist export SRC --to hf OUTDIR [--key K] [--prefix P] [--max-shard-size 5GB] [--config C]``."""
     import shutil
 
-    from ..errors import FastPersistError
-    from ..format.layout import atomic_file
-    from ..hfapi import export_hf
-
     try:
         done = export_hf(args.src, args.outdir, prefix=args.prefix, key=args.key, max_shard_bytes=args.max_shard_size)
     except (FastPersistError, FileNotFoundError, NotADirectoryError, ValueError) as e:
@@ -254,8 +255,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def add_export_parser(sub: Any) -> None:
     """Registers ``export`` on the CLI's subparsers."""
-    from ..interop.hfshards import DEFAULT_MAX_SHARD_BYTES
-    from .units import parse_size
 
     exp = sub.add_parser(
         "export",

@@ -28,6 +28,9 @@ import sys
 import time
 from typing import Any
 
+import fastpersist as fp
+
+from ..config import Config
 from .bench.harness import Bench
 from .bench.loads import add_fastpersist_load, add_safetensors_loads, add_torch_load
 from .bench.measure import Row
@@ -87,9 +90,6 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Runs the demo as `args` asks (see :func:`add_demo_parser`); 0 if the checkpoint reloaded bit-identical."""
-    import fastpersist as fp
-
-    from ..config import Config
 
     parent = os.path.abspath(args.dir or os.getcwd())
     kept = os.path.join(parent, "fastpersist-demo-ckpt")

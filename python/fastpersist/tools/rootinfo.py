@@ -24,11 +24,11 @@ import json
 import os
 from typing import Any
 
+from ..distributed.placement import Placement, node_name
 from ..errors import FastPersistError
 from ..format.layout import INDEX_NAME, MANIFEST_NAME, is_checkpointer_root, parse_step_dir, shard_name
 from ..format.manifest import Manifest, read_manifest
 from ..levels.holdings import Share, share_problem, shares_of
-from ..levels.placement import Placement, node_name
 
 __all__ = ["describe_root", "is_checkpointer_root", "print_root"]
 

@@ -43,7 +43,7 @@ import torch
 
 from .. import _core
 from ..config import Config
-from ..engine import WriteRequest, start_write
+from ..engine import ReadRange, WriteRequest, read_ranges, start_write
 from ..loading.reading import aligned_uint8
 from ..tuning.cache import Best, Figure
 from ..tuning.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
@@ -224,7 +224,7 @@ class _Trials:
 
     def record_read(self, path: str, nbytes: int, chunk: int, depth: int, dest: torch.Tensor) -> None:
         start = self.clock()
-        _core.read_ranges_into([(path, nbytes, 0, nbytes, 0, [])], dest.numpy(), chunk_bytes=chunk, queue_depth=depth)
+        read_ranges([ReadRange(path, nbytes, 0, nbytes, 0, [])], dest.numpy(), chunk_bytes=chunk, queue_depth=depth)
         gb_per_s = nbytes / max(self.clock() - start, 1e-9) / 1e9
         self.figures.append(Figure("read", chunk, depth, round(gb_per_s, 3), nbytes))
 

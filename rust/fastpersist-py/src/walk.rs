@@ -9,7 +9,7 @@
 //! storage, numpy arrays, bytes, sets, namedtuples, an error to raise ...) is handed to
 //! `walker.node(x, path, depth)`, the Python walk itself, which appends to the same lists: the
 //! result is the Python walk's by construction. Errors the walk raises (cycles, depth) come
-//! from the walker's own `_enter` and `_key`, so their types and messages are the same too.
+//! from the walker's own `enter` and `encode_key`, so their types and messages are the same too.
 
 mod slots;
 mod tensor;
@@ -176,7 +176,7 @@ impl<'py> Walk<'py> {
         node
     }
 
-    /// `_Walker._enter`: the depth limit and the cycle check; returns `id(x)`, now on the path.
+    /// `_Walker.enter`: the depth limit and the cycle check; returns `id(x)`, now on the path.
     fn enter(
         &self,
         x: &Bound<'py, PyAny>,
@@ -187,7 +187,7 @@ impl<'py> Walk<'py> {
         if depth >= self.env.max_depth || self.on_path.contains(&id)? {
             // The walker raises the error, with its message (it adds `id` if it does not).
             self.walker
-                .call_method1(intern!(self.py, "_enter"), (x, path, depth))?;
+                .call_method1(intern!(self.py, "enter"), (x, path, depth))?;
         } else {
             self.on_path.add(&id)?;
         }
@@ -260,7 +260,7 @@ impl<'py> Walk<'py> {
         let py = self.py;
         keys.append(
             self.walker
-                .call_method1(intern!(py, "_key"), (k, path, depth))?,
+                .call_method1(intern!(py, "encode_key"), (k, path, depth))?,
         )?;
         let text = self.env.key_text.call1((k,))?.cast_into::<PyString>()?;
         self.child_of(path, "[", &text, "]")

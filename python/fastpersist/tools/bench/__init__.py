@@ -37,6 +37,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ...config import Config
 from ..units import auto_or, parse_size
 from .fixed import replacing_save_phases
 from .harness import Bench
@@ -69,7 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     Shared by ``fastpersist bench`` and ``python -m fastpersist.tools.bench``.
     """
-    from ...config import Config
 
     defaults = Config()
     parser.add_argument("--size", type=parse_size, default=parse_size("1GiB"), help="state size (default 1GiB)")

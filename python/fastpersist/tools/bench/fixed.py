@@ -13,6 +13,8 @@ import os
 import statistics
 from typing import Any
 
+import fastpersist as fp
+
 from .state import build_state
 
 #: The commit of a replacing save (manifest, fsyncs, the exchange) should cost at most this.
@@ -29,7 +31,6 @@ def replacing_save_phases(directory: str, nbytes: int = 256 << 20, runs: int = 5
         >>> replacing_save_phases("/tmp", 4 << 20, runs=2)["median"]["commit"] < 1  # doctest: +SKIP
         True
     """
-    import fastpersist as fp
 
     state = build_state(nbytes)
     path = os.path.join(directory, "fixed-costs")

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+import fastpersist as fp
+
 from ... import _core
 from .measure import Method, Row
 from .state import build_state, count_tensors, gpt_shape, safetensors_view, state_summary
@@ -49,8 +51,6 @@ class Bench:
         say: Callable[[str], None] = progress,
     ) -> None:
         import torch
-
-        import fastpersist as fp
 
         self.say = say  # where progress messages go
         self.args = args

@@ -9,7 +9,9 @@ import inspect
 import time
 from typing import TYPE_CHECKING, Any
 
-from ... import _core
+import fastpersist as fp
+
+from ...engine import ReadRange, read_ranges
 from ...loading.reading import aligned_uint8
 from .measure import Method
 from .saves import BIG_CHUNK_BYTES, BIG_QUEUE_DEPTH, settings_text
@@ -35,12 +37,13 @@ def _add_engine_reads(bench: Bench) -> None:
     backend = bench.backends[0] if bench.backends else "threads"
     settings = settings_text(args.chunk_bytes, args.read_queue_depth)
     # No crc32c values to check: any chunk size reads any file.
-    ranges: list[tuple[str, int, int, int, int, list[int]]] = [
-        (p, n, 0, n, off, []) for p, (_w, _s, off, n) in zip(bench.raw_paths, bench.raw_plan.parts, strict=True)
+    ranges = [
+        ReadRange(p, n, 0, n, off, [])
+        for p, (_w, _s, off, n) in zip(bench.raw_paths, bench.raw_plan.parts, strict=True)
     ]
 
     def read_into(dest: Any, chunk_bytes: int, queue_depth: int) -> None:
-        got = _core.read_ranges_into(
+        got = read_ranges(
             ranges, dest, chunk_bytes=chunk_bytes, backend=backend, direct_io=bench.direct, queue_depth=queue_depth
         )
         assert got == bench.nbytes
@@ -82,7 +85,6 @@ def _add_engine_reads(bench: Bench) -> None:
 
 def add_fastpersist_load(bench: Bench) -> None:
     """``fastpersist.load`` of what ``fastpersist.save`` on the first backend kept."""
-    import fastpersist as fp
 
     backend = bench.backends[0] if bench.backends else "threads"
     if bench.backends:

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+import fastpersist as fp
+
 #: A save into the null sink should run at least this fraction of a warm memcpy's speed.
 TARGET_NULL_SINK_VS_MEMCPY = 0.6
 
@@ -47,7 +49,6 @@ def null_sink_save(state: object, directory: str, *, blocking: bool = True, **co
         >>> null_sink_save({"w": torch.ones(1000)}, "/tmp")["seconds"] < 10  # doctest: +SKIP
         True
     """
-    import fastpersist as fp
     from fastpersist.saving.job import SaveJob
 
     path = os.path.join(directory, f"null-sink-{uuid.uuid4().hex[:8]}")

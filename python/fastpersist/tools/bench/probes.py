@@ -16,7 +16,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import fastpersist as fp
+
 from ... import _core
+from ...format.flatten import flatten
+from ...format.nativewalk import NATIVE_WALK
+from ...gpu.early import choose_early_copies
 from .state import build_small_state, build_state, state_summary
 from .system import MiB, remove_path, reset_peak_rss, status_bytes
 
@@ -37,8 +42,6 @@ def flatten_plan_seconds(
         >>> r["tensors"], r["walk"], r["python_median_s"] > 0
         (1000, 'native', True)
     """
-    from ...format.flatten import flatten
-    from ...format.nativewalk import NATIVE_WALK
 
     state = build_small_state(tensor_count)
     walks = [True, False] if compare and NATIVE_WALK is not None else [NATIVE_WALK is not None]
@@ -81,7 +84,6 @@ def flatten_plan_seconds(
 
 def _flatten_plan_once(state: object, native: bool, chunk_bytes: int) -> tuple[float, float, int]:
     """``(seconds, CPU seconds, tensor count)`` of one flatten + plan."""
-    from ...format.flatten import flatten
 
     cpu_start = time.process_time()
     start = time.perf_counter()
@@ -111,7 +113,6 @@ def rss_probe(
     else has touched the pool or the heap. The peak (VmHWM) is reset just before the save where
     the kernel allows it (``/proc/self/clear_refs``), else the delta is against the earlier peak.
     """
-    import fastpersist as fp
 
     state = build_state(total_bytes)
     nbytes = state_summary(state)["bytes"]
@@ -177,8 +178,6 @@ def early_copy_bytes(state: object) -> tuple[int, int]:
         >>> early_copy_bytes({"a": torch.zeros(4), "b": torch.zeros(1 << 20)})
         (1, 16)
     """
-    from ...format.flatten import flatten
-    from ...gpu.early import choose_early_copies
 
     blobs = flatten(state).blobs
     chosen = choose_early_copies(blobs)

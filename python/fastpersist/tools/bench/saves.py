@@ -14,6 +14,8 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import fastpersist as fp
+
 from ... import _core
 from ...engine import WriteRequest, start_write
 from .fio import fio_engine, run_fio_write
@@ -141,7 +143,6 @@ def _add_fastpersist_methods(bench: Bench) -> None:
 
 def add_fastpersist_save(bench: Bench, backend: Backend) -> None:
     """``fastpersist.save`` on `backend`; its checkpoint is kept for ``fastpersist.load``."""
-    import fastpersist as fp
 
     config = fp.Config(backend=backend, **bench.config_kwargs)
     path = bench.path(f"fp-{backend}")
@@ -159,7 +160,6 @@ def add_fastpersist_save(bench: Bench, backend: Backend) -> None:
 
 def add_save_async(bench: Bench) -> None:
     """``fastpersist.save_async``: three rows, the time to return, to staged and to durable."""
-    import fastpersist as fp
 
     async_config = fp.Config(**bench.config_kwargs)
     path = bench.path("fp-async")
@@ -186,7 +186,6 @@ def add_save_async(bench: Bench) -> None:
 
 
 def _add_fastpersist_torch_save(bench: Bench) -> None:
-    import fastpersist as fp
 
     ts_path = bench.path("fp-torch-save.pt")
     ts_key = bench.add_row("fastpersist_torch_save", "fastpersist.torch_save (.pt)", "save", "fastpersist")
@@ -205,7 +204,6 @@ def _add_export_method(bench: Bench, config: Any) -> None:
     """``fastpersist.export_hf`` of the whole state from a checkpoint of it (saved once, untimed)
     to Hugging Face safetensors shards: read back, checksummed, written, fsynced; against
     ``safetensors.save_file`` of the same tensors from memory."""
-    import fastpersist as fp
 
     src, out = bench.path("fp-export-src"), bench.path("hf-export")
     key = bench.add_row("fastpersist_export_hf", "fastpersist.export_hf (from a checkpoint)", "save", "fastpersist")

@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ...config import Config, resolve
+
 __all__ = ["settings_line", "settle_settings"]
 
 
 def settle_settings(args: argparse.Namespace, directory: str) -> str:
     """Replaces ``"auto"`` in `args` by the settings for `directory`'s device (adding
     ``read_queue_depth``, ``write_source``, ``read_source``); returns the line that says so."""
-    from ...config import Config, resolve
 
     asked = Config(chunk_bytes=args.chunk_bytes, queue_depth=args.queue_depth, pool_bytes=args.pool_bytes)
     write = resolve(asked, directory, "write")

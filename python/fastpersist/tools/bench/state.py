@@ -8,6 +8,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ...format.flatten import flatten
+
 if TYPE_CHECKING:
     import torch
 
@@ -157,7 +159,6 @@ def build_small_state(tensor_count: int = 10_000, *, seed: int = 0) -> dict[str,
 
 def state_summary(state: object) -> dict[str, int]:
     """``{"bytes", "tensors", "blobs"}``: unique tensor bytes (tied storage once) and counts."""
-    from ...format.flatten import flatten
 
     flat = flatten(state)
     return {"bytes": sum(b.nbytes for b in flat.blobs), "tensors": len(flat.tensors), "blobs": len(flat.blobs)}

@@ -21,6 +21,7 @@ import numpy as np
 
 from ... import _core
 from ...loading.reading import aligned_uint8
+from ...saving.target import remove_checkpoint_tree
 
 Backend = Literal["io_uring", "threads"]
 GB = 1e9
@@ -32,7 +33,6 @@ def progress(message: str) -> None:
 
 
 def remove_path(path: str) -> None:
-    from ...saving.target import remove_checkpoint_tree
 
     if os.path.isdir(path):
         remove_checkpoint_tree(path)  # also removes the stripe directories its manifest names

@@ -1,7 +1,7 @@
 """A :class:`~fastpersist.Checkpointer`'s partner level: what it does differently with ``replicas=k``.
 
 Each node's root holds that node's own step directories (the shares of its ranks and copies of
-its partners' shares, :mod:`fastpersist.saving.partner`); the node's leader (its lowest rank)
+its partners' shares, :mod:`fastpersist.saving.partner_copies`); the node's leader (its lowest rank)
 cleans that root, writes its index and retires its old steps, each only once the new step is
 complete on the node. ``latest()`` and ``load()`` are agreed over the group
 (:mod:`fastpersist.levels.restore`).
@@ -11,20 +11,18 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..config import SaveResult
+from ..config import Config, SaveResult
+from ..distributed.control import ControlGroup, control_for
+from ..distributed.placement import Placement, node_name
 from ..errors import FastPersistError
-from ..format.layout import MANIFEST_NAME
+from ..format.layout import MANIFEST_NAME, shard_name
 from ..format.manifest import read_manifest
 from ..loading.phases import PhaseClock
 from ..loading.pipeline import LoadOptions
 from .holdings import retire_on_node, share_problem, shares_of
-from .placement import Placement, node_name
 from .restore import candidates, node_report, restore_step, verified_step
-
-if TYPE_CHECKING:
-    from ..distributed.control import ControlGroup
 
 __all__ = ["PartnerLevel"]
 
@@ -43,7 +41,6 @@ class PartnerLevel:
         self.verified: dict[tuple[str, int], tuple[Any, ...]] = {}
 
     def control(self) -> ControlGroup:
-        from ..distributed.control import control_for
 
         timeout = self.ck.config.timeout_s if self.ck.config is not None else 600.0
         return control_for(self.ck.group, timeout)
@@ -131,7 +128,6 @@ class PartnerLevel:
 def _share_bytes(path: str, m: Any, share: Any) -> int:
     if not m.shards:
         return int(share.nbytes)
-    from ..format.layout import shard_name
 
     shard_dir = os.path.join(path, shard_name(share.index))
     try:
@@ -143,6 +139,5 @@ def _share_bytes(path: str, m: Any, share: Any) -> int:
 
 
 def _default_config() -> Any:
-    from ..config import Config
 
     return Config()

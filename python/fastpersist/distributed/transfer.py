@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from .. import _core
+from ..engine.read import first_bad_chunk, read_file_range
 from ..errors import ChecksumMismatchError
 from ..format.layout import MANIFEST_NAME
 from ..format.manifest import parse
-from .stores import first_bad_chunk
 
 __all__ = ["PIECE_BYTES", "ShareFile", "Transfer", "piece_spans", "send_and_receive"]
 
@@ -79,9 +79,7 @@ def _read_piece(path: str, f: ShareFile, offset: int, length: int, chunk_bytes: 
             raise OSError(f"{path}: short read ({len(data)} of {length} bytes at {offset})")
         out[:length].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         return
-    first = offset // chunk_bytes
-    crcs = f.chunk_crc32c[first : first + _core.chunk_count(length, chunk_bytes)]
-    _core.read_ranges_into([(path, f.len_bytes, offset, length, 0, crcs)], out.numpy(), chunk_bytes=chunk_bytes)
+    read_file_range(path, f.len_bytes, offset, length, f.chunk_crc32c, out.numpy(), chunk_bytes)
 
 
 def _check_piece(where: str, f: ShareFile, offset: int, data: torch.Tensor, chunk_bytes: int) -> None:

@@ -10,9 +10,9 @@ A. rank 0 draws the save's id; each leader checks its target and makes its node'
    directory; the ranks exchange a status, and all raise if any node could not start;
 B. every rank writes its share into its node's temporary directory (sharded: its shard
    directory with its manifest); the ranks exchange their files and checksums;
-C. each share's files go to its partners (:mod:`fastpersist.levels.placement`) over gloo,
+C. each share's files go to its partners (:mod:`fastpersist.distributed.placement`) over gloo,
    read back with their checksums checked and checked again on arrival
-   (:mod:`fastpersist.levels.transfer`); the ranks exchange a status. If any copy failed (a
+   (:mod:`fastpersist.distributed.transfer`); the ranks exchange a status. If any copy failed (a
    partner killed, ENOSPC), nothing is committed anywhere and every rank raises: a step
    counts only once every share has its copies. With replicated state every rank holds the
    same bytes, so in step B each partner already wrote its copies from its own state, in the
@@ -37,12 +37,12 @@ from dataclasses import replace
 from typing import Any
 
 from ..config import Config, SaveResult
-from ..distributed.control import describe, writer_map
+from ..distributed.control import control_for, describe, writer_map
+from ..distributed.placement import Placement
+from ..distributed.transfer import ShareFile, Transfer, send_and_receive
 from ..errors import GroupSaveError
 from ..format.layout import MANIFEST_NAME, shard_name, tmp_dir_for
 from ..format.ownership import DirLock, make_locked_dir
-from ..levels.placement import Placement
-from ..levels.transfer import ShareFile, Transfer, send_and_receive
 from .group import GroupSaveJob, RankStatus, StartMessage
 from .job import Layout, SaveJob
 from .target import check_name_fits, check_target
@@ -80,7 +80,6 @@ class PartnerSaveJob(GroupSaveJob):
         self.replicas = replicas
 
     def start(self, state: object, *, background: bool = True) -> PartnerSaveJob:
-        from ..distributed.control import control_for
 
         self.control = control_for(self.group, self.config.timeout_s)
         self.rank = self.control.rank
@@ -194,21 +193,8 @@ class PartnerSaveJob(GroupSaveJob):
         return len(transfers)
 
     def _gather_errors(self, what: str, error: BaseException | None) -> list[tuple[int, str]]:
-        try:
-            errors = self._collective(what, lambda: self.control.all_gather(describe(error) if error else ""))
-        except GroupSaveError as e:
-            self._fail(e)
-            self._discard_local()
-            raise
+        errors = self._exchange(what, lambda: self.control.all_gather(describe(error) if error else ""))
         return [(r, e) for r, e in enumerate(errors) if e]
-
-    def _raise_failed(self, failed: list[tuple[int, str]], own: BaseException | None, what: str) -> None:
-        detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
-        error = self._fail(
-            own or GroupSaveError(f"the save of {self.path} failed to {what} ({detail}); nothing was committed")
-        )
-        self._discard_local()
-        raise error
 
     def finish(self, timeout: float | None = None) -> SaveResult:
         status, written, local_error = self._write_share(timeout)
@@ -216,15 +202,10 @@ class PartnerSaveJob(GroupSaveJob):
         if status.error == "" and self.sharded:
             size = os.path.getsize(os.path.join(self.layout.data_dir, MANIFEST_NAME))
             status = replace(status, manifest_bytes=size)
-        try:
-            statuses = self._collective("exchange write results", lambda: self.control.all_gather(status))
-        except GroupSaveError as e:
-            self._fail(e)
-            self._discard_local()
-            raise
+        statuses = self._exchange("exchange write results", lambda: self.control.all_gather(status))
         failures = self._failures(statuses)
         if failures:
-            self._raise_failed([(-1, f) for f in failures], local_error, "write every share")
+            self._raise_failed(failures, local_error, "to write every share")
         copy_error: BaseException | None = None
         copy_started = time.perf_counter()
         sent = 0
@@ -242,7 +223,11 @@ class PartnerSaveJob(GroupSaveJob):
             )
         failed = self._gather_errors("exchange replication results", copy_error)
         if failed:
-            self._raise_failed(failed, copy_error, f"keep {self.replicas} copies of every share on other nodes")
+            self._raise_failed(
+                [f"rank {r}: {e}" for r, e in failed],
+                copy_error,
+                f"to keep {self.replicas} copies of every share on other nodes",
+            )
         assert self.job is not None and written is not None
         commit_error: BaseException | None = None
         if self.layout.owner:
