@@ -24,7 +24,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from . import _core
+import fastpersist._core as _core
+
 from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
 from .advisor.multilevel import Failures, local_mtbf_s
 from .api import load, verify

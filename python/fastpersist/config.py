@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
 
-from . import _core
+import fastpersist._core as _core
+
 from .tuning.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
 from .tuning.resolve import settle
 

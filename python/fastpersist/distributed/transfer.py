@@ -26,8 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _core
-from ..engine.read import first_bad_chunk, read_file_range
+import fastpersist._core as _core
+
+from ..engine import first_bad_chunk, read_file_range
 from ..errors import ChecksumMismatchError
 from ..format.layout import MANIFEST_NAME
 from ..format.manifest import parse

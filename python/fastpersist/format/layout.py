@@ -47,7 +47,8 @@ import re
 import uuid
 from collections.abc import Iterable, Iterator
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..errors import CorruptCheckpointError
 from .flocks import flock, lock_state, locked_dir
 from .quote import shown

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from . import limits
 from .layout import DATA_FILE, MANIFEST_NAME, SHARD_DIR, check_stripe_dirs

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from .. import _core
+import fastpersist._core as _core
+
 from .blobs import Blob
 from .limits import MAX_DEPTH, MAX_DIMS
 from .records import CANONICAL_CACHE, ITEMSIZE, TORCH_DTYPE_NAME, TensorRecord, canonical_layout

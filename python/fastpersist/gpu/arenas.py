@@ -30,7 +30,8 @@ from typing import NamedTuple
 
 import torch
 
-from .. import _core
+import fastpersist._core as _core
+
 from .pinned import pin_host
 
 __all__ = ["ARENAS", "Arenas", "auto_pinned_bytes", "pinned_cap_bytes"]

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .. import _core
+import fastpersist._core as _core
 
 __all__ = ["CudaRuntime", "HostRuntime", "is_pinned", "pin_host", "pinned_bytes", "unpin_host", "use_runtime"]
 

@@ -17,7 +17,8 @@ from typing import cast
 import numpy as np
 import torch
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..format.blobs import Blob
 from .arenas import ARENAS, pinned_cap_bytes
 from .copiers import CopierFactory, DeviceCopier, copier_for, device_bytes

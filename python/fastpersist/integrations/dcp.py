@@ -48,7 +48,8 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..config import Config
 from ..engine import WriteRequest, knobs, read_ranges, start_write
 from ..errors import CorruptCheckpointError
@@ -84,7 +85,23 @@ class ItemInfo:
     chunk_crc32c: tuple[int, ...] | None = None
 
 
-class FastPersistWriter(StorageWriter, BlockingAsyncStager):
+class _LocalDirectory:
+    """What the writer and the reader say of their checkpoint id: a local directory."""
+
+    path: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory (as ``FileSystemWriter``/``FileSystemReader`` say it)."""
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Any local path will do."""
+        return isinstance(checkpoint_id, (str, os.PathLike))
+
+
+class FastPersistWriter(_LocalDirectory, StorageWriter, BlockingAsyncStager):
     """A DCP ``StorageWriter`` that writes through the fastpersist engine.
 
     It takes ``FileSystemWriter``'s arguments (by keyword) with the same meaning where the
@@ -271,16 +288,6 @@ class FastPersistWriter(StorageWriter, BlockingAsyncStager):
             if name.endswith(DCP_DATA_SUFFIX) and name not in live:
                 os.remove(os.path.join(self.path, name))
 
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint directory (``FileSystemWriter.checkpoint_id``)."""
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Any local path will do."""
-        return isinstance(checkpoint_id, (str, os.PathLike))
-
 
 def _source(item: WriteItem, data: object) -> tuple[np.ndarray | torch.Tensor, str | None, tuple[int, ...]]:
     """An item's bytes as a flat uint8 array, with its dtype name (None: bytes) and shape; a
@@ -299,7 +306,7 @@ def _source(item: WriteItem, data: object) -> tuple[np.ndarray | torch.Tensor, s
     return flat, dtype, shape
 
 
-class FastPersistReader(StorageReader):
+class FastPersistReader(_LocalDirectory, StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by :class:`FastPersistWriter`.
 
     Each rank reads only the chunks holding the regions its load plan asks for (a resharded
@@ -444,16 +451,6 @@ class FastPersistReader(StorageReader):
                 checked = crcs[first : first + _core.chunk_count(hi - lo, info.chunk_bytes)]
                 ranges.append((path, info.file_bytes, lo, hi - lo, slot + lo - window.lo_bytes, checked))
         return ranges
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint directory (``FileSystemReader.checkpoint_id``)."""
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Any local path will do."""
-        return isinstance(checkpoint_id, (str, os.PathLike))
 
 
 def _copy_item(item: ReadItem, info: ItemInfo, raw: torch.Tensor, start_bytes: int, planner: LoadPlanner) -> None:

@@ -34,7 +34,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..config import Config
 from ..errors import FastPersistError
 from ..format.layout import atomic_file, remove_dead_tmp_files

@@ -42,7 +42,8 @@ from typing import IO, Any, cast
 import numpy as np
 import torch
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..config import Config, SaveResult
 from ..engine import WriteRequest, knobs, start_write
 from ..format.layout import atomic_file

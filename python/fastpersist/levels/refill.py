@@ -24,7 +24,8 @@ import os
 import shutil
 from typing import Any
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..cleanup import clean
 from ..distributed.control import collective, control_for, describe
 from ..errors import FastPersistError, GroupLoadError

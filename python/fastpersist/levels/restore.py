@@ -33,7 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..distributed.control import ControlGroup, collective, describe
 from ..errors import FastPersistError, GroupLoadError
 from ..format.layout import MANIFEST_NAME, parse_step_dir, shard_name

@@ -25,8 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
-from .. import _core
-from ..engine.read import first_bad_chunk, read_file_range
+import fastpersist._core as _core
+
+from ..engine import first_bad_chunk, read_file_range
 from ..errors import ChecksumMismatchError, CorruptCheckpointError
 from ..format.layout import write_small_file
 from ..format.ownership import REMOVING, remove_owned_dir

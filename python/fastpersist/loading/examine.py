@@ -20,7 +20,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..errors import CorruptCheckpointError
 from ..format.confine import check_data_files
 from ..format.manifest import FileEntry, Manifest

@@ -47,7 +47,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..config import Config
 from ..format.flatten import flatten
 from ..format.manifest import Manifest

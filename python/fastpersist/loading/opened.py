@@ -46,7 +46,8 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.confine import check_shard_dir
 from ..format.layout import MANIFEST_NAME

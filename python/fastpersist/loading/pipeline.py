@@ -22,7 +22,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..config import Config
 from ..distributed.control import group_rank_and_size
 from ..errors import CorruptCheckpointError

@@ -17,9 +17,10 @@ from typing import TypeVar
 
 import torch
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..config import Config
-from ..engine.read import ReadRange, read_ranges
+from ..engine import ReadRange, read_ranges
 from ..errors import ChecksumMismatchError
 from ..format.layout import MANIFEST_NAME
 from ..format.manifest import Manifest

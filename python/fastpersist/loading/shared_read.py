@@ -34,7 +34,8 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..config import Config
 from ..distributed.control import ControlGroup, collective, control_for
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, FastPersistError, GroupLoadError

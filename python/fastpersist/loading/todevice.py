@@ -45,7 +45,8 @@ from typing import NamedTuple
 
 import torch
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..config import Config
 from ..errors import FastPersistError
 from ..format.manifest import Manifest

@@ -21,7 +21,8 @@ import logging
 import threading
 import time
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..config import SaveResult
 from ..futures import SaveFuture
 

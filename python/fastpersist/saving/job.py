@@ -23,7 +23,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..config import Config, SaveResult
 from ..engine import WriteRequest, knobs, start_write
 from ..errors import SaveCancelledError

@@ -5,7 +5,8 @@ from __future__ import annotations
 import collections
 import threading
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..config import Config
 
 __all__ = ["pool_for"]

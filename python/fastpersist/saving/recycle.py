@@ -44,7 +44,8 @@ import os
 import shutil
 import stat
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..errors import FastPersistError
 from ..format.layout import MANIFEST_NAME, RECYCLE_DIR, SHARD_DIR, recycle_entry_name
 from ..format.manifest import read_manifest

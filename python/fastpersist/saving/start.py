@@ -14,7 +14,8 @@ from __future__ import annotations
 import errno
 import os
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..config import Config, SaveResult
 from .group import GroupSaveJob
 from .job import SaveJob

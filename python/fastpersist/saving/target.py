@@ -17,7 +17,8 @@ import os
 import re
 from collections.abc import Sequence
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..format.confine import remove_checkpoint_tree as _remove_confined
 from ..format.layout import MANIFEST_NAME, stripe_dir_id, stripe_dir_name, tmp_dir_for, write_new_file
 

@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..config import Config
 from ..engine import ReadRange, WriteRequest, read_ranges, start_write
 from ..loading.reading import aligned_uint8

@@ -26,7 +26,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..format.layout import tmp_file_for, write_small_file
 from .identity import DeviceIdentity
 

@@ -21,7 +21,8 @@ import os
 from collections.abc import Sequence
 from typing import Literal
 
-from .. import _core
+import fastpersist._core as _core
+
 from .cache import TuneEntry, lookup
 from .defaults import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
 from .identity import device_identity

@@ -8,8 +8,8 @@ use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 
-use crate::DIRECT_ALIGN_BYTES;
 use crate::pages::{self, HUGE_PAGE_BYTES};
+use crate::{DIRECT_ALIGN_BYTES, round_up};
 
 /// A zero-initialised, `DIRECT_ALIGN_BYTES`-aligned byte buffer whose length is a multiple of
 /// `DIRECT_ALIGN_BYTES`, so any prefix rounded up to the alignment is a valid O_DIRECT buffer.
@@ -113,18 +113,6 @@ impl fmt::Debug for AlignedBuf {
     }
 }
 
-/// Rounds `value` up to a multiple of `align` (a power of two).
-pub fn round_up(value: usize, align: usize) -> usize {
-    debug_assert!(align.is_power_of_two());
-    (value + align - 1) & !(align - 1)
-}
-
-/// `round_up` for file offsets.
-pub fn round_up_u64(value: u64, align: u64) -> u64 {
-    debug_assert!(align.is_power_of_two());
-    (value + align - 1) & !(align - 1)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,13 +159,5 @@ mod tests {
         // SAFETY: mincore on an unmapped page fails with ENOMEM and touches nothing.
         let rc = unsafe { libc::mincore(base as *mut libc::c_void, 4096, vec.as_mut_ptr()) };
         assert_eq!(rc, -1, "a dropped large buffer should be unmapped");
-    }
-
-    #[test]
-    fn rounding() {
-        assert_eq!(round_up(0, 4096), 0);
-        assert_eq!(round_up(1, 4096), 4096);
-        assert_eq!(round_up(4096, 4096), 4096);
-        assert_eq!(round_up_u64(4097, 64), 4160);
     }
 }

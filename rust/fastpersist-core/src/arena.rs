@@ -18,8 +18,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::DIRECT_ALIGN_BYTES;
-use crate::align::round_up;
 use crate::pages::{HUGE_PAGE_BYTES, map_huge_aligned, unmap_anonymous};
+use crate::round_up;
 
 struct ArenaMemory {
     base: NonNull<u8>,

@@ -30,3 +30,28 @@ pub use error::{Error, Result};
 
 /// Alignment of file offsets, lengths and buffer addresses for O_DIRECT.
 pub const DIRECT_ALIGN_BYTES: usize = 4096;
+
+/// Rounds `value` up to a multiple of `align` (a power of two).
+pub fn round_up(value: usize, align: usize) -> usize {
+    debug_assert!(align.is_power_of_two());
+    (value + align - 1) & !(align - 1)
+}
+
+/// `round_up` for file offsets.
+pub fn round_up_u64(value: u64, align: u64) -> u64 {
+    debug_assert!(align.is_power_of_two());
+    (value + align - 1) & !(align - 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding() {
+        assert_eq!(round_up(0, 4096), 0);
+        assert_eq!(round_up(1, 4096), 4096);
+        assert_eq!(round_up(4096, 4096), 4096);
+        assert_eq!(round_up_u64(4097, 64), 4160);
+    }
+}

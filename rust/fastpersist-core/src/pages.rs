@@ -7,7 +7,7 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::DIRECT_ALIGN_BYTES;
-use crate::align::round_up;
+use crate::round_up;
 
 /// Faults in (allocates and zeroes) the pages under `[addr, addr + len_bytes)` that are not
 /// present yet, without changing any byte: `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+).

@@ -14,8 +14,8 @@
 //! the Python side derives nothing itself.
 
 use crate::DIRECT_ALIGN_BYTES;
-use crate::align::round_up_u64;
 use crate::error::{Error, Result};
+use crate::round_up_u64;
 
 /// Alignment of each tensor inside the logical stream (matches torch's CPU allocator).
 pub const EXTENT_ALIGN_BYTES: u64 = 64;

@@ -42,7 +42,7 @@ impl fmt::Debug for Pool {
 impl Pool {
     /// A pool of at most `pool_bytes` (but never fewer than two slots: double buffering).
     pub fn new(slot_bytes: usize, pool_bytes: usize) -> Self {
-        let slot_bytes = crate::align::round_up(slot_bytes.max(1), crate::DIRECT_ALIGN_BYTES);
+        let slot_bytes = crate::round_up(slot_bytes.max(1), crate::DIRECT_ALIGN_BYTES);
         let slot_count = (pool_bytes / slot_bytes).max(2);
         Pool {
             inner: Arc::new(PoolInner {

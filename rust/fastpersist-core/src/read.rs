@@ -9,13 +9,13 @@ use std::sync::{Arc, mpsc};
 use std::time::Instant;
 
 use crate::DIRECT_ALIGN_BYTES;
-use crate::align::round_up;
 use crate::backend::{self, Direction, IoBuf, IoOp, Next, OpSource, OpenFile};
 use crate::checksum::crc32c;
 use crate::error::{Error, Result};
 use crate::pages::populate_write;
 use crate::plan::{check_chunk_bytes, chunk_count, chunk_spans};
 use crate::probe::{BackendKind, DirectMode};
+use crate::round_up;
 
 /// One range of a file to read into the destination (usually the whole file).
 #[derive(Debug, Clone)]

@@ -12,7 +12,7 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ... import _core
+import fastpersist._core as _core
 
 __all__ = ["FioRun", "fio_engine", "run_fio_write"]
 

@@ -14,8 +14,8 @@ from typing import Any, Literal
 import numpy as np
 
 import fastpersist as fp
+import fastpersist._core as _core
 
-from ... import _core
 from .measure import Method, Row
 from .state import build_state, count_tensors, gpt_shape, safetensors_view, state_summary
 from .system import (

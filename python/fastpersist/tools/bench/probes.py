@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import fastpersist as fp
+import fastpersist._core as _core
 
-from ... import _core
 from ...format.flatten import flatten
 from ...format.nativewalk import NATIVE_WALK
 from ...gpu.early import choose_early_copies

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import fastpersist as fp
+import fastpersist._core as _core
 
-from ... import _core
 from ...engine import WriteRequest, start_write
 from .fio import fio_engine, run_fio_write
 from .measure import Method

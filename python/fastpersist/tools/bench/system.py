@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ... import _core
+import fastpersist._core as _core
+
 from ...loading.reading import aligned_uint8
 from ...saving.target import remove_checkpoint_tree
 

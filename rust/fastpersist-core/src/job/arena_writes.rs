@@ -9,10 +9,10 @@ use std::sync::{Condvar, Mutex};
 use super::WriteOptions;
 use super::from_arena::{ArenaJob, Cell};
 use crate::DIRECT_ALIGN_BYTES;
-use crate::align::round_up;
 use crate::backend::{self, Direction, IoBuf, IoOp, Next, OpSource, OpenFile};
 use crate::checksum::crc32c;
 use crate::error::{Error, Result};
+use crate::round_up;
 
 /// Most threads that checksum a window's chunks.
 const MAX_CRC_THREADS: usize = 8;

@@ -19,12 +19,12 @@ use super::source::{CopyPiece, DeviceCopier, ExtentMap, SourceRegion, check_agai
 use super::staging::check_in_stream_order;
 use super::{JobHooks, JobProgress, WriteOptions, WriteTarget, finish_files, open_targets};
 use crate::DIRECT_ALIGN_BYTES;
-use crate::align::round_up;
 use crate::arena::ArenaLease;
 use crate::error::{Error, Result};
 use crate::plan::{Chunk, Plan};
 use crate::pool::Pool;
 use crate::probe::BackendKind;
+use crate::round_up;
 
 /// One of the job's chunks, and its cell (its index in [`ArenaJob::cells`]).
 #[derive(Debug, Clone, Copy)]

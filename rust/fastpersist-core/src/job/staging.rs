@@ -11,12 +11,12 @@ use super::guard::GuardState;
 use super::source::{ExtentMap, SourceRegion, check_against_plan};
 use super::{JobHooks, JobProgress, WriteOptions, WriteTarget};
 use crate::DIRECT_ALIGN_BYTES;
-use crate::align::round_up;
 use crate::backend::{IoBuf, IoOp, Next, OpSource};
 use crate::checksum::Crc32c;
 use crate::error::{Error, Result};
 use crate::plan::{Chunk, Plan};
 use crate::pool::{Pool, Slot};
+use crate::round_up;
 
 /// Bytes copied between checksum updates: small enough to still be in L2 when hashed.
 const CRC_PIECE_BYTES: usize = 256 << 10;

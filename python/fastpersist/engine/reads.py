@@ -26,7 +26,8 @@ import os
 from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..errors import CorruptCheckpointError
 from ..format.quote import shown
 

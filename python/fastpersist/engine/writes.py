@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypedDict
 
-from .. import _core
+import fastpersist._core as _core
+
 from ..config import Config
 
 __all__ = ["ConfigKnobs", "DeviceHook", "WriteRequest", "knobs", "start_write"]
