@@ -572,26 +572,26 @@ def test_background_write_reports_progress(slow_path: Path, backend: Backend) ->
 
 
 def test_snapshot_pool_releases_sources_before_the_disk_is_done(slow_path: Path, backend: Backend) -> None:
-    # With a pool as large as the state, staging is one memory copy: it must not wait for the
-    # disk (a bounded pool could release the sources only when all but the pool was written).
+    # With a pool as large as the state, staging is one memory copy that does not wait for the
+    # disk: the pool grows past the writes in flight, and once staged the sources are free to
+    # change while the writes go on. (How much sooner staging ends than the writes is a speed,
+    # measured by benches/, not here: a timed assertion failed on a loaded machine.)
     if os.major(os.stat(slow_path.parent).st_dev) == 0:
-        pytest.skip("the temporary directory is in memory (tmpfs): writing is as fast as staging")
+        pytest.skip("the temporary directory is in memory (tmpfs): its writes go straight into the file's pages")
     nbytes = 64 * MIB
     (data,) = random_extents([nbytes])
+    original = data.copy()
     plan = _core.Plan([nbytes], chunk_bytes=CHUNK)
     pool = _core.Pool(CHUNK, nbytes)
-
-    def write() -> _core.WriteReport:
-        return start_engine_write(plan, 0, [slow_path], [data], pool, backend=backend, queue_depth=2).wait()
-
-    write()  # first touch of the pool's pages
-    report = write()
-    assert report["staged_seconds"] is not None
-    assert report["staged_seconds"] < 0.5 * report["seconds"], report
+    handle = start_engine_write(plan, 0, [slow_path], [data], pool, backend=backend, queue_depth=2, background=True)
+    handle.wait_staged(timeout=60)
+    data[:] = 0  # the job staged every byte: it reads the sources no more
+    report = handle.wait(timeout=60)
+    assert report["staged_seconds"] is not None and report["staged_seconds"] <= report["seconds"]
     assert pool.allocated_bytes > 3 * CHUNK  # staged ahead of the two writes in flight
     dest = read_dest(nbytes)
     read_whole([(slow_path, nbytes, 0, report["parts"][0]["chunk_crc32c"])], dest, chunk_bytes=CHUNK)
-    np.testing.assert_array_equal(dest[:nbytes], data)
+    np.testing.assert_array_equal(dest[:nbytes], original)
 
 
 def test_cancel_fails_with_save_cancelled(slow_path: Path, backend: Backend) -> None:
