@@ -41,7 +41,6 @@ class PartnerLevel:
         self.verified: dict[tuple[str, int], tuple[Any, ...]] = {}
 
     def control(self) -> ControlGroup:
-
         timeout = self.ck.config.timeout_s if self.ck.config is not None else 600.0
         return control_for(self.ck.group, timeout)
 
@@ -94,7 +93,7 @@ class PartnerLevel:
 
     def load(self, step: int | None, map_location: Any, namedtuple_types: Any, out: object = None) -> Any:
         self.ck._saves.finish_all()
-        config = self.ck.config or _default_config()
+        config = self.ck.config or Config()
         options = LoadOptions(map_location, True, config, namedtuple_types, PhaseClock(None))
         found, state = restore_step(self.control(), self.ck.root, self.ck.path, self._reports(), options, step, out)
         log.info("rank %d restored step %d (node %s)", self.ck.rank, found, self.node)
@@ -136,8 +135,3 @@ def _share_bytes(path: str, m: Any, share: Any) -> int:
         )
     except (FastPersistError, OSError):
         return 0
-
-
-def _default_config() -> Any:
-
-    return Config()

@@ -80,7 +80,6 @@ class PartnerSaveJob(GroupSaveJob):
         self.replicas = replicas
 
     def start(self, state: object, *, background: bool = True) -> PartnerSaveJob:
-
         self.control = control_for(self.group, self.config.timeout_s)
         self.rank = self.control.rank
         self.placement = Placement(self.control.nodes)

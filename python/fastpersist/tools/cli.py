@@ -21,7 +21,6 @@ __all__ = ["main", "parse_size"]
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-
     t = time.perf_counter()
     try:
         with Progress(total=None, desc="verify", unit="B", unit_scale=True) as bar:
@@ -59,7 +58,6 @@ def add_clean_parser(sub: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-
     return bench.run_cli(args)
 
 

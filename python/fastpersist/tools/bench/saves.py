@@ -186,7 +186,6 @@ def add_save_async(bench: Bench) -> None:
 
 
 def _add_fastpersist_torch_save(bench: Bench) -> None:
-
     ts_path = bench.path("fp-torch-save.pt")
     ts_key = bench.add_row("fastpersist_torch_save", "fastpersist.torch_save (.pt)", "save", "fastpersist")
     ts_config = fp.Config(**bench.config_kwargs)

@@ -34,7 +34,6 @@ def progress(message: str) -> None:
 
 
 def remove_path(path: str) -> None:
-
     if os.path.isdir(path):
         remove_checkpoint_tree(path)  # also removes the stripe directories its manifest names
     elif os.path.lexists(path):
