@@ -242,6 +242,25 @@ def test_native_walk_matches_on_many_tensors(items: list[tuple[str, torch.Tensor
 def test_native_walk_matches_with_a_copier_installed(tensors: list[torch.Tensor]) -> None:
     with use_copier(lambda t: True, lambda device: None):  # type: ignore[arg-type,return-value]
         assert_same_walk({"t": tensors}, copiers=DEVICE_COPIERS)
+    # The copier takes some tensors and not others: the others are read in place, still watched.
+    with use_copier(lambda t: t.numel() % 2 == 0, lambda device: None):  # type: ignore[arg-type,return-value]
+        assert_same_walk({"t": tensors, "meta": torch.empty(3, device="meta")}, copiers=DEVICE_COPIERS)
+
+
+def test_tensors_a_copier_stages_are_walked_natively(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = {"model": {f"w{i}": torch.randn(i + 1, 2) for i in range(20)}, "step": torch.tensor(3)}
+    chosen: list[int] = []
+    with use_copier(lambda t: chosen.append(id(t)) or t.dim() == 2, lambda device: None):  # type: ignore[arg-type,return-value]
+        expected = flatten(state, native=False, copiers=DEVICE_COPIERS)
+        calls = []
+        node = flatten_module._Walker.node
+        monkeypatch.setattr(flatten_module._Walker, "node", lambda self, *a: calls.append(a) or node(self, *a))
+        chosen.clear()
+        flat = flatten(state, copiers=DEVICE_COPIERS)
+    assert calls == []
+    assert_same_flat(flat, expected)
+    assert len(chosen) == 21  # asked once per tensor
+    assert [b.device_copier is not None for b in flat.blobs] == [True] * 20 + [False]
 
 
 @pytest.mark.parametrize("root_name", ["state", "état", "r" + surrogate, "a b"])

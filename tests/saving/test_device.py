@@ -20,6 +20,7 @@ from fastpersist.gpu import copiers
 from fastpersist.gpu.arenas import ARENAS
 from fastpersist.gpu.copiers import DeviceCopier, use_copier
 from fastpersist.gpu.pinned import pin_host, unpin_host
+from fastpersist.gpu.staging import arena_views
 
 from cuda_marks import cuda_test
 from fake_cuda import FakeCuda, FakeRuntime
@@ -466,3 +467,14 @@ def test_a_gated_save_is_staged_at_once_and_written_when_the_gate_opens(
         while any(kept.arena.leased for kept in ARENAS._kept) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not any(kept.arena.leased for kept in ARENAS._kept)
+
+
+@pytest.mark.parametrize(
+    ("offsets", "lengths"),
+    [([0, 10, 30], [10, 5, 2]), ([4, 100], [96, 28]), ([0], [128]), ([50, 0], [10, 20]), ([0, 5], [10, 10])],
+)
+def test_arena_views_are_the_slices_of_their_pieces(offsets: list[int], lengths: list[int]) -> None:
+    host = torch.zeros(128, dtype=torch.uint8)
+    views = arena_views(host, offsets, lengths)
+    for view, offset, n in zip(views, offsets, lengths, strict=True):
+        assert view.numel() == n and view.data_ptr() == host.data_ptr() + offset  # a view, not a copy

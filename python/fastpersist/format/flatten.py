@@ -154,17 +154,18 @@ class _Walker:
     The native walk (format/nativewalk.py) drives a walker too. Its interface, all the native
     walk reads or writes of a walker: it appends to `records`, `leaves` and `blobs`, fills
     `index` (``id(tensor)`` -> its record), `on_path` (ids of the containers being walked) and
-    `storages` (a storage's key -> the record of its first tensor), reads `host_only`, and
+    `storages` (a storage's key -> the record of its first tensor), reads `host_only` and
+    `copiers` (calling it, as `_tensor` does, for a tensor it may stage from a device), and
     calls back `node`, `enter` (a container is entered: depth and cycle checks) and `encode_key`
     (a key other than a str) for what it does not build itself.
     """
 
     __slots__ = (
         "_composites",
-        "_copiers",
         "_groups",
         "blobs",
         "bytes_in_stream",
+        "copiers",
         "host_only",
         "index",
         "kinds_used",
@@ -182,7 +183,8 @@ class _Walker:
         self.on_path: set[int] = set()
         self.storages: dict[object, int] = {}  # storage -> record of its first tensor
         self._groups: dict[object, list[tuple[int, torch.Tensor, str]]] = {}
-        self._copiers = copiers
+        #: The save's choice of the tensors it stages from their device, or None.
+        self.copiers = copiers
         #: Every CPU tensor is read in place: none is staged from a device.
         self.host_only = copiers is None or copiers.host_only
         #: Some bytes value went into the data stream (a ``bytes_blob`` node: spec version 2).
@@ -401,7 +403,7 @@ class _Walker:
                 nbytes = span * itemsize
             elif source.stride() != tuple(stride):  # contiguous, any stride on a size-1 dimension
                 stride = list(source.stride())
-        copiers = self._copiers
+        copiers = self.copiers
         copier = copiers(x) if copiers is not None and numel and not (cpu and self.host_only) else None
         version = None
         if plain and numel and (cpu or copier is not None):  # the source views x: the guard watches it
@@ -455,7 +457,7 @@ class _Walker:
         raw = torch.empty(0, dtype=torch.uint8, device=owner.device)
         raw.set_(owner.untyped_storage(), lo, (hi - lo,), (1,))
         blob = self.records[group[0][0]].blob
-        copiers = self._copiers
+        copiers = self.copiers
         copier = copiers(owner) if copiers is not None and not (owner.is_cpu and self.host_only) else None
         # The source itself, not a host copy, is watched: through every member, as each may
         # have a version counter of its own (`raw` is a new tensor with one of its own, too).

@@ -4,7 +4,8 @@ The walk is an accelerator of ``flatten._Walker``, not a second implementation o
 (rust/fastpersist-py/src/walk.rs): handed the walker, it appends to the walker's own lists and
 dicts, builds the nodes, records and blobs of the common nodes itself (exact dicts,
 OrderedDicts, lists and tuples; str, bool, None, int and float leaves; str and int keys; a
-non-empty C-contiguous CPU tensor at storage offset 0 that is the first of its storage), and
+non-empty C-contiguous tensor at storage offset 0 that is the first of its storage, on the CPU or
+on a device when the walker has copiers, whose choice it asks for, as the Python walk does), and
 calls ``walker.node(x, path, depth)`` (the Python walk) for every other node. The Python walk
 stays the reference: ``flatten(state, native=False)`` runs it alone, and the tests compare the
 two on random states.

@@ -67,7 +67,7 @@ CopierFactory = Callable[[torch.device], DeviceCopier]
 def device_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of a contiguous tensor's bytes, on its own device (no copy)."""
     flat = tensor.detach().reshape(-1)
-    return flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+    return flat.view(torch.uint8) if flat.dtype is not torch.uint8 else flat
 
 
 #: ``torch.cuda`` as the CUDA copier and loader use it: a fake stands in for it in the CPU tests

@@ -53,6 +53,7 @@ class DeviceStaging:
         key_path: Callable[[int], str],
         fail: Callable[[BaseException], object],
         early: frozenset[int] = frozenset(),
+        copier_keys: Sequence[tuple[CopierFactory, torch.device] | None] | None = None,
     ) -> None:
         self.lease = lease
         #: Device blobs copied early: their copies are ordered before the caller's later work.
@@ -60,44 +61,80 @@ class DeviceStaging:
         self._blobs = blobs
         self._host = host
         self._copiers = copiers
+        #: Per blob, the key of its copier in `copiers` (None for a host blob).
+        self._keys = copier_keys if copier_keys is not None else [_key_or_none(b) for b in blobs]
         self._key_path = key_path
         self._fail = fail
-        #: The extents whose copies were asked for since the last wait.
+        #: The extents whose copies were asked for since the last wait, early ones left out.
         self._in_flight: list[int] = []
 
     def copy(self, pieces: list[tuple[int, int, int, int]]) -> None:
         """Queues the copies of `pieces`, ``(extent, extent_offset_bytes, arena_offset_bytes,
-        len_bytes)`` each, grouped by copier (called by the engine's thread)."""
+        len_bytes)`` each, one batch per copier (called by the engine's thread). The early
+        copies are queued first: the caller's later work waits for them, not for the bulk."""
         try:
-            pairs: dict[tuple[CopierFactory, torch.device, bool], list[tuple[torch.Tensor, torch.Tensor]]] = {}
-            host = self._host
-            for extent, extent_offset, arena_offset, nbytes in pieces:
-                self._in_flight.append(extent)
-                blob = self._blobs[extent]
-                src = source_bytes(blob, lambda e=extent: self._key_path(e))  # type: ignore[misc]
-                if nbytes != blob.nbytes:  # a window holds part of it
-                    src = src[extent_offset : extent_offset + nbytes]
-                key = (*copier_key(blob), extent in self.early)
-                pairs.setdefault(key, []).append((src, host[arena_offset : arena_offset + nbytes]))
-            for (factory, device, early), batch in sorted(pairs.items(), key=lambda kv: not kv[0][2]):
-                self._copiers[factory, device].copy(batch, early=early)
+            early = self.early
+            if early:
+                self._queue([p for p in pieces if p[0] in early], True)
+                pieces = [p for p in pieces if p[0] not in early]
+            self._queue(pieces, False)
         except BaseException as e:
             self._fail(e)
             raise
 
+    def _queue(self, pieces: list[tuple[int, int, int, int]], early: bool) -> None:
+        if not pieces:
+            return
+        batches: dict[tuple[CopierFactory, torch.device], tuple[list[torch.Tensor], list[int]]] = {}
+        blobs, keys, key_path = self._blobs, self._keys, self._key_path
+        for extent, extent_offset, arena_offset, nbytes in pieces:
+            blob = blobs[extent]
+            src = source_bytes(blob, extent, key_path)
+            if nbytes != blob.nbytes:  # a window holds part of it
+                src = src[extent_offset : extent_offset + nbytes]
+            key = keys[extent]
+            assert key is not None, "a blob staged from the host has no copier"
+            batch = batches.get(key)
+            if batch is None:
+                batch = batches[key] = ([], [])
+            batch[0].append(src)
+            batch[1].append(arena_offset)
+        if not early:
+            self._in_flight.extend(p[0] for p in pieces)
+        for key, (srcs, offsets) in batches.items():
+            dsts = arena_views(self._host, offsets, [s.numel() for s in srcs])
+            self._copiers[key].copy(list(zip(srcs, dsts, strict=True)), early=early)
+
     def wait(self) -> None:
         """Returns once every copy asked for has completed (called by the engine's thread).
         Raises if a source was resized, or its storage shrunk or freed, since the save call:
-        its copy, queued then, may have read memory handed on to someone else."""
+        its copy, queued then, may have read memory handed on to someone else. (An early copy
+        runs before the caller's later work, so nothing the caller does can race it.)"""
         try:
             for copier in self._copiers.values():
                 copier.wait()
             in_flight, self._in_flight = self._in_flight, []
+            blobs = self._blobs
             for extent in in_flight:
-                source_bytes(self._blobs[extent], lambda e=extent: self._key_path(e))  # type: ignore[misc]
+                check_source(blobs[extent], extent, self._key_path)
         except BaseException as e:
             self._fail(e)
             raise
+
+
+def arena_views(host: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Views of `host` at `offsets` with `lengths`: one ``split_with_sizes`` call where they come
+    in order without overlapping (a window's pieces do), slices otherwise."""
+    sizes: list[int] = []
+    end = 0
+    for offset, n in zip(offsets, lengths, strict=True):
+        if offset < end:
+            return [host[o : o + n] for o, n in zip(offsets, lengths, strict=True)]
+        sizes.append(offset - end)
+        sizes.append(n)
+        end = offset + n
+    sizes.append(host.numel() - end)
+    return list(host.split_with_sizes(sizes)[1:-1:2])
 
 
 def start_device_staging(
@@ -118,11 +155,10 @@ def start_device_staging(
     the caller's later work (``copy(..., early=True)``): no device memory, one copy each. Else
     (the save goes in windows) they are cloned on their device now, as the early copy was."""
     copiers: dict[tuple[CopierFactory, torch.device], DeviceCopier] = {}
-    for blob in blobs:
-        if blob.device_copier is not None:
-            key = copier_key(blob)
-            if key not in copiers:
-                copiers[key] = key[0](key[1])
+    keys = [_key_or_none(b) for b in blobs]
+    for key in keys:
+        if key is not None and key not in copiers:
+            copiers[key] = key[0](key[1])
     pin = any(type(c).needs_pinned_memory for c in copiers.values())
     lease, host = ARENAS.lease(need_bytes, cap_bytes=pinned_cap_bytes(pinned_bytes), min_bytes=min_bytes, pin=pin)
     in_one_window = lease.arena.len_bytes >= need_bytes
@@ -134,7 +170,7 @@ def start_device_staging(
     for copier in copiers.values():
         copier.begin()
     return DeviceStaging(
-        blobs, lease, host, copiers, key_path, fail, frozenset(early) if in_one_window else frozenset()
+        blobs, lease, host, copiers, key_path, fail, frozenset(early) if in_one_window else frozenset(), keys
     )
 
 
@@ -181,17 +217,28 @@ def copier_key(blob: Blob) -> tuple[CopierFactory, torch.device]:
     return cast(CopierFactory, factory), blob.source_tensor.device
 
 
-def source_bytes(blob: Blob, key_path: Callable[[], str]) -> torch.Tensor:
-    """The bytes of the device-resident `blob` as they are now (1-D uint8 on its device),
-    checked as a host blob's are: RuntimeError naming ``key_path()`` if its tensor was resized,
-    or its storage shrunk or freed (as FSDP frees flat parameters), since flatten(); copying
-    then would read past the storage's end."""
-    src = device_bytes(blob.source_tensor)
-    storage_bytes = src.untyped_storage().nbytes()
-    if src.numel() != blob.nbytes or src.storage_offset() + src.numel() > storage_bytes:
+def _key_or_none(blob: Blob) -> tuple[CopierFactory, torch.device] | None:
+    return None if blob.device_copier is None else copier_key(blob)
+
+
+def check_source(blob: Blob, extent: int, key_path: Callable[[int], str]) -> torch.Tensor:
+    """The tensor of the device-resident `blob`, checked as a host blob's is: RuntimeError
+    naming ``key_path(extent)`` if it was resized, or its storage shrunk or freed (as FSDP frees
+    flat parameters), since flatten(); a copy then reads, or has read, past the storage's end."""
+    t = blob.source_tensor
+    item = t.element_size()
+    nbytes = t.numel() * item
+    storage_bytes = t.untyped_storage().nbytes()
+    if nbytes != blob.nbytes or t.storage_offset() * item + nbytes > storage_bytes:
         raise RuntimeError(
-            f"tensor {key_path()!r} of {blob.nbytes} bytes was resized (now {src.numel()} bytes, in a storage "
+            f"tensor {key_path(extent)!r} of {blob.nbytes} bytes was resized (now {nbytes} bytes, in a storage "
             f"of {storage_bytes}) between the save call and its device-to-host copy; do not resize tensors or "
             "free their storage while a save is staging (wait_staged() first)"
         )
-    return src
+    return t
+
+
+def source_bytes(blob: Blob, extent: int, key_path: Callable[[int], str]) -> torch.Tensor:
+    """The bytes of the device-resident `blob` as they are now (1-D uint8 on its device),
+    checked by :func:`check_source`."""
+    return device_bytes(check_source(blob, extent, key_path))

@@ -4,8 +4,8 @@
 //! appends to the walker's own lists and dicts (`records`, `leaves`, `blobs`, `index`,
 //! `on_path`, `storages`: the interface `_Walker`'s docstring documents) and builds, for the common nodes, exactly what the Python walk
 //! builds: exact dicts, OrderedDicts (their `_metadata` included), lists and tuples; str, bool,
-//! None, int and float leaves; str and int dict keys; and a plain contiguous CPU tensor that is
-//! the first of its storage (`tensor.rs`). Every other node (a view, a second tensor of a
+//! None, int and float leaves; str and int dict keys; and a plain contiguous tensor that is the
+//! first of its storage, on the CPU or on a device the save's copiers stage it from (`tensor.rs`). Every other node (a view, a second tensor of a
 //! storage, numpy arrays, bytes, sets, namedtuples, an error to raise ...) is handed to
 //! `walker.node(x, path, depth)`, the Python walk itself, which appends to the same lists: the
 //! result is the Python walk's by construction. Errors the walk raises (cycles, depth) come
@@ -95,6 +95,9 @@ struct Walk<'py> {
     storages: Bound<'py, PyDict>,
     /// No copier is installed: a CPU tensor's bytes are read in place (`_Walker.host_only`).
     host_only: bool,
+    /// The save's choice of the tensors it stages from their device (`_Walker.copiers`), or
+    /// None: then a device tensor is the Python walk's.
+    copiers: Option<Bound<'py, PyAny>>,
     env: Env<'py>,
     /// Reused to build each key path (one allocation per walk, not per node).
     text: RefCell<String>,
@@ -116,6 +119,7 @@ impl<'py> Walk<'py> {
             on_path: field(intern!(py, "on_path"))?.cast_into()?,
             storages: field(intern!(py, "storages"))?.cast_into()?,
             host_only: field(intern!(py, "host_only"))?.is_truthy()?,
+            copiers: Some(field(intern!(py, "copiers"))?).filter(|c| !c.is_none()),
             env: Env::new(env)?,
             text: RefCell::new(String::new()),
             tensors: OnceCell::new(),

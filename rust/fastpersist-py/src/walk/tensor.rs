@@ -1,10 +1,11 @@
 //! The common tensor of a state, natively: `_Walker.node` + `_Walker._tensor` for an exact
-//! `torch.Tensor` or `torch.nn.Parameter` that is strided, on the CPU, of a dtype the format
-//! knows, not nested, at most `MAX_DIMS` dimensions, not a neg or conj view, non-empty, at
-//! storage offset 0, C-contiguous with the canonical strides, without attributes, walked by a
-//! `host_only` walker (no CPU tensor staged from a device), and the first tensor of its
-//! storage. Its record and blob are the ones the Python walk makes (`TensorRecord(...)` and the lazy `Blob(None, x, version, nbytes,
-//! None)`); any other tensor is the Python walk's.
+//! `torch.Tensor` or `torch.nn.Parameter` that is strided, of a dtype the format knows, not
+//! nested, at most `MAX_DIMS` dimensions, not a neg or conj view, non-empty, at storage offset
+//! 0, C-contiguous with the canonical strides, without attributes, and the first tensor of its
+//! storage; on the CPU, or on a device (not meta) when the walker has copiers. Its record and
+//! blob are the ones the Python walk makes (`TensorRecord(...)` and the lazy `Blob(None, x,
+//! version, nbytes, copier)`, the copier being `walker.copiers(x)` unless the walker is
+//! `host_only` and `x` on the CPU); any other tensor is the Python walk's.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -49,8 +50,13 @@ struct Plain<'py> {
     name: Bound<'py, PyAny>,
     /// `x.shape`, the key of the cached canonical layout.
     shape: Bound<'py, PyAny>,
-    /// `x.data_ptr()`: the storage's base address at storage offset 0, the `storages` key.
-    ptr: Bound<'py, PyAny>,
+    /// The `storages` key: `x.data_ptr()` (the storage's base address at storage offset 0) on
+    /// the CPU, `(x.data_ptr(), str(x.device))` on a device.
+    key: Bound<'py, PyAny>,
+    /// `x.is_cpu`.
+    cpu: bool,
+    /// The record's device: "cpu" or `str(x.device)`.
+    device: Bound<'py, PyAny>,
     /// `x._version`, or None for an inference tensor.
     version: Bound<'py, PyAny>,
     requires_grad: Bound<'py, PyAny>,
@@ -63,6 +69,8 @@ pub(super) struct Tensors<'py> {
     layout: Getter<'py>,
     dtype: Getter<'py>,
     is_cpu: Getter<'py>,
+    is_meta: Getter<'py>,
+    device: Getter<'py>,
     is_nested: Getter<'py>,
     shape: Getter<'py>,
     version: Getter<'py>,
@@ -94,6 +102,8 @@ impl<'py> Tensors<'py> {
             layout: getter(intern!(py, "layout"))?,
             dtype: getter(intern!(py, "dtype"))?,
             is_cpu: getter(intern!(py, "is_cpu"))?,
+            is_meta: getter(intern!(py, "is_meta"))?,
+            device: getter(intern!(py, "device"))?,
             is_nested: getter(intern!(py, "is_nested"))?,
             shape: getter(intern!(py, "shape"))?,
             version: getter(intern!(py, "_version"))?,
@@ -144,7 +154,7 @@ impl<'py> Walk<'py> {
         let i = self.records.len().into_pyobject(self.py)?.into_any();
         // `storages.setdefault(key, i)`: a storage already seen makes this tensor part of a
         // shared blob, which the Python walk groups (nothing was written here yet).
-        if !self.storages.set_default(&plain.ptr, &i)? {
+        if !self.storages.set_default(&plain.key, &i)? {
             return self.delegate(x, path, depth);
         }
         self.index.set_item(&id, &i)?;
@@ -170,6 +180,18 @@ impl<'py> Walk<'py> {
         plain: &Plain<'py>,
     ) -> PyResult<()> {
         let py = self.py;
+        let none = py.None().into_bound(py);
+        // `_Walker._tensor`'s choice: the copier is asked about device tensors, and about CPU
+        // ones where a fake device is installed; only a tensor it reads is watched.
+        let copier = match &self.copiers {
+            Some(copiers) if !(plain.cpu && self.host_only) => copiers.call1((x,))?,
+            _ => none.clone(),
+        };
+        let version = if plain.cpu || !copier.is_none() {
+            &plain.version
+        } else {
+            &none
+        };
         let layout = self.canonical(t, &plain.shape)?;
         let is_parameter = x.get_type_ptr() == self.env.parameter.as_type_ptr();
         let is_parameter = PyBool::new(py, is_parameter).to_owned().into_any();
@@ -181,7 +203,7 @@ impl<'py> Walk<'py> {
             &layout.get_item(1)?,
             &self.blobs.len().into_pyobject(py)?.into_any(),
             &0u8.into_pyobject(py)?.into_any(),
-            intern!(py, "cpu").as_any(),
+            &plain.device,
             &plain.requires_grad,
             &is_parameter,
         ];
@@ -191,16 +213,12 @@ impl<'py> Walk<'py> {
         };
         self.records.append(record)?;
         let nbytes = plain.nbytes.into_pyobject(py)?.into_any();
-        let none = py.None().into_bound(py);
         let blob = match &t.blob {
             Some(class) => {
                 let members = PyTuple::empty(py).into_any();
-                class.make(&[&none, x, &plain.version, &nbytes, &none, &members])?
+                class.make(&[&none, x, version, &nbytes, &copier, &members])?
             }
-            None => self
-                .env
-                .blob
-                .call1((&none, x, &plain.version, &nbytes, &none))?,
+            None => self.env.blob.call1((&none, x, version, &nbytes, &copier))?,
         };
         self.blobs.append(blob)
     }
@@ -230,9 +248,6 @@ impl<'py> Walk<'py> {
     /// The parts of a plain tensor's record, or None for any other tensor. An exception raised
     /// while reading it is left to the Python walk, which reads the same attributes.
     fn plain(&self, t: &Tensors<'py>, x: &Bound<'py, PyAny>) -> PyResult<Option<Plain<'py>>> {
-        if !self.host_only {
-            return Ok(None); // a copier may take CPU tensors: `_copier_for` decides
-        }
         match self.read_plain(t, x) {
             Ok(plain) => Ok(plain),
             Err(e) if e.is_instance_of::<PyException>(self.py) => Ok(None),
@@ -248,8 +263,11 @@ impl<'py> Walk<'py> {
         let Some((name, itemsize)) = self.dtype(t, &t.dtype.get(x)?)? else {
             return Ok(None);
         };
-        if !t.is_cpu.get(x)?.is_truthy()?
-            || t.is_nested.get(x)?.is_truthy()?
+        let cpu = t.is_cpu.get(x)?.is_truthy()?;
+        if !cpu && (self.copiers.is_none() || t.is_meta.get(x)?.is_truthy()?) {
+            return Ok(None); // copied to the host when read, or a meta record
+        }
+        if t.is_nested.get(x)?.is_truthy()?
             || t.is_neg.call(x)?.is_truthy()?
             || t.is_conj.call(x)?.is_truthy()?
             || t.storage_offset.call(x)?.extract::<i64>()? != 0
@@ -264,6 +282,12 @@ impl<'py> Walk<'py> {
             return Ok(None);
         };
         let ptr = t.data_ptr.call(x)?;
+        let (key, device) = if cpu {
+            (ptr, intern!(py, "cpu").clone().into_any())
+        } else {
+            let device = t.device.get(x)?.str()?.into_any();
+            (PyTuple::new(py, [&ptr, &device])?.into_any(), device)
+        };
         let version = match t.version.get(x) {
             Ok(version) => version,
             Err(e) if e.is_instance_of::<PyRuntimeError>(py) => py.None().into_bound(py),
@@ -278,7 +302,9 @@ impl<'py> Walk<'py> {
         Ok(Some(Plain {
             name,
             shape,
-            ptr,
+            key,
+            cpu,
+            device,
             version,
             requires_grad,
             nbytes,
