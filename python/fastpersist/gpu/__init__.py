@@ -11,6 +11,8 @@ A save with CUDA tensors (docs/gpu.md):
   per process and bounded by ``Config.pinned_bytes``;
 * :mod:`~fastpersist.gpu.staging`: one save's device side, as the engine calls it (every copy
   of an arena window in one call, one wait);
+* :mod:`~fastpersist.gpu.snapshots`: tensors copied into an arena for a caller that hands the
+  copies on instead of writing them (``dcp.async_save``'s staging);
 * :mod:`~fastpersist.gpu.pinned`: registering host memory with CUDA, and undoing it before the
   memory goes.
 

@@ -34,7 +34,7 @@ import fastpersist._core as _core
 
 from .pinned import pin_host
 
-__all__ = ["ARENAS", "Arenas", "auto_pinned_bytes", "pinned_cap_bytes"]
+__all__ = ["ARENAS", "Arenas", "auto_pinned_bytes", "granules", "pinned_cap_bytes"]
 
 log = logging.getLogger("fastpersist")
 
@@ -85,8 +85,8 @@ class Arenas:
         tensor over the arena's bytes. An arena is never smaller than `min_bytes` (one chunk);
         one smaller than `need_bytes` means the save stages in windows. `pin`: register new
         arenas with CUDA."""
-        need = _granules(need_bytes)
-        floor = _granules(min_bytes)
+        need = granules(need_bytes)
+        floor = granules(min_bytes)
         pause_s = 0.001
         while True:
             with self._lock:
@@ -165,7 +165,8 @@ class Arenas:
             self._kept = [k for k in self._kept if k.arena.leased]
 
 
-def _granules(nbytes: int) -> int:
+def granules(nbytes: int) -> int:
+    """`nbytes` rounded up to the arenas' granule (never less than one)."""
     return max(1, -(-nbytes // ARENA_GRANULE_BYTES)) * ARENA_GRANULE_BYTES
 
 

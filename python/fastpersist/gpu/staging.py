@@ -59,7 +59,8 @@ class DeviceStaging:
         #: Device blobs copied early: their copies are ordered before the caller's later work.
         self.early = early
         self._blobs = blobs
-        self._host = host
+        #: A 1-D uint8 tensor over the whole arena.
+        self.host = host
         self._copiers = copiers
         #: Per blob, the key of its copier in `copiers` (None for a host blob).
         self._keys = copier_keys if copier_keys is not None else [_key_or_none(b) for b in blobs]
@@ -102,7 +103,7 @@ class DeviceStaging:
         if not early:
             self._in_flight.extend(p[0] for p in pieces)
         for key, (srcs, offsets) in batches.items():
-            dsts = arena_views(self._host, offsets, [s.numel() for s in srcs])
+            dsts = arena_views(self.host, offsets, [s.numel() for s in srcs])
             self._copiers[key].copy(list(zip(srcs, dsts, strict=True)), early=early)
 
     def wait(self) -> None:
@@ -120,6 +121,15 @@ class DeviceStaging:
         except BaseException as e:
             self._fail(e)
             raise
+
+    def settle(self) -> None:
+        """Waits for every copy asked for, whatever the copiers raise (a failing save's arena is
+        let go only after this)."""
+        for copier in self._copiers.values():
+            try:
+                copier.wait()
+            except Exception:
+                pass
 
 
 def arena_views(host: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> list[torch.Tensor]:
@@ -146,9 +156,11 @@ def start_device_staging(
     key_path: Callable[[int], str],
     fail: Callable[[BaseException], object],
     early: Sequence[int] = (),
+    leased: tuple[_core.ArenaLease, torch.Tensor] | None = None,
 ) -> DeviceStaging:
     """Leases an arena for a save whose share of the stream takes `need_bytes` and begins a
     copier per (copier, device) of its device-resident blobs (on the caller's thread).
+    `leased`: an arena lease the caller holds already (and its tensor), used instead.
 
     `early` names device blobs of the early copy (fastpersist.gpu.early). When the arena holds
     the whole share, their copies go into the arena in the first window's call, ordered before
@@ -160,7 +172,9 @@ def start_device_staging(
         if key is not None and key not in copiers:
             copiers[key] = key[0](key[1])
     pin = any(type(c).needs_pinned_memory for c in copiers.values())
-    lease, host = ARENAS.lease(need_bytes, cap_bytes=pinned_cap_bytes(pinned_bytes), min_bytes=min_bytes, pin=pin)
+    if leased is None:
+        leased = ARENAS.lease(need_bytes, cap_bytes=pinned_cap_bytes(pinned_bytes), min_bytes=min_bytes, pin=pin)
+    lease, host = leased
     in_one_window = lease.arena.len_bytes >= need_bytes
     if not in_one_window:
         clone_on_device(blobs, early)

@@ -14,8 +14,9 @@ Example:
     >>> dcp.save(state, storage_writer=FastPersistWriter("ckpt/step-100"))    # doctest: +SKIP
     >>> dcp.load(state, storage_reader=FastPersistReader("ckpt/step-100"))    # doctest: +SKIP
 
-``dcp.async_save(state, storage_writer=FastPersistWriter(path))`` works too (DCP stages the
-state to CPU, then calls the writer from its background thread).
+``dcp.async_save(state, storage_writer=FastPersistWriter(path))`` works too: the writer stages
+the state into one of the process's staging arenas (integrations/dcp_staging.py), then DCP
+calls it from its background thread.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from ..saving.pools import pool_for
 from .dcp_args import checked_config, refuse_rank_local_metadata, writer_config
 from .dcp_metadata import read_dcp_metadata
 from .dcp_ranges import FileReads, box_view, needed_spans, plan_file_reads, stored_dtype
+from .dcp_staging import ArenaStaging
 
 __all__ = ["FastPersistReader", "FastPersistWriter", "ItemInfo"]
 
@@ -101,7 +103,7 @@ class _LocalDirectory:
         return isinstance(checkpoint_id, (str, os.PathLike))
 
 
-class FastPersistWriter(_LocalDirectory, StorageWriter, BlockingAsyncStager):
+class FastPersistWriter(_LocalDirectory, StorageWriter, ArenaStaging, BlockingAsyncStager):
     """A DCP ``StorageWriter`` that writes through the fastpersist engine.
 
     It takes ``FileSystemWriter``'s arguments (by keyword) with the same meaning where the
@@ -172,23 +174,12 @@ class FastPersistWriter(_LocalDirectory, StorageWriter, BlockingAsyncStager):
         self.serialization_format = serialization_format
         self.rank = 0
         self.is_coordinator = True
+        ArenaStaging.__init__(self)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Points the writer at `checkpoint_id` (a directory) when DCP passes one."""
         if checkpoint_id is not None:
             self.path = os.path.abspath(os.fspath(checkpoint_id))
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """``dcp.async_save``'s staging: a CPU copy of the state, kept and copied into again with
-        ``cache_staged_state_dict=True`` (pinned only where CUDA is there to copy from)."""
-        if not self.cache_staged_state_dict:
-            return super().stage(state_dict)
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
-
-        if self.state_dict_cache is None:
-            # BlockingAsyncStager always pins, which fails on a machine without a CUDA driver
-            self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-        return _copy_state_dict(state_dict, self.state_dict_cache)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Records this rank's role; refuses ``use_collectives=False`` on several ranks."""
@@ -219,13 +210,16 @@ class FastPersistWriter(_LocalDirectory, StorageWriter, BlockingAsyncStager):
         ``single_file_per_rank=False``); the future holds their WriteResults."""
         name = str(plan.storage_data or dcp_data_file_name(self.rank, uuid.uuid4().hex[:12]))
         items = [(item, *_source(item, planner.resolve_data(item))) for item in plan.items]
-        if self.single_file_per_rank:
-            results = self._write_file(name, items)
-        else:
-            stem = name.removesuffix(DCP_DATA_SUFFIX)
-            results = [
-                r for i, one in enumerate(items) for r in self._write_file(f"{stem}_{i}{DCP_DATA_SUFFIX}", [one])
-            ]
+        try:
+            if self.single_file_per_rank:
+                results = self._write_file(name, items)
+            else:
+                stem = name.removesuffix(DCP_DATA_SUFFIX)
+                results = [
+                    r for i, one in enumerate(items) for r in self._write_file(f"{stem}_{i}{DCP_DATA_SUFFIX}", [one])
+                ]
+        finally:
+            self._release_written([source for _, source, _, _ in items])
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
