@@ -37,15 +37,28 @@ def _sharded(placement: Any) -> dict[str, Any]:
 
 
 def save_then_reshard(rank: int, workdir: str) -> dict[str, Any]:
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import DTensor, Shard
 
+    from fastpersist.gpu.arenas import ARENAS
     from fastpersist.integrations.dcp import FastPersistReader, FastPersistWriter
 
     path, async_path = os.path.join(workdir, "dcp"), os.path.join(workdir, "dcp-async")
     dcp.save(_sharded(Shard(0)), storage_writer=FastPersistWriter(path))
-    dcp.async_save(_sharded(Shard(0)), storage_writer=FastPersistWriter(async_path)).result()
+    writer = FastPersistWriter(async_path)
+    source = _sharded(Shard(0))
+    staged = writer.stage(source)  # what dcp.async_save calls: the DTensor's shard in an arena
+    snapshot = writer._staged[0]
+    results: dict[str, Any] = {
+        "staged_dtensor": isinstance(staged["w"], DTensor)
+        and staged["w"].placements == source["w"].placements
+        and snapshot.holds(staged["w"].to_local())
+        and bool(torch.equal(staged["w"].to_local(), source["w"].to_local()))
+    }
+    snapshot.release()
+    writer._staged.clear()
+    dcp.async_save(source, storage_writer=writer).result()
+    results["arenas_free"] = not any(kept.arena.leased for kept in ARENAS._kept)
     dist.barrier()
-    results: dict[str, Any] = {}
     for name, where in (("sync", path), ("async", async_path)):
         target = _sharded(Shard(1))  # another layout: DCP's planner reshards
         target["w"].to_local().zero_()

@@ -42,6 +42,7 @@ def saved_by_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, l
 def test_two_ranks_save_and_load_resharded(saved_by_two_ranks: tuple[str, list[dict[str, Any]]]) -> None:
     workdir, results = saved_by_two_ranks
     for rank, res in enumerate(results):
+        assert res["staged_dtensor"] and res["arenas_free"], (rank, res)  # async_save staged it in an arena
         for mode in ("sync", "async"):
             got = res[mode]
             assert got["w"] and got["b"] and got["nested"] and got["step"] == 5, (rank, mode, got)

@@ -176,3 +176,20 @@ def test_a_rank_with_nothing_to_write_hands_back_its_copy(tmp_path: Any) -> None
     writer.write_data(SavePlan([], storage_data="__0_0.distcp"), None).wait()  # type: ignore[arg-type]
     assert writer._staged == [] and _leased() == base + 0
     del staged
+
+
+def test_while_saves_hold_every_arena_the_bound_allows_dcps_stager_takes_it(tmp_path: Any) -> None:
+    ARENAS.clear()  # other tests' free arenas would serve it
+    cap = 4 << 20
+    held, _ = ARENAS.lease(cap, cap_bytes=cap, min_bytes=cap, pin=False)  # a save still writing
+    state = {"w": torch.randn(1 << 18)}
+    assert stage_state_dict(state, pinned_bytes=cap, what="x") is None  # at once, not after that save
+    writer = FastPersistWriter(tmp_path / "c", fp.Config(pinned_bytes=cap))
+    dcp.async_save(state, storage_writer=writer).result()
+    target = {"w": torch.zeros(1 << 18)}
+    dcp.load(target, storage_reader=FastPersistReader(tmp_path / "c"))
+    assert torch.equal(target["w"], state["w"])
+    del held
+    staged = stage_state_dict(state, pinned_bytes=cap, what="x")  # the arena is free again
+    assert staged is not None
+    staged[0].release()

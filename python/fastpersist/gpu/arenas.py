@@ -34,7 +34,7 @@ import fastpersist._core as _core
 
 from .pinned import pin_host
 
-__all__ = ["ARENAS", "Arenas", "auto_pinned_bytes", "granules", "pinned_cap_bytes"]
+__all__ = ["ARENAS", "Arenas", "ArenasBusy", "auto_pinned_bytes", "granules", "pinned_cap_bytes"]
 
 log = logging.getLogger("fastpersist")
 
@@ -58,6 +58,10 @@ def pinned_cap_bytes(pinned_bytes: int | str) -> int:
     return auto_pinned_bytes() if pinned_bytes == "auto" else int(pinned_bytes)
 
 
+class ArenasBusy(RuntimeError):
+    """Every arena is held and the bound allows no other (``Arenas.lease(wait=False)``)."""
+
+
 class _Kept(NamedTuple):
     arena: _core.Arena
     #: A 1-D uint8 tensor over the whole arena: the copies' destinations are views of it.
@@ -79,12 +83,12 @@ class Arenas:
             return sum(k.arena.len_bytes for k in self._kept)
 
     def lease(
-        self, need_bytes: int, *, cap_bytes: int, min_bytes: int, pin: bool
+        self, need_bytes: int, *, cap_bytes: int, min_bytes: int, pin: bool, wait: bool = True
     ) -> tuple[_core.ArenaLease, torch.Tensor]:
         """A lease on an arena for a save whose share of the stream takes `need_bytes`, and a
         tensor over the arena's bytes. An arena is never smaller than `min_bytes` (one chunk);
         one smaller than `need_bytes` means the save stages in windows. `pin`: register new
-        arenas with CUDA."""
+        arenas with CUDA. `wait=False`: raise :class:`ArenasBusy` instead of waiting for one."""
         need = granules(need_bytes)
         floor = granules(min_bytes)
         pause_s = 0.001
@@ -93,6 +97,8 @@ class Arenas:
                 found = self._take(need, floor, cap_bytes, pin)
             if found is not None:
                 return found
+            if not wait:
+                raise ArenasBusy(f"no staging arena of {need} bytes is free within {cap_bytes} bytes")
             if not self._warned_waiting:
                 self._warned_waiting = True
                 log.warning(

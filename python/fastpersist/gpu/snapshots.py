@@ -27,7 +27,7 @@ import torch
 import fastpersist._core as _core
 
 from ..format.blobs import Blob
-from .arenas import granules, pinned_cap_bytes
+from .arenas import ArenasBusy, granules, pinned_cap_bytes
 from .copiers import copier_for
 from .staging import start_device_staging
 
@@ -78,7 +78,8 @@ def snapshot_tensors(
     """Copies `tensors` (plain strided tensors; device ones contiguous) into one leased arena.
 
     Returns None, having copied nothing, where the arena cannot hold them at once
-    (``Config.pinned_bytes`` bounds the arenas) or a device tensor is not contiguous (its copy
+    (``Config.pinned_bytes`` bounds the arenas), every arena the bound allows is held by saves
+    still writing, or a device tensor is not contiguous (its copy
     would need a device-side copy first); the caller then copies them its own way. `what`
     names the copies in messages (a device tensor resized under the copy fails it, naming
     ``what`` and its index). `into`: a snapshot still held, of tensors of the same dtypes,
@@ -96,19 +97,23 @@ def snapshot_tensors(
             if not t.is_contiguous():
                 return None
             device.append(i)
-    reuse = into is not None and into.lease is not None and into.kinds == kinds
-    if not reuse and granules(end) > pinned_cap_bytes(pinned_bytes):
+    held = (into.lease, into.host) if into is not None and into.lease is not None and into.kinds == kinds else None
+    if held is None and granules(end) > pinned_cap_bytes(pinned_bytes):
         return None
     blobs = [Blob(None, tensors[i], None, tensors[i].nbytes, copier_for(tensors[i])) for i in device]
-    staging = start_device_staging(
-        blobs,
-        max(end, 1),
-        pinned_bytes=pinned_bytes,
-        min_bytes=max(end, 1),
-        key_path=lambda k: f"{what}: tensor {device[k]}",
-        fail=lambda e: None,
-        leased=(into.lease, into.host) if reuse and into is not None and into.lease is not None else None,
-    )
+    try:
+        staging = start_device_staging(
+            blobs,
+            max(end, 1),
+            pinned_bytes=pinned_bytes,
+            min_bytes=max(end, 1),
+            key_path=lambda k: f"{what}: tensor {device[k]}",
+            fail=lambda e: None,
+            leased=held,
+            wait=False,  # the caller has its own way to copy: better than waiting for a save to finish
+        )
+    except ArenasBusy:
+        return None
     if staging.lease.arena.len_bytes < end:
         return None  # the lease goes with `staging`
     host = staging.host
@@ -133,7 +138,7 @@ def snapshot_tensors(
         except BaseException:
             staging.settle()
             raise
-    if reuse and into is not None:
+    if held is not None and into is not None:
         into.copies = [old if old.nbytes else new for old, new in zip(into.copies, copies, strict=True)]
         return into
     return ArenaSnapshot(copies, kinds, staging.lease, host)

@@ -50,10 +50,10 @@ class DeviceStaging:
         lease: _core.ArenaLease,
         host: torch.Tensor,
         copiers: dict[tuple[CopierFactory, torch.device], DeviceCopier],
+        copier_keys: Sequence[tuple[CopierFactory, torch.device] | None],
         key_path: Callable[[int], str],
         fail: Callable[[BaseException], object],
         early: frozenset[int] = frozenset(),
-        copier_keys: Sequence[tuple[CopierFactory, torch.device] | None] | None = None,
     ) -> None:
         self.lease = lease
         #: Device blobs copied early: their copies are ordered before the caller's later work.
@@ -63,7 +63,7 @@ class DeviceStaging:
         self.host = host
         self._copiers = copiers
         #: Per blob, the key of its copier in `copiers` (None for a host blob).
-        self._keys = copier_keys if copier_keys is not None else [_key_or_none(b) for b in blobs]
+        self._keys = copier_keys
         self._key_path = key_path
         self._fail = fail
         #: The extents whose copies were asked for since the last wait, early ones left out.
@@ -157,10 +157,12 @@ def start_device_staging(
     fail: Callable[[BaseException], object],
     early: Sequence[int] = (),
     leased: tuple[_core.ArenaLease, torch.Tensor] | None = None,
+    wait: bool = True,
 ) -> DeviceStaging:
     """Leases an arena for a save whose share of the stream takes `need_bytes` and begins a
     copier per (copier, device) of its device-resident blobs (on the caller's thread).
     `leased`: an arena lease the caller holds already (and its tensor), used instead.
+    `wait=False`: raise ``ArenasBusy`` where every arena is held, instead of waiting for one.
 
     `early` names device blobs of the early copy (fastpersist.gpu.early). When the arena holds
     the whole share, their copies go into the arena in the first window's call, ordered before
@@ -173,7 +175,8 @@ def start_device_staging(
             copiers[key] = key[0](key[1])
     pin = any(type(c).needs_pinned_memory for c in copiers.values())
     if leased is None:
-        leased = ARENAS.lease(need_bytes, cap_bytes=pinned_cap_bytes(pinned_bytes), min_bytes=min_bytes, pin=pin)
+        cap_bytes = pinned_cap_bytes(pinned_bytes)
+        leased = ARENAS.lease(need_bytes, cap_bytes=cap_bytes, min_bytes=min_bytes, pin=pin, wait=wait)
     lease, host = leased
     in_one_window = lease.arena.len_bytes >= need_bytes
     if not in_one_window:
@@ -184,7 +187,7 @@ def start_device_staging(
     for copier in copiers.values():
         copier.begin()
     return DeviceStaging(
-        blobs, lease, host, copiers, key_path, fail, frozenset(early) if in_one_window else frozenset(), keys
+        blobs, lease, host, copiers, keys, key_path, fail, frozenset(early) if in_one_window else frozenset()
     )
 
 

@@ -6,11 +6,14 @@ DCP's own stager (``BlockingAsyncStager``) makes fresh CPU memory per save (page
 :func:`stage_state_dict` copies every tensor into an arena that fastpersist's saves share
 (:mod:`fastpersist.gpu.snapshots`): made and pinned once, bounded by ``Config.pinned_bytes``,
 the device copies queued at once and waited for once. The staged dict has DCP's shape: dicts,
-lists and tuples rebuilt, tensors replaced by their copies, other values kept.
+lists and tuples rebuilt, tensors replaced by their copies, a ``DTensor`` by one of the same
+spec over the copy of its local shard (DCP's stager moves the shard to the CPU, then copies it
+again into new memory),
+other values kept.
 
-A state holding a ``DTensor`` or a ``ShardedTensor`` (their copies need their sharding rebuilt),
-another tensor subclass, a sparse or quantized tensor, or a non-contiguous device tensor is
-left to DCP's stager; so is one the arena bound cannot hold at once.
+A state holding a ``ShardedTensor`` (its shards' metadata would need rebuilding), another tensor
+subclass, a sparse or quantized tensor, or a non-contiguous device tensor is left to DCP's
+stager; so is one the arena bound cannot hold at once.
 
 Example:
     >>> import torch
@@ -26,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.tensor import DTensor
 
 from ..config import Config
 from ..gpu.snapshots import ArenaSnapshot, snapshot_tensors
@@ -60,7 +64,9 @@ def stage_state_dict(
 
 
 def _collect(obj: object, tensors: dict[int, torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, DTensor):
+        _collect(obj._local_tensor, tensors)  # its shard on this rank; the spec is kept as it is
+    elif isinstance(obj, torch.Tensor):
         if type(obj) not in _PLAIN_TENSORS or obj.layout is not torch.strided or obj.is_quantized or obj.is_meta:
             raise _NotPlain
         tensors.setdefault(id(obj), obj)
@@ -75,7 +81,10 @@ def _collect(obj: object, tensors: dict[int, torch.Tensor]) -> None:
 
 
 def _rebuild(obj: Any, copies: dict[int, torch.Tensor]) -> Any:
-    """As DCP's stager shapes its copy: dicts as dicts, lists as lists, tuples as tuples."""
+    """As DCP's stager shapes its copy: dicts as dicts, lists as lists, tuples as tuples, a
+    DTensor as a DTensor of the same spec over the copy of its local tensor."""
+    if isinstance(obj, DTensor):
+        return DTensor(copies[id(obj._local_tensor)], obj._spec, requires_grad=False)
     if isinstance(obj, torch.Tensor):
         return copies[id(obj)]
     if isinstance(obj, dict):
@@ -105,7 +114,7 @@ class ArenaStaging(BlockingAsyncStager):
         process's saves share (made and pinned once, bounded by ``Config.pinned_bytes``; the
         device copies queued at once, waited for once). The arena is held until this writer has
         written the copy, or, with ``cache_staged_state_dict=True``, kept and copied into again
-        by the next save. A state that holds DTensors, ShardedTensors or other tensor subclasses,
+        by the next save. A state that holds ShardedTensors or tensor subclasses other than DTensor,
         or that the bound cannot hold at once, is copied by DCP's own stager instead
         (integrations/dcp_staging.py)."""
         held = self._cached_snapshot if self.cache_staged_state_dict else None
