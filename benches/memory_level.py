@@ -14,7 +14,13 @@ and with ``--variants`` repeats the measurement with each suspect turned off in 
 (O_DIRECT, checksums, durability, retention), which is how the time breakdown in
 docs/performance.md was found.
 
-Run: ``python benches/memory_level.py --gib 1 --saves 16``.
+With ``--device`` every tensor of the state is a fake device tensor, copied by the fake copy
+engine of ``benches/device_staging.py`` (one engine thread): the save stages it straight into
+its data file's pages (``Arenas.lease_file``), and is compared, in the same run, with the same
+code staging through an anonymous arena and then writing the file from it (the in-place choice
+turned off): the step is committed after one copy instead of two.
+
+Run: ``python benches/memory_level.py --gib 1 --saves 16`` (``--device`` for a device state).
 """
 
 from __future__ import annotations
@@ -86,11 +92,14 @@ def run_saves(
         t = time.perf_counter()
         future = ck.save(step, state)
         assert future is not None
+        future.wait_staged()
+        staged_s = time.perf_counter() - t
         result = future.wait()
         elapsed = time.perf_counter() - t
         if step == 0:
             continue
         totals.append(elapsed)
+        phases.setdefault("until staged", []).append(staged_s)
         for name, seconds in (result.phases or {}).items():
             phases.setdefault(name, []).append(seconds)
         phases.setdefault("until commit", []).append(result.seconds)
@@ -112,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=None, help="a directory on a tmpfs (default: a fresh one under /dev/shm)")
     parser.add_argument("--memcpy-reps", type=int, default=5)
     parser.add_argument("--variants", action="store_true", help="also time with each suspect turned off")
+    parser.add_argument("--device", action="store_true", help="a fake device state: in place vs through an arena")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.device:
+        return device_main(args)
 
     parent = args.root or tempfile.mkdtemp(prefix="fp-memlevel-", dir="/dev/shm")
     params, opt = build(int(args.gib * 2**30))
@@ -154,6 +166,55 @@ def main(argv: list[str] | None = None) -> int:
     print("\nphases of the default save (median s):")
     for name, seconds in rows["Checkpointer (default config)"]["phases"].items():
         print(f"  {name:14} {seconds:7.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"state_bytes": state_bytes, "memcpy_s": memcpy, "rows": rows}, f, indent=2)
+    if args.root is None:
+        shutil.rmtree(parent, ignore_errors=True)
+    return 0
+
+
+def device_main(args: argparse.Namespace) -> int:
+    """``--device``: the state staged by a fake copy engine, into the file vs through an arena."""
+    import contextlib
+    from unittest import mock
+
+    import device_staging  # benches/, beside this script
+
+    from fastpersist.gpu.arenas import ARENAS
+    from fastpersist.gpu.copiers import use_copier
+
+    parent = args.root or tempfile.mkdtemp(prefix="fp-memlevel-", dir="/dev/shm")
+    params, opt = build(int(args.gib * 2**30))
+    state = state_of(params, opt, 0)
+    state_bytes = sum(b.nbytes for b in flatten(state).blobs)
+    torch.set_num_threads(1)  # the fake engine copies on one thread, as device_staging.py's does
+    device_staging.ThreadCopier.engine = device_staging._CopyEngine()
+    variants = {
+        "staged into the file (default)": contextlib.nullcontext(),
+        "through an arena, then written": mock.patch("fastpersist.saving.job.file_to_stage_in", lambda *a, **k: None),
+    }
+    rows: dict[str, Any] = {}
+    memcpys = [memcpy_seconds(state, args.memcpy_reps)]
+    for _ in range(2):  # interleaved, twice
+        for name, switch in variants.items():
+            print(f"{name} ...", file=sys.stderr, flush=True)
+            ARENAS.clear()
+            gc.collect()
+            with switch, use_copier(lambda t: True, device_staging._factory):
+                row = run_saves(os.path.join(parent, "ck"), params, opt, args.saves, fp.Config())
+            rows.setdefault(name, []).append(row)
+            memcpys.append(memcpy_seconds(state, args.memcpy_reps))
+    memcpy = statistics.median(memcpys)
+    print(f"\nfake device state {state_bytes / 2**30:.2f} GiB, {args.saves - 1} timed saves per run (median)")
+    print(f"warm single-thread memcpy: {memcpy:.3f} s ({state_bytes / memcpy / 1e9:.2f} GB/s)")
+    print(f"{'device save':32} {'run':>4} {'staged s':>9} {'committed s':>12} {'x memcpy':>9} {'last half s':>12}")
+    for name, runs in rows.items():
+        for i, row in enumerate(runs):
+            print(
+                f"{name:32} {i + 1:4} {row['phases']['until staged']:9.3f} {row['median_s']:12.3f}"
+                f" {memcpy / row['median_s']:8.2f}x {row['steady_median_s']:12.3f}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"state_bytes": state_bytes, "memcpy_s": memcpy, "rows": rows}, f, indent=2)

@@ -42,6 +42,7 @@ __all__ = [
     "replace_atomically",
     "select_backend",
     "start_write",
+    "writes_in_memory",
     "read_ranges_into",
     "PagedBuffer",
 ]
@@ -154,6 +155,17 @@ class Arena:
     """
 
     def __new__(cls, len_bytes: int) -> Arena: ...
+    @staticmethod
+    def over_file(path: str | os.PathLike[str], file_len: int) -> Arena:
+        """An arena that is the file at `path` (created if absent, never truncated: a recycled
+        file's pages are overwritten in place), set to `file_len` bytes and reserved whole (a full
+        memory filesystem raises ``OSError`` here). Its length is `file_len` rounded up to a page.
+        A save's job whose one part is that file stages into it and only checksums it; any other
+        job refuses it."""
+    @property
+    def file_status(self) -> tuple[tuple[int, int], int] | None:
+        """For an arena over a file: ``((st_dev, st_ino), st_nlink)`` of that file now (``st_nlink``
+        is 0 once it is deleted); None for anonymous memory."""
     @property
     def len_bytes(self) -> int:
         """Its length in bytes."""
@@ -378,6 +390,12 @@ def direct_io_supported(directory: _StrPath) -> bool:
 def is_memory_fs(directory: _StrPath) -> bool:
     """Whether ``directory`` lies on a memory filesystem (tmpfs, ramfs): saves there are written
     through mappings of the files, reusing a recycled file's pages."""
+
+def writes_in_memory(paths: Sequence[_StrPath], backend: str, direct_io: str) -> bool:
+    """Whether a job with ``backend=`` and ``direct_io=`` writes the files at ``paths`` in memory:
+    each on a memory filesystem (a regular file or absent), O_DIRECT not required, not the null
+    sink. Such files are written through mappings of them, or, a device save's one file, staged
+    into its own mapping (:meth:`Arena.over_file`). The engine's one rule for it."""
 
 def crc32c(data: _Buffer) -> int:
     """crc32c (Castagnoli) of a buffer."""

@@ -319,7 +319,10 @@ def _every_checkpoint_dir(root: str) -> list[str]:
     return sorted(where for where, _, files in os.walk(root) if MANIFEST_NAME in files)
 
 
-def test_kill_9_during_saves_on_a_memory_root_keeps_the_previous_step(shm_root: str) -> None:
+@pytest.mark.parametrize("worker", ["run_checkpointer", "run_device_checkpointer"])
+def test_kill_9_during_saves_on_a_memory_root_keeps_the_previous_step(shm_root: str, worker: str) -> None:
+    # run_device_checkpointer's weights are staged by a fake copy engine straight into the
+    # step's data file (gpu/arenas.py: the file is the arena).
     marker = os.path.join(os.path.dirname(shm_root), "marker")
     open(marker, "wb").write(b"\0")
     rng = random.Random(int(os.environ.get("FASTPERSIST_TEST_SEED", "22")))
@@ -327,7 +330,7 @@ def test_kill_9_during_saves_on_a_memory_root_keeps_the_previous_step(shm_root: 
     newest, recycled_kills = -1, 0
     try:
         for kill in range(10):
-            pid = server.ask("run_checkpointer", shm_root, marker)
+            pid = server.ask(worker, shm_root, marker)
             with open(marker, "r+b") as f:
                 mm = mmap.mmap(f.fileno(), 1)
                 deadline = time.monotonic() + 20

@@ -13,6 +13,13 @@ allows (replacing a free smaller one if that makes room); else it stages in wind
 the largest arena it can have (said once in the log); and while every arena is held by an
 earlier save that is still writing and the bound allows no other, it waits for one.
 
+On the in-memory level (a root on tmpfs, e.g. under ``/dev/shm``) the arena of a save whose
+share is one recycled data file is that file itself (:meth:`Arenas.lease_file`): the device
+copies land in the file's pages and the job only checksums them, so the step costs one copy.
+The file keeps its inode as retention recycles it (``saving/recycle.py``), so its arena, mapped
+and registered once, serves every save that takes it again. Such arenas count against the same
+bound; one whose file is deleted is forgotten at the next lease.
+
 Example:
     >>> arenas = Arenas()
     >>> lease, host = arenas.lease(3 << 20, cap_bytes=1 << 30, min_bytes=1 << 20, pin=False)
@@ -66,6 +73,9 @@ class _Kept(NamedTuple):
     arena: _core.Arena
     #: A 1-D uint8 tensor over the whole arena: the copies' destinations are views of it.
     host: torch.Tensor
+    #: The arena is a data file's mapping (:meth:`Arenas.lease_file`): only that file's save
+    #: may lease it.
+    over_file: bool = False
 
 
 class Arenas:
@@ -94,6 +104,7 @@ class Arenas:
         pause_s = 0.001
         while True:
             with self._lock:
+                self._forget_deleted_files()
                 found = self._take(need, floor, cap_bytes, pin)
             if found is not None:
                 return found
@@ -109,8 +120,55 @@ class Arenas:
             time.sleep(pause_s)
             pause_s = min(pause_s * 2, 0.02)
 
+    def lease_file(
+        self, path: str, file_len: int, *, cap_bytes: int, pin: bool
+    ) -> tuple[_core.ArenaLease, torch.Tensor] | None:
+        """A lease on an arena that is the recycled data file at `path` (on a memory filesystem),
+        set to `file_len` bytes, and a tensor over its bytes; None for a new file (absent: it may
+        never be written again, and registering it with CUDA would cost more than the copy it
+        saves) or where the bound cannot hold it: the save then takes an arena of :meth:`lease`.
+        The file's arena, kept from an earlier save, is leased again; else one is made (and pinned
+        with `pin`), after free arenas of no file or of other files are let go if the bound needs
+        their room."""
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        identity = (st.st_dev, st.st_ino) if st.st_size == file_len else None
+        need = -(-file_len // _core.DIRECT_ALIGN_BYTES) * _core.DIRECT_ALIGN_BYTES
+        with self._lock:
+            self._forget_deleted_files()
+            for kept in self._kept:
+                status = kept.arena.file_status if kept.over_file else None
+                if status is not None and status[0] == identity and kept.arena.len_bytes == need:
+                    lease = kept.arena.try_lease()
+                    if lease is not None:
+                        return lease, kept.host
+            # Arenas of no file go first: a file's arena is registered already for its next save.
+            free = sorted(
+                (k for k in self._kept if not k.arena.leased), key=lambda k: (k.over_file, -k.arena.len_bytes)
+            )
+            total = sum(k.arena.len_bytes for k in self._kept)
+            while total + need > cap_bytes and free:
+                total -= free[0].arena.len_bytes
+                self._kept.remove(free.pop(0))  # its memory goes once its last view does
+            if total + need > cap_bytes:
+                return None
+            kept = self._make_over_file(path, file_len, pin)
+            lease = kept.arena.try_lease()
+            assert lease is not None, "a new arena is free"
+            return lease, kept.host
+
+    def _forget_deleted_files(self) -> None:
+        """Lets go of free arenas whose file is deleted: they would hold its memory."""
+        gone = [k for k in self._kept if k.over_file and not k.arena.leased and _deleted(k.arena)]
+        for kept in gone:
+            self._kept.remove(kept)
+
     def _take(self, need: int, floor: int, cap_bytes: int, pin: bool) -> tuple[_core.ArenaLease, torch.Tensor] | None:
-        free = sorted((k for k in self._kept if not k.arena.leased), key=lambda k: k.arena.len_bytes)
+        free = sorted(
+            (k for k in self._kept if not k.arena.leased and not k.over_file), key=lambda k: k.arena.len_bytes
+        )
         for kept in free:
             if kept.arena.len_bytes >= need:
                 lease = kept.arena.try_lease()
@@ -139,14 +197,25 @@ class Arenas:
 
     def _make(self, len_bytes: int, pin: bool) -> _Kept:
         started = time.perf_counter()
-        arena = _core.Arena(len_bytes)
+        return self._keep(_core.Arena(len_bytes), pin, started, "")
+
+    def _make_over_file(self, path: str, file_len: int, pin: bool) -> _Kept:
+        started = time.perf_counter()
+        for kept in [k for k in self._kept if k.over_file and not k.arena.leased]:
+            status = kept.arena.file_status
+            if status is not None and status[0] == _identity(path):
+                self._kept.remove(kept)  # the same file at another length: remapped below
+        return self._keep(_core.Arena.over_file(path, file_len), pin, started, f" over {path}")
+
+    def _keep(self, arena: _core.Arena, pin: bool, started: float, what: str) -> _Kept:
         host = torch.frombuffer(arena, dtype=torch.uint8)
         pinned = pin_host(host, arena) if pin else False
-        kept = _Kept(arena, host)
+        kept = _Kept(arena, host, bool(what))
         self._kept.append(kept)
         log.info(
-            "staging arena of %d bytes made%s in %.3f s (%d bytes of arenas in this process)",
+            "staging arena of %d bytes%s made%s in %.3f s (%d bytes of arenas in this process)",
             arena.len_bytes,
+            what,
             " and pinned" if pinned else "",
             time.perf_counter() - started,
             sum(k.arena.len_bytes for k in self._kept),
@@ -169,6 +238,22 @@ class Arenas:
         """Forgets the free arenas (their memory goes once nothing else holds them)."""
         with self._lock:
             self._kept = [k for k in self._kept if k.arena.leased]
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _deleted(arena: _core.Arena) -> bool:
+    try:
+        status = arena.file_status
+    except OSError:
+        return True
+    return status is not None and status[1] == 0
 
 
 def granules(nbytes: int) -> int:

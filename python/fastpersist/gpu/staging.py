@@ -158,11 +158,14 @@ def start_device_staging(
     early: Sequence[int] = (),
     leased: tuple[_core.ArenaLease, torch.Tensor] | None = None,
     wait: bool = True,
+    in_file: tuple[str, int] | None = None,
 ) -> DeviceStaging:
     """Leases an arena for a save whose share of the stream takes `need_bytes` and begins a
     copier per (copier, device) of its device-resident blobs (on the caller's thread).
     `leased`: an arena lease the caller holds already (and its tensor), used instead.
     `wait=False`: raise ``ArenasBusy`` where every arena is held, instead of waiting for one.
+    `in_file`: ``(path, length)`` of the save's one data file on a memory filesystem, to stage
+    into in place (``Arenas.lease_file``) if the bound allows.
 
     `early` names device blobs of the early copy (fastpersist.gpu.early). When the arena holds
     the whole share, their copies go into the arena in the first window's call, ordered before
@@ -174,11 +177,14 @@ def start_device_staging(
         if key is not None and key not in copiers:
             copiers[key] = key[0](key[1])
     pin = any(type(c).needs_pinned_memory for c in copiers.values())
+    if leased is None and in_file is not None:
+        leased = ARENAS.lease_file(*in_file, cap_bytes=pinned_cap_bytes(pinned_bytes), pin=pin)
     if leased is None:
         cap_bytes = pinned_cap_bytes(pinned_bytes)
         leased = ARENAS.lease(need_bytes, cap_bytes=cap_bytes, min_bytes=min_bytes, pin=pin, wait=wait)
     lease, host = leased
-    in_one_window = lease.arena.len_bytes >= need_bytes
+    # A file's arena holds its whole part, though not whole chunks: one window.
+    in_one_window = lease.arena.len_bytes >= need_bytes or lease.arena.file_status is not None
     if not in_one_window:
         clone_on_device(blobs, early)
     else:

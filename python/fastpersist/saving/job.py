@@ -39,7 +39,7 @@ from ..gpu.early import choose_early_copies, split_by_side
 from ..gpu.staging import DeviceStaging, has_device_blobs, share_bytes, start_device_staging
 from ..logs import log_save, log_save_call
 from .pools import pool_for
-from .recycle import take_recycled
+from .recycle import file_to_stage_in, take_recycled
 from .remover import held_for_removal, make_room
 from .target import (
     check_name_fits,
@@ -257,6 +257,9 @@ class SaveJob:
                 key_path=self.blob_owner,
                 fail=self.verdict.fail,
                 early=self._copy_early_on_device,
+                in_file=file_to_stage_in(
+                    paths, self.my_parts, self.layout.tmp_dir, backend=self.engine_backend, direct_io=config.direct_io
+                ),
             )
         self.handle = start_write(
             WriteRequest(

@@ -43,6 +43,8 @@ import logging
 import os
 import shutil
 import stat
+from collections.abc import Sequence
+from typing import Any
 
 import fastpersist._core as _core
 
@@ -50,7 +52,14 @@ from ..errors import FastPersistError
 from ..format.layout import MANIFEST_NAME, RECYCLE_DIR, SHARD_DIR, recycle_entry_name
 from ..format.manifest import read_manifest
 
-__all__ = ["free_recycled", "is_memory_root", "recycle_checkpoint", "recycled_entries", "take_recycled"]
+__all__ = [
+    "file_to_stage_in",
+    "free_recycled",
+    "is_memory_root",
+    "recycle_checkpoint",
+    "recycled_entries",
+    "take_recycled",
+]
 
 log = logging.getLogger("fastpersist")
 
@@ -61,6 +70,18 @@ def is_memory_root(root: str) -> bool:
         return _core.is_memory_fs(root)
     except OSError:
         return False
+
+
+def file_to_stage_in(
+    paths: Sequence[str], parts: Sequence[Any], tmp_dir: str, *, backend: str, direct_io: str
+) -> tuple[str, int] | None:
+    """``(path, length)`` of a save's one data file when its device bytes may be staged straight
+    into that file's pages (``Arenas.lease_file``): the save writes one part (`parts`, each with
+    ``len_bytes``; at `paths`), of at least one byte, inside its temporary directory (recycled
+    files live there), and the engine writes it in memory (``_core.writes_in_memory``)."""
+    if len(paths) != 1 or not parts[0].len_bytes or os.path.relpath(paths[0], tmp_dir).startswith(os.pardir):
+        return None
+    return (paths[0], parts[0].len_bytes) if _core.writes_in_memory(paths, backend, direct_io) else None
 
 
 def _single_file(path: str) -> bool:

@@ -11,20 +11,42 @@
 //! Writes reference arena memory through [`ArenaSpan`]s that keep the mapping alive: a backend
 //! that has to give up on an in-flight write leaks its span (and so the mapping) rather than
 //! let the memory go while the kernel may still read it.
+//!
+//! An arena may also be a shared mapping of one data file on a memory filesystem
+//! ([`Arena::over_file`]): a save to the in-memory level whose part is that file stages its
+//! bytes straight into the file's pages, and its job only checksums them (`job/in_place.rs`).
+//! The file keeps its inode while it moves from a save's temporary directory to its step and,
+//! retired, back into a later save's (`saving/recycle.py`), so the mapping, and the device
+//! runtime's registration of it, serve every save that recycles the file.
 
 use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::DIRECT_ALIGN_BYTES;
-use crate::pages::{HUGE_PAGE_BYTES, map_huge_aligned, unmap_anonymous};
+use crate::error::{Error, Result};
+use crate::pages::{HUGE_PAGE_BYTES, map_huge_aligned, populate_write, unmap_anonymous};
 use crate::round_up;
+
+/// What an arena's memory is.
+enum Backing {
+    /// Anonymous memory of this process.
+    Anonymous,
+    /// A shared mapping of `file`, `file_len` bytes long (the mapping ends at the page that
+    /// holds the file's last byte, so no byte of it lies past the file's end).
+    File { file: File, file_len: u64 },
+}
 
 struct ArenaMemory {
     base: NonNull<u8>,
     len_bytes: usize,
     leased: AtomicBool,
+    backing: Backing,
 }
 
 // SAFETY: the mapping is owned by this struct alone. Its bytes are written only by the one job
@@ -36,9 +58,16 @@ unsafe impl Sync for ArenaMemory {}
 
 impl Drop for ArenaMemory {
     fn drop(&mut self) {
-        // SAFETY: the mapping was made by map_huge_aligned in Arena::new with this length, and
-        // nothing refers to it any more (every Arena, lease and span holds the Arc).
-        unsafe { unmap_anonymous(self.base, self.len_bytes) };
+        match self.backing {
+            // SAFETY: the mapping was made by map_huge_aligned in Arena::new with this length,
+            // and nothing refers to it any more (every Arena, lease and span holds the Arc).
+            Backing::Anonymous => unsafe { unmap_anonymous(self.base, self.len_bytes) },
+            // SAFETY: the mapping was made by mmap in Arena::over_file with this length, and
+            // nothing refers to it any more; the file closes after it.
+            Backing::File { .. } => unsafe {
+                libc::munmap(self.base.as_ptr().cast(), self.len_bytes);
+            },
+        }
     }
 }
 
@@ -68,8 +97,74 @@ impl Arena {
                 base,
                 len_bytes,
                 leased: AtomicBool::new(false),
+                backing: Backing::Anonymous,
             }),
         })
+    }
+
+    /// An arena that is the file at `path` (created if absent, never truncated: a recycled
+    /// file's pages are overwritten in place), set to `file_len` bytes and reserved whole, so
+    /// that a full memory filesystem fails here and not as a SIGBUS on a store into the
+    /// mapping. Its page tables are populated now, once per file, not by the first copy.
+    pub fn over_file(path: &Path, file_len: u64) -> Result<Arena> {
+        if file_len == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "a staging arena over {} needs at least one byte",
+                path.display()
+            )));
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            // Overwritten in place, so never through a link planted in its place.
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+            .open(path)
+            .map_err(|e| Error::io("create", path, e))?;
+        let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
+        if meta.len() != file_len {
+            file.set_len(file_len)
+                .map_err(|e| Error::io("truncate", path, e))?;
+        }
+        if meta.blocks().saturating_mul(512) < file_len {
+            crate::durable::preallocate(&file, file_len)
+                .map_err(|e| Error::io("preallocate", path, e))?;
+        }
+        let len_bytes = round_up(file_len as usize, DIRECT_ALIGN_BYTES);
+        // SAFETY: a fresh shared mapping chosen by the kernel (no address hint) of a file we
+        // hold open, checked before use and unmapped only when the memory is dropped. It ends
+        // at the page holding the file's last byte: no access through it can fault past EOF.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len_bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(Error::io("mmap", path, std::io::Error::last_os_error()));
+        }
+        // A forked child (a DataLoader worker) must not keep the file's memory mapped.
+        // SAFETY: advice on our own live mapping; it reads or writes no memory.
+        unsafe { libc::madvise(raw, len_bytes, libc::MADV_DONTFORK) };
+        populate_write(raw as usize, len_bytes);
+        Ok(Arena {
+            memory: Arc::new(ArenaMemory {
+                base: NonNull::new(raw.cast::<u8>()).expect("mmap returned a null mapping"),
+                len_bytes,
+                leased: AtomicBool::new(false),
+                backing: Backing::File { file, file_len },
+            }),
+        })
+    }
+
+    /// For an arena over a file: its (device, inode) and its count of hard links (0 once the
+    /// file is deleted: the arena then only holds its memory); None for anonymous memory.
+    pub fn file_status(&self) -> Option<std::io::Result<((u64, u64), u64)>> {
+        self.memory.file_status()
     }
 
     /// Its length in bytes.
@@ -97,6 +192,17 @@ impl Arena {
             .map(|_| ArenaLease {
                 memory: Arc::clone(&self.memory),
             })
+    }
+}
+
+impl ArenaMemory {
+    fn file_status(&self) -> Option<std::io::Result<((u64, u64), u64)>> {
+        match &self.backing {
+            Backing::Anonymous => None,
+            Backing::File { file, .. } => {
+                Some(file.metadata().map(|m| ((m.dev(), m.ino()), m.nlink())))
+            }
+        }
     }
 }
 
@@ -128,6 +234,45 @@ impl ArenaLease {
     /// The arena's first byte.
     pub fn as_ptr(&self) -> *mut u8 {
         self.memory.base.as_ptr()
+    }
+
+    /// Whether the arena is a mapping of a file ([`Arena::over_file`]).
+    pub fn is_file(&self) -> bool {
+        matches!(self.memory.backing, Backing::File { .. })
+    }
+
+    /// Whether the arena is the file of the job's one part at `path`, `part_len` bytes long:
+    /// the job then writes it in place (`job/in_place.rs`). An anonymous arena is not; an arena
+    /// over any other file, or over this one at another length, is refused: its bytes belong to
+    /// that file, which may be a committed step's.
+    pub fn is_file_of(&self, path: &Path, part_len: u64) -> Result<bool> {
+        let Backing::File { file_len, .. } = &self.memory.backing else {
+            return Ok(false);
+        };
+        let ours = self
+            .memory
+            .file_status()
+            .expect("a file arena")
+            .map_err(|e| Error::io("stat", path, e))?
+            .0;
+        let target = std::fs::symlink_metadata(path).map_err(|e| Error::io("stat", path, e))?;
+        if (target.dev(), target.ino()) != ours || *file_len != part_len || target.len() != part_len
+        {
+            return Err(Error::InvalidArgument(format!(
+                "the staging arena is a mapping of another file (or of {} at another length \
+                 than its {part_len} bytes): it may only stage that file",
+                path.display()
+            )));
+        }
+        Ok(true)
+    }
+
+    /// fsyncs the arena's file (a formality on a memory filesystem, kept for the contract).
+    pub fn sync_file(&self, path: &Path) -> Result<()> {
+        match &self.memory.backing {
+            Backing::File { file, .. } => file.sync_all().map_err(|e| Error::io("fsync", path, e)),
+            Backing::Anonymous => Ok(()),
+        }
     }
 
     /// The arena's bytes `[offset_bytes, offset_bytes + len_bytes)`, for a write to read from;
@@ -231,5 +376,58 @@ mod tests {
         assert!(lease.span(arena.len_bytes() - 1, 2).is_none());
         drop((lease, arena));
         assert_eq!(&span.bytes()[..4], &[1, 2, 3, 0]);
+    }
+
+    #[test]
+    fn a_file_arena_is_the_files_pages_and_stages_only_that_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        let arena = Arena::over_file(&path, 5000).unwrap();
+        assert_eq!(arena.len_bytes(), 8192);
+        let lease = arena.try_lease().unwrap();
+        // SAFETY: nothing else touches the arena in this test.
+        unsafe { lease.bytes_mut(4990, 10).fill(7) };
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(
+            (bytes.len(), &bytes[4988..]),
+            (5000, &[0, 0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7][..])
+        );
+        assert!(lease.is_file_of(&path, 5000).unwrap());
+        assert!(lease.is_file_of(&path, 4096).is_err()); // another length
+        let other = dir.path().join("other");
+        std::fs::write(&other, vec![0; 5000]).unwrap();
+        assert!(lease.is_file_of(&other, 5000).is_err());
+        let anonymous = Arena::new(1).unwrap();
+        assert!(
+            !anonymous
+                .try_lease()
+                .unwrap()
+                .is_file_of(&other, 5000)
+                .unwrap()
+        );
+        // Renamed (as a step's file is when it commits, retires and is recycled): still it.
+        let moved = dir.path().join("moved");
+        std::fs::rename(&path, &moved).unwrap();
+        assert!(lease.is_file_of(&moved, 5000).unwrap());
+        assert_eq!(arena.file_status().unwrap().unwrap().1, 1);
+        std::fs::remove_file(&moved).unwrap();
+        assert_eq!(arena.file_status().unwrap().unwrap().1, 0);
+        assert!(anonymous.file_status().is_none());
+        assert!(Arena::over_file(&dir.path().join("empty"), 0).is_err());
+    }
+
+    #[test]
+    fn a_file_arena_keeps_the_pages_of_a_file_it_recycles() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        std::fs::write(&path, vec![9u8; 10_000]).unwrap();
+        let arena = Arena::over_file(&path, 10_000).unwrap();
+        let lease = arena.try_lease().unwrap();
+        // SAFETY: nothing else touches the arena in this test.
+        assert!(unsafe { lease.bytes(0, 10_000) }.iter().all(|&b| b == 9));
+        drop((lease, arena));
+        let smaller = Arena::over_file(&path, 6000).unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 6000);
+        assert_eq!(smaller.len_bytes(), 8192);
     }
 }

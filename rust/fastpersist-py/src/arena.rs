@@ -3,15 +3,17 @@
 //! save takes for its job.
 
 use std::os::raw::c_int;
+use std::path::PathBuf;
 use std::sync::Mutex;
 
 use fastpersist_core::arena;
-use pyo3::exceptions::{PyMemoryError, PyValueError};
+use pyo3::exceptions::{PyMemoryError, PyOSError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 
 use crate::before_free::BeforeFree;
 use crate::buffers::export_writable;
+use crate::errors::to_pyerr;
 
 /// Page-aligned memory that device saves stage into and write from, one job at a time. What
 /// Python tied to it (its CUDA registration) is released by callbacks it calls before its
@@ -36,6 +38,29 @@ impl Arena {
             inner,
             before_free: BeforeFree::default(),
         })
+    }
+
+    /// An arena that is the file at `path` (created if absent, never truncated), set to
+    /// `file_len` bytes and reserved whole; its length is `file_len` rounded up to a page.
+    #[staticmethod]
+    fn over_file(py: Python<'_>, path: PathBuf, file_len: u64) -> PyResult<Self> {
+        let inner = py
+            .detach(|| arena::Arena::over_file(&path, file_len))
+            .map_err(|e| to_pyerr(py, &e))?;
+        Ok(Arena {
+            inner,
+            before_free: BeforeFree::default(),
+        })
+    }
+
+    /// For an arena over a file: ``((st_dev, st_ino), st_nlink)`` of its file now (``st_nlink``
+    /// is 0 once the file is deleted); None for anonymous memory.
+    #[getter]
+    fn file_status(&self) -> PyResult<Option<((u64, u64), u64)>> {
+        self.inner
+            .file_status()
+            .transpose()
+            .map_err(|e| PyOSError::new_err(format!("cannot stat a staging arena's file: {e}")))
     }
 
     /// Its length in bytes (the size asked for, rounded up to whole 2 MiB pages).

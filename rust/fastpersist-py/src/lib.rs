@@ -219,6 +219,21 @@ fn is_memory_fs(py: Python<'_>, directory: PathBuf) -> PyResult<bool> {
         .into_py_result(py)
 }
 
+/// Whether a job with `backend=` and `direct_io=` writes the files at `paths` in memory
+/// (tmpfs, ramfs): through mappings of them, or a device save staged into its file's own
+/// mapping. The engine's one rule for it.
+#[pyfunction]
+fn writes_in_memory(
+    py: Python<'_>,
+    paths: Vec<PathBuf>,
+    backend: &str,
+    direct_io: &str,
+) -> PyResult<bool> {
+    let (selection, direct) = io_choices(py, backend, direct_io)?;
+    let paths: Vec<&std::path::Path> = paths.iter().map(PathBuf::as_path).collect();
+    Ok(py.detach(|| fastpersist_core::job::writes_in_memory(&paths, direct, selection.kind)))
+}
+
 /// crc32c (Castagnoli) of a buffer.
 #[pyfunction]
 fn crc32c(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u32> {
@@ -273,6 +288,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(probe_uring, m)?)?;
     m.add_function(wrap_pyfunction!(direct_io_supported, m)?)?;
     m.add_function(wrap_pyfunction!(is_memory_fs, m)?)?;
+    m.add_function(wrap_pyfunction!(writes_in_memory, m)?)?;
     m.add_function(wrap_pyfunction!(crc32c, m)?)?;
     m.add_function(wrap_pyfunction!(fsync_path, m)?)?;
     m.add_function(wrap_pyfunction!(fsync_dir, m)?)?;

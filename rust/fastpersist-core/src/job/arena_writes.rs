@@ -44,11 +44,7 @@ impl ArenaJob<'_> {
         let job = &*self;
         std::thread::scope(|scope| {
             if let Some(board) = checksums {
-                let threads = std::thread::available_parallelism()
-                    .map_or(1, usize::from)
-                    .clamp(1, MAX_CRC_THREADS)
-                    .min(order.len());
-                for _ in 0..threads {
+                for _ in 0..crc_threads(order.len()) {
                     scope.spawn(move || {
                         board.work(|k| {
                             let (offset, len) = ranges[k];
@@ -85,6 +81,14 @@ impl ArenaJob<'_> {
         }
         Ok(())
     }
+}
+
+/// How many threads checksum `chunks` chunks: one per core, at most [`MAX_CRC_THREADS`].
+pub(super) fn crc_threads(chunks: usize) -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .clamp(1, MAX_CRC_THREADS)
+        .min(chunks)
 }
 
 fn submission_order(cells: &[Cell], window: Range<usize>) -> Vec<usize> {
@@ -152,7 +156,7 @@ impl<'a> OpSource<'a> for WindowWrites<'_, '_> {
 
 /// The checksums of a window's chunks, computed by worker threads in submission order and
 /// waited for by the writer, one chunk at a time.
-struct CrcBoard {
+pub(super) struct CrcBoard {
     next: AtomicUsize,
     values: Mutex<Vec<Option<u32>>>,
     ready: Condvar,
@@ -160,7 +164,7 @@ struct CrcBoard {
 }
 
 impl CrcBoard {
-    fn new(len: usize) -> Self {
+    pub(super) fn new(len: usize) -> Self {
         CrcBoard {
             next: AtomicUsize::new(0),
             values: Mutex::new(vec![None; len]),
@@ -175,7 +179,7 @@ impl CrcBoard {
 
     /// A worker's loop: checksums positions in order until none is left or the board stopped.
     /// A worker that panics stops the board, so the writer never waits for it in vain.
-    fn work(&self, checksum: impl Fn(usize) -> u32) {
+    pub(super) fn work(&self, checksum: impl Fn(usize) -> u32) {
         struct StopOnPanic<'b>(&'b CrcBoard);
         impl Drop for StopOnPanic<'_> {
             fn drop(&mut self) {
@@ -222,7 +226,7 @@ impl CrcBoard {
         self.ready.notify_all();
     }
 
-    fn into_values(self) -> Vec<Option<u32>> {
+    pub(super) fn into_values(self) -> Vec<Option<u32>> {
         self.values.into_inner().unwrap_or_else(|e| e.into_inner())
     }
 }

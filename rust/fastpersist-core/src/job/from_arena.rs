@@ -15,6 +15,7 @@ use std::ops::Range;
 
 use super::crc32_fields::Crc32Patcher;
 use super::guard::GuardState;
+use super::in_place;
 use super::source::{CopyPiece, DeviceCopier, ExtentMap, SourceRegion, check_against_plan};
 use super::staging::check_in_stream_order;
 use super::{JobHooks, JobProgress, WriteOptions, WriteTarget, finish_files, open_targets};
@@ -65,6 +66,9 @@ pub(super) fn write(
         job.ask_copies(first.clone())?;
     }
     drop(copied_early);
+    if job.in_place {
+        return job.write_in_place(windows, targets, options, gate.as_deref());
+    }
     // The null sink moves no bytes, so nothing is reserved for them either.
     let files = open_targets(
         targets,
@@ -101,6 +105,8 @@ pub(super) struct ArenaJob<'p> {
     pub(super) cells: Vec<Cell>,
     pub(super) cell_bytes: usize,
     cells_per_window: usize,
+    /// The arena is the job's one data file: staging writes it (`in_place`).
+    pub(super) in_place: bool,
     pub(super) arena: ArenaLease,
     device: Option<Box<dyn DeviceCopier>>,
     /// Device copies were asked for and not yet waited for.
@@ -129,15 +135,22 @@ impl<'p> ArenaJob<'p> {
             ));
         };
         check_sources(plan, &sources, hooks.device.is_some())?;
+        let in_place = in_place::is_in_place(&arena, targets)?;
         let cell_bytes = plan.chunk_bytes as usize;
-        let cells_per_window = arena.len_bytes() / cell_bytes;
+        let cells = cells_in_stream_order(targets, plan.chunk_bytes);
+        // In place, cell k is the file's chunk k, at k * chunk_bytes: one window holds them all
+        // (the file's last chunk may end before its cell does).
+        let cells_per_window = if in_place {
+            cells.len().max(1)
+        } else {
+            arena.len_bytes() / cell_bytes
+        };
         if cells_per_window == 0 {
             return Err(Error::InvalidArgument(format!(
                 "the arena ({} bytes) is smaller than one chunk ({cell_bytes} bytes)",
                 arena.len_bytes()
             )));
         }
-        let cells = cells_in_stream_order(targets, plan.chunk_bytes);
         let crcs = targets
             .iter()
             .map(|t| vec![0; t.part.chunks(plan.chunk_bytes).count()])
@@ -170,6 +183,7 @@ impl<'p> ArenaJob<'p> {
             cells,
             cell_bytes,
             cells_per_window,
+            in_place,
             arena,
             device: hooks.device,
             copies_in_flight: false,
@@ -251,7 +265,7 @@ impl<'p> ArenaJob<'p> {
     }
 
     /// Lets go of the sources (the caller may modify them), once no device copy reads them.
-    fn release_sources(&mut self) {
+    pub(super) fn release_sources(&mut self) {
         self.settle_copies();
         if self.sources.take().is_some() {
             self.progress.mark_sources_released();
@@ -260,7 +274,7 @@ impl<'p> ArenaJob<'p> {
 
     /// Completes `window` in the arena: host bytes and zeroed gaps while the device copies
     /// run, then the copies waited for, the CRC-32 fields filled in, and the guard told.
-    fn stage(&mut self, window: Range<usize>) -> Result<()> {
+    pub(super) fn stage(&mut self, window: Range<usize>) -> Result<()> {
         for index in window.clone() {
             self.fill_host_bytes(window.start, index);
         }

@@ -25,6 +25,7 @@ use super::WriteTarget;
 use super::mapped::{self, MappedFile};
 use super::staging::Staging;
 use crate::error::{Error, Result};
+use crate::probe::{BackendKind, DirectMode};
 
 /// `statfs` f_type of tmpfs (and of /dev/shm).
 const TMPFS_MAGIC: i64 = 0x0102_1994;
@@ -47,18 +48,25 @@ pub fn is_memory_fs(dir: &Path) -> Result<bool> {
     Ok(kind == TMPFS_MAGIC || kind == RAMFS_MAGIC)
 }
 
-/// Whether every target's directory is on a memory filesystem (decided once per directory) and
-/// every target is a regular file or absent (`/dev/full` sits on devtmpfs too). A directory that
+/// Whether a job writes the files at `paths` in memory, through mappings of them (or, a device
+/// save, by staging into a file's own mapping: `Arena::over_file`): O_DIRECT is not required,
+/// the backend is not the null sink, and every file is on a memory filesystem.
+pub fn writes_in_memory(paths: &[&Path], direct: DirectMode, backend: BackendKind) -> bool {
+    direct != DirectMode::Require && backend != BackendKind::Null && all_on_memory_fs(paths)
+}
+
+/// Whether every path's directory is on a memory filesystem (decided once per directory) and
+/// every path is a regular file or absent (`/dev/full` sits on devtmpfs too). A directory that
 /// cannot be looked at counts as not: the usual path then reports the error on the file itself.
-pub(super) fn all_on_memory_fs(targets: &[WriteTarget]) -> bool {
+fn all_on_memory_fs(paths: &[&Path]) -> bool {
     let mut seen: Vec<&Path> = Vec::new();
-    for target in targets {
-        match std::fs::symlink_metadata(&target.path) {
+    for &path in paths {
+        match std::fs::symlink_metadata(path) {
             Ok(meta) if !meta.is_file() => return false,
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => return false,
             _ => {}
         }
-        let dir = super::parent_dir(&target.path);
+        let dir = super::parent_dir(path);
         if seen.contains(&dir) {
             continue;
         }
@@ -67,7 +75,7 @@ pub(super) fn all_on_memory_fs(targets: &[WriteTarget]) -> bool {
         }
         seen.push(dir);
     }
-    !targets.is_empty()
+    !paths.is_empty()
 }
 
 /// Opens (creating, never truncating) each target, sets it to its part's length and reserves
@@ -266,18 +274,16 @@ mod tests {
     }
 
     #[test]
-    fn only_regular_files_take_the_memory_path() {
-        let plan = crate::plan::Plan::new(&[4096], 1, 1, 4096).unwrap();
-        let target = |path: &str| WriteTarget {
-            part: plan.parts[0],
-            path: path.into(),
-        };
-        assert!(!all_on_memory_fs(&[target("/dev/full")])); // a device on devtmpfs
+    fn only_regular_files_on_a_memory_fs_take_the_memory_path_and_only_when_allowed() {
+        let (threads, auto) = (BackendKind::Threads, DirectMode::Auto);
+        assert!(!writes_in_memory(&[Path::new("/dev/full")], auto, threads)); // a device on devtmpfs
         if Path::new("/dev/shm").is_dir() {
-            assert!(all_on_memory_fs(&[target(
-                "/dev/shm/fastpersist-absent.bin"
-            )]));
+            let absent = Path::new("/dev/shm/fastpersist-absent.bin");
+            assert!(writes_in_memory(&[absent], auto, threads));
+            assert!(!writes_in_memory(&[absent], DirectMode::Require, threads));
+            assert!(!writes_in_memory(&[absent], auto, BackendKind::Null));
         }
+        assert!(!writes_in_memory(&[], auto, threads));
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! * [`crc32_fields`](Crc32Field): CRC-32s of stream ranges written into the stream (zip records);
 //! * `staging`: the [`OpSource`](crate::backend::OpSource) that fills slots and makes writes;
 //! * `from_arena`: the job of a save with device sources, staged into its arena and written
-//!   straight from there (`arena_writes`: a window's writes and their checksum threads);
+//!   straight from there (`arena_writes`: a window's writes and their checksum threads;
+//!   `in_place`: a job whose arena is its one file on a memory filesystem, checksummed only);
 //! * [`memory`](is_memory_fs): targets on tmpfs/ramfs, written through mappings of the files;
 //! * here: the job itself (open the files, drive the backend, finish the files, report).
 
@@ -15,6 +16,7 @@ mod arena_writes;
 mod crc32_fields;
 mod from_arena;
 mod guard;
+mod in_place;
 mod mapped;
 mod memory;
 mod progress;
@@ -35,7 +37,7 @@ use crate::probe::{BackendKind, DirectMode};
 
 pub use crc32_fields::{CRC32_FIELD_BYTES, Crc32Field};
 pub use guard::{Guard, StagingObserver};
-pub use memory::is_memory_fs;
+pub use memory::{is_memory_fs, writes_in_memory};
 pub use progress::{JobProgress, WriteGate};
 pub use source::{CopyPiece, DeviceCopier, SourceRegion};
 use staging::Staging;
@@ -197,10 +199,8 @@ fn write_from_pool(
     let result = (|| {
         // The in-memory level (tmpfs, ramfs): the sources are copied straight into the files'
         // pages, reused across saves; O_DIRECT is never tried there unless it was required.
-        if options.direct != DirectMode::Require
-            && options.backend != BackendKind::Null
-            && memory::all_on_memory_fs(targets)
-        {
+        let paths: Vec<&Path> = targets.iter().map(|t| t.path.as_path()).collect();
+        if memory::writes_in_memory(&paths, options.direct, options.backend) {
             memory::write_mapped(&mut staging, targets, options.durable)?;
             progress.check_cancelled("after its data was written")?;
             return Ok(vec![false; targets.len()]);

@@ -1,0 +1,86 @@
+//! The rest of a job whose arena is its one data file on a memory filesystem
+//! ([`Arena::over_file`](crate::arena::Arena::over_file)): staging put every byte into the
+//! file's pages already, so nothing is written; the chunks are checksummed from there by the
+//! bounded pool of threads that a window's writes use (`arena_writes`).
+
+use std::ops::Range;
+
+use super::WriteOptions;
+use super::WriteTarget;
+use super::arena_writes::{CrcBoard, crc_threads};
+use super::from_arena::{ArenaJob, Written};
+use super::progress::WriteGate;
+use crate::arena::ArenaLease;
+use crate::checksum::crc32c;
+use crate::error::{Error, Result};
+
+/// Whether the job stages `targets` in place: `arena` is the file of its one part. An arena over
+/// a file is refused for any other job (its bytes belong to that file).
+pub(super) fn is_in_place(arena: &ArenaLease, targets: &[WriteTarget]) -> Result<bool> {
+    match targets {
+        [one] => arena.is_file_of(&one.path, one.part.len_bytes),
+        _ if arena.is_file() => Err(Error::InvalidArgument(format!(
+            "a staging arena over a file stages a job of one part, not of {}",
+            targets.len()
+        ))),
+        _ => Ok(false),
+    }
+}
+
+impl ArenaJob<'_> {
+    /// Stages `windows` (one, holding every cell, or none for an empty part) into the file,
+    /// lets the sources go, waits for the write gate of a snapshot, then checksums the file's
+    /// chunks and fsyncs it when durable.
+    pub(super) fn write_in_place(
+        mut self,
+        windows: Vec<Range<usize>>,
+        targets: &[WriteTarget],
+        options: &WriteOptions,
+        gate: Option<&WriteGate>,
+    ) -> Result<Written> {
+        debug_assert!(windows.len() <= 1, "in place, one window holds every cell");
+        for window in &windows {
+            self.stage(window.clone())?;
+        }
+        self.release_sources(); // every byte is in the file: the caller may go on
+        self.progress.check_cancelled("while staging")?;
+        if let Some(gate) = gate {
+            gate.wait(self.progress)?; // a snapshot: checksummed and committed in its turn
+        }
+        if self.checksum {
+            self.checksum_cells()?;
+        }
+        self.progress.add_written_bytes(targets[0].part.len_bytes);
+        if options.durable {
+            self.arena.sync_file(&targets[0].path)?;
+        }
+        self.progress
+            .check_cancelled("after its data was written")?;
+        Ok((std::mem::take(&mut self.crcs), vec![false]))
+    }
+
+    fn checksum_cells(&mut self) -> Result<()> {
+        let board = CrcBoard::new(self.cells.len());
+        let (arena, cells, cell_bytes) = (&self.arena, &self.cells, self.cell_bytes);
+        std::thread::scope(|scope| {
+            for _ in 0..crc_threads(cells.len()) {
+                scope.spawn(|| {
+                    board.work(|k| {
+                        // SAFETY: every copy into the file has landed (staged and waited for),
+                        // and nothing writes the arena until this job lets go of its lease.
+                        crc32c(unsafe {
+                            arena.bytes(k * cell_bytes, cells[k].chunk.len_bytes as usize)
+                        })
+                    });
+                });
+            }
+        });
+        for (k, crc) in board.into_values().into_iter().enumerate() {
+            let cell = self.cells[k];
+            self.crcs[cell.file][cell.chunk_in_file] = crc.ok_or_else(|| {
+                Error::Internal("a checksum thread stopped before its chunks were done".into())
+            })?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,239 @@
+"""A device state saved to the in-memory level is staged straight into its data file's pages: the
+file is the arena (``Arena.over_file``, ``Arenas.lease_file``), kept and reused as retention
+recycles the file, and the job only checksums it (``job/in_place.rs``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+import fastpersist as fp
+from fastpersist import _core
+from fastpersist.format.layout import data_file_name
+from fastpersist.gpu.arenas import ARENAS
+from fastpersist.gpu.copiers import use_copier
+from fastpersist.saving.recycle import file_to_stage_in, is_memory_root
+
+from gloo import TESTS_DIR
+
+SHM = "/dev/shm"
+pytestmark = pytest.mark.skipif(not (os.path.isdir(SHM) and is_memory_root(SHM)), reason="needs a tmpfs at /dev/shm")
+DATA = data_file_name(writer=0, stripe=0)
+CHUNK = 256 << 10
+
+
+class RecordingCopier:
+    """A fake copy engine on a thread of its own that records where its copies land."""
+
+    needs_pinned_memory = False
+    destinations: ClassVar[list[tuple[int, int]]] = []
+
+    def __init__(self, device: torch.device) -> None:
+        self.threads: list[threading.Thread] = []
+
+    def begin(self) -> None:
+        pass
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, early: bool = False) -> None:
+        RecordingCopier.destinations += [(dst.data_ptr(), dst.numel()) for _, dst in pairs]
+
+        def land() -> None:
+            for src, dst in pairs:
+                dst.copy_(src)
+
+        if early:
+            land()
+            return
+        self.threads.append(threading.Thread(target=land))
+        self.threads[-1].start()
+
+    def wait(self) -> None:
+        for thread in self.threads:
+            thread.join()
+        self.threads = []
+
+
+@pytest.fixture
+def on_device() -> Iterator[set[int]]:
+    """Tensors whose storage is in the set are staged by RecordingCopier, as GPU tensors are."""
+    RecordingCopier.destinations = []
+    ARENAS.clear()
+    storages: set[int] = set()
+    with use_copier(lambda t: t.numel() > 0 and t.untyped_storage().data_ptr() in storages, RecordingCopier):
+        yield storages
+    ARENAS.clear()
+
+
+@pytest.fixture
+def shm_root() -> Iterator[str]:
+    parent = tempfile.mkdtemp(prefix="fp-test-arena-", dir=SHM)
+    yield os.path.join(parent, "ck")
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+def device_state(on_device: set[int], step: int, n: int = 300_000) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    state = {"w": torch.randn(n, generator=g), "m": torch.randn(70_001, generator=g), "step": step}
+    state["host"] = torch.arange(step, step + 1000)  # copied by the job, beside the device copies
+    on_device.update(state[k].untyped_storage().data_ptr() for k in ("w", "m"))
+    return state
+
+
+def file_arenas() -> dict[tuple[int, int], tuple[int, int]]:
+    """(st_dev, st_ino) of each kept file arena's file -> (address, length)."""
+    out = {}
+    for kept in ARENAS._kept:
+        status = kept.arena.file_status
+        if status is not None:
+            out[status[0]] = (kept.arena.address, kept.arena.len_bytes)
+    return out
+
+
+def identity(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def config(**knobs: Any) -> fp.Config:
+    return fp.Config(chunk_bytes=CHUNK, **knobs)
+
+
+def test_device_bytes_land_in_the_recycled_step_files_whose_arenas_serve_every_later_save(
+    shm_root: str, on_device: set[int]
+) -> None:
+    in_place: set[tuple[int, int]] = set()
+    with fp.Checkpointer(shm_root, every=1, keep=2, config=config()) as ck:
+        for step in range(9):
+            state = device_state(on_device, step)
+            RecordingCopier.destinations = []
+            ck.save(step, state)
+            ck.wait_staged()
+            state["w"].add_(1)  # after wait_staged: never in this step
+            ck.wait()
+            arenas = file_arenas()
+            data = identity(os.path.join(ck.path(step), DATA))
+            assert len(RecordingCopier.destinations) == 2  # one copy per device tensor
+            if step < 3:
+                assert data not in arenas  # a new file: staged through an anonymous arena
+                continue
+            address, length = arenas[data]  # a recycled file: it was its own arena
+            assert all(address <= p and p + n <= address + length for p, n in RecordingCopier.destinations)
+            in_place.add(data)
+            if step == 5:
+                kept = list(ARENAS._kept)  # keep + 1 files rotate: no arena is made from here on
+            elif step > 5:
+                assert ARENAS._kept == kept
+        assert len(in_place) == 3
+        for step in ck.steps():
+            fp.verify(ck.path(step))
+            got = ck.load(step)
+            want = device_state(set(), step)
+            assert torch.equal(got["w"], want["w"]) and torch.equal(got["m"], want["m"])
+            assert torch.equal(got["host"], want["host"]) and got["step"] == step
+
+
+def test_repeated_saves_to_one_path_never_map_a_new_file(shm_root: str, on_device: set[int]) -> None:
+    for step in range(3):  # each save replaces the last: a new file every time, never recycled
+        fp.save(device_state(on_device, step), shm_root, config=config())
+    assert file_arenas() == {}
+    assert torch.equal(fp.load(shm_root)["w"], device_state(set(), 2)["w"])
+
+
+def test_a_new_process_restores_the_newest_step_staged_in_place(shm_root: str, on_device: set[int]) -> None:
+    with fp.Checkpointer(shm_root, every=1, keep=1, config=config()) as ck:
+        for step in range(3):  # step 2 is staged into step 0's recycled file
+            ck.save(step, device_state(on_device, step))
+            ck.wait()  # retired and recycled before the next save
+    assert len(file_arenas()) == 1
+    code = textwrap.dedent(
+        f"""
+        import torch, fastpersist as fp
+        ck = fp.Checkpointer({shm_root!r}, keep=1)
+        got = ck.load()
+        g = torch.Generator().manual_seed(2)
+        w, m = torch.randn(300_000, generator=g), torch.randn(70_001, generator=g)
+        print(ck.latest(), torch.equal(got["w"], w), torch.equal(got["m"], m))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=TESTS_DIR, timeout=120)
+    assert out.stdout.split() == ["2", "True", "True"], out.stderr
+
+
+def test_a_bound_too_small_for_the_file_stages_through_an_anonymous_arena(shm_root: str, on_device: set[int]) -> None:
+    with fp.Checkpointer(shm_root, keep=1, config=config(pinned_bytes=2 << 20)) as ck:
+        for step in range(3):
+            ck.save(step, device_state(on_device, step, n=600_000))  # 2.7 MB
+            ck.wait()
+    assert file_arenas() == {} and ARENAS.total_bytes() <= 2 << 20  # went in windows
+    got, want = ck.load(2), device_state(set(), 2, n=600_000)
+    assert torch.equal(got["w"], want["w"]) and torch.equal(got["m"], want["m"])
+
+
+def test_a_deleted_root_gives_its_files_arenas_back_at_the_next_save(
+    shm_root: str, on_device: set[int], workdir: str
+) -> None:
+    with fp.Checkpointer(shm_root, keep=1, config=config()) as ck:
+        for step in range(3):
+            ck.save(step, device_state(on_device, step))
+            ck.wait()
+    assert len(file_arenas()) == 1
+    shutil.rmtree(shm_root)
+    fp.save(device_state(on_device, 1), os.path.join(workdir, "disk"), config=config())  # a disk save
+    assert file_arenas() == {}
+
+
+def test_only_one_data_file_written_in_memory_is_staged_in_place(shm_root: str, workdir: str) -> None:
+    class Part:
+        len_bytes = 4096
+
+    tmp = os.path.dirname(shm_root)  # a directory on the tmpfs
+    inside = os.path.join(tmp, DATA)
+    assert file_to_stage_in([inside], [Part()], tmp, backend="auto", direct_io="auto") == (inside, 4096)
+    assert file_to_stage_in([inside], [Part()], tmp, backend="auto", direct_io="require") is None  # O_DIRECT asked for
+    assert file_to_stage_in([inside], [Part()], tmp, backend="null", direct_io="auto") is None
+    assert file_to_stage_in([inside, inside + "1"], [Part(), Part()], tmp, backend="auto", direct_io="auto") is None
+    assert (
+        file_to_stage_in([os.path.join(SHM, "stripe", DATA)], [Part()], tmp, backend="auto", direct_io="auto") is None
+    )
+    on_disk = os.path.join(workdir, "t")
+    assert file_to_stage_in([os.path.join(on_disk, DATA)], [Part()], on_disk, backend="auto", direct_io="auto") is None
+    assert _core.writes_in_memory([inside], "threads", "off")
+
+
+def test_a_full_memory_filesystem_fails_the_save_naming_the_file_and_keeps_the_last_step(
+    on_device: set[int], tmp_path: Any
+) -> None:
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(small)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        root = str(small / "ck")
+        with fp.Checkpointer(root, keep=1, config=config()) as ck:
+            for step in range(3):
+                state = {"w": torch.full((100_000,), float(step))}
+                on_device.add(state["w"].untyped_storage().data_ptr())
+                ck.save(step, state)
+                ck.wait()
+            assert len(file_arenas()) == 1  # step 2 went into step 0's file
+            big = {"w": torch.ones(1_000_000)}  # 4 MB: more than the filesystem holds
+            on_device.add(big["w"].untyped_storage().data_ptr())
+            with pytest.raises(OSError) as raised:  # the recycled file cannot grow to it
+                ck.save(3, big)
+                ck.wait()
+            assert DATA in str(raised.value), raised.value
+        assert ck.latest() == 2 and torch.equal(ck.load(2)["w"], torch.full((100_000,), 2.0))
+        assert not [n for n in os.listdir(root) if ".fptmp-" in n]
+    finally:
+        ARENAS.clear()
+        subprocess.run(["umount", "-l", str(small)])
