@@ -10,6 +10,8 @@ soon as they are measured, and each is skipped (saying so) when the bench's time
   (``save_async`` after ``optimizer.step()``, ``wait_staged()`` before the next one) against the
   same loop with a plain pinned copy in its place (target 1.2x); and the per-step overhead of a
   checkpoint every step, ``Checkpointer(every=1)`` and the plain copy (target 3%);
+  and the same on the memory level (a root under /dev/shm: each step staged into its recycled
+  data file), with how many of the timed steps committed there;
 * pinned memory over 100 saves: what the process holds after the first save and after the 100th.
 
 ``--device cpu`` (the smoke mode) runs every section with tiny sizes; its figures mean nothing.
@@ -18,7 +20,9 @@ soon as they are measured, and each is skipped (saying so) when the bench's time
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -247,6 +251,43 @@ def check_training_loop(device: torch.device, root: str, reps: int, budget: Budg
         f"Checkpointer(every=1) +{(every_step_ck / base_s - 1) * 100:.1f}% per step (target <= 3%)",
         flush=True,
     )
+    check_memory_level(loop, window, base_s)
+
+
+def check_memory_level(loop: _Loop, window: int, base_s: float) -> None:
+    """``Checkpointer(every=1, keep=2)`` on a root under /dev/shm: each step staged into its
+    recycled data file (docs/levels.md). A first window makes the files, their arenas and their
+    registrations; the second is timed, and says how many of its steps committed there."""
+    if not os.path.isdir("/dev/shm"):
+        print("  memory level: not measured (no /dev/shm)")
+        return
+    parent = tempfile.mkdtemp(prefix="fp-gpu-memlevel-", dir="/dev/shm")
+    try:
+        ck = fp.Checkpointer(os.path.join(parent, "ck"), every=1, keep=2)
+        loop.run(window, lambda k: ck.wait_staged(), lambda k: ck.save(k, loop.state(k)))
+        ck.wait()
+        futures: list[Any] = []
+        timed = loop.run(
+            window, lambda k: ck.wait_staged(), lambda k: futures.append(ck.save(window + k, loop.state(k)))
+        )
+        ck.close()
+        committed = sum(1 for f in futures if f is not None and _committed(f))
+        print(
+            f"  memory level (/dev/shm, every=1, keep=2): +{(timed / base_s - 1) * 100:.1f}% per step (target <= 3%); "
+            f"{committed} of {window} steps committed there; "
+            f"arenas {fp.gpu.arena_bytes() / MiB:.0f} MiB, pinned {fp.gpu.pinned_bytes() / MiB:.0f} MiB",
+            flush=True,
+        )
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def _committed(future: Any) -> bool:
+    try:
+        future.wait()
+    except fp.FastPersistError:  # a snapshot a newer step replaced
+        return False
+    return True
 
 
 def check_pinned_growth(device: torch.device, root: str, budget: Budget) -> None:

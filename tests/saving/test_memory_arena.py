@@ -237,3 +237,27 @@ def test_a_full_memory_filesystem_fails_the_save_naming_the_file_and_keeps_the_l
     finally:
         ARENAS.clear()
         subprocess.run(["umount", "-l", str(small)])
+
+
+def test_a_save_that_needs_an_arena_never_waits_on_files_arenas_that_fill_the_bound(
+    shm_root: str, on_device: set[int]
+) -> None:
+    cap = 3 << 20  # two file arenas of this state (1.5 MB each), or one anonymous arena (2 MiB)
+    with fp.Checkpointer(shm_root, keep=1, config=config(pinned_bytes=cap)) as ck:
+        for step in range(5):
+            ck.save(step, device_state(on_device, step))
+            ck.wait()
+    assert len(file_arenas()) == 2 and ARENAS.total_bytes() <= cap
+    done = threading.Event()
+
+    def new_file_save() -> None:  # a new file: it takes an anonymous arena
+        fp.save(
+            device_state(on_device, 9),
+            os.path.join(os.path.dirname(shm_root), "other"),
+            config=config(pinned_bytes=cap),
+        )
+        done.set()
+
+    threading.Thread(target=new_file_save, daemon=True).start()
+    assert done.wait(60), "the save waited for arenas that only their files' saves lease"
+    assert ARENAS.total_bytes() <= cap

@@ -86,6 +86,7 @@ class Arenas:
         self._lock = threading.Lock()
         self._warned_windows = False
         self._warned_waiting = False
+        self._warned_files = False
 
     def total_bytes(self) -> int:
         """Bytes of every arena kept (leased or free)."""
@@ -151,6 +152,8 @@ class Arenas:
             total = sum(k.arena.len_bytes for k in self._kept)
             while total + need > cap_bytes and free:
                 total -= free[0].arena.len_bytes
+                if free[0].over_file:
+                    self._say_files_dropped(cap_bytes)
                 self._kept.remove(free.pop(0))  # its memory goes once its last view does
             if total + need > cap_bytes:
                 return None
@@ -175,6 +178,12 @@ class Arenas:
                 if lease is not None:
                     return lease, kept.host
         total = sum(k.arena.len_bytes for k in self._kept)
+        for kept in [k for k in self._kept if k.over_file and not k.arena.leased]:
+            if total + need <= cap_bytes:
+                break
+            self._kept.remove(kept)  # only its file's saves lease it: never wait for it
+            total -= kept.arena.len_bytes
+            self._say_files_dropped(cap_bytes)
         if total + need > cap_bytes and free and total - free[-1].arena.len_bytes + need <= cap_bytes:
             self._kept.remove(free[-1])  # too small for this save: make room for one that is not
             total -= free.pop().arena.len_bytes
@@ -221,6 +230,17 @@ class Arenas:
             sum(k.arena.len_bytes for k in self._kept),
         )
         return kept
+
+    def _say_files_dropped(self, cap_bytes: int) -> None:
+        if not self._warned_files:
+            self._warned_files = True
+            log.warning(
+                "Config.pinned_bytes (%d) holds fewer staging arenas than the memory root's files "
+                "and the saves' other arenas: a file's arena is let go and made again (and, on a "
+                "GPU, registered again) by a later save; raise pinned_bytes to (keep + 1) x the "
+                "state, plus one state for saves of new files",
+                cap_bytes,
+            )
 
     def _say_windows(self, need: int, have: int, cap_bytes: int) -> None:
         if not self._warned_windows:
