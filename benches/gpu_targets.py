@@ -31,6 +31,7 @@ import torch
 
 import fastpersist as fp
 from fastpersist import _core
+from fastpersist.gpu.arenas import ARENAS
 from fastpersist.gpu.copiers import device_bytes
 from fastpersist.gpu.pinned import pin_host
 
@@ -266,6 +267,7 @@ def check_memory_level(loop: _Loop, window: int, base_s: float) -> None:
         ck = fp.Checkpointer(os.path.join(parent, "ck"), every=1, keep=2)
         loop.run(window, lambda k: ck.wait_staged(), lambda k: ck.save(k, loop.state(k)))
         ck.wait()
+        ARENAS.wait_made()  # the files' arenas, made in the background by the warm-up's saves
         futures: list[Any] = []
         timed = loop.run(
             window, lambda k: ck.wait_staged(), lambda k: futures.append(ck.save(window + k, loop.state(k)))

@@ -156,12 +156,15 @@ class Arena:
 
     def __new__(cls, len_bytes: int) -> Arena: ...
     @staticmethod
-    def over_file(path: str | os.PathLike[str], file_len: int) -> Arena:
-        """An arena that is the file at `path` (created if absent, never truncated: a recycled
-        file's pages are overwritten in place), set to `file_len` bytes and reserved whole (a full
-        memory filesystem raises ``OSError`` here). Its length is `file_len` rounded up to a page.
-        A save's job whose one part is that file stages into it and only checksums it; any other
-        job refuses it."""
+    def over_file(fd: int, file_len: int, name: str | os.PathLike[str]) -> Arena:
+        """An arena that is the open file ``fd`` (duplicated: the caller closes its own), named
+        ``name`` in messages: a shared mapping of it, which a save's job whose one part is that file
+        stages into and only checksums (any other job refuses it). The file must be a regular file
+        of exactly ``file_len`` bytes, all allocated (``ValueError`` otherwise): the mapping never
+        changes it. Its length is ``file_len`` rounded up to a page."""
+    @property
+    def over_a_file(self) -> bool:
+        """Whether it is a mapping of a file (made by :meth:`over_file`)."""
     @property
     def file_status(self) -> tuple[tuple[int, int], int] | None:
         """For an arena over a file: ``((st_dev, st_ino), st_nlink)`` of that file now (``st_nlink``

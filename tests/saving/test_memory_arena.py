@@ -20,7 +20,7 @@ import torch
 import fastpersist as fp
 from fastpersist import _core
 from fastpersist.format.layout import data_file_name
-from fastpersist.gpu.arenas import ARENAS
+from fastpersist.gpu.arenas import ARENAS, Arenas
 from fastpersist.gpu.copiers import use_copier
 from fastpersist.saving.recycle import file_to_stage_in, is_memory_root
 
@@ -99,6 +99,10 @@ def file_arenas() -> dict[tuple[int, int], tuple[int, int]]:
     return out
 
 
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
 def identity(path: str) -> tuple[int, int]:
     st = os.stat(path)
     return st.st_dev, st.st_ino
@@ -113,25 +117,29 @@ def test_device_bytes_land_in_the_recycled_step_files_whose_arenas_serve_every_l
 ) -> None:
     in_place: set[tuple[int, int]] = set()
     with fp.Checkpointer(shm_root, every=1, keep=2, config=config()) as ck:
-        for step in range(9):
+        for step in range(12):
             state = device_state(on_device, step)
             RecordingCopier.destinations = []
             ck.save(step, state)
             ck.wait_staged()
             state["w"].add_(1)  # after wait_staged: never in this step
             ck.wait()
+            ARENAS.wait_made()
             arenas = file_arenas()
             data = identity(os.path.join(ck.path(step), DATA))
             assert len(RecordingCopier.destinations) == 2  # one copy per device tensor
-            if step < 3:
-                assert data not in arenas  # a new file: staged through an anonymous arena
+            start, length = arenas.get(data, (0, 0))
+            inside = [start <= p and p + n <= start + length for p, n in RecordingCopier.destinations]
+            if step < 6:
+                # Steps 0-2 write new files, 3-5 recycle them for the first time: both through an
+                # anonymous arena, while 3-5 have their files' arenas made in the background.
+                assert not any(inside) and (data in arenas) == (step >= 3), step
                 continue
-            address, length = arenas[data]  # a recycled file: it was its own arena
-            assert all(address <= p and p + n <= address + length for p, n in RecordingCopier.destinations)
+            assert all(inside), step  # a recycled file with its arena: staged into its own pages
             in_place.add(data)
-            if step == 5:
+            if step == 6:
                 kept = list(ARENAS._kept)  # keep + 1 files rotate: no arena is made from here on
-            elif step > 5:
+            else:
                 assert ARENAS._kept == kept
         assert len(in_place) == 3
         for step in ck.steps():
@@ -151,22 +159,23 @@ def test_repeated_saves_to_one_path_never_map_a_new_file(shm_root: str, on_devic
 
 def test_a_new_process_restores_the_newest_step_staged_in_place(shm_root: str, on_device: set[int]) -> None:
     with fp.Checkpointer(shm_root, every=1, keep=1, config=config()) as ck:
-        for step in range(3):  # step 2 is staged into step 0's recycled file
+        for step in range(5):  # step 4 is staged into step 0's file, recycled a second time
             ck.save(step, device_state(on_device, step))
             ck.wait()  # retired and recycled before the next save
-    assert len(file_arenas()) == 1
+            ARENAS.wait_made()
+    assert len(file_arenas()) == 2
     code = textwrap.dedent(
         f"""
         import torch, fastpersist as fp
         ck = fp.Checkpointer({shm_root!r}, keep=1)
         got = ck.load()
-        g = torch.Generator().manual_seed(2)
+        g = torch.Generator().manual_seed(4)
         w, m = torch.randn(300_000, generator=g), torch.randn(70_001, generator=g)
         print(ck.latest(), torch.equal(got["w"], w), torch.equal(got["m"], m))
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=TESTS_DIR, timeout=120)
-    assert out.stdout.split() == ["2", "True", "True"], out.stderr
+    assert out.stdout.split() == ["4", "True", "True"], out.stderr
 
 
 def test_a_bound_too_small_for_the_file_stages_through_an_anonymous_arena(shm_root: str, on_device: set[int]) -> None:
@@ -186,6 +195,7 @@ def test_a_deleted_root_gives_its_files_arenas_back_at_the_next_save(
         for step in range(3):
             ck.save(step, device_state(on_device, step))
             ck.wait()
+    ARENAS.wait_made()
     assert len(file_arenas()) == 1
     shutil.rmtree(shm_root)
     fp.save(device_state(on_device, 1), os.path.join(workdir, "disk"), config=config())  # a disk save
@@ -225,10 +235,11 @@ def test_a_full_memory_filesystem_fails_the_save_naming_the_file_and_keeps_the_l
                 on_device.add(state["w"].untyped_storage().data_ptr())
                 ck.save(step, state)
                 ck.wait()
-            assert len(file_arenas()) == 1  # step 2 went into step 0's file
+            ARENAS.wait_made()
+            assert len(file_arenas()) == 1  # step 0's file, recycled by step 2
             big = {"w": torch.ones(1_000_000)}  # 4 MB: more than the filesystem holds
             on_device.add(big["w"].untyped_storage().data_ptr())
-            with pytest.raises(OSError) as raised:  # the recycled file cannot grow to it
+            with pytest.raises(OSError) as raised:  # step 1's recycled file cannot grow to it
                 ck.save(3, big)
                 ck.wait()
             assert DATA in str(raised.value), raised.value
@@ -239,25 +250,52 @@ def test_a_full_memory_filesystem_fails_the_save_naming_the_file_and_keeps_the_l
         subprocess.run(["umount", "-l", str(small)])
 
 
-def test_a_save_that_needs_an_arena_never_waits_on_files_arenas_that_fill_the_bound(
-    shm_root: str, on_device: set[int]
+def test_file_arenas_that_fill_the_bound_make_way_for_a_save_that_needs_an_arena(shm_root: str) -> None:
+    os.makedirs(shm_root)
+    arenas, size, cap = Arenas(), 1_500_000, 3 << 20  # two file arenas fill the bound
+    for name in ("a", "b"):
+        path = os.path.join(shm_root, name)
+        with open(path, "wb") as f:
+            f.write(b"\1" * size)  # a recycled file: whole, at the save's length
+        assert arenas.lease_file(path, size, cap_bytes=cap, pin=False) is None  # this save: not yet
+        arenas.wait_made()
+        leased = arenas.lease_file(path, size, cap_bytes=cap, pin=False)  # its next save
+        assert leased is not None and leased[0].arena.over_a_file
+        assert bytes(leased[1][:2].numpy()) == b"\1\1"  # the file's own bytes
+        del leased
+    assert arenas.total_bytes() == 2 * round_up(size, _core.DIRECT_ALIGN_BYTES)
+    # Only their own files' saves lease them: a save of a new file must not wait for them.
+    lease, _ = arenas.lease(2 << 20, cap_bytes=cap, min_bytes=CHUNK, pin=False, wait=False)
+    assert not lease.arena.over_a_file and arenas.total_bytes() <= cap
+    assert arenas.lease_file(os.path.join(shm_root, "new"), size, cap_bytes=cap, pin=False) is None  # absent
+    assert not os.path.exists(os.path.join(shm_root, "new"))
+
+
+def test_every_step_on_the_memory_level_and_the_disk_as_often_as_it_allows(
+    shm_root: str, on_device: set[int], workdir: str
 ) -> None:
-    cap = 3 << 20  # two file arenas of this state (1.5 MB each), or one anonymous arena (2 MiB)
-    with fp.Checkpointer(shm_root, keep=1, config=config(pinned_bytes=cap)) as ck:
-        for step in range(5):
+    # The GPU every-step recipe of docs/levels.md: every step into /dev/shm (each into its
+    # recycled file), a disk directory drained in the background whenever the last drain is done.
+    disk = os.path.join(workdir, "disk")
+    with fp.Checkpointer(shm_root, every=1, keep=2, remote=disk, remote_every=None, config=config()) as ck:
+        for step in range(10):
             ck.save(step, device_state(on_device, step))
-            ck.wait()
-    assert len(file_arenas()) == 2 and ARENAS.total_bytes() <= cap
-    done = threading.Event()
-
-    def new_file_save() -> None:  # a new file: it takes an anonymous arena
-        fp.save(
-            device_state(on_device, 9),
-            os.path.join(os.path.dirname(shm_root), "other"),
-            config=config(pinned_bytes=cap),
-        )
-        done.set()
-
-    threading.Thread(target=new_file_save, daemon=True).start()
-    assert done.wait(60), "the save waited for arenas that only their files' saves lease"
-    assert ARENAS.total_bytes() <= cap
+            ck.wait_staged()
+    levels = ck.levels()  # closed: the drain of the newest due step is done
+    # The newest keep steps, and one a drain may still be reading (kept until it is done).
+    assert {8, 9} <= set(levels["local"]["steps"]) and len(levels["local"]["steps"]) <= 3, levels
+    drained = levels["remote"]["steps"]
+    assert drained and set(drained) <= set(range(10)) and max(drained) == 9, levels
+    # Recycled files got their arenas (a step a drain still reads is retired later, and its
+    # file may be freed rather than recycled).
+    ARENAS.wait_made()
+    live = [k for k in ARENAS._kept if k.over_file and k.arena.file_status[1]]
+    assert 1 <= len(live) <= 4  # the local steps and the one in the recycle directory
+    for step in (8, 9):
+        got, want = ck.load(step), device_state(set(), step)
+        assert torch.equal(got["w"], want["w"]) and torch.equal(got["host"], want["host"])
+    shutil.rmtree(shm_root)  # the node's memory is gone: the disk level restores its newest step
+    again = fp.Checkpointer(shm_root, keep=2, remote=disk)
+    step = again.latest()
+    assert step == max(drained)
+    assert torch.equal(again.load(step)["w"], device_state(set(), step)["w"])

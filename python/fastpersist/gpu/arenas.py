@@ -17,8 +17,9 @@ On the in-memory level (a root on tmpfs, e.g. under ``/dev/shm``) the arena of a
 share is one recycled data file is that file itself (:meth:`Arenas.lease_file`): the device
 copies land in the file's pages and the job only checksums them, so the step costs one copy.
 The file keeps its inode as retention recycles it (``saving/recycle.py``), so its arena, mapped
-and registered once, serves every save that takes it again. Such arenas count against the same
-bound; one whose file is deleted is forgotten at the next lease.
+and registered once (in the background, during the save that first recycles it, which stages
+through an anonymous arena), serves every later save that takes it. Such arenas count against
+the same bound; one whose file is deleted is forgotten at the next lease.
 
 Example:
     >>> arenas = Arenas()
@@ -87,6 +88,9 @@ class Arenas:
         self._warned_windows = False
         self._warned_waiting = False
         self._warned_files = False
+        #: Files whose arena a thread is making now, by (st_dev, st_ino); and those threads.
+        self._making: set[tuple[int, int]] = set()
+        self._makers: list[threading.Thread] = []
 
     def total_bytes(self) -> int:
         """Bytes of every arena kept (leased or free)."""
@@ -124,43 +128,91 @@ class Arenas:
     def lease_file(
         self, path: str, file_len: int, *, cap_bytes: int, pin: bool
     ) -> tuple[_core.ArenaLease, torch.Tensor] | None:
-        """A lease on an arena that is the recycled data file at `path` (on a memory filesystem),
-        set to `file_len` bytes, and a tensor over its bytes; None for a new file (absent: it may
-        never be written again, and registering it with CUDA would cost more than the copy it
-        saves) or where the bound cannot hold it: the save then takes an arena of :meth:`lease`.
-        The file's arena, kept from an earlier save, is leased again; else one is made (and pinned
-        with `pin`), after free arenas of no file or of other files are let go if the bound needs
-        their room."""
+        """A lease on the arena that is the recycled data file at `path` (on a memory filesystem,
+        `file_len` bytes), kept from an earlier save, and a tensor over its bytes; else None, and
+        the save takes an arena of :meth:`lease`. Where the file is whole at that length and the
+        bound can hold it, its arena is then made (mapped and, with `pin`, registered with CUDA)
+        on a thread of its own while this save writes the file, for the file's next save: the
+        registration costs about a second per 4-10 GB, and never inside a save. A new file
+        (absent) gets none: it may never be written again."""
         try:
-            st = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
             return None
-        identity = (st.st_dev, st.st_ino) if st.st_size == file_len else None
-        need = -(-file_len // _core.DIRECT_ALIGN_BYTES) * _core.DIRECT_ALIGN_BYTES
-        with self._lock:
-            self._forget_deleted_files()
-            for kept in self._kept:
-                status = kept.arena.file_status if kept.over_file else None
-                if status is not None and status[0] == identity and kept.arena.len_bytes == need:
-                    lease = kept.arena.try_lease()
-                    if lease is not None:
-                        return lease, kept.host
-            # Arenas of no file go first: a file's arena is registered already for its next save.
-            free = sorted(
-                (k for k in self._kept if not k.arena.leased), key=lambda k: (k.over_file, -k.arena.len_bytes)
+        try:
+            st = os.fstat(fd)
+            identity = (st.st_dev, st.st_ino)
+            need = -(-file_len // _core.DIRECT_ALIGN_BYTES) * _core.DIRECT_ALIGN_BYTES
+            with self._lock:
+                self._forget_deleted_files()
+                for kept in self._kept:
+                    status = _file_of(kept.arena) if kept.over_file else None
+                    if status is not None and status[0] == identity and kept.arena.len_bytes == need:
+                        lease = kept.arena.try_lease()
+                        if lease is not None:
+                            return lease, kept.host
+                whole = st.st_size == file_len and st.st_blocks * 512 >= file_len
+                if not whole or identity in self._making or need > cap_bytes:
+                    return None
+                self._making.add(identity)
+            maker = threading.Thread(
+                target=self._make_over_file,
+                args=(os.dup(fd), identity, file_len, path, cap_bytes, pin),
+                name="fastpersist-file-arena",
+                daemon=True,
             )
+            self._makers.append(maker)
+            maker.start()
+            return None
+        finally:
+            os.close(fd)
+
+    def wait_made(self) -> None:
+        """Waits for the arenas being made over files in the background (tests, benchmarks)."""
+        while self._makers:
+            self._makers.pop().join()
+
+    def _make_over_file(
+        self, fd: int, identity: tuple[int, int], file_len: int, path: str, cap_bytes: int, pin: bool
+    ) -> None:
+        """The background half of :meth:`lease_file`: maps (and pins) the file open as `fd`, then
+        keeps the arena if the bound holds it, letting free arenas of no file go first."""
+        started = time.perf_counter()
+        try:
+            arena = _core.Arena.over_file(fd, file_len, path)
+            host = torch.frombuffer(arena, dtype=torch.uint8)
+            pinned = pin_host(host, arena) if pin else False
+        except (OSError, ValueError) as e:  # changed or freed meanwhile: its next save tries again
+            log.debug("no staging arena over %s: %s", path, e)
+            return
+        finally:
+            os.close(fd)
+            with self._lock:
+                self._making.discard(identity)
+        with self._lock:
+            for kept in [k for k in self._kept if k.over_file and not k.arena.leased]:
+                status = _file_of(kept.arena)
+                if status is not None and status[0] == identity:
+                    self._kept.remove(kept)  # the same file at another length
             total = sum(k.arena.len_bytes for k in self._kept)
-            while total + need > cap_bytes and free:
+            free = sorted(
+                (k for k in self._kept if not k.arena.leased and not k.over_file), key=lambda k: -k.arena.len_bytes
+            )
+            while total + arena.len_bytes > cap_bytes and free:
                 total -= free[0].arena.len_bytes
-                if free[0].over_file:
-                    self._say_files_dropped(cap_bytes)
-                self._kept.remove(free.pop(0))  # its memory goes once its last view does
-            if total + need > cap_bytes:
-                return None
-            kept = self._make_over_file(path, file_len, pin)
-            lease = kept.arena.try_lease()
-            assert lease is not None, "a new arena is free"
-            return lease, kept.host
+                self._kept.remove(free.pop(0))  # only saves of new files need one now
+            if total + arena.len_bytes > cap_bytes:
+                return
+            self._kept.append(_Kept(arena, host, True))
+            log.info(
+                "staging arena over %s (%d bytes) made%s in %.3f s, for its next save "
+                "(%d bytes of arenas in this process)",
+                path,
+                arena.len_bytes,
+                " and pinned" if pinned else "",
+                time.perf_counter() - started,
+                total + arena.len_bytes,
+            )
 
     def _forget_deleted_files(self) -> None:
         """Lets go of free arenas whose file is deleted: they would hold its memory."""
@@ -206,25 +258,14 @@ class Arenas:
 
     def _make(self, len_bytes: int, pin: bool) -> _Kept:
         started = time.perf_counter()
-        return self._keep(_core.Arena(len_bytes), pin, started, "")
-
-    def _make_over_file(self, path: str, file_len: int, pin: bool) -> _Kept:
-        started = time.perf_counter()
-        for kept in [k for k in self._kept if k.over_file and not k.arena.leased]:
-            status = kept.arena.file_status
-            if status is not None and status[0] == _identity(path):
-                self._kept.remove(kept)  # the same file at another length: remapped below
-        return self._keep(_core.Arena.over_file(path, file_len), pin, started, f" over {path}")
-
-    def _keep(self, arena: _core.Arena, pin: bool, started: float, what: str) -> _Kept:
+        arena = _core.Arena(len_bytes)
         host = torch.frombuffer(arena, dtype=torch.uint8)
         pinned = pin_host(host, arena) if pin else False
-        kept = _Kept(arena, host, bool(what))
+        kept = _Kept(arena, host)
         self._kept.append(kept)
         log.info(
-            "staging arena of %d bytes%s made%s in %.3f s (%d bytes of arenas in this process)",
+            "staging arena of %d bytes made%s in %.3f s (%d bytes of arenas in this process)",
             arena.len_bytes,
-            what,
             " and pinned" if pinned else "",
             time.perf_counter() - started,
             sum(k.arena.len_bytes for k in self._kept),
@@ -260,20 +301,19 @@ class Arenas:
             self._kept = [k for k in self._kept if k.arena.leased]
 
 
-def _identity(path: str) -> tuple[int, int] | None:
+def _file_of(arena: _core.Arena) -> tuple[tuple[int, int], int] | None:
+    """``((st_dev, st_ino), st_nlink)`` of the file an arena maps; None for anonymous memory, or
+    where the file cannot be looked at."""
     try:
-        st = os.stat(path, follow_symlinks=False)
-    except FileNotFoundError:
+        return arena.file_status
+    except OSError:
         return None
-    return st.st_dev, st.st_ino
 
 
 def _deleted(arena: _core.Arena) -> bool:
-    try:
-        status = arena.file_status
-    except OSError:
-        return True
-    return status is not None and status[1] == 0
+    """Whether the file an arena maps is deleted (or cannot be looked at)."""
+    status = _file_of(arena)
+    return status is None or status[1] == 0
 
 
 def granules(nbytes: int) -> int:

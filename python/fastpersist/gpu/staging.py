@@ -184,7 +184,7 @@ def start_device_staging(
         leased = ARENAS.lease(need_bytes, cap_bytes=cap_bytes, min_bytes=min_bytes, pin=pin, wait=wait)
     lease, host = leased
     # A file's arena holds its whole part, though not whole chunks: one window.
-    in_one_window = lease.arena.len_bytes >= need_bytes or lease.arena.file_status is not None
+    in_one_window = lease.arena.len_bytes >= need_bytes or lease.arena.over_a_file
     if not in_one_window:
         clone_on_device(blobs, early)
     else:

@@ -20,9 +20,9 @@
 //! runtime's registration of it, serve every save that recycles the file.
 
 use std::fmt;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -102,33 +102,25 @@ impl Arena {
         })
     }
 
-    /// An arena that is the file at `path` (created if absent, never truncated: a recycled
-    /// file's pages are overwritten in place), set to `file_len` bytes and reserved whole, so
-    /// that a full memory filesystem fails here and not as a SIGBUS on a store into the
-    /// mapping. Its page tables are populated now, once per file, not by the first copy.
-    pub fn over_file(path: &Path, file_len: u64) -> Result<Arena> {
-        if file_len == 0 {
+    /// An arena that is the open `file` (named `name` in messages): a shared mapping of it,
+    /// its page tables populated now, once per file, not by the first copy. The file must be a
+    /// regular file of exactly `file_len` bytes, every one of them allocated: the mapping never
+    /// changes its length (a save may be writing it meanwhile), and a store into a page that a
+    /// full memory filesystem could not allocate would be a SIGBUS.
+    pub fn over_file(file: File, file_len: u64, name: &Path) -> Result<Arena> {
+        let meta = file.metadata().map_err(|e| Error::io("stat", name, e))?;
+        if file_len == 0
+            || !meta.is_file()
+            || meta.len() != file_len
+            || meta.blocks().saturating_mul(512) < file_len
+        {
             return Err(Error::InvalidArgument(format!(
-                "a staging arena over {} needs at least one byte",
-                path.display()
+                "a staging arena over {} needs a regular file of {file_len} bytes, all allocated \
+                 (it has {} bytes, {} allocated)",
+                name.display(),
+                meta.len(),
+                meta.blocks().saturating_mul(512)
             )));
-        }
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            // Overwritten in place, so never through a link planted in its place.
-            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-            .open(path)
-            .map_err(|e| Error::io("create", path, e))?;
-        let meta = file.metadata().map_err(|e| Error::io("stat", path, e))?;
-        if meta.len() != file_len {
-            file.set_len(file_len)
-                .map_err(|e| Error::io("truncate", path, e))?;
-        }
-        if meta.blocks().saturating_mul(512) < file_len {
-            crate::durable::preallocate(&file, file_len)
-                .map_err(|e| Error::io("preallocate", path, e))?;
         }
         let len_bytes = round_up(file_len as usize, DIRECT_ALIGN_BYTES);
         // SAFETY: a fresh shared mapping chosen by the kernel (no address hint) of a file we
@@ -145,7 +137,7 @@ impl Arena {
             )
         };
         if raw == libc::MAP_FAILED {
-            return Err(Error::io("mmap", path, std::io::Error::last_os_error()));
+            return Err(Error::io("mmap", name, std::io::Error::last_os_error()));
         }
         // A forked child (a DataLoader worker) must not keep the file's memory mapped.
         // SAFETY: advice on our own live mapping; it reads or writes no memory.
@@ -159,6 +151,11 @@ impl Arena {
                 backing: Backing::File { file, file_len },
             }),
         })
+    }
+
+    /// Whether the arena is a mapping of a file ([`Arena::over_file`]).
+    pub fn is_file(&self) -> bool {
+        matches!(self.memory.backing, Backing::File { .. })
     }
 
     /// For an arena over a file: its (device, inode) and its count of hard links (0 once the
@@ -378,19 +375,30 @@ mod tests {
         assert_eq!(&span.bytes()[..4], &[1, 2, 3, 0]);
     }
 
+    fn whole_file(path: &Path, len: usize, byte: u8) -> File {
+        std::fs::write(path, vec![byte; len]).unwrap();
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap()
+    }
+
     #[test]
     fn a_file_arena_is_the_files_pages_and_stages_only_that_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("data");
-        let arena = Arena::over_file(&path, 5000).unwrap();
+        let arena = Arena::over_file(whole_file(&path, 5000, 9), 5000, &path).unwrap();
         assert_eq!(arena.len_bytes(), 8192);
         let lease = arena.try_lease().unwrap();
         // SAFETY: nothing else touches the arena in this test.
+        assert!(unsafe { lease.bytes(0, 5000) }.iter().all(|&b| b == 9));
+        // SAFETY: as above.
         unsafe { lease.bytes_mut(4990, 10).fill(7) };
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(
             (bytes.len(), &bytes[4988..]),
-            (5000, &[0, 0, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7][..])
+            (5000, &[9, 9, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7][..])
         );
         assert!(lease.is_file_of(&path, 5000).unwrap());
         assert!(lease.is_file_of(&path, 4096).is_err()); // another length
@@ -413,21 +421,21 @@ mod tests {
         std::fs::remove_file(&moved).unwrap();
         assert_eq!(arena.file_status().unwrap().unwrap().1, 0);
         assert!(anonymous.file_status().is_none());
-        assert!(Arena::over_file(&dir.path().join("empty"), 0).is_err());
     }
 
     #[test]
-    fn a_file_arena_keeps_the_pages_of_a_file_it_recycles() {
+    fn only_a_whole_file_of_the_length_asked_for_is_mapped() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("data");
-        std::fs::write(&path, vec![9u8; 10_000]).unwrap();
-        let arena = Arena::over_file(&path, 10_000).unwrap();
-        let lease = arena.try_lease().unwrap();
-        // SAFETY: nothing else touches the arena in this test.
-        assert!(unsafe { lease.bytes(0, 10_000) }.iter().all(|&b| b == 9));
-        drop((lease, arena));
-        let smaller = Arena::over_file(&path, 6000).unwrap();
-        assert_eq!(std::fs::metadata(&path).unwrap().len(), 6000);
-        assert_eq!(smaller.len_bytes(), 8192);
+        let file = || whole_file(&path, 10_000, 1);
+        assert!(Arena::over_file(file(), 10_000, &path).is_ok());
+        assert!(Arena::over_file(file(), 6000, &path).is_err()); // never truncated
+        assert!(Arena::over_file(file(), 20_000, &path).is_err()); // never grown
+        let holes = file();
+        holes.set_len(1 << 20).unwrap(); // a hole: its pages are not allocated
+        assert!(Arena::over_file(holes, 1 << 20, &path).is_err());
+        let empty = dir.path().join("empty");
+        assert!(Arena::over_file(whole_file(&empty, 0, 0), 0, &empty).is_err());
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 1 << 20); // left as it was
     }
 }

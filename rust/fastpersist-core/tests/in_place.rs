@@ -13,6 +13,17 @@ use fastpersist_core::checksum::crc32c;
 use fastpersist_core::job::{JobHooks, JobProgress, SourceRegion, WriteGate, write_parts_with};
 use fastpersist_core::pool::Pool;
 
+/// An arena over the file at `path`, made whole at `len` bytes first (as a recycled file is).
+fn file_arena(path: &std::path::Path, len: u64) -> Arena {
+    std::fs::write(path, vec![0xEE; len as usize]).unwrap();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
+    Arena::over_file(file, len, path).unwrap()
+}
+
 fn device_save(
     s: &mut common::Setup,
     memory: &[Vec<u8>],
@@ -49,7 +60,7 @@ fn the_file_is_staged_in_place_and_checksummed_again_on_every_save_that_recycles
     let sizes = [100, 3 * CHUNK as usize + 5, 2 * CHUNK as usize + 77];
     let mut s = setup(&sizes, 1, 0);
     let len = s.targets[0].part.len_bytes;
-    let arena = Arena::over_file(&s.targets[0].path, len).unwrap();
+    let arena = file_arena(&s.targets[0].path, len);
     for round in 0..2u8 {
         let mut memory = patterned(&sizes);
         memory[2]
@@ -74,7 +85,7 @@ fn a_snapshot_in_place_waits_for_its_gate_before_it_is_done() {
     let mut s = setup(&sizes, 1, 0);
     let memory = patterned(&sizes);
     s.data[0] = memory[0].clone();
-    let arena = Arena::over_file(&s.targets[0].path, s.targets[0].part.len_bytes).unwrap();
+    let arena = file_arena(&s.targets[0].path, s.targets[0].part.len_bytes);
     let gate = Arc::new(WriteGate::default());
     let opener = Arc::clone(&gate);
     let started = std::time::Instant::now();
@@ -94,15 +105,20 @@ fn an_arena_over_another_file_or_of_another_length_is_refused_and_the_file_left_
     let memory = patterned(&sizes);
     let len = s.targets[0].part.len_bytes;
     let committed = s.targets[0].path.with_file_name("committed.bin");
-    std::fs::write(&committed, vec![5u8; len as usize]).unwrap();
+    let arena = file_arena(&committed, len);
+    std::fs::write(&committed, vec![5u8; len as usize]).unwrap(); // a committed step's bytes
     std::fs::write(&s.targets[0].path, vec![0u8; len as usize]).unwrap();
-    let arena = Arena::over_file(&committed, len).unwrap();
     let err = device_save(&mut s, &memory, &arena, None).unwrap_err();
     assert!(err.to_string().contains("another file"), "{err}");
     assert_eq!(std::fs::read(&committed).unwrap(), vec![5u8; len as usize]);
     assert!(!arena.is_leased());
-    let short = Arena::over_file(&s.targets[0].path, len - 1).unwrap();
-    assert!(device_save(&mut s, &memory, &short, None).is_err());
+    let short = file_arena(&s.targets[0].path.with_file_name("short.bin"), len - 1);
+    std::fs::rename(
+        s.targets[0].path.with_file_name("short.bin"),
+        &s.targets[0].path,
+    )
+    .unwrap();
+    assert!(device_save(&mut s, &memory, &short, None).is_err()); // its file, at another length
 }
 
 #[test]
@@ -112,7 +128,7 @@ fn an_arena_over_a_file_never_stages_a_job_of_two_parts() {
     let two = setup(&sizes, 2, 1);
     s.targets.extend(two.targets.iter().cloned());
     let memory = patterned(&sizes);
-    let arena = Arena::over_file(&s.targets[0].path, s.targets[0].part.len_bytes).unwrap();
+    let arena = file_arena(&s.targets[0].path, s.targets[0].part.len_bytes);
     let err = device_save(&mut s, &memory, &arena, None).unwrap_err();
     assert!(err.to_string().contains("one part"), "{err}");
 }

@@ -2,6 +2,8 @@
 //! Python sees it: a writable buffer that Python registers with CUDA once, and leases that a
 //! save takes for its job.
 
+use std::fs::File;
+use std::os::fd::BorrowedFd;
 use std::os::raw::c_int;
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -40,17 +42,38 @@ impl Arena {
         })
     }
 
-    /// An arena that is the file at `path` (created if absent, never truncated), set to
-    /// `file_len` bytes and reserved whole; its length is `file_len` rounded up to a page.
+    /// An arena that is the open file `fd` (duplicated: the caller keeps and closes its own),
+    /// named `name` in messages: a regular file of exactly `file_len` bytes, all allocated.
     #[staticmethod]
-    fn over_file(py: Python<'_>, path: PathBuf, file_len: u64) -> PyResult<Self> {
+    fn over_file(py: Python<'_>, fd: i32, file_len: u64, name: PathBuf) -> PyResult<Self> {
+        if fd < 0 {
+            return Err(PyValueError::new_err(format!(
+                "fd must be an open file descriptor, not {fd}"
+            )));
+        }
+        // SAFETY: the caller holds `fd` open for this call (it only lends it); it is duplicated
+        // at once, and the duplicate is what the arena owns.
+        let file = unsafe { BorrowedFd::borrow_raw(fd) }
+            .try_clone_to_owned()
+            .map_err(|e| {
+                PyOSError::new_err(format!(
+                    "cannot duplicate fd {fd} of {}: {e}",
+                    name.display()
+                ))
+            })?;
         let inner = py
-            .detach(|| arena::Arena::over_file(&path, file_len))
+            .detach(|| arena::Arena::over_file(File::from(file), file_len, &name))
             .map_err(|e| to_pyerr(py, &e))?;
         Ok(Arena {
             inner,
             before_free: BeforeFree::default(),
         })
+    }
+
+    /// Whether it is a mapping of a file (made by `over_file`).
+    #[getter]
+    fn over_a_file(&self) -> bool {
+        self.inner.is_file()
     }
 
     /// For an arena over a file: ``((st_dev, st_ino), st_nlink)`` of its file now (``st_nlink``
