@@ -267,7 +267,7 @@ def check_memory_level(loop: _Loop, window: int, base_s: float) -> None:
         ck = fp.Checkpointer(os.path.join(parent, "ck"), every=1, keep=2)
         loop.run(window, lambda k: ck.wait_staged(), lambda k: ck.save(k, loop.state(k)))
         ck.wait()
-        ARENAS.wait_made()  # the files' arenas, made in the background by the warm-up's saves
+        ARENAS.wait_pinned()  # the files' arenas, registered in the background after the warm-up's saves
         futures: list[Any] = []
         timed = loop.run(
             window, lambda k: ck.wait_staged(), lambda k: futures.append(ck.save(window + k, loop.state(k)))

@@ -17,9 +17,10 @@ On the in-memory level (a root on tmpfs, e.g. under ``/dev/shm``) the arena of a
 share is one recycled data file is that file itself (:meth:`Arenas.lease_file`): the device
 copies land in the file's pages and the job only checksums them, so the step costs one copy.
 The file keeps its inode as retention recycles it (``saving/recycle.py``), so its arena, mapped
-and registered once (in the background, during the save that first recycles it, which stages
-through an anonymous arena), serves every later save that takes it. Such arenas count against
-the same bound; one whose file is deleted is forgotten at the next lease.
+once and registered once (by a thread of its own, after the save that mapped it), serves every
+later save that takes it. A file that has an arena is only ever written through it: a save
+that would write it another way lets go of the arena first. Such arenas count against the same
+bound; one whose file is deleted is forgotten at the next lease.
 
 Example:
     >>> arenas = Arenas()
@@ -34,6 +35,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -88,9 +90,8 @@ class Arenas:
         self._warned_windows = False
         self._warned_waiting = False
         self._warned_files = False
-        #: Files whose arena a thread is making now, by (st_dev, st_ino); and those threads.
-        self._making: set[tuple[int, int]] = set()
-        self._makers: list[threading.Thread] = []
+        #: Threads registering file arenas with CUDA (:meth:`lease_file`).
+        self._pinners: list[threading.Thread] = []
 
     def total_bytes(self) -> int:
         """Bytes of every arena kept (leased or free)."""
@@ -128,91 +129,102 @@ class Arenas:
     def lease_file(
         self, path: str, file_len: int, *, cap_bytes: int, pin: bool
     ) -> tuple[_core.ArenaLease, torch.Tensor] | None:
-        """A lease on the arena that is the recycled data file at `path` (on a memory filesystem,
-        `file_len` bytes), kept from an earlier save, and a tensor over its bytes; else None, and
-        the save takes an arena of :meth:`lease`. Where the file is whole at that length and the
-        bound can hold it, its arena is then made (mapped and, with `pin`, registered with CUDA)
-        on a thread of its own while this save writes the file, for the file's next save: the
-        registration costs about a second per 4-10 GB, and never inside a save. A new file
-        (absent) gets none: it may never be written again."""
+        """A lease on an arena that is the recycled data file at `path` (on a memory filesystem,
+        `file_len` bytes, every one allocated), and a tensor over its bytes; else None, and the
+        save takes an arena of :meth:`lease` (a new file gets none: it may never be written again).
+
+        The file's arena is kept for its later saves; the first is mapped here (a shared mapping
+        whose page tables are populated: about a third of a memcpy), and with `pin` registered
+        with CUDA by a thread of its own once this save's job has let go of it (registration costs
+        about a second per 4-10 GB, never inside a save; this one save copies unpinned). A kept
+        arena of the file at another length is let go first: the save that writes the file
+        another way may truncate it, and pinned pages must not outlive that."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return None
         try:
             st = os.fstat(fd)
-            identity = (st.st_dev, st.st_ino)
             need = -(-file_len // _core.DIRECT_ALIGN_BYTES) * _core.DIRECT_ALIGN_BYTES
+            whole = st.st_size == file_len and st.st_blocks * 512 >= file_len
+            found = self._file_arena((st.st_dev, st.st_ino))
+            if found is not None:
+                held = _lease_waiting(found.arena)  # only its pinning thread can hold it
+                if whole and found.arena.len_bytes == need:
+                    return held, found.host
+                self._let_go(found)
+                del held
             with self._lock:
-                self._forget_deleted_files()
-                for kept in self._kept:
-                    status = _file_of(kept.arena) if kept.over_file else None
-                    if status is not None and status[0] == identity and kept.arena.len_bytes == need:
-                        lease = kept.arena.try_lease()
-                        if lease is not None:
-                            return lease, kept.host
-                whole = st.st_size == file_len and st.st_blocks * 512 >= file_len
-                if not whole or identity in self._making or need > cap_bytes:
+                if not whole or not self._room_for_file(need, cap_bytes):
                     return None
-                self._making.add(identity)
-            maker = threading.Thread(
-                target=self._make_over_file,
-                args=(os.dup(fd), identity, file_len, path, cap_bytes, pin),
-                name="fastpersist-file-arena",
-                daemon=True,
-            )
-            self._makers.append(maker)
-            maker.start()
-            return None
-        finally:
-            os.close(fd)
-
-    def wait_made(self) -> None:
-        """Waits for the arenas being made over files in the background (tests, benchmarks)."""
-        while self._makers:
-            self._makers.pop().join()
-
-    def _make_over_file(
-        self, fd: int, identity: tuple[int, int], file_len: int, path: str, cap_bytes: int, pin: bool
-    ) -> None:
-        """The background half of :meth:`lease_file`: maps (and pins) the file open as `fd`, then
-        keeps the arena if the bound holds it, letting free arenas of no file go first."""
-        started = time.perf_counter()
-        try:
-            arena = _core.Arena.over_file(fd, file_len, path)
-            host = torch.frombuffer(arena, dtype=torch.uint8)
-            pinned = pin_host(host, arena) if pin else False
-        except (OSError, ValueError) as e:  # changed or freed meanwhile: its next save tries again
-            log.debug("no staging arena over %s: %s", path, e)
-            return
-        finally:
-            os.close(fd)
-            with self._lock:
-                self._making.discard(identity)
-        with self._lock:
-            for kept in [k for k in self._kept if k.over_file and not k.arena.leased]:
-                status = _file_of(kept.arena)
-                if status is not None and status[0] == identity:
-                    self._kept.remove(kept)  # the same file at another length
-            total = sum(k.arena.len_bytes for k in self._kept)
-            free = sorted(
-                (k for k in self._kept if not k.arena.leased and not k.over_file), key=lambda k: -k.arena.len_bytes
-            )
-            while total + arena.len_bytes > cap_bytes and free:
-                total -= free[0].arena.len_bytes
-                self._kept.remove(free.pop(0))  # only saves of new files need one now
-            if total + arena.len_bytes > cap_bytes:
-                return
-            self._kept.append(_Kept(arena, host, True))
+                started = time.perf_counter()
+                arena = _core.Arena.over_file(fd, file_len, path)
+                kept = _Kept(arena, torch.frombuffer(arena, dtype=torch.uint8), True)
+                self._kept.append(kept)
+                lease = arena.try_lease()
+                assert lease is not None, "a new arena is free"
             log.info(
-                "staging arena over %s (%d bytes) made%s in %.3f s, for its next save "
-                "(%d bytes of arenas in this process)",
+                "staging arena over %s (%d bytes) mapped in %.3f s%s",
                 path,
                 arena.len_bytes,
-                " and pinned" if pinned else "",
                 time.perf_counter() - started,
-                total + arena.len_bytes,
+                ", to be pinned once this save lets go of it" if pin else "",
             )
+            if pin:
+                pinner = threading.Thread(target=_pin_when_free, args=(kept,), name="fastpersist-pin", daemon=True)
+                self._pinners.append(pinner)
+                pinner.start()
+            return lease, kept.host
+        finally:
+            os.close(fd)
+
+    def wait_pinned(self) -> None:
+        """Waits for the threads registering file arenas with CUDA (benchmarks, tests)."""
+        while self._pinners:
+            self._pinners.pop().join()
+
+    def let_go_of_files(self, paths: Sequence[str]) -> None:
+        """Lets go of the arenas of the files at `paths`, which a save is about to write another
+        way (host tensors through mappings of their own, or several files): that write may
+        truncate them, and a file's pinned pages must not outlive that."""
+        if not any(k.over_file for k in self._kept):
+            return
+        for path in paths:
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except OSError:
+                continue
+            kept = self._file_arena((st.st_dev, st.st_ino))
+            if kept is not None:
+                lease = _lease_waiting(kept.arena)
+                self._let_go(kept)
+                del lease
+
+    def _file_arena(self, identity: tuple[int, int]) -> _Kept | None:
+        with self._lock:
+            self._forget_deleted_files()
+            for kept in self._kept:
+                status = _file_of(kept.arena) if kept.over_file else None
+                if status is not None and status[0] == identity:
+                    return kept
+        return None
+
+    def _let_go(self, kept: _Kept) -> None:
+        with self._lock:
+            if kept in self._kept:
+                self._kept.remove(kept)  # unpinned and unmapped once its last view goes
+
+    def _room_for_file(self, need: int, cap_bytes: int) -> bool:
+        """Whether the bound holds a file arena of `need` bytes, once free arenas of no file
+        (made for saves of new files) are let go if it needs their room."""
+        total = sum(k.arena.len_bytes for k in self._kept)
+        free = sorted(
+            (k for k in self._kept if not k.arena.leased and not k.over_file), key=lambda k: -k.arena.len_bytes
+        )
+        while total + need > cap_bytes and free:
+            total -= free[0].arena.len_bytes
+            self._kept.remove(free.pop(0))
+        return total + need <= cap_bytes
 
     def _forget_deleted_files(self) -> None:
         """Lets go of free arenas whose file is deleted: they would hold its memory."""
@@ -299,6 +311,33 @@ class Arenas:
         """Forgets the free arenas (their memory goes once nothing else holds them)."""
         with self._lock:
             self._kept = [k for k in self._kept if k.arena.leased]
+
+
+def _lease_waiting(arena: _core.Arena) -> _core.ArenaLease:
+    """A lease on a file's arena, waiting while its pinning thread holds it (a registration:
+    bounded). Nothing else can hold it: only saves of its one file lease it, one at a time."""
+    pause_s = 0.001
+    while (lease := arena.try_lease()) is None:
+        time.sleep(pause_s)
+        pause_s = min(pause_s * 2, 0.02)
+    return lease
+
+
+def _pin_when_free(kept: _Kept) -> None:
+    """Registers a file's arena with CUDA once the save that mapped it has let go of it, holding
+    its lease meanwhile: no copy lands in memory being registered."""
+    lease = _lease_waiting(kept.arena)
+    try:
+        started = time.perf_counter()
+        pinned = pin_host(kept.host, kept.arena)
+        log.info(
+            "staging arena of %d bytes over a file %s in %.3f s",
+            kept.arena.len_bytes,
+            "pinned" if pinned else "not pinned",
+            time.perf_counter() - started,
+        )
+    finally:
+        del lease
 
 
 def _file_of(arena: _core.Arena) -> tuple[tuple[int, int], int] | None:

@@ -34,6 +34,7 @@ from ..format.manifest import FileEntry, StreamText, build, stream_text
 from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write_owner
 from ..format.quote import shown
 from ..gcpause import paused_gc
+from ..gpu.arenas import ARENAS
 from ..gpu.copiers import DEVICE_COPIERS
 from ..gpu.early import choose_early_copies, split_by_side
 from ..gpu.staging import DeviceStaging, has_device_blobs, share_bytes, start_device_staging
@@ -261,6 +262,8 @@ class SaveJob:
                     paths, self.my_parts, self.layout.tmp_dir, backend=self.engine_backend, direct_io=config.direct_io
                 ),
             )
+        if self._device is None or not self._device.lease.arena.over_a_file:
+            ARENAS.let_go_of_files(paths)  # written another way: their pinned pages must not outlive it
         self.handle = start_write(
             WriteRequest(
                 **knobs(config, backend=self.engine_backend),
