@@ -70,12 +70,16 @@ pub(super) fn write(
         return job.write_in_place(windows, targets, options, gate.as_deref());
     }
     // The null sink moves no bytes, so nothing is reserved for them either.
-    let files = open_targets(
-        targets,
-        options.direct,
-        options.backend != BackendKind::Null,
-    )?;
-    let direct: Vec<bool> = files.iter().map(|f| f.direct).collect();
+    let open = || {
+        open_targets(
+            targets,
+            options.direct,
+            options.backend != BackendKind::Null,
+        )
+    };
+    // Opened once the first window is staged, not while it stages: creating and reserving the
+    // files (on tmpfs, zeroing every page) is kept off the path to wait_staged().
+    let mut opened = None;
     for (i, window) in windows.iter().enumerate() {
         if i > 0 {
             job.ask_copies(window.clone())?;
@@ -90,8 +94,18 @@ pub(super) fn write(
         {
             gate.wait(progress)?; // a snapshot: written once the disk is free
         }
-        job.write(window.clone(), &files, &direct, options)?;
+        let files = match opened.as_ref() {
+            Some(files) => files,
+            None => opened.insert(open()?),
+        };
+        let direct: Vec<bool> = files.iter().map(|f| f.direct).collect();
+        job.write(window.clone(), files, &direct, options)?;
     }
+    let files = match opened {
+        Some(files) => files,
+        None => open()?, // an empty part: its file, with nothing to write
+    };
+    let direct: Vec<bool> = files.iter().map(|f| f.direct).collect();
     job.release_sources();
     finish_files(&files, targets, options.durable)?;
     progress.check_cancelled("after its data was written")?;
