@@ -114,6 +114,15 @@ def run_saves(
     }
 
 
+def finish(args: argparse.Namespace, parent: str, results: dict[str, Any]) -> None:
+    """Writes `results` to ``--json`` if asked, and removes the root made for the run."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    if args.root is None:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=1.0, help="state size in GiB")
@@ -166,11 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\nphases of the default save (median s):")
     for name, seconds in rows["Checkpointer (default config)"]["phases"].items():
         print(f"  {name:14} {seconds:7.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"state_bytes": state_bytes, "memcpy_s": memcpy, "rows": rows}, f, indent=2)
-    if args.root is None:
-        shutil.rmtree(parent, ignore_errors=True)
+    finish(args, parent, {"state_bytes": state_bytes, "memcpy_s": memcpy, "rows": rows})
     return 0
 
 
@@ -215,11 +220,7 @@ def device_main(args: argparse.Namespace) -> int:
                 f"{name:32} {i + 1:4} {row['phases']['until staged']:9.3f} {row['median_s']:12.3f}"
                 f" {memcpy / row['median_s']:8.2f}x {row['steady_median_s']:12.3f}"
             )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"state_bytes": state_bytes, "memcpy_s": memcpy, "rows": rows}, f, indent=2)
-    if args.root is None:
-        shutil.rmtree(parent, ignore_errors=True)
+    finish(args, parent, {"state_bytes": state_bytes, "memcpy_s": memcpy, "rows": rows})
     return 0
 
 

@@ -177,10 +177,10 @@ def start_device_staging(
         if key is not None and key not in copiers:
             copiers[key] = key[0](key[1])
     pin = any(type(c).needs_pinned_memory for c in copiers.values())
+    cap_bytes = pinned_cap_bytes(pinned_bytes)
     if leased is None and in_file is not None:
-        leased = ARENAS.lease_file(*in_file, cap_bytes=pinned_cap_bytes(pinned_bytes), pin=pin)
+        leased = ARENAS.lease_file(*in_file, cap_bytes=cap_bytes, pin=pin)
     if leased is None:
-        cap_bytes = pinned_cap_bytes(pinned_bytes)
         leased = ARENAS.lease(need_bytes, cap_bytes=cap_bytes, min_bytes=min_bytes, pin=pin, wait=wait)
     lease, host = leased
     # A file's arena holds its whole part, though not whole chunks: one window.

@@ -21,7 +21,6 @@
 
 use std::fmt;
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::ptr::NonNull;
@@ -30,7 +29,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::DIRECT_ALIGN_BYTES;
 use crate::error::{Error, Result};
-use crate::pages::{HUGE_PAGE_BYTES, map_huge_aligned, populate_write, unmap_anonymous};
+use crate::pages::{
+    HUGE_PAGE_BYTES, map_huge_aligned, map_shared, populate_write, unmap_anonymous,
+};
 use crate::round_up;
 
 /// What an arena's memory is.
@@ -105,8 +106,8 @@ impl Arena {
     /// An arena that is the open `file` (named `name` in messages): a shared mapping of it,
     /// its page tables populated now, once per file, not by the first copy. The file must be a
     /// regular file of exactly `file_len` bytes, every one of them allocated: the mapping never
-    /// changes its length (a save may be writing it meanwhile), and a store into a page that a
-    /// full memory filesystem could not allocate would be a SIGBUS.
+    /// changes its length, and a store into a page that a full memory filesystem could not
+    /// allocate would be a SIGBUS.
     pub fn over_file(file: File, file_len: u64, name: &Path) -> Result<Arena> {
         let meta = file.metadata().map_err(|e| Error::io("stat", name, e))?;
         if file_len == 0
@@ -122,30 +123,14 @@ impl Arena {
                 meta.blocks().saturating_mul(512)
             )));
         }
+        // It ends at the page holding the file's last byte: no access through it can fault
+        // past EOF. Unmapped only when the memory is dropped.
         let len_bytes = round_up(file_len as usize, DIRECT_ALIGN_BYTES);
-        // SAFETY: a fresh shared mapping chosen by the kernel (no address hint) of a file we
-        // hold open, checked before use and unmapped only when the memory is dropped. It ends
-        // at the page holding the file's last byte: no access through it can fault past EOF.
-        let raw = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len_bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if raw == libc::MAP_FAILED {
-            return Err(Error::io("mmap", name, std::io::Error::last_os_error()));
-        }
-        // A forked child (a DataLoader worker) must not keep the file's memory mapped.
-        // SAFETY: advice on our own live mapping; it reads or writes no memory.
-        unsafe { libc::madvise(raw, len_bytes, libc::MADV_DONTFORK) };
-        populate_write(raw as usize, len_bytes);
+        let base = map_shared(&file, len_bytes).map_err(|e| Error::io("mmap", name, e))?;
+        populate_write(base.as_ptr() as usize, len_bytes);
         Ok(Arena {
             memory: Arc::new(ArenaMemory {
-                base: NonNull::new(raw.cast::<u8>()).expect("mmap returned a null mapping"),
+                base,
                 len_bytes,
                 leased: AtomicBool::new(false),
                 backing: Backing::File { file, file_len },
@@ -155,7 +140,7 @@ impl Arena {
 
     /// Whether the arena is a mapping of a file ([`Arena::over_file`]).
     pub fn is_file(&self) -> bool {
-        matches!(self.memory.backing, Backing::File { .. })
+        self.memory.is_file()
     }
 
     /// For an arena over a file: its (device, inode) and its count of hard links (0 once the
@@ -193,6 +178,10 @@ impl Arena {
 }
 
 impl ArenaMemory {
+    fn is_file(&self) -> bool {
+        matches!(self.backing, Backing::File { .. })
+    }
+
     fn file_status(&self) -> Option<std::io::Result<((u64, u64), u64)>> {
         match &self.backing {
             Backing::Anonymous => None,
@@ -235,7 +224,7 @@ impl ArenaLease {
 
     /// Whether the arena is a mapping of a file ([`Arena::over_file`]).
     pub fn is_file(&self) -> bool {
-        matches!(self.memory.backing, Backing::File { .. })
+        self.memory.is_file()
     }
 
     /// Whether the arena is the file of the job's one part at `path`, `part_len` bytes long:

@@ -45,6 +45,31 @@ pub fn populate_write(addr: usize, len_bytes: usize) -> bool {
 /// of other 4 KiB-page architectures.
 pub const HUGE_PAGE_BYTES: usize = 2 << 20;
 
+/// A shared read-write mapping of the first `len_bytes` (more than 0) of `file`, not inherited
+/// by a forked child (a DataLoader worker would keep the file's memory after this process let it
+/// go; best effort: a failed advice changes nothing else). The caller unmaps it with `munmap`.
+pub(crate) fn map_shared(file: &std::fs::File, len_bytes: usize) -> std::io::Result<NonNull<u8>> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a fresh mapping chosen by the kernel (no address hint) of a file the caller holds
+    // open; it touches no existing memory, and the result is checked before use.
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len_bytes,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: advice on the live mapping just made; it reads or writes no memory.
+    unsafe { libc::madvise(raw, len_bytes, libc::MADV_DONTFORK) };
+    Ok(NonNull::new(raw.cast::<u8>()).expect("mmap returned a null mapping"))
+}
+
 /// A private anonymous read-write mapping of `len_bytes` (a multiple of the page size).
 fn map_anonymous(len_bytes: usize) -> std::io::Result<NonNull<u8>> {
     // SAFETY: an anonymous private mapping with no address hint touches no existing memory.

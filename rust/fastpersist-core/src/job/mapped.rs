@@ -17,7 +17,6 @@
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard, Once};
@@ -48,30 +47,11 @@ impl Mapping {
                 len,
             });
         }
-        // SAFETY: a fresh mapping chosen by the kernel (no address hint), of a file we hold
-        // open; the result is checked before use and unmapped only in Drop.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(Error::io("mmap", path, std::io::Error::last_os_error()));
-        }
-        let map = Mapping {
-            ptr: ptr.cast(),
+        let ptr = crate::pages::map_shared(file, len).map_err(|e| Error::io("mmap", path, e))?;
+        Ok(Mapping {
+            ptr: ptr.as_ptr(), // unmapped only in Drop
             len,
-        };
-        // A forked child (a DataLoader worker) must not inherit it: it would pin the file's
-        // memory after this process deleted the file. Best effort: failure changes nothing else.
-        // SAFETY: advice on our own live mapping; it reads or writes no memory.
-        unsafe { libc::madvise(ptr, len, libc::MADV_DONTFORK) };
-        Ok(map)
+        })
     }
 
     /// The address of the mapping's first byte (for page-table population only).
