@@ -293,13 +293,31 @@ def device_group(rank: int, world: int, workdir: str, backend: str) -> dict[str,
             ck.wait_staged()
             ck.save(step, make_state(step))
         ck.close()
+        # The in-memory level: from its second save of a file on, each rank stages its share
+        # straight into its recycled data file (gpu/arenas.py, Arenas.lease_file).
+        mem = "/dev/shm/fp-device-group" + workdir.replace(os.sep, "_")
+        mem_ck = fp.Checkpointer(mem, keep=1, group=dist.group.WORLD, config=cfg)
+        for step in range(4):
+            mem_ck.save(step, make_state(20 + step))
+            mem_ck.wait()
+        mem_ck.close()
+    from fastpersist.gpu.arenas import ARENAS
+
+    in_place = any(k.over_file for k in ARENAS._kept)
     dist.barrier()
-    return {
+    results = {
         "same": same(make_state(7), fp.load(os.path.join(workdir, "replicated"))),
         "shard_same": same(shard, fp.load(os.path.join(workdir, "sharded"), group=dist.group.WORLD)),
         "steps": ck.steps(),
         "ck_same": same(make_state(2), ck.load()),
+        "mem": [mem_ck.steps(), same(make_state(23), mem_ck.load()), in_place],
     }
+    dist.barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(mem, ignore_errors=True)
+    return results
 
 
 SCENARIOS: dict[str, Callable[[int, int, str, str], dict[str, Any]]] = {

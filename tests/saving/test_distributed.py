@@ -55,7 +55,8 @@ def test_one_writer_per_node(workdir: str) -> None:
 
 def test_a_device_state_saves_through_each_ranks_arena(workdir: str, backend: str) -> None:
     results = run_group(2, "device_group", workdir, backend)
-    assert results == [{"same": True, "shard_same": True, "steps": [1, 2], "ck_same": True}] * 2, results
+    expected = {"same": True, "shard_same": True, "steps": [1, 2], "ck_same": True, "mem": [[3], True, True]}
+    assert results == [expected] * 2, results
 
 
 def test_sharded_round_trip_per_rank(workdir: str, backend: str) -> None:

@@ -86,6 +86,7 @@ def device_state(on_device: set[int], step: int, n: int = 300_000) -> dict[str, 
     g = torch.Generator().manual_seed(step)
     state = {"w": torch.randn(n, generator=g), "m": torch.randn(70_001, generator=g), "step": step}
     state["host"] = torch.arange(step, step + 1000)  # copied by the job, beside the device copies
+    state["tied"] = state["w"]  # one tensor under two names: copied once
     on_device.update(state[k].untyped_storage().data_ptr() for k in ("w", "m"))
     return state
 
@@ -146,6 +147,7 @@ def test_device_bytes_land_in_the_recycled_step_files_whose_arenas_serve_every_l
             want = device_state(set(), step)
             assert torch.equal(got["w"], want["w"]) and torch.equal(got["m"], want["m"])
             assert torch.equal(got["host"], want["host"]) and got["step"] == step
+            assert got["tied"].data_ptr() == got["w"].data_ptr()  # still one tensor
 
 
 def test_repeated_saves_to_one_path_never_map_a_new_file(shm_root: str, on_device: set[int]) -> None:
