@@ -275,7 +275,7 @@ class ThreadCopier:
 
 def device_group(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
     """Replicated and sharded saves of a state whose tensors a (fake) device copier stages:
-    each rank's share goes through its arena; a group Checkpointer waits for each save."""
+    each rank's share goes through its arena; a group Checkpointer saves each step it waits for."""
     from fastpersist.gpu.copiers import use_copier
 
     cfg = fp.Config(backend=backend, chunk_bytes=64 << 10)
@@ -292,6 +292,7 @@ def device_group(rank: int, world: int, workdir: str, backend: str) -> dict[str,
         for step in range(3):
             ck.wait_staged()
             ck.save(step, make_state(step))
+            ck.wait()  # else a step due while a save still writes is skipped (device_group_skips)
         ck.close()
         # The in-memory level: from its second save of a file on, each rank stages its share
         # straight into its recycled data file (gpu/arenas.py, Arenas.lease_file).
@@ -320,7 +321,52 @@ def device_group(rank: int, world: int, workdir: str, backend: str) -> dict[str,
     return results
 
 
+def device_group_skips(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    """Checkpointer(every=1) in a group while rank 1's save of step 0 has not ended (its
+    after-commit work is held): a device state skips steps 1 and 2 on every rank, rank 0 too,
+    whose own save has ended; a host state waits and saves every step."""
+    from fastpersist.checkpointer import Checkpointer
+    from fastpersist.gpu.copiers import use_copier
+
+    release = threading.Event()
+    after_commit = Checkpointer._after_commit
+
+    def held(self: Checkpointer, step: int, result: Any) -> None:
+        after_commit(self, step, result)
+        if rank == 1 and step == 0:
+            assert release.wait(60)
+
+    Checkpointer._after_commit = held  # type: ignore[method-assign]
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10)
+    out: dict[str, Any] = {}
+    for kind in ("device", "host"):
+        release.clear()
+        ck = fp.Checkpointer(os.path.join(workdir, kind), keep=3, group=dist.group.WORLD, config=cfg)
+        on_device = kind == "device"
+        with use_copier(lambda t, on_device=on_device: on_device, ThreadCopier):
+            futures = [ck.save(0, make_state(0))]
+            while rank == 0 and ck._saves.disk_busy():
+                time.sleep(0.01)  # rank 0's own save of step 0 ends; rank 1's is held
+            dist.barrier()
+            if kind == "host" and rank == 1:
+                threading.Timer(0.5, release.set).start()  # the host state's step 1 waits for it
+            futures += [ck.save(step, make_state(step)) for step in (1, 2)]
+            release.set()
+            ck.wait()
+            futures.append(ck.save(3, make_state(3)))
+            ck.close()
+        out[kind] = {
+            "returned": [f is not None for f in futures],
+            "steps": ck.steps(),
+            "levels": ck.levels(),
+            "same": same(make_state(3), ck.load()),
+        }
+    Checkpointer._after_commit = after_commit  # type: ignore[method-assign]
+    return out
+
+
 SCENARIOS: dict[str, Callable[[int, int, str, str], dict[str, Any]]] = {
+    "device_group_skips": device_group_skips,
     "device_group": device_group,
     "long_name": long_name,
     "dtensor_leaf": dtensor_leaf,

@@ -1,13 +1,15 @@
 """Inside each rank of the Checkpointer configuration matrix (tests/test_checkpointer_matrix.py).
 
 For every configuration {replicated, sharded} x {no stripes, stripes shared by the ranks,
-per-rank stripes}, a first run saves steps 1-3 with ``keep=2``; then a restart (a new
+per-rank stripes} x {host tensors, tensors a (fake) device copier stages through the arena}, a
+first run saves steps 1-3 with ``keep=2``; then a restart (a new
 Checkpointer, as a new process would make) resumes from ``latest()``, checks the state bit for
 bit, and saves steps 4-5. After each run every rank reports what it sees on its own drives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -16,11 +18,14 @@ import torch.distributed as dist
 
 import fastpersist as fp
 from fastpersist.format.manifest import read_manifest
+from fastpersist.gpu.copiers import use_copier
 
+from dist_workers import ThreadCopier
 from gloo import report_rank
 
 MODES = ("replicated", "sharded")
 STRIPES = ("none", "shared", "per-rank")
+SOURCES = ("host", "device")
 KEEP = 2
 
 
@@ -78,9 +83,14 @@ def _report(ck: fp.Checkpointer, roots: list[str] | None, rank: int, sharded: bo
     }
 
 
-def _one_config(rank: int, workdir: str, backend: str, mode: str, kind: str) -> dict[str, Any]:
+def _one_config(rank: int, workdir: str, backend: str, mode: str, kind: str, source: str) -> dict[str, Any]:
+    with use_copier(lambda t: True, ThreadCopier) if source == "device" else contextlib.nullcontext():
+        return _run_config(rank, workdir, backend, mode, kind, source)
+
+
+def _run_config(rank: int, workdir: str, backend: str, mode: str, kind: str, source: str) -> dict[str, Any]:
     sharded = mode == "sharded"
-    base = os.path.join(workdir, f"{mode}-{kind}")
+    base = os.path.join(workdir, f"{mode}-{kind}-{source}")
     roots = _stripe_roots(base, kind, rank)
     cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, pool_bytes=1 << 20, stripes=roots)
     root = os.path.join(base, "root")
@@ -94,6 +104,7 @@ def _one_config(rank: int, workdir: str, backend: str, mode: str, kind: str) -> 
         ck.save(step, step_state(step, rank, sharded))
         ck.wait()
         committed.append(step)
+    staged_from_device = ck._from_device  # the fake device's tensors went through the arena
     ck.close()  # and the background removal of what retention retired
     dist.barrier()
     first = _report(ck, roots, rank, sharded)
@@ -112,6 +123,7 @@ def _one_config(rank: int, workdir: str, backend: str, mode: str, kind: str) -> 
     dist.barrier()
     return {
         "committed": committed,
+        "staged_from_device": staged_from_device,
         "first": first,
         "resumed": resumed,
         "resumed_same": resumed_same,
@@ -125,5 +137,10 @@ def run(rank: int, world: int, init_file: str, workdir: str, backend: str) -> No
         world,
         init_file,
         workdir,
-        lambda: {f"{m}/{k}": _one_config(rank, workdir, backend, m, k) for m in MODES for k in STRIPES},
+        lambda: {
+            f"{m}/{k}/{src}": _one_config(rank, workdir, backend, m, k, src)
+            for m in MODES
+            for k in STRIPES
+            for src in SOURCES
+        },
     )

@@ -1,7 +1,8 @@
 """The Checkpointer's whole configuration matrix on real gloo ranks, on every backend.
 
-{replicated, sharded} x {no stripes, stripes shared by the ranks, per-rank stripes} x {first run,
-restart with a new Checkpointer}, ``keep=2`` over 3 steps and then 2 more: every step that is
+{replicated, sharded} x {no stripes, stripes shared by the ranks, per-rank stripes} x {host
+tensors, device tensors staged through the arena (a fake copy engine)} x {first run, restart
+with a new Checkpointer}, ``keep=2`` over 3 steps and then 2 more: every step that is
 kept loads bit-identically, exactly ``keep`` steps remain, no stripe directory a manifest names
 is missing, and none that no manifest names is left behind (issue: a sharded Checkpointer with
 stripes lost every checkpoint it committed).
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from gloo import run_ranks
-from matrix_workers import KEEP, MODES, STRIPES, run
+from matrix_workers import KEEP, MODES, SOURCES, STRIPES, run
 
 WORLD = 2
 
@@ -32,13 +33,17 @@ def matrix(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return results
 
 
+@pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("stripes", STRIPES)
-def test_every_configuration_keeps_what_it_committed(matrix: list[dict[str, Any]], mode: str, stripes: str) -> None:
+def test_every_configuration_keeps_what_it_committed(
+    matrix: list[dict[str, Any]], mode: str, stripes: str, source: str
+) -> None:
     for rank, results in enumerate(matrix):
-        res = results[f"{mode}/{stripes}"]
-        where = f"{mode}, stripes {stripes}, rank {rank}"
+        res = results[f"{mode}/{stripes}/{source}"]
+        where = f"{mode}, stripes {stripes}, {source} tensors, rank {rank}"
         assert res["committed"] == [1, 2, 3, 4, 5], where
+        assert res["staged_from_device"] == (source == "device"), where
         first, restart = res["first"], res["restart"]
         assert first["steps"] == [2, 3] and first["latest"] == 3, (where, first)
         assert res["resumed"] == 3 and res["resumed_same"], (where, "the restart resumes the last step, bit-identical")

@@ -267,13 +267,14 @@ class Checkpointer:
     def save(self, step: int, state: object) -> SaveFuture | None:
         """Starts saving `state` as `step` if the step is due; returns its future, else None.
 
-        Waits for the previous save to finish first, except for a state of device (GPU) tensors
-        saved by one process alone (no `group`): while the previous save still writes, the new
-        step is staged at once (one device-to-host copy) and written once the disk is free, and
-        a newer step due before then takes its place (that step is not on the local level;
-        saving/in_flight.py, docs/levels.md). If a save
-        failed and nobody has seen its error yet (``wait_staged()`` raises it at once), it is
-        raised here and this step is not saved.
+        Waits for the previous save to finish first, except for a state of device (GPU) tensors:
+        saved by one process alone (no `group`), a step due while the previous save still writes
+        is staged at once (one device-to-host copy) and written once the disk is free, unless a
+        newer due step replaces it first; with `group`, such a step is skipped on every rank and
+        None returned. A replaced or skipped step is not on the local level (saving/in_flight.py,
+        docs/levels.md). If a save failed and nobody has seen its error yet (``wait_staged()``
+        raises it at once), it is raised here (in a group: at the first step not skipped) and
+        this step is not saved.
         """
         if type(step) is not int or step < 0:
             raise ValueError(f"step={step!r}: expected a non-negative integer")
@@ -283,6 +284,11 @@ class Checkpointer:
             self._remote.claim.hold()  # given up at close(): another root may have taken the remote since
         ahead = self._from_device and self.group is None and not self.sharded and self._saves.disk_busy()
         with self.history.waiting("commit"):
+            if self.group is not None and self._saves.skip_in_group(
+                self.group, self._timeout_s(), from_device=self._from_device, step=step
+            ):
+                log.debug("step %d skipped: a rank's previous save still writes", step)
+                return None
             self._saves.raise_unseen() if ahead else self._saves.finish_all()
         with self.history.waiting("start"), self._lock:
             config = self._config_for(state)

@@ -59,6 +59,17 @@ def test_a_device_state_saves_through_each_ranks_arena(workdir: str, backend: st
     assert results == [expected] * 2, results
 
 
+def test_a_group_skips_a_device_step_while_any_rank_still_writes(workdir: str, backend: str) -> None:
+    results = run_group(2, "device_group_skips", workdir, backend)
+    assert all("device" in r for r in results), results
+    for r in results:
+        assert r["device"]["returned"] == [True, False, False, True], r
+        assert r["device"]["steps"] == [0, 3] and r["device"]["same"], r
+        assert r["device"]["levels"]["local"]["steps"] == [0, 3], r
+        assert r["host"]["returned"] == [True, True, True, True], r
+        assert r["host"]["steps"] == [1, 2, 3] and r["host"]["same"], r
+
+
 def test_sharded_round_trip_per_rank(workdir: str, backend: str) -> None:
     results = run_group(2, "sharded", workdir, backend)
     assert all(r.get("same") for r in results), results

@@ -131,6 +131,12 @@ class ControlGroup:
         self.wait(dist.all_gather(out, mine, group=self.pg, async_op=True))
         return [pickle.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(out, sizes, strict=True)]
 
+    def max_of(self, values: list[int]) -> list[int]:
+        """The element-wise maximum of every rank's `values` (one small collective, no pickling)."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        self.wait(dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=self.pg, async_op=True))
+        return [int(v) for v in mine.tolist()]
+
     def broadcast(self, obj: T, src: int = 0) -> T:
         """Rank `src`'s `obj` (pickled) on every rank."""
         data = pickle.dumps(obj) if self.rank == src else b""
@@ -160,17 +166,22 @@ class ControlGroup:
 #: Groups closed with a work still waiting on a gone peer, and that work: kept alive (see
 #: :meth:`ControlGroup.close`).
 _abandoned: list[tuple[Any, Any]] = []
-_controls: dict[tuple[int, float], ControlGroup] = {}
+_controls: dict[tuple[int, float, str], ControlGroup] = {}
 _controls_lock = threading.Lock()
 
 
-def control_for(group: Any, timeout_s: float) -> ControlGroup:
+def control_for(group: Any, timeout_s: float, lane: str = "saves") -> ControlGroup:
     """The private gloo group (operations time out after `timeout_s`) over `group`'s ranks,
-    created on first use and kept for later saves and loads through the same group."""
+    created on first use and kept for later saves and loads through the same group.
+
+    Each `lane` is a group of its own. Collectives on one group must be issued in the same order
+    on every rank, so a thread that runs its collectives while another thread runs a save's (a
+    Checkpointer's per-step agreement, in the loop's thread, while the previous save commits on
+    its own) takes a lane of its own."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("group= needs an initialised torch.distributed process group (dist.init_process_group)")
     group = dist.group.WORLD if group is None else group
-    key = (id(group), float(timeout_s))
+    key = (id(group), float(timeout_s), lane)
     with _controls_lock:
         control = _controls.get(key)
     if control is None:

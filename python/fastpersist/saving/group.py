@@ -180,6 +180,11 @@ class GroupSaveJob:
             self.control, f"{what} for {self.path}", op, GroupSaveError, ". Nothing was committed by this rank."
         )
 
+    @property
+    def from_device(self) -> bool:
+        """Whether this rank's state has tensors staged from a device (a GPU)."""
+        return self.job is not None and self.job.from_device
+
     def staged(self) -> bool:
         return self.job is None or self.job.staged()
 

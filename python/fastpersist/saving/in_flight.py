@@ -9,6 +9,13 @@ waiting save is cancelled, commits nothing, and that step is simply not on the l
 the disk always writes the newest snapshot it can, and ``Checkpointer.levels()`` says which
 steps it holds.
 
+A group's saves commit together, so a snapshot held back on one rank would hold back all of
+them, and which steps wait or are replaced would differ between ranks with their timing. So in a
+group (:meth:`InFlight.skip_in_group`) the ranks agree at every due step, in one small
+collective, whether any rank's previous save still writes; if so and the state is on a device on
+every rank, the step is skipped on every rank (nothing staged, nothing to wait for), and the
+disk takes the first due step after it is free.
+
 Example:
     >>> queue = InFlight()
     >>> queue.disk_busy(), queue.newest()
@@ -24,6 +31,8 @@ import time
 import fastpersist._core as _core
 
 from ..config import SaveResult
+from ..distributed.control import collective, control_for
+from ..errors import GroupSaveError
 from ..futures import SaveFuture
 
 log = logging.getLogger("fastpersist")
@@ -45,6 +54,21 @@ class InFlight:
         """Whether a save is writing now (a new step would wait behind it)."""
         with self._lock:
             return self.writing is not None and not self.writing.done()
+
+    def skip_in_group(self, group: object, timeout_s: float, *, from_device: bool, step: int) -> bool:
+        """Whether every rank of `group` skips due `step`: some rank's previous save still writes
+        and every rank's state is on a device. One collective on a lane of its own (the writing
+        save's commit runs collectives on the group's main lane meanwhile); every rank calls this
+        at the same due steps."""
+        lane = control_for(group, timeout_s, lane="steps")
+        busy, host = collective(
+            lane,
+            f"agree whether step {step} is saved",
+            lambda: lane.max_of([int(self.disk_busy()), int(not from_device)]),
+            GroupSaveError,
+            ". This step was not saved.",
+        )
+        return busy == 1 and host == 0
 
     def newest(self) -> SaveFuture | None:
         """The save started last (waiting or writing), or None."""
