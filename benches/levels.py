@@ -22,6 +22,12 @@ aside, so node1's ranks start from an empty root, then put back), every rank's p
 ``fp.load`` of its own share from its node's root at once, and a plain ``fp.load`` of one share
 in one process (the others wait) - "a plain local load".
 
+``--fake-device``: the state's tensors are staged by a fake copy engine (one host thread per
+rank, ``fastpersist.gpu.use_copier``) as a GPU state's are, so a step due while any rank's
+previous save still writes is skipped on every rank (docs/levels.md, "A step every iteration");
+the ``saved`` column counts the steps each measurement saved. With ``--device-seconds`` below
+the save time it shows what an every-step Checkpointer costs a loop faster than the disk.
+
 ``--mode sharded`` (default): each rank's own ``--mib`` state (FSDP/ZeRO-style);
 ``--mode replicated``: one ``--mib`` state on every rank, each rank writing a quarter of it.
 
@@ -154,8 +160,9 @@ def _loop(o: dict[str, Any], state: dict[str, Any], ck: Any, first: int, t_dev: 
     started = time.perf_counter()
     if ck is not None:
         ck.wait()
-    row = {"per_iter_s": loop / o["iters"], "drain_s": time.perf_counter() - started, "save_s": 0.0, "copy_s": 0.0}
     results = [f.result() for f in futures if f is not None]
+    row = {"per_iter_s": loop / o["iters"], "drain_s": time.perf_counter() - started, "save_s": 0.0, "copy_s": 0.0}
+    row["saved"] = len(results)
     if results:
         row["save_s"] = statistics.median(r.seconds for r in results)
         row["copy_s"] = statistics.median(r.phases.get("replicate", 0.0) for r in results)
@@ -189,6 +196,18 @@ def _checkpointers(o: dict[str, Any], rank: int, state: dict[str, Any], root: st
 
 
 def overhead_rank(rank: int, world: int, root: str, o: dict[str, Any], out: str) -> None:
+    if not o["fake_device"]:
+        return _overhead_rank(rank, world, root, o, out)
+    import device_staging  # benches/, beside this script
+
+    from fastpersist.gpu.copiers import use_copier
+
+    device_staging.ThreadCopier.engine = device_staging._CopyEngine()
+    with use_copier(lambda t: True, device_staging._factory):
+        return _overhead_rank(rank, world, root, o, out)
+
+
+def _overhead_rank(rank: int, world: int, root: str, o: dict[str, Any], out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -207,8 +226,9 @@ def overhead_rank(rank: int, world: int, root: str, o: dict[str, Any], out: str)
             wire.sent = wire.received = 0
             row = {"round": rnd, "method": name} | _loop(o, state, ck, first, t_dev)
             if name == "replicas=1":
-                row["sent"], row["received"] = wire.sent / o["iters"], wire.received / o["iters"]
-                last = ck.path(first + o["iters"] - 1)
+                saves = max(row["saved"], 1)
+                row["sent"], row["received"] = wire.sent / saves, wire.received / saves
+                last = ck.path(max(ck.steps()))  # the newest saved (with --fake-device a step may be skipped)
                 row["expected_sent"], row["expected_received"], row["copied"] = expected_bytes(last, rank)
             rows.append(row)
     for ck in cks.values():
@@ -335,6 +355,7 @@ def report_overhead(per_rank: list[dict[str, Any]], o: dict[str, Any]) -> dict[s
     drains: dict[str, list[float]] = {name: [] for name in METHODS}
     saves: dict[str, list[float]] = {name: [] for name in METHODS}
     copies: dict[str, list[float]] = {name: [] for name in METHODS}
+    saved: dict[str, list[int]] = {name: [] for name in METHODS}
     for rnd in range(o["rounds"]):
         for name in METHODS:
             mine = [next(r for r in rank["rows"] if r["round"] == rnd and r["method"] == name) for rank in per_rank]
@@ -342,28 +363,30 @@ def report_overhead(per_rank: list[dict[str, Any]], o: dict[str, Any]) -> dict[s
             drains[name].append(max(r["drain_s"] for r in mine))
             saves[name].append(max(r["save_s"] for r in mine))
             copies[name].append(max(r["copy_s"] for r in mine))
+            saved[name].append(min(r["saved"] for r in mine))
     base = statistics.median(walls["no checkpoint"])
     plain = statistics.median(walls["replicas=0"])
     print(
         f"\n{o['mode']} state, {o['mib']} MiB per rank, {len(per_rank)} ranks on {len(per_rank) // o['per_node']} "
         f"simulated nodes, T = {per_rank[0]['T']:.3f} s (replicas=1 save: {per_rank[0]['save_s']:.3f} s), "
         f"{o['iters']} iterations x {o['rounds']} rounds (median of the slowest rank)"
+        + (", tensors staged by a fake copy engine" if o["fake_device"] else "")
     )
     print(
         f"{'method':14} {'s/iter':>8} {'min':>7} {'max':>7} {'vs none':>8} {'vs replicas=0':>14} {'drain s':>8} "
-        f"{'save s':>7} {'copy s':>7}"
+        f"{'save s':>7} {'copy s':>7} {'saved':>6}"
     )
     rows = {}
     for name, values in walls.items():
         med = statistics.median(values)
         rows[name] = {"per_iter_s": med, "min": min(values), "max": max(values)}
         rows[name] |= {k: statistics.median(v[name]) for k, v in (("drain_s", drains), ("save_s", saves))}
-        rows[name] |= {"copy_s": statistics.median(copies[name])}
+        rows[name] |= {"copy_s": statistics.median(copies[name]), "saved": statistics.median(saved[name])}
         rows[name] |= {"overhead_vs_none": med / base - 1, "overhead_vs_replicas0": med / plain - 1}
         print(
             f"{name:14} {med:8.3f} {min(values):7.3f} {max(values):7.3f} {med / base - 1:8.1%} "
             f"{med / plain - 1:14.1%} {rows[name]['drain_s']:8.3f} {rows[name]['save_s']:7.3f} "
-            f"{rows[name]['copy_s']:7.3f}"
+            f"{rows[name]['copy_s']:7.3f} {rows[name]['saved']:6g}"
         )
     print(
         f"\n{'rank':>4} {'MiB sent/save':>14} {'expected':>9} {'MiB received/save':>18} {'expected':>9} "
@@ -416,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=6, help="iterations per measurement (default 6)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
     parser.add_argument("--device-seconds", type=float, default=0.0, help="T; default 1.1 x the replicas=1 save")
+    parser.add_argument("--fake-device", action="store_true", help="stage the state as a GPU state (see above)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved restore reps (median reported)")
     parser.add_argument("--dir", default=None, help="where the roots go (default: a temporary directory here)")
     parser.add_argument("--json", default=None)
