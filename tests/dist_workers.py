@@ -43,7 +43,7 @@ def run(rank: int, world: int, init_file: str, scenario: str, workdir: str, back
         init_file,
         workdir,
         lambda: SCENARIOS[scenario](rank, world, workdir, backend),
-        destroy=scenario != "killed_rank",
+        destroy=scenario not in ("killed_rank", "killed_at_agreement"),
     )
 
 
@@ -134,6 +134,28 @@ def killed_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, 
     else:
         error = ""
     return {"error": error, "elapsed": time.monotonic() - started, "previous_ok": same(make_state(1), fp.load(path))}
+
+
+def killed_at_agreement(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    """A device-state group Checkpointer: rank 1 dies after step 0; rank 0's next due step fails
+    in the ranks' agreement on whether to save it, at once (the lane's watch), not after timeout_s."""
+    from fastpersist.gpu.copiers import use_copier
+
+    cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, timeout_s=60.0)
+    with use_copier(lambda t: True, ThreadCopier):
+        ck = fp.Checkpointer(os.path.join(workdir, "run"), keep=2, group=dist.group.WORLD, config=cfg)
+        ck.save(0, make_state(0))
+        ck.wait()
+        dist.barrier()
+        if rank == 1:
+            os._exit(3)
+        started = time.monotonic()
+        try:
+            ck.save(1, make_state(1))
+            error = ""
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    return {"error": error, "elapsed": time.monotonic() - started, "steps": ck.steps()}
 
 
 def hung_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
@@ -367,6 +389,7 @@ def device_group_skips(rank: int, world: int, workdir: str, backend: str) -> dic
 
 SCENARIOS: dict[str, Callable[[int, int, str, str], dict[str, Any]]] = {
     "device_group_skips": device_group_skips,
+    "killed_at_agreement": killed_at_agreement,
     "device_group": device_group,
     "long_name": long_name,
     "dtensor_leaf": dtensor_leaf,

@@ -111,6 +111,15 @@ def test_a_killed_rank_makes_the_others_raise_in_bounded_time(workdir: str) -> N
     assert same(make_state(1), fp.load(os.path.join(workdir, "ckpt")))
 
 
+def test_a_rank_killed_between_every_step_saves_fails_the_next_agreement_at_once(workdir: str) -> None:
+    results = run_group(2, "killed_at_agreement", workdir, "threads", timeout_s=60)
+    assert results[1].get("exitcode") == 3
+    error = results[0]["error"]
+    assert "GroupSaveError" in error and "agree whether step 1 is saved" in error, results[0]
+    assert results[0]["elapsed"] < 15, results[0]  # not timeout_s=60
+    assert results[0]["steps"] == [0], results[0]
+
+
 def test_a_hung_rank_makes_the_others_raise_after_the_timeout(workdir: str) -> None:
     results = run_group(2, "hung_rank", workdir, "threads", timeout_s=90)
     assert "GroupSaveError" in results[0]["error"] and "timeout_s=3.0" in results[0]["error"], results[0]
