@@ -11,8 +11,6 @@ from __future__ import annotations
 import functools
 import mmap
 import os
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -87,42 +85,13 @@ def run_checkpointer(root: str, marker: str) -> None:
         step += 1
 
 
-class SlowDeviceCopier:
-    """A fake copy engine: a window's copies land on a thread of its own after a few ms."""
-
-    needs_pinned_memory = False
-
-    def __init__(self, device: torch.device) -> None:
-        self.threads: list[threading.Thread] = []
-
-    def begin(self) -> None:
-        pass
-
-    def copy(self, pairs: Any, *, early: bool = False) -> None:
-        if early:
-            for src, dst in pairs:
-                dst.copy_(src)
-            return
-
-        def land() -> None:
-            time.sleep(0.003)
-            for src, dst in pairs:
-                dst.copy_(src)
-
-        self.threads.append(threading.Thread(target=land))
-        self.threads[-1].start()
-
-    def wait(self) -> None:
-        for thread in self.threads:
-            thread.join()
-        self.threads = []
-
-
 def run_device_checkpointer(root: str, marker: str) -> None:
     """run_checkpointer with the state's weights on a fake device: staged through the arena."""
     from fastpersist.gpu.copiers import use_copier
 
-    with use_copier(lambda t: t.numel() == 96 << 10, SlowDeviceCopier):
+    from fake_cuda import LaterCopier
+
+    with use_copier(lambda t: t.numel() == 96 << 10, LaterCopier):
         run_checkpointer(root, marker)
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import fastpersist as fp
 
+from fake_cuda import LaterCopier as ThreadCopier
 from gloo import report_rank
 
 
@@ -262,37 +263,6 @@ def long_name(rank: int, world: int, workdir: str, backend: str) -> dict[str, An
         raised = f"{type(e).__name__}: {e}"
     dist.barrier()
     return {"raised": raised, "written": sorted(os.listdir(workdir)), "stripe": os.listdir(stripes[0])}
-
-
-class ThreadCopier:
-    """A fake copy engine: each copy call's pairs land on a thread of its own; wait joins it."""
-
-    needs_pinned_memory = False
-
-    def __init__(self, device: torch.device) -> None:
-        self.threads: list[threading.Thread] = []
-
-    def begin(self) -> None:
-        pass
-
-    def copy(self, pairs: Any, *, early: bool = False) -> None:
-        if early:  # ordered before the caller's later work
-            for src, dst in pairs:
-                dst.copy_(src)
-            return
-
-        def land() -> None:
-            time.sleep(0.002)
-            for src, dst in pairs:
-                dst.copy_(src)
-
-        self.threads.append(threading.Thread(target=land))
-        self.threads[-1].start()
-
-    def wait(self) -> None:
-        for thread in self.threads:
-            thread.join()
-        self.threads = []
 
 
 def device_group(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:

@@ -1,14 +1,53 @@
 """Fakes of the CUDA calls the device path makes, for its CPU tests: the host-registration
-runtime (:mod:`fastpersist.gpu.pinned`) and ``torch.cuda`` as the CUDA copier and loader use it."""
+runtime (:mod:`fastpersist.gpu.pinned`), ``torch.cuda`` as the CUDA copier and loader use it,
+and a copy engine whose copies land later (:class:`LaterCopier`, for ``use_copier``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
-__all__ = ["FakeCuda", "FakeRuntime"]
+__all__ = ["FakeCuda", "FakeRuntime", "LaterCopier"]
+
+
+class LaterCopier:
+    """A fake copy engine for ``fastpersist.gpu.use_copier``: each ``copy`` call's pairs land on
+    a thread of their own after `delay_s`, as a queued DMA lands after the call returned (a job
+    that read its arena before ``wait`` would see stale bytes); ``wait`` joins them. Early copies
+    (``early=True``) land before ``copy`` returns, as a GPU orders them before the caller's later
+    work."""
+
+    needs_pinned_memory = False
+    delay_s = 0.002
+
+    def __init__(self, device: object) -> None:
+        self.threads: list[threading.Thread] = []
+
+    def begin(self) -> None:
+        pass
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, early: bool = False) -> None:
+        if early:
+            for src, dst in pairs:
+                dst.copy_(src)
+            return
+
+        def land() -> None:
+            time.sleep(self.delay_s)
+            for src, dst in pairs:
+                dst.copy_(src)
+
+        self.threads.append(threading.Thread(target=land))
+        self.threads[-1].start()
+
+    def wait(self) -> None:
+        for thread in self.threads:
+            thread.join()
+        self.threads = []
 
 
 class FakeRuntime:

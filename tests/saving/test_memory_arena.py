@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -25,6 +24,7 @@ from fastpersist.gpu.arenas import ARENAS, Arenas
 from fastpersist.gpu.copiers import use_copier
 from fastpersist.saving.recycle import file_to_stage_in, is_memory_root
 
+from fake_cuda import LaterCopier
 from gloo import TESTS_DIR
 
 SHM = "/dev/shm"
@@ -33,35 +33,15 @@ DATA = data_file_name(writer=0, stripe=0)
 CHUNK = 256 << 10
 
 
-class RecordingCopier:
+class RecordingCopier(LaterCopier):
     """A fake copy engine on a thread of its own that records where its copies land."""
 
-    needs_pinned_memory = False
+    delay_s = 0.0
     destinations: ClassVar[list[tuple[int, int]]] = []
-
-    def __init__(self, device: torch.device) -> None:
-        self.threads: list[threading.Thread] = []
-
-    def begin(self) -> None:
-        pass
 
     def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, early: bool = False) -> None:
         RecordingCopier.destinations += [(dst.data_ptr(), dst.numel()) for _, dst in pairs]
-
-        def land() -> None:
-            for src, dst in pairs:
-                dst.copy_(src)
-
-        if early:
-            land()
-            return
-        self.threads.append(threading.Thread(target=land))
-        self.threads[-1].start()
-
-    def wait(self) -> None:
-        for thread in self.threads:
-            thread.join()
-        self.threads = []
+        super().copy(pairs, early=early)
 
 
 @pytest.fixture
