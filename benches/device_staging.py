@@ -17,7 +17,11 @@ save (``copy`` + ``wait``) at two chunk sizes, which must not grow with the numb
 Target (issue: GPU saves at the speed of the copy engine): staging >= 0.8x the engine's memcpy
 with checksums off. On a GPU scripts/gpu_check.sh measures the same against the copy engine.
 
-Run: ``python benches/device_staging.py --size 1GiB --reps 5 --dir /data``.
+``--paths`` also times whole saves of the state through the other front doors, interleaved:
+``fp.save``, ``fp.torch_save`` and ``dcp.save(storage_writer=FastPersistWriter)`` (the GPU target:
+each >= 0.8x ``fp.save``'s GB/s from the same device state).
+
+Run: ``python benches/device_staging.py --size 1GiB --reps 5 --dir /data [--paths]``.
 """
 
 from __future__ import annotations
@@ -116,6 +120,42 @@ def staged_seconds(state: object, path: str, config: fp.Config) -> float:
     return seconds
 
 
+TARGET_PATHS_VS_SAVE = 0.8
+
+
+def compare_paths(state: dict[str, torch.Tensor] | object, root: str, reps: int) -> None:
+    """``--paths``: whole saves of `state` (every tensor staged by the fake engine) through
+    ``fp.save``, ``fp.torch_save`` and the DCP writer, interleaved; a first round is untimed."""
+    import torch.distributed.checkpoint as dcp
+
+    from fastpersist.integrations.dcp import FastPersistWriter
+
+    doors = {
+        "fp.save": lambda p: fp.save(state, p),
+        "fp.torch_save": lambda p: fp.torch_save(state, p),
+        "dcp.save(FastPersistWriter)": lambda p: dcp.save(state, storage_writer=FastPersistWriter(p)),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in doors}
+    for rep in range(reps + 1):
+        for i, (name, save) in enumerate(doors.items()):
+            path = os.path.join(root, f"door{i}")
+            start = time.perf_counter()
+            save(path)
+            if rep:
+                seconds[name].append(time.perf_counter() - start)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            fp.wait_removed()
+    total = sum(b.nbytes for b in flatten(state).blobs)
+    base = statistics.median(seconds["fp.save"])
+    print(f"  whole saves from the device state, {reps} reps interleaved (medians):")
+    for name, samples in seconds.items():
+        median = statistics.median(samples)
+        line = f"    {name:<28} {median:.3f} s  {total / median / 1e9:5.2f} GB/s  {base / median:.2f}x fp.save"
+        if name != "fp.save":
+            line += f" (target {TARGET_PATHS_VS_SAVE}x: {'met' if base / median >= TARGET_PATHS_VS_SAVE else 'MISSED'})"
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=parse_size, default=1 << 30)
@@ -134,6 +174,7 @@ def main() -> None:
         default=1,
         help="intra-op threads of the fake copy engine (1: one core is the engine, the others the host's)",
     )
+    parser.add_argument("--paths", action="store_true", help="also time fp.save, fp.torch_save and the DCP writer")
     args = parser.parse_args()
     all_threads = torch.get_num_threads()
     torch.set_num_threads(args.engine_threads)
@@ -188,6 +229,8 @@ def main() -> None:
                 ThreadCopier.calls = 0
                 fp.save_async(state, os.path.join(root, "calls"), config=fp.Config(chunk_bytes=chunk)).wait()
                 calls[chunk] = ThreadCopier.calls
+            if args.paths:
+                compare_paths(state, root, args.reps)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     memcpy_s = statistics.median(engine_copies)
