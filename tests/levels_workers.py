@@ -69,6 +69,29 @@ def save_steps(
     report_rank(rank, world, init_file, workdir, compute)
 
 
+def save_device_steps(
+    rank: int, world: int, init_file: str, workdir: str, sharded: bool, backend: str, steps: list[int]
+) -> None:
+    """save_steps with the state's tensors staged by a fake copy engine through the arena, each
+    step waited for (a device state's step due while a save still writes would be skipped)."""
+    from fastpersist.gpu.copiers import use_copier
+
+    from fake_cuda import LaterCopier
+
+    os.environ["FASTPERSIST_NODE"] = node_of(rank)
+
+    def compute() -> Any:
+        with use_copier(lambda t: True, LaterCopier), checkpointer(workdir, rank, sharded, backend) as ck:
+            for step in steps:
+                ck.save(step, step_state(step, rank, sharded))
+                ck.wait()
+            from_device = ck._from_device
+        dist.barrier()
+        return {"steps": ck.steps(), "levels": ck.levels(), "from_device": from_device}
+
+    report_rank(rank, world, init_file, workdir, compute)
+
+
 def restore(rank: int, world: int, init_file: str, workdir: str, sharded: bool, backend: str, n: int = 70_000) -> None:
     os.environ["FASTPERSIST_NODE"] = node_of(rank)
 

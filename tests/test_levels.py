@@ -70,6 +70,18 @@ def test_a_node_lost_loses_no_step(tmp_path: Any, sharded: bool, backend: str) -
     assert all(r == {"latest": 4, "step": 4, "same": True} for r in restored), restored
 
 
+@pytest.mark.parametrize("sharded", MODES)
+def test_a_device_state_is_kept_on_a_partner_and_restored_after_a_node_loss(tmp_path: Any, sharded: bool) -> None:
+    d = str(tmp_path)
+    saved = _run(w.save_device_steps, d, sharded, BACKENDS[0], [1, 2, 3])
+    for r in saved:
+        assert r["from_device"] and r["steps"] == [2, 3], r
+        assert r["levels"]["local"]["steps"] == [2, 3] and r["levels"]["partner"]["steps"] == [2, 3], r
+    shutil.rmtree(os.path.join(d, "node1"))
+    restored = _run(w.restore, d, sharded, BACKENDS[0])
+    assert all(r == {"latest": 3, "step": 3, "same": True} for r in restored), restored
+
+
 def test_a_state_of_fewer_chunks_than_writers_is_restored(tmp_path: Any) -> None:
     """Two writers get no bytes (a 4 KiB stream, 64 KiB chunks, 4 writers): their shares are empty, not missing."""
     d = str(tmp_path)
