@@ -94,11 +94,12 @@ def config(**knobs: Any) -> fp.Config:
     return fp.Config(chunk_bytes=CHUNK, **knobs)
 
 
+@pytest.mark.parametrize("checksum", ["crc32c", "off"])
 def test_device_bytes_land_in_the_recycled_step_files_whose_arenas_serve_every_later_save(
-    shm_root: str, on_device: set[int]
+    shm_root: str, on_device: set[int], backend: str, checksum: str
 ) -> None:
     in_place: set[tuple[int, int]] = set()
-    with fp.Checkpointer(shm_root, every=1, keep=2, config=config()) as ck:
+    with fp.Checkpointer(shm_root, every=1, keep=2, config=config(backend=backend, checksum=checksum)) as ck:
         for step in range(12):
             state = device_state(on_device, step)
             RecordingCopier.destinations = []
