@@ -56,6 +56,13 @@ def test_a_failed_registration_warns_once_copies_unpinned_and_is_never_undone(
     assert [c for c in fake_runtime.calls if c[0] == "unregister"] == []  # nothing of ours to undo
 
 
+def test_an_empty_buffer_is_never_registered(fake_runtime: FakeRuntime, caplog: pytest.LogCaptureFixture) -> None:
+    fake_runtime.code = 1  # cudaErrorInvalidValue, what CUDA answers for a zero-byte range
+    with caplog.at_level(logging.WARNING, logger="fastpersist"):
+        assert pinned.pin_host(torch.empty(0, dtype=torch.uint8), Owner())
+    assert fake_runtime.calls == [] and not caplog.records
+
+
 def test_memory_registered_by_someone_else_is_pinned_but_not_ours_to_undo(fake_runtime: FakeRuntime) -> None:
     fake_runtime.code = pinned.ALREADY_REGISTERED
     owner = Owner()

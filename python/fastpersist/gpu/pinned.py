@@ -181,6 +181,8 @@ def pin_host(host: torch.Tensor, owner: object) -> bool:
     ``_core.Arena`` or ``_core.Pool``, or an object that supports weak references), before its
     memory is freed."""
     address, nbytes = host.data_ptr(), host.numel()
+    if nbytes == 0:
+        return True  # no page to pin, and CUDA refuses an empty range (cudaErrorInvalidValue)
     with _lock:
         found = _registered.get(address)
         if found is not None and found.nbytes == nbytes:
