@@ -17,7 +17,9 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypedDict
@@ -27,6 +29,8 @@ import fastpersist._core as _core
 from ..config import Config
 
 __all__ = ["ConfigKnobs", "DeviceHook", "WriteRequest", "knobs", "start_write"]
+
+log = logging.getLogger("fastpersist")
 
 
 class DeviceHook(Protocol):
@@ -88,5 +92,17 @@ def knobs(config: Config, *, backend: Literal["auto", "io_uring", "threads", "nu
 
 def start_write(request: WriteRequest) -> _core.WriteHandle:
     """Starts `request` in the engine; returns its handle (finished already unless
-    ``request.background``)."""
-    return _core.start_write(request)
+    ``request.background``). The first write that falls back from the backend asked for (no
+    io_uring here, no O_DIRECT on this filesystem) says why, once per process: a WARNING on the
+    ``fastpersist`` logger and a ``RuntimeWarning``."""
+    handle = _core.start_write(request)
+    reason = handle.fallback_reason
+    global _warned_fallback
+    if reason and not _warned_fallback:
+        _warned_fallback = True
+        log.warning("%s", reason)
+        warnings.warn(reason, RuntimeWarning, stacklevel=3)
+    return handle
+
+
+_warned_fallback = False

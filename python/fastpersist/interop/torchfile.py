@@ -408,8 +408,6 @@ def torch_save(
         )
         handle = start_write(dataclasses.replace(request, checksum=False))
         report = handle.wait()
-        if handle.fallback_reason:
-            log.warning("%s", handle.fallback_reason)
     return _result(target, skel.total_bytes, started, str(report["backend"]))
 
 

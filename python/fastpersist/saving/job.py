@@ -13,13 +13,13 @@ share, and the rank that owns the temporary directory writes the manifest and co
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import shutil
 import time
 import uuid
-import warnings
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -55,16 +55,6 @@ from .verdict import Verdict
 __all__ = ["Layout", "SaveJob", "single_layout"]
 
 log = logging.getLogger("fastpersist")
-
-_warned_fallback = False
-
-
-def _warn_fallback_once(reason: str | None) -> None:
-    global _warned_fallback
-    if reason and not _warned_fallback:
-        _warned_fallback = True
-        log.warning("%s", reason)
-        warnings.warn(reason, RuntimeWarning, stacklevel=4)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,7 +271,6 @@ class SaveJob:
                 write_gate=self.write_gate,
             )
         )
-        _warn_fallback_once(self.handle.fallback_reason)
 
     @functools.cached_property
     def manifest_stream(self) -> StreamText:
@@ -369,7 +358,11 @@ class SaveJob:
         try:
             if self.handle is not None:
                 if self.layout.owner and timeout is None:
-                    self.manifest_stream  # noqa: B018  (cached: built while the data is written)
+                    # Built (cached) while the data is written, once staged: built at once, on the
+                    # thread SaveFuture starts, it held the GIL while the save call waited for it.
+                    with contextlib.suppress(Exception):  # a failure is handle.wait's to raise
+                        self.handle.wait_staged()
+                    self.manifest_stream  # noqa: B018
                 report = self.handle.wait(timeout)
         except TimeoutError:
             raise
