@@ -66,7 +66,9 @@ CopierFactory = Callable[[torch.device], DeviceCopier]
 
 def device_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of a contiguous tensor's bytes, on its own device (no copy)."""
-    flat = tensor.detach().reshape(-1)
+    if tensor.requires_grad:  # detached only where needed: a save views hundreds of tensors
+        tensor = tensor.detach()
+    flat = tensor.reshape(-1)
     return flat.view(torch.uint8) if flat.dtype is not torch.uint8 else flat
 
 
