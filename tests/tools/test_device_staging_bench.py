@@ -24,6 +24,7 @@ def test_the_device_staging_benchmark_runs_small(workdir: str, layout: str) -> N
     for line in ("one memcpy by the engine (1 thread)", "copies, one per tensor", "checksums off", "crc32c"):
         assert line in out, out
     assert "Python calls per save" in out and "GROWS" not in out, out
+    assert "save_async returns in" in out, out
     if layout == "adam":
         for door in ("fp.save", "fp.torch_save", "dcp.save(FastPersistWriter)"):
             assert f"    {door} " in out, out
