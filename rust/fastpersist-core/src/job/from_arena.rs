@@ -15,7 +15,6 @@ use std::ops::Range;
 
 use super::crc32_fields::Crc32Patcher;
 use super::guard::GuardState;
-use super::in_place;
 use super::source::{CopyPiece, DeviceCopier, ExtentMap, SourceRegion, check_against_plan};
 use super::staging::check_in_stream_order;
 use super::{JobHooks, JobProgress, WriteOptions, WriteTarget, finish_files, open_targets};
@@ -149,7 +148,7 @@ impl<'p> ArenaJob<'p> {
             ));
         };
         check_sources(plan, &sources, hooks.device.is_some())?;
-        let in_place = in_place::is_in_place(&arena, targets)?;
+        let in_place = is_in_place(&arena, targets)?;
         let cell_bytes = plan.chunk_bytes as usize;
         let cells = cells_in_stream_order(targets, plan.chunk_bytes);
         // In place, cell k is the file's chunk k, at k * chunk_bytes: one window holds them all
@@ -368,6 +367,19 @@ impl<'p> ArenaJob<'p> {
 }
 
 /// Checks that the sources match the plan's extents, and a copier is there for device ones.
+/// Whether the job stages `targets` in place: `arena` is the file of its one part. An arena over
+/// a file is refused for any other job (its bytes belong to that file).
+fn is_in_place(arena: &ArenaLease, targets: &[WriteTarget]) -> Result<bool> {
+    match targets {
+        [one] => arena.is_file_of(&one.path, one.part.len_bytes),
+        _ if arena.is_file() => Err(Error::InvalidArgument(format!(
+            "a staging arena over a file stages a job of one part, not of {}",
+            targets.len()
+        ))),
+        _ => Ok(false),
+    }
+}
+
 fn check_sources(plan: &Plan, sources: &[SourceRegion], has_copier: bool) -> Result<()> {
     check_against_plan(plan, sources)?;
     if sources.iter().any(|r| r.device) && !has_copier {

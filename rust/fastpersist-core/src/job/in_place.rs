@@ -1,7 +1,8 @@
 //! The rest of a job whose arena is its one data file on a memory filesystem
 //! ([`Arena::over_file`](crate::arena::Arena::over_file)): staging put every byte into the
 //! file's pages already, so nothing is written; the chunks are checksummed from there by the
-//! bounded pool of threads that a window's writes use (`arena_writes`).
+//! bounded pool of threads that a window's writes use (`arena_writes`). Whether a job is in
+//! place is decided where it is made (`from_arena`, `is_in_place`).
 
 use std::ops::Range;
 
@@ -10,22 +11,8 @@ use super::WriteTarget;
 use super::arena_writes::{CrcBoard, crc_threads};
 use super::from_arena::{ArenaJob, Written};
 use super::progress::WriteGate;
-use crate::arena::ArenaLease;
 use crate::checksum::crc32c;
 use crate::error::{Error, Result};
-
-/// Whether the job stages `targets` in place: `arena` is the file of its one part. An arena over
-/// a file is refused for any other job (its bytes belong to that file).
-pub(super) fn is_in_place(arena: &ArenaLease, targets: &[WriteTarget]) -> Result<bool> {
-    match targets {
-        [one] => arena.is_file_of(&one.path, one.part.len_bytes),
-        _ if arena.is_file() => Err(Error::InvalidArgument(format!(
-            "a staging arena over a file stages a job of one part, not of {}",
-            targets.len()
-        ))),
-        _ => Ok(false),
-    }
-}
 
 impl ArenaJob<'_> {
     /// Stages `windows` (one, holding every cell, or none for an empty part) into the file,
