@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import fastpersist as fp
 
-from fake_cuda import LaterCopier as ThreadCopier
+from fake_cuda import LaterCopier
 from gloo import report_rank
 
 
@@ -143,7 +143,7 @@ def killed_at_agreement(rank: int, world: int, workdir: str, backend: str) -> di
     from fastpersist.gpu.copiers import use_copier
 
     cfg = fp.Config(backend=backend, chunk_bytes=64 << 10, timeout_s=60.0)
-    with use_copier(lambda t: True, ThreadCopier):
+    with use_copier(lambda t: True, LaterCopier):
         ck = fp.Checkpointer(os.path.join(workdir, "run"), keep=2, group=dist.group.WORLD, config=cfg)
         ck.save(0, make_state(0))
         ck.wait()
@@ -271,7 +271,7 @@ def device_group(rank: int, world: int, workdir: str, backend: str) -> dict[str,
     from fastpersist.gpu.copiers import use_copier
 
     cfg = fp.Config(backend=backend, chunk_bytes=64 << 10)
-    with use_copier(lambda t: True, ThreadCopier):
+    with use_copier(lambda t: True, LaterCopier):
         state = make_state(7)
         fut = fp.save_async(state, os.path.join(workdir, "replicated"), config=cfg, group=dist.group.WORLD)
         fut.wait_staged()
@@ -335,7 +335,7 @@ def device_group_skips(rank: int, world: int, workdir: str, backend: str) -> dic
         release.clear()
         ck = fp.Checkpointer(os.path.join(workdir, kind), keep=3, group=dist.group.WORLD, config=cfg)
         on_device = kind == "device"
-        with use_copier(lambda t, on_device=on_device: on_device, ThreadCopier):
+        with use_copier(lambda t, on_device=on_device: on_device, LaterCopier):
             futures = [ck.save(0, make_state(0))]
             while rank == 0 and ck._saves.disk_busy():
                 time.sleep(0.01)  # rank 0's own save of step 0 ends; rank 1's is held

@@ -20,7 +20,7 @@ import fastpersist as fp
 from fastpersist.format.manifest import read_manifest
 from fastpersist.gpu.copiers import use_copier
 
-from dist_workers import ThreadCopier
+from fake_cuda import LaterCopier
 from gloo import report_rank
 
 MODES = ("replicated", "sharded")
@@ -84,7 +84,7 @@ def _report(ck: fp.Checkpointer, roots: list[str] | None, rank: int, sharded: bo
 
 
 def _one_config(rank: int, workdir: str, backend: str, mode: str, kind: str, source: str) -> dict[str, Any]:
-    with use_copier(lambda t: True, ThreadCopier) if source == "device" else contextlib.nullcontext():
+    with use_copier(lambda t: True, LaterCopier) if source == "device" else contextlib.nullcontext():
         return _run_config(rank, workdir, backend, mode, kind, source)
 
 

@@ -32,6 +32,9 @@ __all__ = ["ConfigKnobs", "DeviceHook", "WriteRequest", "knobs", "start_write"]
 
 log = logging.getLogger("fastpersist")
 
+#: Whether a write has said why its backend fell back (once per process).
+_warned_fallback = False
+
 
 class DeviceHook(Protocol):
     """What a write with device-resident sources is given (fastpersist.gpu.staging.DeviceStaging)."""
@@ -92,17 +95,14 @@ def knobs(config: Config, *, backend: Literal["auto", "io_uring", "threads", "nu
 
 def start_write(request: WriteRequest) -> _core.WriteHandle:
     """Starts `request` in the engine; returns its handle (finished already unless
-    ``request.background``). The first write that falls back from the backend asked for (no
-    io_uring here, no O_DIRECT on this filesystem) says why, once per process: a WARNING on the
-    ``fastpersist`` logger and a ``RuntimeWarning``."""
+    ``request.background``). The first write whose ``"auto"`` backend fell back from io_uring
+    (blocked here) says why, once per process: a WARNING on the ``fastpersist`` logger and a
+    ``RuntimeWarning``."""
+    global _warned_fallback
     handle = _core.start_write(request)
     reason = handle.fallback_reason
-    global _warned_fallback
     if reason and not _warned_fallback:
         _warned_fallback = True
         log.warning("%s", reason)
         warnings.warn(reason, RuntimeWarning, stacklevel=3)
     return handle
-
-
-_warned_fallback = False

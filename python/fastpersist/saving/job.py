@@ -358,8 +358,9 @@ class SaveJob:
         try:
             if self.handle is not None:
                 if self.layout.owner and timeout is None:
-                    # Built (cached) while the data is written, once staged: built at once, on the
-                    # thread SaveFuture starts, it held the GIL while the save call waited for it.
+                    # The manifest is built (and cached) while the data is written, but only once
+                    # staged: this runs on the thread SaveFuture starts inside the save call, and
+                    # Python work here at once would hold the GIL while that call waits.
                     with contextlib.suppress(Exception):  # a failure is handle.wait's to raise
                         self.handle.wait_staged()
                     self.manifest_stream  # noqa: B018

@@ -366,7 +366,6 @@ impl<'p> ArenaJob<'p> {
     }
 }
 
-/// Checks that the sources match the plan's extents, and a copier is there for device ones.
 /// Whether the job stages `targets` in place: `arena` is the file of its one part. An arena over
 /// a file is refused for any other job (its bytes belong to that file).
 fn is_in_place(arena: &ArenaLease, targets: &[WriteTarget]) -> Result<bool> {
@@ -380,6 +379,7 @@ fn is_in_place(arena: &ArenaLease, targets: &[WriteTarget]) -> Result<bool> {
     }
 }
 
+/// Checks that the sources match the plan's extents, and a copier is there for device ones.
 fn check_sources(plan: &Plan, sources: &[SourceRegion], has_copier: bool) -> Result<()> {
     check_against_plan(plan, sources)?;
     if sources.iter().any(|r| r.device) && !has_copier {
