@@ -36,6 +36,7 @@ Run: ``python benches/gpu_check.py --size 512MiB --dir /data`` (checkpoints in /
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import shutil
@@ -255,6 +256,7 @@ def check_staging(ts: TrainingState, root: str, reps: int) -> None:
         f"device-to-host, {nbytes / MiB:.0f} MiB in {len(sources)} {device} tensors: plain pinned copy "
         f"{plain_s * 1e3:.1f} ms ({nbytes / 1e9 / plain_s:.1f} GB/s)"
     )
+    _compare_copy_calls(sources, [host[a:b] for a, b in itertools.pairwise(offsets)], device, reps)
     checksums: tuple[Literal["off", "crc32c"], ...] = ("off", "crc32c")
     for checksum in checksums:
         config = fp.Config(checksum=checksum)  # the default Config otherwise
@@ -275,6 +277,36 @@ def check_staging(ts: TrainingState, root: str, reps: int) -> None:
             f"{', '.join(f'{r * 1e3:.1f}' for r in returned)} ms; arenas {fp.gpu.arena_bytes() / MiB:.0f} MiB, "
             f"pinned {fp.gpu.pinned_bytes() / MiB:.0f} MiB"
         )
+
+
+def _compare_copy_calls(sources: list[torch.Tensor], dsts: list[torch.Tensor], device: torch.device, reps: int) -> None:
+    """How long queueing the copies takes: one ``copy_`` per tensor from Python (what
+    ``CudaCopier`` does) against one ``torch._foreach_copy_`` call, which crosses into C++ once
+    (for a device-to-host list it still copies tensor by tensor there, pytorch#111351)."""
+
+    def loop() -> None:
+        for src, dst in zip(sources, dsts, strict=True):
+            dst.copy_(src, non_blocking=True)
+
+    def foreach() -> None:
+        torch._foreach_copy_(dsts, sources, non_blocking=True)
+
+    queued: dict[str, list[float]] = {"loop": [], "foreach": []}
+    total: dict[str, list[float]] = {"loop": [], "foreach": []}
+    for _ in range(reps):
+        for name, fn in (("loop", loop), ("foreach", foreach)):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            queued[name].append(time.perf_counter() - start)
+            _sync(device)
+            total[name].append(time.perf_counter() - start)
+    same = all(torch.equal(dst, src.cpu()) for src, dst in zip(sources, dsts, strict=True))
+    ms = {name: (statistics.median(queued[name]) * 1e3, statistics.median(total[name]) * 1e3) for name in queued}
+    print(
+        f"  queueing {len(sources)} copies: copy_ per tensor {ms['loop'][0]:.2f} ms (landed {ms['loop'][1]:.1f} ms), "
+        f"one _foreach_copy_ {ms['foreach'][0]:.2f} ms (landed {ms['foreach'][1]:.1f} ms); bytes equal: {same}"
+    )
 
 
 def check_save(ts: TrainingState, root: str, reps: int) -> None:
