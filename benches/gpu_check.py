@@ -36,7 +36,6 @@ Run: ``python benches/gpu_check.py --size 512MiB --dir /data`` (checkpoints in /
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import os
 import shutil
@@ -242,13 +241,11 @@ def check_staging(ts: TrainingState, root: str, reps: int) -> None:
     sources = _device_sources(state, device)
     nbytes = sum(s.numel() for s in sources)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    offsets = [0]
-    for src in sources:
-        offsets.append(offsets[-1] + src.numel())
+    dsts = list(host.split_with_sizes([src.numel() for src in sources]))
 
     def plain() -> None:
-        for src, offset in zip(sources, offsets, strict=False):
-            host[offset : offset + src.numel()].copy_(src, non_blocking=True)
+        for src, dst in zip(sources, dsts, strict=True):
+            dst.copy_(src, non_blocking=True)
 
     plain()  # first touch of the host buffer
     plain_s = _median_s(plain, device, reps)
@@ -256,7 +253,7 @@ def check_staging(ts: TrainingState, root: str, reps: int) -> None:
         f"device-to-host, {nbytes / MiB:.0f} MiB in {len(sources)} {device} tensors: plain pinned copy "
         f"{plain_s * 1e3:.1f} ms ({nbytes / 1e9 / plain_s:.1f} GB/s)"
     )
-    _compare_copy_calls(sources, [host[a:b] for a, b in itertools.pairwise(offsets)], device, reps)
+    _compare_copy_calls(plain, sources, dsts, device, reps)
     checksums: tuple[Literal["off", "crc32c"], ...] = ("off", "crc32c")
     for checksum in checksums:
         config = fp.Config(checksum=checksum)  # the default Config otherwise
@@ -279,14 +276,13 @@ def check_staging(ts: TrainingState, root: str, reps: int) -> None:
         )
 
 
-def _compare_copy_calls(sources: list[torch.Tensor], dsts: list[torch.Tensor], device: torch.device, reps: int) -> None:
-    """How long queueing the copies takes: one ``copy_`` per tensor from Python (what
-    ``CudaCopier`` does) against one ``torch._foreach_copy_`` call, which crosses into C++ once
-    (for a device-to-host list it still copies tensor by tensor there, pytorch#111351)."""
-
-    def loop() -> None:
-        for src, dst in zip(sources, dsts, strict=True):
-            dst.copy_(src, non_blocking=True)
+def _compare_copy_calls(
+    loop: Callable[[], None], sources: list[torch.Tensor], dsts: list[torch.Tensor], device: torch.device, reps: int
+) -> None:
+    """How long queueing the copies takes: `loop`, one ``copy_`` per tensor from Python (what
+    ``CudaCopier`` does), against one ``torch._foreach_copy_`` call from `sources` into `dsts`,
+    which crosses into C++ once (for a device-to-host list it still copies tensor by tensor
+    there, pytorch#111351)."""
 
     def foreach() -> None:
         torch._foreach_copy_(dsts, sources, non_blocking=True)
