@@ -12,28 +12,11 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
-from .records import TORCH_DTYPES
-
-
-def _numpy_views(dtype: torch.dtype) -> bool:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
-        try:
-            torch.empty(1, dtype=dtype).numpy()
-        except (TypeError, RuntimeError):
-            return False
-    return True
-
-
-# Dtypes for which Tensor.numpy() works (asked of this torch build): about twice as fast as a
-# uint8 torch view.
-_NUMPY_VIEWABLE = frozenset(d for d in TORCH_DTYPES.values() if _numpy_views(d))
 U8 = np.dtype(np.uint8)
 
 
@@ -137,9 +120,24 @@ class Blob:
         return f"Blob(nbytes={self.nbytes}, source={type(self.source).__name__}, version={self.version})"
 
 
+class _TensorBytes:
+    """A tensor's bytes as numpy sees them through ``__array_interface__``: the array keeps this
+    object, and so the tensor, alive. ``Tensor.numpy()`` would mark the storage non-resizable
+    for the rest of its life, and a save must leave the user's tensors as it found them."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: torch.Tensor, nbytes: int) -> None:
+        self.tensor = t
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+
+
 def byte_view(t: torch.Tensor) -> np.ndarray:
-    """A 1-D uint8 numpy view of a non-empty contiguous plain CPU tensor's bytes."""
-    if t.dtype in _NUMPY_VIEWABLE:
-        return (t.detach() if t.requires_grad else t).numpy().ravel().view(U8)
-    # as_strided, since "contiguous" allows any stride on a dimension of size 1
-    return t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8).numpy()
+    """A 1-D uint8 numpy view of a contiguous plain CPU tensor's bytes, of any dtype.
+
+    The tensor is left as it was (its storage stays resizable); resizing it while the view is
+    read is the caller's to prevent, as for any write to a tensor a save is staging.
+    """
+    # "contiguous" allows any stride on a dimension of size 1: the bytes still run unbroken
+    # from data_ptr(), the address of the tensor's first element.
+    return np.asarray(_TensorBytes(t, t.numel() * t.element_size()))

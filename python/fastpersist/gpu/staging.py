@@ -19,7 +19,7 @@ import torch
 
 import fastpersist._core as _core
 
-from ..format.blobs import Blob
+from ..format.blobs import Blob, byte_view
 from .arenas import ARENAS, pinned_cap_bytes
 from .copiers import CopierFactory, DeviceCopier, copier_for, device_bytes
 from .early import clone_on_device
@@ -217,7 +217,7 @@ def stage_from_devices(
     blobs = [
         Blob(None, e, None, e.nbytes, copier_for(e))
         if isinstance(e, torch.Tensor) and copier_for(e) is not None
-        else Blob(e if isinstance(e, np.ndarray) else e.numpy(), e, None)
+        else Blob(e if isinstance(e, np.ndarray) else byte_view(e), e, None)
         for e in extents
     ]
     if not has_device_blobs(blobs):

@@ -54,6 +54,7 @@ import fastpersist._core as _core
 from ..config import Config
 from ..engine import WriteRequest, knobs, read_ranges, start_write
 from ..errors import CorruptCheckpointError
+from ..format.blobs import byte_view
 from ..format.layout import DCP_DATA_SUFFIX, DCP_METADATA_NAME, dcp_data_file_name, write_small_file
 from ..format.quote import shown
 from ..gpu.copiers import copier_for, device_bytes
@@ -296,8 +297,7 @@ def _source(item: WriteItem, data: object) -> tuple[np.ndarray | torch.Tensor, s
     if t.numel() and copier_for(t) is not None:
         return device_bytes(t), dtype, shape
     t = t.to("cpu")
-    flat = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, np.uint8)
-    return flat, dtype, shape
+    return byte_view(t), dtype, shape
 
 
 class FastPersistReader(_LocalDirectory, StorageReader):

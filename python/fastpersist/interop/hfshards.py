@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..format.blobs import byte_view
 from ..format.layout import atomic_file
 
 __all__ = [
@@ -163,10 +164,7 @@ class ShardFile:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    if not t.numel():
-        return memoryview(b"")
-    flat = t.detach().reshape(-1).view(torch.uint8)
-    return flat.numpy().data
+    return byte_view(t.detach().reshape(-1)).data
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

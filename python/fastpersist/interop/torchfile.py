@@ -46,6 +46,7 @@ import fastpersist._core as _core
 
 from ..config import Config, SaveResult
 from ..engine import WriteRequest, knobs, start_write
+from ..format.blobs import byte_view
 from ..format.layout import atomic_file
 from ..gpu.copiers import copier_for
 from ..gpu.staging import stage_from_devices
@@ -156,7 +157,7 @@ def _byte_array(storage: torch.UntypedStorage) -> np.ndarray | torch.Tensor:
     t = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
     if copier_for(t) is not None:
         return t
-    return (t.cpu() if t.device.type != "cpu" else t).numpy()
+    return byte_view(t.cpu() if t.device.type != "cpu" else t)
 
 
 def _host_bytes(data: np.ndarray | torch.Tensor) -> np.ndarray:
