@@ -268,6 +268,35 @@ def test_file_objects_are_written_by_torch_save_itself(
     assert_same(state, torch.load(io.BytesIO(values[0]), weights_only=True))
 
 
+class CallRecorder:
+    """A file-like object that records which of its methods are called (torch's FilelikeMock)."""
+
+    def __init__(self) -> None:
+        self.calls: set[str] = set()
+        self.bytesio = io.BytesIO()
+        for name in ("read", "readline", "seek", "tell", "write", "flush"):
+            setattr(self, name, self._traced(name))
+
+    def _traced(self, name: str) -> Any:
+        def call(*args: Any) -> Any:
+            self.calls.add(name)
+            return getattr(self.bytesio, name)(*args)
+
+        return call
+
+
+@pytest.mark.parametrize("use_zip", [True, False], ids=["zip", "legacy"])
+def test_a_file_object_gets_only_the_calls_torch_save_makes(use_zip: bool) -> None:
+    """torch's test_serialization_filelike_api_requirements, through fp.torch_save: given a
+    duck-typed file object, nothing outside {write, flush} is called (no tell() to count bytes)."""
+    ours, theirs = CallRecorder(), CallRecorder()
+    t = torch.randn(3, 5)
+    res = fp.torch_save(t, ours, _use_new_zipfile_serialization=use_zip)
+    torch.save(t, theirs, _use_new_zipfile_serialization=use_zip)
+    assert ours.calls == theirs.calls and ours.calls <= {"write", "flush"}
+    assert ours.bytesio.getvalue() == theirs.bytesio.getvalue() and res.nbytes == 0
+
+
 class serialization_method:  # torch's own name for it
     """What torch's test_serialization.py wraps ``torch.save`` with: it picks the format itself
     and refuses a call that sets it ("Cannot set method manually")."""
