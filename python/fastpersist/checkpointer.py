@@ -32,7 +32,7 @@ from .api import load, verify
 from .cleanup import clean, stripe_leftovers
 from .config import Config, SaveResult, given_config
 from .distributed.control import control_for, group_rank_and_size
-from .errors import CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
 from .format.flatten import flatten
 from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name, write_small_file
 from .format.manifest import read_manifest
@@ -54,6 +54,13 @@ from .saving.start import start_save
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger("fastpersist")
+
+#: Times a restore reads the index and the steps again when retention (another process saving
+#: to the root, or this one) retires the step it chose before it is verified or opened.
+RESTORE_ATTEMPTS = 8
+
+#: What checking a step found: it verifies, it is damaged (logged), or it was retired meanwhile.
+Verdict = Literal["verifies", "damaged", "retired"]
 
 
 class Checkpointer:
@@ -373,18 +380,26 @@ class Checkpointer:
             stats.append((st.st_size, st.st_mtime_ns, st.st_ino))
         return (manifest.checkpoint_id, tuple(stats))
 
-    def _verifies(self, step: int) -> bool:
+    def _verdict(self, step: int) -> Verdict:
         path = self.path(step)
         try:
             fingerprint = self._fingerprint(path)
             if self._verified.get(path) == fingerprint:
-                return True
+                return "verifies"
             verify(path)
         except (CorruptCheckpointError, OSError) as e:
+            if self._retired(step):
+                # Renamed away by retention after it was listed: gone, not damaged.
+                self._verified.pop(path, None)
+                return "retired"
             log.warning("checkpoint %s fails verification, skipping it: %s", path, e)
-            return False
+            return "damaged"
         self._verified[path] = fingerprint
-        return True
+        return "verifies"
+
+    def _retired(self, step: int) -> bool:
+        """Whether `step` is no longer committed here (retention takes the manifest away first)."""
+        return not os.path.exists(os.path.join(self.path(step), MANIFEST_NAME))
 
     def _index_step(self) -> int | None:
         """The step ``latest.json`` names, or None (no index yet, or unreadable: then logged)."""
@@ -406,15 +421,41 @@ class Checkpointer:
         With ``remote``: a newer step of this run's remote lineage (docs/levels.md), never
         waiting for the drain; the store is asked only if the local level lacks the step its
         index names, for at most about 10 s (``levels.stores.PROBE_TIMEOUT_S``) and one WARNING.
+
+        Another process may save to the root meanwhile: a step it retires while this one checks
+        it is not damage (nothing is logged); the index and the steps are read again, up to
+        :data:`RESTORE_ATTEMPTS` times, then ``CheckpointNotFoundError`` says to try again.
         """
         return restore_point(self)[0]
 
     def _local_latest(self) -> int | None:
         indexed = self._index_step()
+        for _ in range(RESTORE_ATTEMPTS):
+            found, retired = self._newest_verified(indexed)
+            if found is not None:
+                return found
+            again = self._index_step()
+            if not retired and again == indexed:
+                return None
+            # A commit since the index was read: its retention may have taken every step listed.
+            indexed = again
+        raise CheckpointNotFoundError(
+            errno.ENOENT,
+            f"the steps chosen were retired while they were being checked, {RESTORE_ATTEMPTS} times in a row "
+            "(another process keeps saving here with a small keep=); nothing is damaged: try again",
+            self.root,
+        )
+
+    def _newest_verified(self, indexed: int | None) -> tuple[int | None, bool]:
+        """The newest committed step up to `indexed` that verifies (damaged ones are skipped), or
+        None; and whether a step was retired while it was checked (then the listing is stale)."""
         for step in reversed(self.steps()):
-            if (indexed is None or step <= indexed) and self._verifies(step):
-                return step
-        return None
+            if indexed is not None and step > indexed:
+                continue
+            verdict = self._verdict(step)
+            if verdict != "damaged":
+                return (step, False) if verdict == "verifies" else (None, True)
+        return None, False
 
     def load(
         self,
@@ -431,8 +472,14 @@ class Checkpointer:
         from a partner's copy (docs/levels.md); `out` is filled once the rank's share is read and
         verified, so a failed restore leaves it as it was.
 
+        Without `step`, a step retired by another process's save before or while it is read is
+        not an error: the newest step is chosen again (up to :data:`RESTORE_ATTEMPTS` times; not in a
+        group, whose load is collective).
+
         Raises:
             FileNotFoundError: there is no good checkpoint under `root`.
+            CheckpointNotFoundError: the `step` asked for is not committed here (never saved, or
+                retired), naming its path.
         """
         if step is not None and (type(step) is not int or step < 0):
             raise TypeError(f"step={step!r}: expected a step number (a non-negative integer) or None (the latest)")
@@ -443,10 +490,27 @@ class Checkpointer:
         if self._partner is not None:
             with self.history.loading():
                 return self._partner.load(step, map_location, namedtuple_types, out)
+        namedtuple_types = tuple(namedtuple_types)  # read again by each attempt
+        if step is not None:
+            return self._load_step(step, out, map_location, namedtuple_types)
+        retries = RESTORE_ATTEMPTS - 1 if self.group is None else 0  # a group's load is collective
+        for _ in range(retries):
+            step = self._latest_or_raise()
+            try:
+                return self._load_step(step, out, map_location, namedtuple_types)
+            except CheckpointNotFoundError:
+                if not self._retired(step):
+                    raise
+                log.info("step %d was retired before it could be read; loading the newest step again", step)
+        return self._load_step(self._latest_or_raise(), out, map_location, namedtuple_types)
+
+    def _latest_or_raise(self) -> int:
+        step = self.latest()
         if step is None:
-            step = self.latest()
-            if step is None:
-                raise FileNotFoundError(errno.ENOENT, "no committed, verified checkpoint", self.root)
+            raise FileNotFoundError(errno.ENOENT, "no committed, verified checkpoint", self.root)
+        return step
+
+    def _load_step(self, step: int, out: object, map_location: Any, namedtuple_types: Iterable[type]) -> Any:
         with self.history.loading():
             return load(
                 self.path(step),
