@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from ..config import SaveResult
 from ..errors import CorruptCheckpointError
-from ..format.layout import HISTORY_NAME, write_small_file
+from ..format.layout import HISTORY_NAME, read_small_file, write_small_file
 from ..format.manifest import read_manifest
 from .model import Costs, best_every
 from .wear import WearLog
@@ -42,6 +42,8 @@ HISTORY_VERSION = 1
 WINDOW = 64
 RETUNE_SAVES = 4
 DEFAULT_MAX_EVERY = 1000
+#: Far above what a history of WINDOW samples takes; a larger file is no history of ours.
+MAX_HISTORY_BYTES = 4 << 20
 
 
 def _median(values: collections.deque[float]) -> float | None:
@@ -282,8 +284,7 @@ def read_history(root: str) -> dict[str, Any] | None:
     """``ROOT/history.json`` as a dict, or None if missing or unreadable (a warning says which)."""
     path = os.path.join(root, HISTORY_NAME)
     try:
-        with open(path) as f:
-            doc = json.load(f)
+        doc = json.loads(read_small_file(path, limit_bytes=MAX_HISTORY_BYTES))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:

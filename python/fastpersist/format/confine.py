@@ -155,6 +155,8 @@ def remove_checkpoint_tree(
     st = _lstat(root)
     if st is not None and stat.S_ISDIR(st.st_mode):
         shutil.rmtree(root, ignore_errors=True)
+    elif st is not None and stat.S_ISLNK(st.st_mode):
+        os.unlink(root)  # a step that was a link: the link goes, never what it names
 
 
 def _named_stripe_dirs(root: str) -> list[tuple[str, str]]:

@@ -40,10 +40,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import re
+import stat
 import uuid
 from collections.abc import Iterable, Iterator
 
@@ -85,6 +87,7 @@ __all__ = [
     "stripe_tag",
     "tmp_dir_for",
     "tmp_file_for",
+    "read_small_file",
     "write_new_file",
     "write_small_file",
 ]
@@ -336,3 +339,34 @@ def write_small_file(path: str, data: bytes, *, durable: bool) -> None:
     """Replaces the file `path` with `data` atomically (see :func:`atomic_file`)."""
     with atomic_file(path, durable=durable) as tmp, open(tmp, "wb") as f:
         f.write(data)
+
+
+def read_small_file(path: str, *, limit_bytes: int, follow_links: bool = False) -> bytes:
+    """The bytes of the regular file `path`, at most `limit_bytes` of them.
+
+    Every small file fastpersist reads in a root (the index, the cost history, a DCP
+    ``.metadata``) comes through here, so a hostile or damaged root gives an error at once:
+    a FIFO, device or socket in the file's place is refused without waiting for a writer (the
+    open does not block), and a symbolic link is not followed unless `follow_links` (a file
+    outside any root, such as the tuning cache).
+
+    Raises:
+        OSError: the file is missing (``FileNotFoundError``), a link (ELOOP), not a regular
+            file (EINVAL), or over `limit_bytes` (EFBIG); the message names the file.
+    """
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow_links:
+            raise OSError(
+                errno.ELOOP, "a symbolic link where fastpersist keeps a regular file (links are not followed)", path
+            ) from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or socket?); nothing waits on it", path)
+        if st.st_size > limit_bytes:
+            raise OSError(errno.EFBIG, f"{st.st_size} bytes, over the {limit_bytes}-byte limit for this file", path)
+        return f.read(limit_bytes)

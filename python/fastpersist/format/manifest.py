@@ -37,6 +37,7 @@ __all__ = [
     "StreamText",
     "build",
     "read_manifest",
+    "read_manifest_bytes",
     "seal",
     "stream_text",
 ]
@@ -229,6 +230,17 @@ def read_manifest(root: str) -> Manifest:
         CorruptCheckpointError: the manifest is malformed, inconsistent, fails its seal, or is
             not a regular file; the message says where.
     """
+    return parse(read_manifest_bytes(root), where=os.path.join(root, MANIFEST_NAME))
+
+
+def read_manifest_bytes(root: str) -> bytes:
+    """The bytes of ``root/manifest.json``, unparsed (what a partner is sent), read as
+    :func:`read_manifest` reads them: never through a link, never waiting on a FIFO, bounded.
+
+    Raises:
+        CheckpointNotFoundError: as :func:`read_manifest`.
+        CorruptCheckpointError: the manifest is not a regular file, or over the size limit.
+    """
     path = os.path.join(root, MANIFEST_NAME)
     if not os.path.isdir(root):
         if os.path.exists(root):
@@ -253,8 +265,7 @@ def read_manifest(root: str) -> Manifest:
                 f"{path}: manifest of {st.st_size} bytes is over the {limits.MAX_MANIFEST_BYTES}-byte limit "
                 "(MAX_MANIFEST_BYTES); fastpersist never writes one that large, so it is damaged or not its own"
             )
-        raw = f.read(st.st_size + 1)  # bounded by the size checked above; +1 sees growth
-    return parse(raw, where=path)
+        return f.read(st.st_size + 1)  # bounded by the size checked above; +1 sees growth
 
 
 def _int(doc: dict[str, Any], key: str, where: str, *, minimum: int = 0) -> int:

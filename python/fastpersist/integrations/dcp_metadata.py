@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from typing import Any
@@ -22,12 +23,14 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CorruptCheckpointError
-from ..format.layout import DCP_METADATA_NAME
+from ..format.layout import DCP_METADATA_NAME, read_small_file
 from ..format.quote import shown
 
 __all__ = ["read_dcp_metadata"]
 
 #: Where FastPersistWriter's per-item record (``ItemInfo``) lives, as the pickle names it.
+#: DCP's metadata of a state of millions of tensors is still far smaller.
+MAX_METADATA_BYTES = 1 << 30
 ITEM_INFO = ("fastpersist.integrations.dcp", "ItemInfo")
 
 
@@ -59,11 +62,11 @@ def read_dcp_metadata(directory: str) -> Metadata:
     """The ``Metadata`` of the DCP checkpoint in `directory`, read with the allow-list above;
     :class:`CorruptCheckpointError` for anything FastPersistWriter did not write."""
     path = os.path.join(directory, DCP_METADATA_NAME)
-    with open(path, "rb") as f:
-        try:
-            metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
-            raise CorruptCheckpointError(f"{path}: unreadable DCP metadata ({e})") from None
+    raw = read_small_file(path, limit_bytes=MAX_METADATA_BYTES)
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+        raise CorruptCheckpointError(f"{path}: unreadable DCP metadata ({e})") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise CorruptCheckpointError(f"{path}: not a checkpoint written by FastPersistWriter")
     return metadata

@@ -38,7 +38,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..format.layout import INDEX_NAME, step_dir_name
+from ..format.layout import INDEX_NAME, read_small_file, step_dir_name
 
 __all__ = [
     "LocalIdentity",
@@ -66,8 +66,7 @@ def read_local_index(root: str) -> LocalIndex:
     """The index of the Checkpointer root `root` (an unreadable one is logged and counts as none)."""
     path = os.path.join(root, INDEX_NAME)
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read(1 << 16))
+        doc = json.loads(read_small_file(path, limit_bytes=1 << 16))
     except FileNotFoundError:
         return LocalIndex(None, None)
     except (OSError, ValueError) as e:

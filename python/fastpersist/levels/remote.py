@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from ..errors import CorruptCheckpointError, FastPersistError
 from ..format.layout import INDEX_NAME, MANIFEST_NAME, drained_marker_name, parse_step_dir, shard_name, step_dir_name
-from ..format.manifest import Manifest, parse, read_manifest
+from ..format.manifest import Manifest, parse, read_manifest, read_manifest_bytes
 from .holdings import shares_of
 from .identity import RemoteIndex, lineage_for, remote_retention
 from .stores import FileCopy, Store, open_store
@@ -208,8 +208,7 @@ class Remote:
             pause = min(2 * pause, POLL_MAX_S)
         if self.committed_id(step) != m.checkpoint_id:  # a retry after the commit leaves it as it is
             self._check_sizes(step, m)
-            with open(os.path.join(local_dir, MANIFEST_NAME), "rb") as f:
-                self.store.put_bytes(self._key(step, MANIFEST_NAME), f.read())
+            self.store.put_bytes(self._key(step, MANIFEST_NAME), read_manifest_bytes(local_dir))
         committed = self.committed_ids()
         lineage = lineage_for(self.index(), run, step, m.checkpoint_id, committed)
         kept, _ = remote_retention(lineage, list(committed), step, keep)

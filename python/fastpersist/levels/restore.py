@@ -38,7 +38,7 @@ import fastpersist._core as _core
 from ..distributed.control import ControlGroup, collective, describe
 from ..errors import FastPersistError, GroupLoadError
 from ..format.layout import MANIFEST_NAME, parse_step_dir, shard_name
-from ..format.manifest import Manifest, parse, read_manifest
+from ..format.manifest import Manifest, parse, read_manifest, read_manifest_bytes
 from ..loading.examine import verify_checkpoint, verify_file
 from ..loading.pipeline import LoadOptions, state_from_stream
 from ..loading.reading import direct_padded, read_stream, read_window
@@ -162,8 +162,7 @@ class _Restore:
         src = min(r for ranks in self.c.holders.values() for r in ranks)
         raw = b""
         if self.control.rank == src:
-            with open(os.path.join(self.step_dir, MANIFEST_NAME), "rb") as f:
-                raw = f.read()
+            raw = read_manifest_bytes(self.step_dir)
         raw = self.collective("share the manifest", lambda: self.control.broadcast(raw, src))
         m = parse(raw, where=f"{self.step_dir}/{MANIFEST_NAME} (from rank {src})")
         if m.checkpoint_id != self.c.checkpoint_id:
@@ -337,8 +336,7 @@ def _load_sharded(r: _Restore, m: Manifest, options: LoadOptions, out: object) -
                 continue
             shard_dir = os.path.join(r.step_dir, shard_name(share))
             try:
-                with open(os.path.join(shard_dir, MANIFEST_NAME), "rb") as f:
-                    raw = f.read()
+                raw = read_manifest_bytes(shard_dir)
                 sm = parse(raw, where=f"{shard_dir}/{MANIFEST_NAME}")
                 mine[share] = (raw, sm, read_stream(shard_dir, sm, True, options.config))
             except (FastPersistError, OSError) as e:

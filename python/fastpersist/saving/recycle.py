@@ -43,12 +43,13 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import fastpersist._core as _core
 
 from ..errors import FastPersistError
+from ..format.confine import check_shard_dir
 from ..format.layout import MANIFEST_NAME, RECYCLE_DIR, SHARD_DIR, recycle_entry_name
 from ..format.manifest import read_manifest
 
@@ -62,6 +63,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("fastpersist")
+
+#: Recycle directories found not to be plain directories, warned of once per process.
+_WARNED: set[str] = set()
 
 
 def is_memory_root(root: str) -> bool:
@@ -84,6 +88,46 @@ def file_to_stage_in(
     return (paths[0], parts[0].len_bytes) if _core.writes_in_memory(paths, backend, direct_io) else None
 
 
+def _open_dir(name: str, *, dir_fd: int | None = None) -> int | None:
+    """A descriptor of the directory `name` (relative to `dir_fd` when given), or None if it is
+    absent, a symbolic link or not a directory: nothing here is reached through a link."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return None
+        raise
+
+
+@contextlib.contextmanager
+def _recycle_dir(root: str, *, create: bool = False) -> Iterator[int | None]:
+    """The root's recycle directory, opened without following links (None when it has none).
+
+    Everything in it is listed, moved and deleted relative to this descriptor, so a link
+    planted as ``.fprecycle`` (or swapped in later) never takes a deletion outside the root: a
+    name that is not a real directory is left alone, with a WARNING, and recycling is off.
+    """
+    path = os.path.join(root, RECYCLE_DIR)
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path)
+    fd = _open_dir(path)
+    if fd is None and os.path.lexists(path) and path not in _WARNED:
+        _WARNED.add(path)
+        log.warning(
+            "%s is not a plain directory (a link?); fastpersist neither recycles into it nor deletes through "
+            "it: remove it yourself",
+            path,
+        )
+    try:
+        yield fd
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def _single_file(path: str) -> bool:
     """Whether `path` is (without following links) a regular file with no other hard link."""
     try:
@@ -95,10 +139,14 @@ def _single_file(path: str) -> bool:
 
 def _data_files(path: str) -> list[str] | None:
     """The manifests and data files of the checkpoint at `path`, or None if it may not be recycled
-    (unreadable, striped, or a data file that is not a single plain file)."""
+    (not a plain directory, unreadable, striped, a shard that is no plain directory, or a data
+    file that is not a single plain file)."""
     try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return None  # a step that is a link: only the link is retired, never what it names
         top = read_manifest(path)
-        manifests = [(path, top)] + [(os.path.join(path, s), read_manifest(os.path.join(path, s))) for s in top.shards]
+        shard_dirs = [check_shard_dir(path, s) for s in top.shards]
+        manifests = [(path, top)] + [(d, read_manifest(d)) for d in shard_dirs]
     except (FastPersistError, OSError):
         return None
     files = [os.path.join(where, MANIFEST_NAME) for where, _ in manifests]
@@ -121,43 +169,74 @@ def recycle_checkpoint(root: str, path: str) -> bool:
     """
     if not is_memory_root(root) or _data_files(path) is None:
         return False
-    bin_dir = os.path.join(root, RECYCLE_DIR)
     try:
         manifest_id = read_manifest(path).checkpoint_id
-        os.makedirs(bin_dir, exist_ok=True)
-        free_recycled(root)
-        entry = os.path.join(bin_dir, recycle_entry_name(os.path.basename(path), manifest_id))
-        os.rename(path, entry)  # atomic: from here `path` is no checkpoint of the root
+        with _recycle_dir(root, create=True) as bin_fd:
+            if bin_fd is None:
+                return False
+            _free_entries(bin_fd)
+            entry = recycle_entry_name(os.path.basename(path), manifest_id)
+            os.rename(path, entry, dst_dir_fd=bin_fd)  # atomic: from here `path` is no checkpoint of the root
+            _unlink_manifests(bin_fd, entry)
     except (FastPersistError, OSError) as e:
         log.info("not recycling %s (%s); deleting it", path, e)
         return False
-    # Without its manifests the entry is plainly no checkpoint, even to fp.load or fp.verify.
-    shards = [os.path.join(entry, s) for s in sorted(os.listdir(entry)) if SHARD_DIR.match(s)]
-    for where in [entry, *shards]:
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            os.unlink(os.path.join(where, MANIFEST_NAME))
     return True
 
 
-def recycled_entries(root: str) -> list[str]:
-    """The entries of `root`'s recycle directory (none if it has none)."""
-    bin_dir = os.path.join(root, RECYCLE_DIR)
+def _unlink_manifests(bin_fd: int, entry: str) -> None:
+    """Removes the manifests of a recycle entry (and of its shards), through descriptors: without
+    them the entry is plainly no checkpoint, even to fp.load or fp.verify."""
+    entry_fd = _open_dir(entry, dir_fd=bin_fd)
+    if entry_fd is None:  # swapped for a link since the look: unlink the link itself
+        os.unlink(entry, dir_fd=bin_fd)
+        return
     try:
-        return [os.path.join(bin_dir, name) for name in sorted(os.listdir(bin_dir))]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+        shards = [s for s in sorted(os.listdir(entry_fd)) if SHARD_DIR.match(s)]
+        for fd in [entry_fd, *(_open_dir(s, dir_fd=entry_fd) for s in shards)]:
+            if fd is None:
+                continue
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(MANIFEST_NAME, dir_fd=fd)
+            finally:
+                if fd != entry_fd:
+                    os.close(fd)
+    finally:
+        os.close(entry_fd)
+
+
+def recycled_entries(root: str) -> list[str]:
+    """The entries of `root`'s recycle directory (none if it has none, or it is not a plain directory)."""
+    with _recycle_dir(root) as bin_fd:
+        if bin_fd is None:
+            return []
+        return [os.path.join(root, RECYCLE_DIR, name) for name in sorted(os.listdir(bin_fd))]
 
 
 def free_recycled(root: str) -> list[str]:
     """Deletes every entry of `root`'s recycle directory (garbage by construction); returns them."""
-    removed = recycled_entries(root)
-    for p in removed:
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p, ignore_errors=True)
+    with _recycle_dir(root) as bin_fd:
+        if bin_fd is None:
+            return []
+        return [os.path.join(root, RECYCLE_DIR, name) for name in _free_entries(bin_fd)]
+
+
+def _free_entries(bin_fd: int) -> list[str]:
+    """Deletes every entry of the recycle directory open at `bin_fd`; returns their names. A link
+    is unlinked, never followed; ``shutil.rmtree`` follows none inside a directory either."""
+    names = sorted(os.listdir(bin_fd))
+    for name in names:
+        try:
+            is_dir = stat.S_ISDIR(os.stat(name, dir_fd=bin_fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            continue
+        if is_dir:
+            shutil.rmtree(name, dir_fd=bin_fd, ignore_errors=True)
         else:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
-    return removed
+                os.unlink(name, dir_fd=bin_fd)
+    return names
 
 
 def take_recycled(root: str, tmp_dir: str, paths: list[str]) -> int:
@@ -168,31 +247,50 @@ def take_recycled(root: str, tmp_dir: str, paths: list[str]) -> int:
     of a sharded save takes its own shard's file). A path with nothing to take stays absent and
     the engine creates it; so does a path outside `tmp_dir` (a stripe's), which is never taken.
     """
-    bin_dir = os.path.join(root, RECYCLE_DIR)
-    try:
-        entries = sorted(os.listdir(bin_dir))
-    except (FileNotFoundError, NotADirectoryError):
-        return 0
-    taken = 0
-    for dest in paths:
-        rel = os.path.relpath(dest, tmp_dir)
-        if rel.startswith(os.pardir):
-            continue
-        for entry in entries:
-            if _take(os.path.join(bin_dir, entry, rel), dest):
-                taken += 1
-                break
-    return taken
+    with _recycle_dir(root) as bin_fd:
+        if bin_fd is None:
+            return 0
+        entries = sorted(os.listdir(bin_fd))
+        taken = 0
+        for dest in paths:
+            rel = os.path.relpath(dest, tmp_dir)
+            if rel.startswith(os.pardir):
+                continue
+            for entry in entries:
+                if _take(bin_fd, [entry, *rel.split(os.sep)], dest):
+                    taken += 1
+                    break
+        return taken
 
 
-def _take(src: str, dest: str) -> bool:
-    """Renames the recycled file `src` to `dest` if no reader holds it; whether it was taken.
+def _take(bin_fd: int, parts: list[str], dest: str) -> bool:
+    """Renames the recycled file ``parts`` (its path in the recycle directory, one component an
+    item) to `dest` if no reader holds it; whether it was taken. Each directory on the way is
+    opened without following a link, so only a file that really lies in the recycle directory
+    is ever moved.
 
     The exclusive lock is held across the rename, so no reader's shared lock falls between the
     look and the move; a reader that locks the file afterwards finds its step's manifest gone.
     """
+    dirs: list[int] = []
     try:
-        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        where = bin_fd
+        for name in parts[:-1]:
+            fd = _open_dir(name, dir_fd=where)
+            if fd is None:
+                return False
+            dirs.append(fd)
+            where = fd
+        return _take_file(where, parts[-1], dest)
+    finally:
+        for fd in dirs:
+            os.close(fd)
+
+
+def _take_file(dir_fd: int, name: str, dest: str) -> bool:
+    """:func:`_take` for the file `name` of the directory open at `dir_fd`."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     except OSError:
         return False  # absent, a link, or taken or freed by someone else since the listing
     try:
@@ -202,10 +300,10 @@ def _take(src: str, dest: str) -> bool:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.debug("not recycling %s: a reader still holds it", src)
+            log.debug("not recycling %s: a reader still holds it", name)
             return False
         try:
-            os.rename(src, dest)
+            os.rename(name, dest, src_dir_fd=dir_fd)
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.ENOTDIR):
                 return False  # taken or freed by someone else since the open

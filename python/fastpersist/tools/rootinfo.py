@@ -20,27 +20,17 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 from ..distributed.placement import Placement, node_name
 from ..errors import FastPersistError
-from ..format.layout import INDEX_NAME, MANIFEST_NAME, is_checkpointer_root, parse_step_dir, shard_name
+from ..format.layout import MANIFEST_NAME, is_checkpointer_root, parse_step_dir, shard_name
 from ..format.manifest import Manifest, read_manifest
 from ..levels.holdings import Share, share_problem, shares_of
+from ..levels.identity import read_local_index
 
 __all__ = ["describe_root", "is_checkpointer_root", "print_root"]
-
-
-def _index_step(root: str) -> int | None:
-    try:
-        with open(os.path.join(root, INDEX_NAME), "rb") as f:
-            doc = json.loads(f.read(1 << 16))
-    except (OSError, ValueError):
-        return None
-    step = doc.get("step") if isinstance(doc, dict) else None
-    return step if type(step) is int else None
 
 
 def _share_bytes(step_dir: str, m: Manifest, share: Share) -> int:
@@ -129,7 +119,7 @@ def _step(root: str, step: int, name: str, index: int | None, node: str | None) 
 def describe_root(root: str, node: str | None = None) -> dict[str, Any]:
     """Everything ``inspect ROOT`` shows, as a dict (``--json`` prints it)."""
     root = os.path.abspath(root)
-    index = _index_step(root)
+    index = read_local_index(root).step
     steps = sorted((s, n) for n in os.listdir(root) if (s := parse_step_dir(n)) is not None)
     rows = [_step(root, step, name, index, node) for step, name in steps]
     levels: dict[str, dict[str, Any]] = {name: {"steps": [], "bytes": 0} for name in ("local", "partner", "unknown")}

@@ -28,7 +28,7 @@ from typing import Any
 
 import fastpersist._core as _core
 
-from ..format.layout import tmp_file_for, write_small_file
+from ..format.layout import read_small_file, tmp_file_for, write_small_file
 from .identity import DeviceIdentity
 
 __all__ = [
@@ -145,8 +145,7 @@ def cache_path() -> str:
 def _read_devices(path: str) -> dict[str, Any]:
     """The ``devices`` table of the cache file; empty when missing, unreadable or malformed."""
     try:
-        with open(path) as f:
-            doc = json.load(f)
+        doc = json.loads(read_small_file(path, limit_bytes=1 << 24, follow_links=True))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
