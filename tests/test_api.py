@@ -335,6 +335,31 @@ def test_bad_arguments_are_refused_at_the_call_naming_them(workdir: str, call: A
     assert not os.path.exists(path + "-new")  # a refused save writes nothing
 
 
+@pytest.mark.parametrize("save", [fp.save, lambda state, path: fp.save_async(state, path).wait()])
+def test_an_empty_path_is_refused_not_taken_as_the_working_directory(
+    workdir: str, monkeypatch: pytest.MonkeyPatch, save: Any
+) -> None:
+    """In an empty working directory, save(state, "") replaced the working directory itself."""
+    empty = os.path.join(workdir, "cwd")
+    os.mkdir(empty)
+    monkeypatch.chdir(empty)
+    with pytest.raises(ValueError, match=r"fastpersist\.save(_async)?\(path=''\): expected the checkpoint directory"):
+        save({"w": torch.ones(2)}, "")
+    assert os.listdir(workdir) == ["cwd"] and os.listdir(empty) == []
+
+
+@pytest.mark.parametrize("timeout", ["x", float("nan"), True, [1]])
+def test_a_bad_timeout_is_refused_naming_the_call(workdir: str, timeout: object) -> None:
+    fut = fp.save_async({"w": torch.ones(2)}, os.path.join(workdir, "ck"))
+    for method in ("wait_staged", "wait", "result", "exception"):
+        with pytest.raises(TypeError, match=rf"SaveFuture\.{method}\(timeout=.*\): expected None .* number of seconds"):
+            getattr(fut, method)(timeout)
+    with pytest.raises(TypeError, match=r"fastpersist\.wait_removed\(timeout="):
+        fp.wait_removed(timeout)
+    assert fut.wait(timeout=float("inf")).path.endswith("ck") and fut.exception(0) is None
+    assert fp.wait_removed(timeout=60)
+
+
 def test_empty_state(workdir: str, config: fp.Config) -> None:
     path = os.path.join(workdir, "e")
     fp.save({}, path, config=config)

@@ -58,12 +58,16 @@ def test_every_and_keep(workdir: str) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"remote": ""}, "remote='': expected None (no remote level)"),
-        ({"remote": 5}, "remote=5: expected None"),
+        ({"remote": ""}, "Checkpointer(remote=''): expected None (no remote level)"),
+        ({"remote": 5}, "Checkpointer(remote=5): expected None"),
         ({"remote_every": 0}, "remote_every=0 applies to the remote level, but remote= is None"),
         ({"remote_keep": 0}, "remote_keep=0 applies to the remote level"),
         ({"remote_bytes_per_s": 1e6}, "remote_bytes_per_s=1000000.0 applies"),
         ({"config": "x"}, "config='x': expected a fastpersist.Config"),
+        ({"export_hf_key": "model"}, "export_hf_key='model') applies to the Hugging Face export, but export_hf_every"),
+        ({"export_hf_prefix": "module."}, "export_hf_prefix='module.') applies to the Hugging Face export"),
+        ({"export_hf_every": 1}, "Checkpointer(export_hf_every=1, export_dir=None): they go together"),
+        ({"export_hf_every": 1, "export_dir": ""}, "Checkpointer(export_dir=''): expected a directory"),
     ],
 )
 def test_bad_constructor_arguments_are_refused_naming_them(workdir: str, kwargs: dict[str, Any], named: str) -> None:
@@ -72,6 +76,28 @@ def test_bad_constructor_arguments_are_refused_naming_them(workdir: str, kwargs:
         fp.Checkpointer(root, **kwargs)
     assert named in str(info.value)
     assert os.listdir(workdir) == []  # refused before anything was made (no remote in the working directory)
+
+
+@pytest.mark.parametrize("root", ["", " "])
+def test_an_empty_root_is_refused_not_taken_as_the_working_directory(
+    workdir: str, monkeypatch: pytest.MonkeyPatch, root: str
+) -> None:
+    monkeypatch.chdir(workdir)
+    with pytest.raises(ValueError, match=rf"Checkpointer\(root={root!r}\): expected a directory; an empty"):
+        fp.Checkpointer(root)
+    assert os.listdir(workdir) == []
+
+
+@pytest.mark.parametrize("timeout", ["x", float("nan"), True, [1]])
+def test_a_bad_timeout_is_refused_naming_the_method(workdir: str, timeout: object) -> None:
+    ck = fp.Checkpointer(workdir)
+    for method in ("wait", "wait_staged"):
+        with pytest.raises(TypeError, match=rf"Checkpointer\.{method}\(timeout=.*\): expected None .* of seconds"):
+            getattr(ck, method)(timeout=timeout)  # refused with no save in flight too
+    ck.save(1, {"w": torch.ones(3)})
+    with pytest.raises(TypeError, match=r"Checkpointer\.wait\(timeout="):
+        ck.wait(timeout=timeout)
+    assert ck.wait(timeout=float("inf")) is not None and ck.steps() == [1]
 
 
 def test_bad_load_and_guard_arguments_are_refused_naming_them(workdir: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -116,6 +117,21 @@ def test_retention_waits_until_the_new_step_verifies(
     assert {n for d in cfg.stripes or [] for n in os.listdir(d)} == {
         os.path.basename(d) for d in read_manifest(new).stripes
     }
+
+
+def test_clean_refuses_one_stripe_root_given_as_a_string(workdir: str) -> None:
+    """It was iterated as one relative stripe root per character: nothing cleaned, no word."""
+    root, drive = os.path.join(workdir, "root"), _drives(workdir)[0]
+    leftover = os.path.join(root, ".step-00000002.fptmp-0123456789ab")
+    os.makedirs(leftover)
+    for stripes in (drive, drive.encode(), pathlib.Path(drive)):
+        with pytest.raises(ValueError, match=r"fastpersist\.clean\(stripes=.*\): expected None or a list of") as info:
+            fp.clean(root, stripes=stripes)  # type: ignore[arg-type]
+        assert "not a single path: write stripes=[" in str(info.value)
+    with pytest.raises(TypeError, match=r"fastpersist\.clean\(stripes\[0\]=5\): expected a directory"):
+        fp.clean(root, stripes=[5])  # type: ignore[list-item]
+    assert os.path.isdir(leftover), "refused before anything was removed"
+    assert fp.clean(root, stripes=[drive]) == [leftover]
 
 
 @pytest.mark.parametrize("how", ["missing", "a file"])

@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .arguments import given_path
 from .config import Config, SaveResult, given_config
 from .futures import SaveFuture
 from .levels.fetch import fetched, is_url, verify_url
@@ -22,6 +23,8 @@ from .loading.pipeline import LoadOptions, load_checkpoint
 from .saving.start import save_blocking, start_save
 
 __all__ = ["inspect", "load", "save", "save_async", "verify"]
+
+_CHECKPOINT_PATH = "the checkpoint directory to write"
 
 
 def save(
@@ -41,7 +44,8 @@ def save(
     exceed what :func:`load` accepts (``fastpersist.format.limits``), before anything is
     committed. Bytes values over 4 KiB go into the data stream like tensors. An existing
     checkpoint at `path` is replaced atomically: readers see the old one or the new one, never a mix.
-    Missing directories above `path` are created (as ``mkdir -p``; durable with the save).
+    Missing directories above `path` are created (as ``mkdir -p``; durable with the save); an
+    empty `path` is refused (``ValueError``: it would replace the working directory).
     The replaced tree is deleted after the commit, in the background (:func:`wait_removed`); a
     save that runs out of space while such deletions are queued waits for them and tries once more.
 
@@ -58,6 +62,7 @@ def save(
         >>> res.nbytes > 0
         True
     """
+    path = given_path(path, "path", "fastpersist.save", _CHECKPOINT_PATH)
     return save_blocking(state, path, given_config(config), group=group, sharded=sharded)
 
 
@@ -84,6 +89,7 @@ def save_async(
         >>> fut.wait().path.endswith("fp-doc-async")
         True
     """
+    path = given_path(path, "path", "fastpersist.save_async", _CHECKPOINT_PATH)
     return SaveFuture(start_save(state, path, given_config(config), group=group, sharded=sharded))
 
 

@@ -29,6 +29,7 @@ import fastpersist._core as _core
 from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
 from .advisor.multilevel import Failures, local_mtbf_s
 from .api import load, verify
+from .arguments import given_path, given_timeout
 from .cleanup import clean, stripe_leftovers
 from .config import Config, SaveResult, given_config
 from .distributed.control import control_for, group_rank_and_size
@@ -37,7 +38,7 @@ from .format.flatten import flatten
 from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name, write_small_file
 from .format.manifest import read_manifest
 from .futures import SaveFuture
-from .levels.background_exports import hf_exports_for
+from .levels.background_exports import check_export_arguments, hf_exports_for
 from .levels.holdings import local_levels
 from .levels.identity import read_local_index
 from .levels.partner_level import PartnerLevel
@@ -67,7 +68,8 @@ class Checkpointer:
     """Saves a training state every `every` steps, asynchronously, keeping the newest `keep`.
 
     Args:
-        root: directory holding the checkpoints (created if missing).
+        root: directory holding the checkpoints (created if missing); an empty path is refused
+            (it would make the working directory the root).
         every: save when ``step % every == 0``; or ``"auto"``: start at 1 and adapt from this
             Checkpointer's own measured stall, write and step times (see docs/advisor.md).
         keep: committed checkpoints to keep (>= 1). Older ones are deleted only after a newer
@@ -110,7 +112,8 @@ class Checkpointer:
             (docs/advisor.md, "Several levels").
         export_hf_every: export a committed step to `export_dir` as Hugging Face safetensors
             whenever a multiple of it was crossed, in the background (:mod:`fastpersist.levels.background_exports`);
-            `export_hf_key`/`export_hf_prefix`: :func:`fastpersist.export_hf`'s `key`/`prefix`.
+            `export_hf_key`/`export_hf_prefix`: :func:`fastpersist.export_hf`'s `key`/`prefix`;
+            like the ``remote_*`` settings, they are refused without `export_hf_every`.
 
     Levels (docs/levels.md): **local**, `root` itself (an NVMe directory, or a directory under
     ``/dev/shm`` for an in-memory level that survives the process but not the node); **partner**,
@@ -163,8 +166,9 @@ class Checkpointer:
         if config is not None:
             given_config(config)
         check_remote_arguments(remote, remote_every, remote_keep, remote_bytes_per_s)
+        check_export_arguments(export_hf_every, export_dir, export_hf_key, export_hf_prefix)
         mtbf_s = local_mtbf_s(mtbf_s, failures, replicas, auto=every == "auto")
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = os.path.abspath(given_path(root, "root", "Checkpointer"))
         self.history = SaveHistory(self.root, every=every, mtbf_s=mtbf_s, max_every=max_every)
         self.keep = keep
         self.config = config
@@ -362,13 +366,16 @@ class Checkpointer:
         write_small_file(os.path.join(self.root, INDEX_NAME), (json.dumps(doc, indent=2) + "\n").encode(), durable=True)
 
     def wait_staged(self, timeout: float | None = None) -> None:
-        """Blocks until the newest save (if any) no longer reads the state's tensors."""
+        """Blocks until the newest save (if any) no longer reads the state's tensors (`timeout`:
+        seconds, as for :meth:`SaveFuture.wait_staged`)."""
+        timeout = given_timeout(timeout, "Checkpointer.wait_staged")
         with self.history.waiting("staged"):
             self._saves.wait_staged(timeout)
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
-        """Blocks until every save in flight commits; returns the newest's result or raises an error."""
-        return self._saves.wait(timeout)
+        """Blocks until every save in flight commits; returns the newest's result or raises an
+        error (``TimeoutError`` once `timeout` seconds passed; None waits without a limit)."""
+        return self._saves.wait(given_timeout(timeout, "Checkpointer.wait"))
 
     # -- resuming ----------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ import shutil
 import stat
 from collections.abc import Sequence
 
+from .arguments import given_paths
 from .format.layout import INDEX_TMP, dead_tmp_files
 from .format.ownership import cleaning
 from .saving.leftovers import (
@@ -86,8 +87,9 @@ def clean(
     Args:
         root: the directory that holds the checkpoints (the parent of each checkpoint path,
             e.g. a :class:`Checkpointer` root).
-        stripes: the stripe roots the saves used (``Config.stripes``); stripe directories are
-            looked for, and deleted, only there.
+        stripes: the stripe roots the saves used (``Config.stripes``), a list; stripe
+            directories are looked for, and deleted, only there. A single path (a string) is
+            refused (``ValueError``): write ``stripes=[path]``.
         dry_run: list what would be removed without removing it.
 
     Only provable leftovers are removed (see the module docstring): a save in progress in any
@@ -97,12 +99,13 @@ def clean(
         >>> fp.clean("/tmp/fp-doc-runs")  # doctest: +SKIP
         ['/tmp/fp-doc-runs/.step-00000007.fptmp-1f2e3d4c5b6a']
     """
+    stripe_roots = given_paths(stripes, "stripes", "fastpersist.clean")
     wait_removed()  # this process's own removals finish first: they are not leftovers
     root = os.path.abspath(os.fspath(root))
     view = RootView(root=root, real_root=os.path.realpath(root))
     with cleaning(root):
         find_dead_tmp_dirs(view)
-        dead_stripes = find_stripe_leftovers(view, stripes or [], None)
+        dead_stripes = find_stripe_leftovers(view, stripe_roots, None)
         dead_files = dead_tmp_files(root)
         if not dry_run:
             for path in dead_files:  # under the lock: a new temporary file cannot take the name

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from .arguments import given_timeout
 from .config import SaveResult
 
 __all__ = ["SaveFuture", "SaveJobLike"]
@@ -95,11 +96,13 @@ class SaveFuture(concurrent.futures.Future[SaveResult]):
         """Blocks until the source tensors may be modified.
 
         Raises:
-            TimeoutError: staging did not finish within `timeout` seconds.
+            TimeoutError: staging did not finish within `timeout` seconds (None: no limit).
+            TypeError: `timeout` is neither None nor a number.
             SaveCancelledError: a source tensor was modified in place before its bytes were
                 staged, or the save was cancelled (it will not commit; ``wait()`` raises the
                 same error).
         """
+        timeout = given_timeout(timeout, "SaveFuture.wait_staged")
         try:
             self._job.wait_staged(timeout)
         except TimeoutError:
@@ -112,8 +115,9 @@ class SaveFuture(concurrent.futures.Future[SaveResult]):
         """Blocks until the checkpoint is committed and returns its :class:`SaveResult`.
 
         Raises the save's error (``OSError``, :class:`SaveCancelledError`, ...) if it failed, or
-        ``TimeoutError`` if `timeout` seconds pass first.
+        ``TimeoutError`` if `timeout` seconds pass first (None: no limit; not a number: ``TypeError``).
         """
+        timeout = given_timeout(timeout, "SaveFuture.wait")
         try:
             return self.result(timeout)
         except TimeoutError:
@@ -123,6 +127,7 @@ class SaveFuture(concurrent.futures.Future[SaveResult]):
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """Same as :meth:`wait` (``concurrent.futures`` spelling)."""
+        timeout = given_timeout(timeout, "SaveFuture.result")
         try:
             return super().result(timeout)
         finally:
@@ -131,7 +136,7 @@ class SaveFuture(concurrent.futures.Future[SaveResult]):
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error, or None if it committed. Waits like :meth:`wait`."""
-        error = super().exception(timeout)
+        error = super().exception(given_timeout(timeout, "SaveFuture.exception"))
         self._error_seen = True
         return error
 

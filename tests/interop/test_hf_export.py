@@ -142,6 +142,32 @@ def test_bad_key_and_foreign_dtype_are_refused_by_name(tmp_path: Any, capsys: An
     assert not os.path.exists(tmp_path / "hf") or not os.listdir(tmp_path / "hf")
 
 
+def test_an_export_into_a_committed_checkpoint_is_refused_naming_both(tmp_path: Any) -> None:
+    ck, other = str(tmp_path / "ck"), str(tmp_path / "other")
+    for path in (ck, other):
+        fp.save({"model": {"w": torch.ones(4)}}, path)
+    before = {p: sorted(os.listdir(p)) for p in (ck, other)}
+    for outdir, says in (
+        (ck, "the checkpoint being exported"),
+        (os.path.join(ck, "hf"), "lies inside, the checkpoint being exported"),
+        (other, "it is a committed checkpoint"),
+    ):
+        with pytest.raises(ValueError, match="export_hf") as info:
+            fp.export_hf(ck, outdir, key="model")
+        assert says in str(info.value) and outdir in str(info.value) and ck in str(info.value)
+    ck_root = fp.Checkpointer(tmp_path / "root")
+    ck_root.save(3, {"model": {"w": torch.ones(4)}})
+    ck_root.wait()
+    with pytest.raises(ValueError, match="the checkpoint being exported"):
+        fp.export_hf(ck_root.root, ck_root.path(3), key="model")  # the root's latest step: the same one
+    with pytest.raises(ValueError, match=r"export_hf\(outdir=''\): expected a directory"):
+        fp.export_hf(ck, "", key="model")
+    assert {p: sorted(os.listdir(p)) for p in (ck, other)} == before
+    assert not os.path.exists(os.path.join(ck, "hf"))
+    fp.export_hf(ck, tmp_path, key="model")  # a directory holding checkpoints is fine: they are not touched
+    assert fp.load(ck)["model"]["w"].sum() == 4
+
+
 def test_reads_one_window_at_a_time(tmp_path: Any, monkeypatch: Any) -> None:
     """Memory stays bounded: the stream is read in windows, never whole."""
     state = {f"w{i}": torch.full((64 << 10,), float(i)) for i in range(12)}  # 12 x 256 KiB

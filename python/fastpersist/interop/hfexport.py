@@ -36,9 +36,10 @@ from typing import NamedTuple
 
 import fastpersist._core as _core
 
+from ..arguments import given_path
 from ..config import Config
 from ..errors import FastPersistError
-from ..format.layout import atomic_file, remove_dead_tmp_files
+from ..format.layout import MANIFEST_NAME, atomic_file, remove_dead_tmp_files
 from ..format.quote import shown
 from .hfshards import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -162,6 +163,8 @@ def export_checkpoint(
     checksummed. See the module docstring for names and ties.
 
     Raises:
+        ValueError: `outdir` is empty, is `src` or lies inside it, or is a committed checkpoint
+            (:func:`check_outdir`), before anything is written.
         FastPersistError: no tensor under `key`; a dtype safetensors lacks; shards of a sharded
             checkpoint holding different values (or dtype, or shape) under one name.
         CorruptCheckpointError / ChecksumMismatchError: the checkpoint is damaged.
@@ -173,7 +176,8 @@ def export_checkpoint(
     """
     started = time.perf_counter()
     source_path = os.path.abspath(os.fspath(src))
-    out = os.path.abspath(os.fspath(outdir))
+    out = os.path.abspath(given_path(outdir, "outdir", "export_hf", "a directory for the safetensors files"))
+    check_outdir(source_path, out)
     with open_sources(source_path, config) as sources:
         planned, tied = _selected(sources, key, prefix)
         tensors = [OutTensor(p.named.name, p.named.dtype, p.named.shape) for p in planned]
@@ -201,6 +205,24 @@ def export_checkpoint(
     seconds = time.perf_counter() - started
     log.info("exported %d tensors (%d bytes) of %s to %s in %.2f s", len(tensors), total, source_path, out, seconds)
     return ExportResult(source_path, out, names, len(tensors), total, tied, seconds)
+
+
+def check_outdir(source: str, out: str) -> None:
+    """Refuses an export directory `out` that is the checkpoint `source` or lies inside it, or
+    that is another committed checkpoint: the export's files would be written into a committed
+    checkpoint's directory (a checkpoint *inside* `out` is safe: an export writes and removes
+    only its own ``model*.safetensors`` names)."""
+    real_source, real_out = os.path.realpath(source), os.path.realpath(out)
+    if real_out == real_source or real_out.startswith(real_source.rstrip(os.sep) + os.sep):
+        raise ValueError(
+            f"export_hf(outdir={out!r}): it is, or lies inside, the checkpoint being exported ({source}); the "
+            "export would write its files into that committed checkpoint. Choose a directory outside it"
+        )
+    if os.path.isfile(os.path.join(out, MANIFEST_NAME)):
+        raise ValueError(
+            f"export_hf(outdir={out!r}): it is a committed checkpoint (it holds {MANIFEST_NAME}); exporting "
+            f"{source} there would write into it. Choose another directory"
+        )
 
 
 def _copy(

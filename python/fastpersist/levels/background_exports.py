@@ -29,10 +29,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..arguments import given_path
 from ..errors import FastPersistError
 from ..interop.hfexport import ExportResult, export_checkpoint
 
-__all__ = ["STAGING_WAIT_MAX_S", "HfExports", "hf_exports_for"]
+__all__ = ["STAGING_WAIT_MAX_S", "HfExports", "check_export_arguments", "hf_exports_for"]
 
 log = logging.getLogger("fastpersist")
 
@@ -40,12 +41,30 @@ log = logging.getLogger("fastpersist")
 STAGING_WAIT_MAX_S = 60.0
 
 
+def check_export_arguments(every: object, export_dir: object, key: object, prefix: object) -> None:
+    """Refuses a Checkpointer's export settings that would be silently ignored (`key` or `prefix`
+    without `every`) or export into the working directory, before the Checkpointer makes anything."""
+    if (every is None) != (export_dir is None):
+        raise ValueError(
+            f"Checkpointer(export_hf_every={every!r}, export_dir={export_dir!r}): they go together, pass both "
+            "(or neither)"
+        )
+    if every is None:
+        for name, value, default in (("export_hf_key", key, None), ("export_hf_prefix", prefix, "")):
+            if value != default:
+                raise ValueError(
+                    f"Checkpointer({name}={value!r}) applies to the Hugging Face export, but export_hf_every= is "
+                    "None: pass export_hf_every= and export_dir= too"
+                )
+        return
+    given_path(export_dir, "export_dir", "Checkpointer")
+
+
 def hf_exports_for(
     ck: Any, every: int | None, export_dir: str | os.PathLike[str] | None, key: str | None, prefix: str
 ) -> HfExports | None:
-    """The exports of the Checkpointer `ck` for its ``export_hf_*`` arguments (checked), or None."""
-    if (every is None) != (export_dir is None):
-        raise ValueError("export_hf_every= and export_dir= go together")
+    """The exports of the Checkpointer `ck` for its ``export_hf_*`` arguments (checked by
+    :func:`check_export_arguments`), or None."""
     if every is None or export_dir is None:
         return None
     if ck.replicas:

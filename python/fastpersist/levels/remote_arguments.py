@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-import os
+from ..arguments import given_path
 
 __all__ = ["check_remote_arguments"]
 
@@ -24,16 +24,8 @@ def check_remote_arguments(
     """Refuses a `remote` that names no place, and remote settings given without a remote (they
     would be silently ignored); the settings' values are checked with the remote level."""
     if remote is not None:
-        if not isinstance(remote, (str, os.PathLike)):
-            raise TypeError(
-                f"remote={remote!r}: expected None, a directory on a shared filesystem or an s3://bucket/prefix "
-                f"URL, not {type(remote).__name__}"
-            )
-        if not str(os.fspath(remote)).strip():
-            raise ValueError(
-                f"remote={remote!r}: expected None (no remote level), a directory on a shared filesystem or an "
-                "s3://bucket/prefix URL; an empty path would drain into the working directory"
-            )
+        expected = "None (no remote level), a directory on a shared filesystem or an s3://bucket/prefix URL"
+        given_path(remote, "remote", "Checkpointer", expected)
         return
     for name, value, default in (
         ("remote_every", remote_every, None),

@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from ..arguments import given_timeout
 from ..errors import FastPersistError
 from ..format.layout import tmp_dir_for
 from ..format.manifest import read_manifest
@@ -205,14 +206,14 @@ def remove_checkpoint_later(path: str, stripe_roots: Sequence[str | os.PathLike[
 def wait_removed(timeout: float | None = None) -> bool:
     """Waits until this process's queued removals of replaced and retired checkpoints are done.
 
-    Returns False if `timeout` seconds passed first. A save never needs this; call it before
-    measuring free space or listing a checkpoint root's hidden entries.
+    Returns False if `timeout` seconds passed first (None: no limit). A save never needs this;
+    call it before measuring free space or listing a checkpoint root's hidden entries.
 
     Example:
         >>> fp.wait_removed(timeout=60)   # doctest: +SKIP
         True
     """
-    return _remover.wait(timeout)
+    return _remover.wait(given_timeout(timeout, "fastpersist.wait_removed"))
 
 
 def make_room(paths: Sequence[str], nbytes: Sequence[int]) -> None:
