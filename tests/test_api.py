@@ -313,6 +313,24 @@ def test_config_validation() -> None:
 
 
 @pytest.mark.parametrize(
+    ("knobs", "least"),
+    [
+        ({"pinned_bytes": 1}, 128 << 20),  # "auto" chunks: a tuned one may be half of the 256 MiB pool
+        ({"chunk_bytes": 8 << 20, "pinned_bytes": 4 << 20}, 8 << 20),
+        ({"chunk_bytes": 4096, "pinned_bytes": 1 << 20}, 2 << 20),  # arenas come in 2 MiB granules
+        ({"pool_bytes": 0, "pinned_bytes": (8 << 20) - 1}, 8 << 20),
+    ],
+)
+def test_pinned_bytes_below_one_chunk_is_refused_naming_both(knobs: dict[str, int], least: int) -> None:
+    # A device save stages through an arena of at least one chunk: a smaller bound waited forever.
+    refused = rf"Config\.pinned_bytes={knobs['pinned_bytes']}: expected at least {least} "
+    with pytest.raises(ValueError, match=refused) as info:
+        fp.Config(**knobs)  # type: ignore[arg-type]
+    assert "chunk_bytes" in str(info.value)
+    fp.Config(**{**knobs, "pinned_bytes": least})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
     ("call", "named"),
     [
         (lambda p: fp.save({"w": torch.zeros(1)}, p + "-new", config="x"), "config='x': expected a fastpersist.Config"),

@@ -9,8 +9,9 @@ from typing import Literal, NamedTuple
 
 import fastpersist._core as _core
 
+from .gpu.arenas import min_pinned_bytes
 from .tuning.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
-from .tuning.resolve import settle
+from .tuning.resolve import pool_chunk_cap, settle
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_QUEUE_DEPTH", "Config", "Resolved", "SaveResult", "given_config", "resolve"]
 
@@ -61,7 +62,9 @@ class Config:
             quarter of the machine's memory divided by the ranks on the node
             (``LOCAL_WORLD_SIZE``). A save larger than what the bound allows stages in
             arena-sized windows (``wait_staged()`` then waits for the disk to take all but the
-            last window). Saves of host tensors use ``pool_bytes`` instead.
+            last window). An integer must hold one chunk (an ``"auto"`` chunk counts as the
+            largest a tuned size may be, half of ``pool_bytes``). Saves of host tensors use
+            ``pool_bytes`` instead.
 
     Example:
         >>> import fastpersist as fp
@@ -114,14 +117,32 @@ class Config:
             raise bad("writers", self.writers, '"rank", "node" or an integer >= 1')
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise bad("timeout_s", self.timeout_s, "a positive number of seconds")
-        if self.pinned_bytes != "auto" and (type(self.pinned_bytes) is not int or self.pinned_bytes <= 0):
-            raise bad("pinned_bytes", self.pinned_bytes, '"auto" or a positive number of bytes')
+        if self.pinned_bytes != "auto":
+            if type(self.pinned_bytes) is not int or self.pinned_bytes <= 0:
+                raise bad("pinned_bytes", self.pinned_bytes, '"auto" or a positive number of bytes')
+            self._check_pinned_bytes_hold_a_chunk(self.pinned_bytes)
         if self.guard not in _GUARDS:
             raise bad("guard", self.guard, " | ".join(_GUARDS) + " (see docs/overlap.md)")
         if self.stripes is not None:
             if isinstance(self.stripes, (str, bytes)) or not len(self.stripes):
                 raise bad("stripes", self.stripes, "None or a non-empty list of directories")
             object.__setattr__(self, "stripes", tuple(os.path.abspath(os.fspath(s)) for s in self.stripes))
+
+    def _check_pinned_bytes_hold_a_chunk(self, pinned_bytes: int) -> None:
+        """A device save stages through an arena of at least one chunk: a bound below that
+        could never make one. An ``"auto"`` chunk counts as the largest it may resolve to (a
+        tuned size, capped by ``pool_bytes``), so a config accepted here fails on no machine."""
+        given = isinstance(self.chunk_bytes, int)
+        chunk = self.chunk_bytes if isinstance(self.chunk_bytes, int) else pool_chunk_cap(self.pool_bytes)
+        least = min_pinned_bytes(chunk)
+        if pinned_bytes < least:
+            of = f"chunk_bytes={chunk}" if given else f'chunk_bytes="auto", which a tuned size may make {chunk}'
+            fix = "lower chunk_bytes" if given else "give chunk_bytes as an integer"
+            raise ValueError(
+                f"Config.pinned_bytes={pinned_bytes!r}: expected at least {least} bytes (a device save stages "
+                f"through an arena of at least one chunk, {of}, in whole arena granules); raise pinned_bytes, "
+                f"or {fix}"
+            )
 
     def resolved_for(
         self, path: str | os.PathLike[str], op: Literal["write", "read"] = "write", *, tuned_chunk: bool = True

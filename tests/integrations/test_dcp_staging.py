@@ -125,7 +125,7 @@ def test_what_the_arena_path_does_not_take_is_left_to_dcps_stager(tmp_path: Any)
     assert stage_state_dict({"w": torch.randn(1 << 20)}, pinned_bytes=1 << 20, what="x") is None  # beyond the bound
     assert _leased() == base + 0
     state = {"w": torch.randn(1 << 20)}
-    writer = FastPersistWriter(tmp_path / "c", fp.Config(pinned_bytes=1 << 20))
+    writer = FastPersistWriter(tmp_path / "c", fp.Config(chunk_bytes=1 << 20, pinned_bytes=2 << 20))
     dcp.async_save(state, storage_writer=writer).result()  # DCP's own copy: still saved whole
     target = {"w": torch.zeros(1 << 20)}
     dcp.load(target, storage_reader=FastPersistReader(tmp_path / "c"))
@@ -184,7 +184,7 @@ def test_while_saves_hold_every_arena_the_bound_allows_dcps_stager_takes_it(tmp_
     held, _ = ARENAS.lease(cap, cap_bytes=cap, min_bytes=cap, pin=False)  # a save still writing
     state = {"w": torch.randn(1 << 18)}
     assert stage_state_dict(state, pinned_bytes=cap, what="x") is None  # at once, not after that save
-    writer = FastPersistWriter(tmp_path / "c", fp.Config(pinned_bytes=cap))
+    writer = FastPersistWriter(tmp_path / "c", fp.Config(chunk_bytes=1 << 20, pinned_bytes=cap))
     dcp.async_save(state, storage_writer=writer).result()
     target = {"w": torch.zeros(1 << 18)}
     dcp.load(target, storage_reader=FastPersistReader(tmp_path / "c"))

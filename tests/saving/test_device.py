@@ -17,7 +17,7 @@ import torch
 import fastpersist as fp
 from fastpersist import _core
 from fastpersist.gpu import copiers
-from fastpersist.gpu.arenas import ARENAS
+from fastpersist.gpu.arenas import ARENAS, Arenas, min_pinned_bytes
 from fastpersist.gpu.copiers import DeviceCopier, use_copier
 from fastpersist.gpu.pinned import pin_host, unpin_host
 from fastpersist.gpu.staging import arena_views
@@ -261,6 +261,35 @@ def test_arenas_are_reused_and_bounded_across_many_saves(workdir: str, fake_devi
     assert ARENAS.total_bytes() <= 3 * (4 << 20), "a few arenas, reused: none made per save"
     assert torch.equal(fp.load(os.path.join(workdir, "s1"))["w"], state["w"])
     ARENAS.clear()
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 2 << 20])
+def test_a_save_completes_with_the_least_pinned_bytes_its_chunk_allows(
+    workdir: str, fake_device: set[int], chunk_bytes: int
+) -> None:
+    ARENAS.clear()  # other tests' free arenas would serve it, whatever the bound
+    state = {"w": torch.randn(5 << 18)}  # 5 MiB: windows of one 2 MiB arena
+    _put_on_device(fake_device, *state.values())
+    config = fp.Config(chunk_bytes=chunk_bytes, pinned_bytes=min_pinned_bytes(chunk_bytes))
+    path = os.path.join(workdir, "ckpt")
+    fp.save_async(state, path, config=config).wait(timeout=60)
+    assert torch.equal(fp.load(path)["w"], state["w"]) and ARENAS.total_bytes() == 2 << 20
+    ARENAS.clear()
+
+
+def test_an_arena_bound_below_one_chunk_is_refused_not_waited_for(caplog: pytest.LogCaptureFixture) -> None:
+    # Config refuses such an integer; "auto" (a quarter of memory per local rank) can still be that small.
+    with pytest.raises(ValueError, match=r"Config\.pinned_bytes \(4194304 bytes\).*chunk_bytes=8388608"):
+        Arenas().lease(32 << 20, cap_bytes=4 << 20, min_bytes=8 << 20, pin=False)
+    assert "waits" not in caplog.text
+
+
+def test_free_arenas_smaller_than_a_chunk_give_their_room_to_one_that_is_not() -> None:
+    arenas = Arenas()
+    small = [arenas.lease(2 << 20, cap_bytes=8 << 20, min_bytes=1 << 20, pin=False) for _ in range(4)]
+    del small  # four free arenas of 2 MiB fill the bound; a save of 8 MiB chunks can use none of them
+    lease, _ = arenas.lease(16 << 20, cap_bytes=8 << 20, min_bytes=8 << 20, pin=False, wait=False)
+    assert lease.arena.len_bytes == 8 << 20 and arenas.total_bytes() == 8 << 20
 
 
 @cuda_test

@@ -11,7 +11,10 @@ quarter of the machine's memory, shared by the local ranks). A save takes the sm
 arena that holds its share of the stream; else it makes one of the share's size if the bound
 allows (replacing a free smaller one if that makes room); else it stages in windows through
 the largest arena it can have (said once in the log); and while every arena is held by an
-earlier save that is still writing and the bound allows no other, it waits for one.
+earlier save that is still writing and the bound allows no other, it waits for one. A bound
+that cannot hold an arena of one chunk fails the save at once (``Config`` refuses such an
+integer ``pinned_bytes``; an ``"auto"`` one may be that small on a small machine shared by many
+ranks).
 
 On the in-memory level (a root on tmpfs, e.g. under ``/dev/shm``) the arena of a save whose
 share is one recycled data file is that file itself (:meth:`Arenas.lease_file`): the device
@@ -44,7 +47,7 @@ import fastpersist._core as _core
 
 from .pinned import pin_host
 
-__all__ = ["ARENAS", "Arenas", "ArenasBusy", "auto_pinned_bytes", "granules", "pinned_cap_bytes"]
+__all__ = ["ARENAS", "Arenas", "ArenasBusy", "auto_pinned_bytes", "granules", "min_pinned_bytes", "pinned_cap_bytes"]
 
 log = logging.getLogger("fastpersist")
 
@@ -66,6 +69,17 @@ def auto_pinned_bytes() -> int:
 def pinned_cap_bytes(pinned_bytes: int | str) -> int:
     """The bound on a process's arenas for ``Config.pinned_bytes``."""
     return auto_pinned_bytes() if pinned_bytes == "auto" else int(pinned_bytes)
+
+
+def min_pinned_bytes(chunk_bytes: int) -> int:
+    """The least ``Config.pinned_bytes`` that holds an arena of one chunk of `chunk_bytes`: an
+    arena is never smaller than a chunk, and comes in whole granules.
+
+    Example:
+        >>> min_pinned_bytes(8 << 20), min_pinned_bytes(4096)
+        (8388608, 2097152)
+    """
+    return granules(chunk_bytes)
 
 
 class ArenasBusy(RuntimeError):
@@ -104,16 +118,23 @@ class Arenas:
         """A lease on an arena for a save whose share of the stream takes `need_bytes`, and a
         tensor over the arena's bytes. An arena is never smaller than `min_bytes` (one chunk);
         one smaller than `need_bytes` means the save stages in windows. `pin`: register new
-        arenas with CUDA. `wait=False`: raise :class:`ArenasBusy` instead of waiting for one."""
+        arenas with CUDA. `wait=False`: raise :class:`ArenasBusy` instead of waiting for one.
+        Raises ValueError where `cap_bytes` cannot hold an arena of `min_bytes`: no save would
+        ever give that room back."""
         need = granules(need_bytes)
-        floor = granules(min_bytes)
+        floor = min_pinned_bytes(min_bytes)
+        if cap_bytes < floor:
+            raise _below_one_chunk(cap_bytes, min_bytes)
         pause_s = 0.001
         while True:
             with self._lock:
                 self._forget_deleted_files()
                 found = self._take(need, floor, cap_bytes, pin)
+                held = found is None and any(k.arena.leased for k in self._kept)
             if found is not None:
                 return found
+            if not held:  # nothing will give room back: waiting would be forever
+                raise _below_one_chunk(cap_bytes, min_bytes)
             if not wait:
                 raise ArenasBusy(f"no staging arena of {need} bytes is free within {cap_bytes} bytes")
             if not self._warned_waiting:
@@ -251,14 +272,19 @@ class Arenas:
         if total + need > cap_bytes and free and total - free[-1].arena.len_bytes + need <= cap_bytes:
             self._kept.remove(free[-1])  # too small for this save: make room for one that is not
             total -= free.pop().arena.len_bytes
-        room = (cap_bytes - total) // ARENA_GRANULE_BYTES * ARENA_GRANULE_BYTES
-        size = min(need, room)
-        if free and free[-1].arena.len_bytes >= size:
+        size = min(need, _room(cap_bytes, total))
+        if free and free[-1].arena.len_bytes >= max(size, floor):
             kept = free[-1]  # the largest one there is: the save goes in windows
             lease = kept.arena.try_lease()
             if lease is not None:
                 self._say_windows(need, kept.arena.len_bytes, cap_bytes)
                 return lease, kept.host
+        small = sum(k.arena.len_bytes for k in free)
+        if size < floor and free and _room(cap_bytes, total - small) >= floor:
+            for kept in free:  # each smaller than a chunk of this save: their room serves it
+                self._kept.remove(kept)
+            total -= small
+            size = min(need, _room(cap_bytes, total))
         if size < floor:
             return None
         kept = self._make(size, pin)
@@ -353,6 +379,19 @@ def _deleted(arena: _core.Arena) -> bool:
     """Whether the file an arena maps is deleted (or cannot be looked at)."""
     status = _file_of(arena)
     return status is None or status[1] == 0
+
+
+def _room(cap_bytes: int, total_bytes: int) -> int:
+    """Bytes of a new arena the bound allows beside `total_bytes` of arenas: whole granules."""
+    return (cap_bytes - total_bytes) // ARENA_GRANULE_BYTES * ARENA_GRANULE_BYTES
+
+
+def _below_one_chunk(cap_bytes: int, min_bytes: int) -> ValueError:
+    return ValueError(
+        f"Config.pinned_bytes ({cap_bytes} bytes) cannot hold a staging arena of one chunk: a device save "
+        f"of chunk_bytes={min_bytes} needs at least {min_pinned_bytes(min_bytes)} bytes, in whole arena "
+        "granules; raise pinned_bytes, or lower chunk_bytes"
+    )
 
 
 def granules(nbytes: int) -> int:
