@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -399,6 +400,71 @@ def test_a_shared_device_storage_shrunk_before_its_copy_fails_the_save(
     FakeCopier.wait_gate.set()
     with pytest.raises(RuntimeError, match=r"resized .* in a storage of 800000"):
         fut.wait()
+
+
+def _free_and_reallocate(t: torch.Tensor) -> None:
+    """FSDP's pattern between uses: the storage freed (``resize_(0)``), re-allocated at its size
+    and written by an all-gather (no version bump). A block of that size taken meanwhile keeps
+    the new allocation from landing where the old one was, as a caching allocator may not."""
+    storage = t.untyped_storage()
+    nbytes, address = storage.nbytes(), t.data_ptr()
+    storage.resize_(0)
+    squatter = torch.empty(nbytes, dtype=torch.uint8)
+    storage.resize_(nbytes)
+    storage.fill_(9)
+    del squatter
+    assert t.data_ptr() != address, "the allocator handed the same block back"
+
+
+def test_a_device_storage_freed_and_reallocated_before_its_copy_fails_the_save(
+    workdir: str, backend: str, fake_device: set[int]
+) -> None:
+    path = os.path.join(workdir, "ckpt")
+    flat = torch.full((500_000,), 5.0)
+    _put_on_device(fake_device, flat)
+    fp.save({"flat": flat}, path, config=_config(backend))
+    FakeCopier.gate = threading.Event()
+    fut = fp.save_async({"flat": flat}, path, config=_config(backend))
+    _free_and_reallocate(flat)  # same size, same version: only its address says it is not the same memory
+    FakeCopier.gate.set()
+    with pytest.raises(RuntimeError, match=r"tensor 'state\.flat' of 2000000 bytes moved .* freed and re-allocated"):
+        fut.wait()
+    assert torch.equal(fp.load(path)["flat"], torch.full((500_000,), 5.0)), "the previous checkpoint stays"
+    assert not [n for n in os.listdir(workdir) if ".fptmp-" in n]
+
+
+class ReallocatingCopier:
+    """A copy engine whose copies land after their sources' storages were freed and re-allocated,
+    as when the caller's later work runs while the copies are queued."""
+
+    needs_pinned_memory: ClassVar[bool] = False
+
+    def __init__(self, device: torch.device) -> None:
+        pass
+
+    def begin(self) -> None:
+        pass
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, early: bool = False) -> None:
+        for src, dst in pairs:
+            _free_and_reallocate(src)
+            dst.copy_(src)
+
+    def wait(self) -> None:
+        pass
+
+
+def test_torch_save_of_a_device_storage_freed_and_reallocated_under_its_copy_fails(workdir: str) -> None:
+    # fp.torch_save (as the DCP writer's files) stages device tensors through the same staging.
+    target = os.path.join(workdir, "model.pt")
+    weight = torch.full((500_000,), 5.0)
+    torch.save({"w": weight}, target)
+    address = weight.untyped_storage().data_ptr()
+    with use_copier(lambda t: t.numel() > 0 and t.untyped_storage().data_ptr() == address, ReallocatingCopier):
+        with pytest.raises(RuntimeError, match=rf"tensor '{re.escape(target)}: extent \d+' .* freed and re-allocated"):
+            fp.torch_save({"w": weight}, target)
+    assert torch.equal(torch.load(target, weights_only=True)["w"], torch.full((500_000,), 5.0))
+    assert os.listdir(workdir) == ["model.pt"]
 
 
 def test_copy_guard_finishes_the_device_copies_before_save_async_returns(

@@ -68,6 +68,12 @@ class DeviceStaging:
         self._fail = fail
         #: The extents whose copies were asked for since the last wait, early ones left out.
         self._in_flight: list[int] = []
+        #: Per blob, the address of its bytes at the save call (0 for a host blob): a storage
+        #: freed and re-allocated keeps its size and version counter, but moves.
+        self._addresses = [
+            0 if k is None else b.source.data_ptr()  # type: ignore[union-attr]  # a device blob's source is a tensor
+            for b, k in zip(blobs, copier_keys, strict=True)
+        ]
 
     def copy(self, pieces: list[tuple[int, int, int, int]]) -> None:
         """Queues the copies of `pieces`, ``(extent, extent_offset_bytes, arena_offset_bytes,
@@ -87,10 +93,10 @@ class DeviceStaging:
         if not pieces:
             return
         batches: dict[tuple[CopierFactory, torch.device], tuple[list[torch.Tensor], list[int]]] = {}
-        blobs, keys, key_path = self._blobs, self._keys, self._key_path
+        blobs, keys, key_path, addresses = self._blobs, self._keys, self._key_path, self._addresses
         for extent, extent_offset, arena_offset, nbytes in pieces:
             blob = blobs[extent]
-            src = source_bytes(blob, extent, key_path)
+            src = source_bytes(blob, extent, key_path, addresses[extent])
             if nbytes != blob.nbytes:  # a window holds part of it
                 src = src[extent_offset : extent_offset + nbytes]
             key = keys[extent]
@@ -108,16 +114,16 @@ class DeviceStaging:
 
     def wait(self) -> None:
         """Returns once every copy asked for has completed (called by the engine's thread).
-        Raises if a source was resized, or its storage shrunk or freed, since the save call:
-        its copy, queued then, may have read memory handed on to someone else. (An early copy
-        runs before the caller's later work, so nothing the caller does can race it.)"""
+        Raises if a source was resized, or its storage resized, freed or re-allocated, since the
+        save call: its copy, queued then, may have read memory handed on to someone else. (An
+        early copy runs before the caller's later work, so nothing the caller does can race it.)"""
         try:
             for copier in self._copiers.values():
                 copier.wait()
             in_flight, self._in_flight = self._in_flight, []
-            blobs = self._blobs
+            blobs, addresses = self._blobs, self._addresses
             for extent in in_flight:
-                check_source(blobs[extent], extent, self._key_path)
+                check_source(blobs[extent], extent, self._key_path, addresses[extent])
         except BaseException as e:
             self._fail(e)
             raise
@@ -244,10 +250,11 @@ def _key_or_none(blob: Blob) -> tuple[CopierFactory, torch.device] | None:
     return None if blob.device_copier is None else copier_key(blob)
 
 
-def check_source(blob: Blob, extent: int, key_path: Callable[[int], str]) -> torch.Tensor:
+def check_source(blob: Blob, extent: int, key_path: Callable[[int], str], address: int) -> torch.Tensor:
     """The tensor of the device-resident `blob`, checked as a host blob's is: RuntimeError
-    naming ``key_path(extent)`` if it was resized, or its storage shrunk or freed (as FSDP frees
-    flat parameters), since flatten(); a copy then reads, or has read, past the storage's end."""
+    naming ``key_path(extent)`` if it was resized, or its storage resized, freed (as FSDP frees
+    flat parameters) or re-allocated since the save call, when its bytes were at `address`; a
+    copy then reads, or has read, memory that is no longer the tensor's."""
     t = blob.source_tensor
     item = t.element_size()
     nbytes = t.numel() * item
@@ -258,10 +265,17 @@ def check_source(blob: Blob, extent: int, key_path: Callable[[int], str]) -> tor
             f"of {storage_bytes}) between the save call and its device-to-host copy; do not resize tensors or "
             "free their storage while a save is staging (wait_staged() first)"
         )
+    if t.data_ptr() != address:
+        raise RuntimeError(
+            f"tensor {key_path(extent)!r} of {blob.nbytes} bytes moved (from {address:#x} to {t.data_ptr():#x}): "
+            "its storage was freed and re-allocated between the save call and its device-to-host copy, which "
+            "may have read memory handed on to someone else; do not free a tensor's storage (FSDP's "
+            "untyped_storage().resize_(0)) while a save is staging (wait_staged() first)"
+        )
     return t
 
 
-def source_bytes(blob: Blob, extent: int, key_path: Callable[[int], str]) -> torch.Tensor:
+def source_bytes(blob: Blob, extent: int, key_path: Callable[[int], str], address: int) -> torch.Tensor:
     """The bytes of the device-resident `blob` as they are now (1-D uint8 on its device),
-    checked by :func:`check_source`."""
-    return device_bytes(check_source(blob, extent, key_path))
+    checked by :func:`check_source` against their `address` at the save call."""
+    return device_bytes(check_source(blob, extent, key_path, address))
