@@ -353,6 +353,8 @@ def test_cuda_copier_queues_every_copy_with_the_sources_device_current(
     monkeypatch.setattr(copiers, "cuda", cuda)
     monkeypatch.setattr(copiers, "_side_streams", {})
     fake_runtime.current = lambda: cuda.current
+    recorded: list[tuple[int, object]] = []  # CPU tensors here: record what the allocator would be told
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: recorded.append((t.data_ptr(), stream)))
     copier = copiers.CudaCopier(torch.device("cuda", 3))
     copier.begin()
     dst = torch.zeros(300, dtype=torch.uint8)
@@ -364,6 +366,8 @@ def test_cuda_copier_queues_every_copy_with_the_sources_device_current(
     assert bytes(dst[:100].numpy()) == bytes(src[:100].numpy()) and bytes(dst[200:].numpy()) == bytes(src[100:].numpy())
     assert cuda.calls and all(index == 3 for _, index in cuda.calls), cuda.calls
     assert cuda.current == 0  # the thread's device is left as it was
+    # Each source's block stays the side stream's until its copy ran (freed storages, repro 44).
+    assert recorded == [(s.data_ptr(), copier.stream) for s, _ in pairs]
 
 
 def test_a_device_tensor_resized_before_its_copy_fails_the_save(
@@ -503,6 +507,27 @@ def test_cuda_copy_guard_and_resized_tensors(workdir: str) -> None:
     flat.untyped_storage().resize_(0)  # FSDP frees the flat parameter between uses
     with pytest.raises(RuntimeError, match="resized"):
         fut.wait()
+
+
+@cuda_test
+def test_cuda_storage_freed_and_reallocated_under_its_queued_copy_fails_the_save(workdir: str) -> None:
+    """On a real caching allocator: the side stream's copies hold their source blocks
+    (record_stream), so a storage freed and re-allocated at once lands elsewhere, and the save
+    fails naming the tensor instead of committing the new allocation's bytes."""
+    path = os.path.join(workdir, "fsdp")
+    flat = torch.full((64 << 20,), 5.0, device="cuda")  # 256 MiB through a 2 MiB pool
+    fp.save({"flat": flat}, path)
+    bounded = fp.Config(chunk_bytes=1 << 20, pool_bytes=2 << 20, queue_depth=2)
+    torch.cuda.synchronize()
+    fut = fp.save_async({"flat": flat}, path, config=bounded)
+    storage = flat.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    storage.resize_(nbytes)
+    storage.fill_(9)  # the all-gather's bytes
+    with pytest.raises(RuntimeError, match=r"freed and re-allocated|resized"):
+        fut.wait()
+    assert torch.equal(fp.load(path)["flat"], torch.full((64 << 20,), 5.0)), "the previous checkpoint stays"
 
 
 @cuda_test

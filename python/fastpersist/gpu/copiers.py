@@ -110,8 +110,15 @@ class CudaCopier:
         with cuda.device(self.device), cuda.stream(stream):
             if stream is self.stream and self.ready is not None:
                 self.stream.wait_event(self.ready)
+            side = stream is self.stream
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
+                if side:
+                    # The caching allocator must not hand a source's block to a new allocation
+                    # before this copy has read it: a storage freed and re-allocated meanwhile
+                    # (FSDP's resize_(0)/resize_(n)) then lands elsewhere and staging's address
+                    # check refuses the save, instead of the copy reading the new tensor's bytes.
+                    src.record_stream(stream)
             done = cuda.Event()
             done.record(stream)
             self.done.append(done)
