@@ -2,7 +2,8 @@
 
 Large page-aligned O_DIRECT writes through io_uring (thread-pool fallback), striped across
 drives and data-parallel ranks, overlapped with training. See ``fastpersist.save``,
-``fastpersist.save_async`` and ``fastpersist.load``; ``fastpersist.torch_save`` writes files ``torch.load`` reads;
+``fastpersist.save_async`` and ``fastpersist.load``; ``fastpersist.torch_save`` writes files ``torch.load`` reads
+(``fastpersist.torch_save_async``: in the background);
 ``fastpersist.export_hf`` writes a checkpoint's model as Hugging Face safetensors shards.
 """
 
@@ -25,6 +26,7 @@ from .errors import (
 )
 from .futures import SaveFuture
 from .hfapi import export_hf
+from .interop.torchasync import torch_save_async
 from .interop.torchfile import torch_save
 from .saving.remover import wait_removed
 
@@ -55,6 +57,7 @@ __all__ = [
     "save",
     "save_async",
     "torch_save",
+    "torch_save_async",
     "verify",
     "wait_removed",
 ]

@@ -28,7 +28,6 @@ record) makes ``torch_save`` fall back to plain ``torch.save`` + fsync, with a w
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import io
 import logging
 import os
@@ -51,9 +50,27 @@ from ..format.layout import atomic_file
 from ..gpu.copiers import copier_for
 from ..gpu.staging import stage_from_devices
 from ..saving.pools import pool_for
+from .torchroutes import (
+    TORCH_DEFAULT,
+    TorchSaveArgs,
+    save_elsewhere,
+    save_with_torch,
+    torch_save_result,
+    torch_save_route,
+)
 from .ziprecords import ReadAt, zip_records
 
-__all__ = ["torch_save"]
+__all__ = [
+    "Archive",
+    "Skeleton",
+    "TorchSaveArgs",
+    "fast_path_target",
+    "lay_out_archive",
+    "save_instead",
+    "torch_save",
+    "torch_save_result",
+    "torch_save_route",
+]
 
 log = logging.getLogger("fastpersist")
 
@@ -63,11 +80,14 @@ _config_lock = threading.Lock()  # torch's serialization config is process-globa
 
 @dataclass
 class Skeleton:
-    """What torch wrote without data: bytes at offsets, holes where storages go, their storages."""
+    """What torch wrote without data: bytes at offsets, holes where storages go, their storages,
+    and every tensor pickled with its version counter at that moment (what an overlapped save
+    watches: :mod:`.torchasync`)."""
 
     pieces: list[tuple[int, bytes]] = field(default_factory=list)
     holes: list[tuple[int, int]] = field(default_factory=list)
     storages: dict[str, torch.UntypedStorage] = field(default_factory=dict)
+    tensors: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     total_bytes: int = 0
 
 
@@ -116,6 +136,10 @@ def _hook_module(skeleton: Skeleton) -> types.SimpleNamespace:
             inner = cls.persistent_id
 
             def persistent_id(self: Any, obj: Any) -> Any:
+                if isinstance(obj, torch.Tensor):
+                    version = _version_of(obj)
+                    if version is not None:
+                        skeleton.tensors.append((obj, version))
                 pid = inner(self, obj)
                 if isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage":
                     storage = obj._untyped_storage if isinstance(obj, torch.storage.TypedStorage) else obj
@@ -125,6 +149,14 @@ def _hook_module(skeleton: Skeleton) -> types.SimpleNamespace:
             cls.persistent_id = persistent_id  # type: ignore[method-assign]
 
     return types.SimpleNamespace(Pickler=Pickler, Unpickler=pickle.Unpickler, __name__="fastpersist_pickle")
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """`t`'s version counter; None for a tensor that keeps none (an inference tensor)."""
+    try:
+        return int(t._version)
+    except (RuntimeError, AttributeError):
+        return None
 
 
 def capture_skeleton(obj: object, pickle_protocol: int = 2, disable_byteorder_record: bool = False) -> Skeleton:
@@ -240,108 +272,6 @@ def crc32_fields(skel: Skeleton) -> list[tuple[int, int, list[int]]]:
     return [(r.data_offset_bytes, r.len_bytes, list(r.crc_offsets)) for r in records if r.len_bytes]
 
 
-class _TorchDefault:
-    """The value of a ``torch.save`` argument the caller did not give: torch's own default applies."""
-
-    def __repr__(self) -> str:
-        return "<torch.save's default>"
-
-
-#: The default of every ``torch.save`` argument of :func:`torch_save`: not passed on when left.
-TORCH_DEFAULT: Any = _TorchDefault()
-
-
-@dataclass(frozen=True)
-class TorchSaveArgs:
-    """``torch.save``'s arguments past ``obj`` and ``f`` that the caller gave, by torch's
-    names: only those are passed on when ``torch.save`` writes (code that wraps ``torch.save``,
-    as torch's own tests do, may refuse an explicit ``_use_new_zipfile_serialization``)."""
-
-    given: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, pickle_module: Any, pickle_protocol: Any, use_new_zipfile: Any, no_byteorder: Any) -> TorchSaveArgs:
-        """``torch.save``'s arguments as :func:`torch_save` got them: those that are not
-        :data:`TORCH_DEFAULT`, under torch's names."""
-        names = ("pickle_module", "pickle_protocol", "_use_new_zipfile_serialization", "_disable_byteorder_record")
-        values = (pickle_module, pickle_protocol, use_new_zipfile, no_byteorder)
-        return cls({name: value for name, value in zip(names, values, strict=True) if value is not TORCH_DEFAULT})
-
-    @property
-    def pickle_module(self) -> Any:
-        return self.given.get("pickle_module", pickle)
-
-    @property
-    def pickle_protocol(self) -> int:
-        return cast(int, self.given.get("pickle_protocol", torch.serialization.DEFAULT_PROTOCOL))
-
-    @property
-    def use_new_zipfile_serialization(self) -> bool:
-        return cast(bool, self.given.get("_use_new_zipfile_serialization", True))
-
-    @property
-    def disable_byteorder_record(self) -> bool:
-        return cast(bool, self.given.get("_disable_byteorder_record", False))
-
-    def save(self, obj: object, f: str | os.PathLike[str] | IO[bytes]) -> None:
-        """``torch.save(obj, f)`` with exactly the arguments given (``torch.save`` as it is now
-        bound: a wrapper the caller installed sees the call the caller made)."""
-        torch.save(obj, f, **self.given)
-
-
-def torch_save_route(f: object, args: TorchSaveArgs) -> str | None:
-    """Why `f` and `args` go to ``torch.save`` itself, or None for the fast path."""
-    if not isinstance(f, (str, os.PathLike)):
-        return "f is not a path (a file object or something else torch.save judges): torch.save writes it"
-    if not args.use_new_zipfile_serialization:
-        return "_use_new_zipfile_serialization=False asks for the legacy format"
-    if args.pickle_module is not pickle:
-        return f"a custom pickle_module ({getattr(args.pickle_module, '__name__', args.pickle_module)!r})"
-    path = os.fspath(f)
-    if not isinstance(path, str) or not path:
-        return "not a usable str path: torch.save reports it"
-    real = os.path.realpath(path)  # a symlink is written through, as open() writes it
-    if not os.path.isdir(os.path.dirname(real)) or os.path.isdir(real):
-        return "the parent directory is missing or the path is a directory: torch.save reports it"
-    if os.path.exists(real) and not os.path.isfile(real):
-        return "not a regular file (a device, a FIFO): torch.save writes into it, nothing is renamed over it"
-    return None
-
-
-def _fallback(obj: object, path: str, args: TorchSaveArgs, durable: bool) -> None:
-    """``torch.save`` to `path`, made durable (fsync of the file and its directory) when asked."""
-    args.save(obj, path)
-    if durable and os.path.isfile(path):  # a device or FIFO has nothing to fsync
-        _core.fsync_path(path)
-        _core.fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def _stream_position(f: object) -> int | None:
-    """Where an ``io`` stream stands; None for anything else. Of a duck-typed file object only
-    ``write`` and ``flush`` are called, as ``torch.save`` calls only those (torch's own
-    ``test_serialization_filelike_api_requirements`` checks that set)."""
-    if not isinstance(f, io.IOBase):
-        return None
-    try:
-        return int(f.tell())
-    except (OSError, ValueError):
-        return None
-
-
-def _save_elsewhere(obj: object, f: Any, args: TorchSaveArgs, config: Config | None, started: float) -> SaveResult:
-    """What ``torch.save`` itself writes: file objects as they are, paths made durable."""
-    if not isinstance(f, (str, os.PathLike)):
-        before = _stream_position(f)
-        args.save(obj, f)
-        after = _stream_position(f)
-        nbytes = after - before if before is not None and after is not None else 0
-        return _result(repr(f), nbytes, started, "torch.save")
-    path = os.fspath(f)
-    _fallback(obj, path, args, (config or Config()).durable)  # torch.save raises on a path it refuses
-    nbytes = os.path.getsize(path) if os.path.isfile(path) else 0
-    return _result(os.path.abspath(path), nbytes, started, "torch.save")
-
-
 def torch_save(
     obj: object,
     f: str | os.PathLike[str] | IO[bytes],
@@ -384,55 +314,80 @@ def torch_save(
     why = torch_save_route(f, args)
     if why is not None or not isinstance(f, (str, os.PathLike)):  # (the second for the type checker)
         log.debug("torch_save hands %r to torch.save: %s", f, why)
-        return _save_elsewhere(obj, f, args, config, started)
+        return save_elsewhere(obj, f, args, config, started)
+    target = fast_path_target(f)
+    config = (config or Config()).resolved_for(target)
+    skel = capture_skeleton(obj, args.pickle_protocol, args.disable_byteorder_record)  # raises as torch.save would
+    try:
+        archive = lay_out_archive(skel, config)
+    except ValueError as e:
+        return save_instead(obj, target, args, config, started, e)
+    with atomic_file(target, durable=config.durable) as tmp:
+        report = archive.start(config, tmp, what=target).wait()
+    return torch_save_result(target, archive.total_bytes, started, str(report["backend"]))
+
+
+def fast_path_target(f: str | os.PathLike[str]) -> str:
+    """The file a fast-path save of `f` replaces: its absolute path, or the file a symlink there
+    names (as ``torch.save`` writes through a link)."""
     target = os.path.abspath(os.fspath(f))
     if os.path.islink(target):  # replace the file the link names, not the link (as torch.save does)
         target = os.path.realpath(target)
-    config = (config or Config()).resolved_for(target)
-    with_crc32 = torch.serialization.get_crc32_options()  # set_crc32_options(False) is honoured
-    skel = capture_skeleton(obj, args.pickle_protocol, args.disable_byteorder_record)
-    try:
-        extents = compose_extents(skel)
-        plan = _core.Plan([e.nbytes for e in extents], 1, 1, config.resolved_chunk_bytes)
-        if plan.total_bytes != skel.total_bytes:
-            raise ValueError(f"the plan has {plan.total_bytes} bytes but the archive {skel.total_bytes}")
-        fields = crc32_fields(skel) if with_crc32 else []
-    except ValueError as e:
-        log.warning("torch_save fell back to torch.save for %s: %s", target, e)
-        _fallback(obj, target, args, config.durable)
-        return _result(target, os.path.getsize(target), started, "torch.save")
-    with atomic_file(target, durable=config.durable) as tmp:
-        sources, device = stage_from_devices(extents, plan, pinned_bytes=config.pinned_bytes, what=target)
+    return target
+
+
+@dataclass(frozen=True)
+class Archive:
+    """A torch zip archive laid out for the engine: torch's skeleton of it, the extents that
+    reproduce it byte for byte, their plan (one writer, one file) and the CRC-32 fields the
+    engine fills in while it stages."""
+
+    skeleton: Skeleton
+    extents: list[np.ndarray | torch.Tensor]
+    plan: _core.Plan
+    crc32_fields: list[tuple[int, int, list[int]]]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.skeleton.total_bytes
+
+    def start(self, config: Config, tmp: str, *, what: str, **guard: Any) -> _core.WriteHandle:
+        """Starts the engine's write of this archive to `tmp` (`what`: the file, for messages);
+        device storages are staged through an arena. `guard`: the mutation guard's fields of
+        :class:`WriteRequest` and ``background``, for an overlapped save (:mod:`.torchasync`)."""
+        sources, device = stage_from_devices(self.extents, self.plan, pinned_bytes=config.pinned_bytes, what=what)
+        settings = knobs(config)
+        # The archive's integrity is its CRC-32s; the engine's chunk crc32c would go nowhere.
+        settings["checksum"] = False
         request = WriteRequest(
-            **knobs(config),
-            plan=plan,
+            **settings,
+            plan=self.plan,
             paths=[tmp],
             sources=sources,
             pool=pool_for(config),
-            crc32_fields=fields,
+            crc32_fields=self.crc32_fields,
             device=device,
+            **guard,
         )
-        handle = start_write(dataclasses.replace(request, checksum=False))
-        report = handle.wait()
-    return _result(target, skel.total_bytes, started, str(report["backend"]))
+        return start_write(request)
 
 
-def _result(path: str, nbytes: int, started: float, backend: str) -> SaveResult:
-    seconds = time.perf_counter() - started
-    log.info(
-        "torch_save %s: %d bytes in %.3f s (%.2f GB/s, backend %s)",
-        path,
-        nbytes,
-        seconds,
-        nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-        backend,
-    )
-    return SaveResult(
-        path=path,
-        nbytes=nbytes,
-        seconds=seconds,
-        staged_seconds=seconds,
-        gb_per_s=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-        backend=backend,
-        files=[path],
-    )
+def lay_out_archive(skel: Skeleton, config: Config) -> Archive:
+    """The write of the archive `skel` captured, planned with `config` (resolved for its file).
+    Raises ValueError when torch's skeleton is not what this module expects."""
+    with_crc32 = torch.serialization.get_crc32_options()  # set_crc32_options(False) is honoured
+    extents = compose_extents(skel)
+    plan = _core.Plan([e.nbytes for e in extents], 1, 1, config.resolved_chunk_bytes)
+    if plan.total_bytes != skel.total_bytes:
+        raise ValueError(f"the plan has {plan.total_bytes} bytes but the archive {skel.total_bytes}")
+    return Archive(skel, extents, plan, crc32_fields(skel) if with_crc32 else [])
+
+
+def save_instead(
+    obj: object, target: str, args: TorchSaveArgs, config: Config, started: float, why: ValueError
+) -> SaveResult:
+    """Plain ``torch.save`` + fsync of `target`, with a warning saying why: torch's archive was
+    not what :func:`lay_out_archive` expects."""
+    log.warning("torch_save fell back to torch.save for %s: %s", target, why)
+    save_with_torch(obj, target, args, config.durable)
+    return torch_save_result(target, os.path.getsize(target), started, "torch.save")
