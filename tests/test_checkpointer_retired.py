@@ -60,7 +60,7 @@ def test_a_step_retired_between_listing_and_verifying_is_not_damage(
 ) -> None:
     trainer = Trainer(workdir)
     reader = fp.Checkpointer(workdir, keep=1)
-    monkeypatch.setattr(reader, "_fingerprint", _once(trainer.save_next, reader._fingerprint))
+    monkeypatch.setattr(reader.local, "fingerprint", _once(trainer.save_next, reader.local.fingerprint))
     with caplog.at_level(logging.WARNING, logger="fastpersist"):
         state = reader.load()
     assert state["step"] == 2 and torch.equal(state["w"], _state(2)["w"])
@@ -73,7 +73,7 @@ def test_a_step_retired_before_the_listing_but_after_the_index_was_read(
     """The index named step 1; by the listing only step 2 (above that index) is left."""
     trainer = Trainer(workdir)
     reader = fp.Checkpointer(workdir, keep=1)
-    index_step = reader._index_step
+    index_step = reader.local.index_step
 
     def then_save() -> int | None:
         step = index_step()
@@ -81,7 +81,7 @@ def test_a_step_retired_before_the_listing_but_after_the_index_was_read(
             trainer.save_next()
         return step
 
-    monkeypatch.setattr(reader, "_index_step", then_save)
+    monkeypatch.setattr(reader.local, "index_step", then_save)
     with caplog.at_level(logging.WARNING, logger="fastpersist"):
         assert reader.latest() == 2
     _no_false_damage(caplog)
@@ -104,13 +104,13 @@ def test_a_step_retired_again_and_again_is_a_clear_error_not_no_checkpoint(
 ) -> None:
     trainer = Trainer(workdir)
     reader = fp.Checkpointer(workdir, keep=1)
-    fingerprint = reader._fingerprint
+    fingerprint = reader.local.fingerprint
 
     def retired_every_time(path: str) -> Any:
         trainer.save_next()
         return fingerprint(path)
 
-    monkeypatch.setattr(reader, "_fingerprint", retired_every_time)
+    monkeypatch.setattr(reader.local, "fingerprint", retired_every_time)
     with caplog.at_level(logging.WARNING, logger="fastpersist"), pytest.raises(fp.CheckpointNotFoundError) as info:
         reader.load()
     assert "retired while they were being checked" in str(info.value) and "try again" in str(info.value)

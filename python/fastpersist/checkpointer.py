@@ -28,19 +28,18 @@ import fastpersist._core as _core
 
 from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
 from .advisor.multilevel import Failures, local_mtbf_s
-from .api import load, verify
+from .api import load
 from .arguments import given_path, given_timeout
 from .cleanup import clean, stripe_leftovers
 from .config import Config, SaveResult, given_config
 from .distributed.control import control_for, group_rank_and_size
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError
 from .format.flatten import flatten
-from .format.layout import INDEX_NAME, MANIFEST_NAME, parse_step_dir, step_dir_name, write_small_file
-from .format.manifest import read_manifest
+from .format.layout import INDEX_NAME, write_small_file
 from .futures import SaveFuture
 from .levels.background_exports import check_export_arguments, hf_exports_for
 from .levels.holdings import local_levels
-from .levels.identity import read_local_index
+from .levels.local_steps import RESTORE_ATTEMPTS, LocalSteps
 from .levels.partner_level import PartnerLevel
 from .levels.remote_arguments import check_remote_arguments
 from .levels.remote_level import RemoteLevel
@@ -55,13 +54,6 @@ from .saving.start import start_save
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger("fastpersist")
-
-#: Times a restore reads the index and the steps again when retention (another process saving
-#: to the root, or this one) retires the step it chose before it is verified or opened.
-RESTORE_ATTEMPTS = 8
-
-#: What checking a step found: it verifies, it is damaged (logged), or it was retired meanwhile.
-Verdict = Literal["verifies", "damaged", "retired"]
 
 
 class Checkpointer:
@@ -185,7 +177,8 @@ class Checkpointer:
         self._from_device = False
         self._pool: Any = None
         self._lock = threading.Lock()
-        self._verified: dict[str, tuple[Any, ...]] = {}
+        #: The local level: the root's committed steps, its index, the newest step that verifies.
+        self.local = LocalSteps(self.root)
         os.makedirs(self.root, exist_ok=True)
         #: What :meth:`clean` removed (it runs before the first save, never for a read-only use).
         self.removed_leftovers: list[str] = []
@@ -214,16 +207,11 @@ class Checkpointer:
 
     def path(self, step: int) -> str:
         """The directory of `step`'s checkpoint."""
-        return os.path.join(self.root, step_dir_name(step))
+        return self.local.path(step)
 
     def steps(self) -> list[int]:
         """Steps with a committed checkpoint (a manifest), oldest first. Does not verify data."""
-        found = []
-        for name in os.listdir(self.root):
-            step = parse_step_dir(name)
-            if step is not None and os.path.exists(os.path.join(self.root, name, MANIFEST_NAME)):
-                found.append(step)
-        return sorted(found)
+        return self.local.steps()
 
     def clean(self) -> list[str]:
         """Removes what interrupted saves left in `root` and this rank's stripe roots; returns the paths.
@@ -379,39 +367,6 @@ class Checkpointer:
 
     # -- resuming ----------------------------------------------------------------------------
 
-    def _fingerprint(self, path: str) -> tuple[Any, ...]:
-        manifest = read_manifest(path)
-        stats = []
-        for entry in manifest.files:
-            st = os.stat(manifest.file_path(path, entry))
-            stats.append((st.st_size, st.st_mtime_ns, st.st_ino))
-        return (manifest.checkpoint_id, tuple(stats))
-
-    def _verdict(self, step: int) -> Verdict:
-        path = self.path(step)
-        try:
-            fingerprint = self._fingerprint(path)
-            if self._verified.get(path) == fingerprint:
-                return "verifies"
-            verify(path)
-        except (CorruptCheckpointError, OSError) as e:
-            if self._retired(step):
-                # Renamed away by retention after it was listed: gone, not damaged.
-                self._verified.pop(path, None)
-                return "retired"
-            log.warning("checkpoint %s fails verification, skipping it: %s", path, e)
-            return "damaged"
-        self._verified[path] = fingerprint
-        return "verifies"
-
-    def _retired(self, step: int) -> bool:
-        """Whether `step` is no longer committed here (retention takes the manifest away first)."""
-        return not os.path.exists(os.path.join(self.path(step), MANIFEST_NAME))
-
-    def _index_step(self) -> int | None:
-        """The step ``latest.json`` names, or None (no index yet, or unreadable: then logged)."""
-        return read_local_index(self.root).step
-
     def latest(self) -> int | None:
         """The newest step, up to the one the index names, whose checkpoint is committed and verifies, or None.
 
@@ -434,35 +389,6 @@ class Checkpointer:
         :data:`RESTORE_ATTEMPTS` times, then ``CheckpointNotFoundError`` says to try again.
         """
         return restore_point(self)[0]
-
-    def _local_latest(self) -> int | None:
-        indexed = self._index_step()
-        for _ in range(RESTORE_ATTEMPTS):
-            found, retired = self._newest_verified(indexed)
-            if found is not None:
-                return found
-            again = self._index_step()
-            if not retired and again == indexed:
-                return None
-            # A commit since the index was read: its retention may have taken every step listed.
-            indexed = again
-        raise CheckpointNotFoundError(
-            errno.ENOENT,
-            f"the steps chosen were retired while they were being checked, {RESTORE_ATTEMPTS} times in a row "
-            "(another process keeps saving here with a small keep=); nothing is damaged: try again",
-            self.root,
-        )
-
-    def _newest_verified(self, indexed: int | None) -> tuple[int | None, bool]:
-        """The newest committed step up to `indexed` that verifies (damaged ones are skipped), or
-        None; and whether a step was retired while it was checked (then the listing is stale)."""
-        for step in reversed(self.steps()):
-            if indexed is not None and step > indexed:
-                continue
-            verdict = self._verdict(step)
-            if verdict != "damaged":
-                return (step, False) if verdict == "verifies" else (None, True)
-        return None, False
 
     def load(
         self,
@@ -506,7 +432,7 @@ class Checkpointer:
             try:
                 return self._load_step(step, out, map_location, namedtuple_types)
             except CheckpointNotFoundError:
-                if not self._retired(step):
+                if not self.local.retired(step):
                     raise
                 log.info("step %d was retired before it could be read; loading the newest step again", step)
         return self._load_step(self._latest_or_raise(), out, map_location, namedtuple_types)

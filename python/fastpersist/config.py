@@ -9,11 +9,43 @@ from typing import Literal, NamedTuple
 
 import fastpersist._core as _core
 
-from .gpu.arenas import min_pinned_bytes
+from .arguments import given_paths
 from .tuning.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
 from .tuning.resolve import pool_chunk_cap, settle
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_QUEUE_DEPTH", "Config", "Resolved", "SaveResult", "given_config", "resolve"]
+__all__ = [
+    "ARENA_GRANULE_BYTES",
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_QUEUE_DEPTH",
+    "Config",
+    "Resolved",
+    "SaveResult",
+    "given_config",
+    "granules",
+    "min_pinned_bytes",
+    "resolve",
+]
+
+#: A pinned arena's size is a whole number of these (its mapping's huge pages): the rule
+#: ``Config.pinned_bytes`` is checked by and ``gpu/arenas.py`` sizes arenas by.
+ARENA_GRANULE_BYTES = 2 << 20
+
+
+def granules(nbytes: int) -> int:
+    """`nbytes` rounded up to the arenas' granule (never less than one)."""
+    return max(1, -(-nbytes // ARENA_GRANULE_BYTES)) * ARENA_GRANULE_BYTES
+
+
+def min_pinned_bytes(chunk_bytes: int) -> int:
+    """The least ``Config.pinned_bytes`` that holds an arena of one chunk of `chunk_bytes`: an
+    arena is never smaller than a chunk, and comes in whole granules.
+
+    Example:
+        >>> min_pinned_bytes(8 << 20), min_pinned_bytes(4096)
+        (8388608, 2097152)
+    """
+    return granules(chunk_bytes)
+
 
 _BACKENDS = ("auto", "io_uring", "threads")
 _DIRECT = ("auto", "require", "off")
@@ -124,9 +156,10 @@ class Config:
         if self.guard not in _GUARDS:
             raise bad("guard", self.guard, " | ".join(_GUARDS) + " (see docs/overlap.md)")
         if self.stripes is not None:
-            if isinstance(self.stripes, (str, bytes)) or not len(self.stripes):
+            stripes = given_paths(self.stripes, "stripes", "Config")
+            if not stripes:
                 raise bad("stripes", self.stripes, "None or a non-empty list of directories")
-            object.__setattr__(self, "stripes", tuple(os.path.abspath(os.fspath(s)) for s in self.stripes))
+            object.__setattr__(self, "stripes", tuple(os.path.abspath(s) for s in stripes))
 
     def _check_pinned_bytes_hold_a_chunk(self, pinned_bytes: int) -> None:
         """A device save stages through an arena of at least one chunk: a bound below that

@@ -45,14 +45,12 @@ import torch
 
 import fastpersist._core as _core
 
+from ..config import ARENA_GRANULE_BYTES, granules, min_pinned_bytes
 from .pinned import pin_host
 
 __all__ = ["ARENAS", "Arenas", "ArenasBusy", "auto_pinned_bytes", "granules", "min_pinned_bytes", "pinned_cap_bytes"]
 
 log = logging.getLogger("fastpersist")
-
-#: An arena's size is a whole number of these (its mapping's huge pages).
-ARENA_GRANULE_BYTES = 2 << 20
 
 
 def auto_pinned_bytes() -> int:
@@ -69,17 +67,6 @@ def auto_pinned_bytes() -> int:
 def pinned_cap_bytes(pinned_bytes: int | str) -> int:
     """The bound on a process's arenas for ``Config.pinned_bytes``."""
     return auto_pinned_bytes() if pinned_bytes == "auto" else int(pinned_bytes)
-
-
-def min_pinned_bytes(chunk_bytes: int) -> int:
-    """The least ``Config.pinned_bytes`` that holds an arena of one chunk of `chunk_bytes`: an
-    arena is never smaller than a chunk, and comes in whole granules.
-
-    Example:
-        >>> min_pinned_bytes(8 << 20), min_pinned_bytes(4096)
-        (8388608, 2097152)
-    """
-    return granules(chunk_bytes)
 
 
 class ArenasBusy(RuntimeError):
@@ -392,11 +379,6 @@ def _below_one_chunk(cap_bytes: int, min_bytes: int) -> ValueError:
         f"of chunk_bytes={min_bytes} needs at least {min_pinned_bytes(min_bytes)} bytes, in whole arena "
         "granules; raise pinned_bytes, or lower chunk_bytes"
     )
-
-
-def granules(nbytes: int) -> int:
-    """`nbytes` rounded up to the arenas' granule (never less than one)."""
-    return max(1, -(-nbytes // ARENA_GRANULE_BYTES)) * ARENA_GRANULE_BYTES
 
 
 #: The arenas of this process.

@@ -77,7 +77,7 @@ class PartnerLevel:
 
     def _reports(self) -> list[Any]:
         control = self.control()
-        mine = node_report(control.rank, self.ck.root, self.ck._index_step())
+        mine = node_report(control.rank, self.ck.root, self.ck.local.index_step())
         return control.all_gather(mine)
 
     def latest(self) -> int | None:

@@ -44,7 +44,7 @@ def restore_point(ck: Any) -> tuple[int | None, Any]:
     level holds the step its index names: no remote step may be newer."""
     if ck.group is not None:
         ck._saves.finish_all()  # its commit thread's collectives (retention, the run id) come first
-    local = ck._partner.latest() if ck._partner is not None else ck._local_latest()
+    local = ck._partner.latest() if ck._partner is not None else ck.local.latest()
     if ck._remote is None:
         return local, None
     identity = local_identity(ck)
