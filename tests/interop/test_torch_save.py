@@ -322,30 +322,56 @@ class serialization_method:  # torch's own name for it
 
 
 @pytest.mark.parametrize("use_zip", [True, False], ids=["zip", "legacy"])
-def test_a_wrapped_torch_save_gets_only_the_arguments_given(workdir: str, use_zip: bool) -> None:
+def test_a_wrapped_torch_save_is_not_called_by_the_hand_over(workdir: str, use_zip: bool) -> None:
+    """Given exactly the arguments its caller gave, what fp.torch_save hands over is written by
+    torch's own save: a wrapper bound to torch.save (torch's tests refuse an explicit
+    _use_new_zipfile_serialization there) is not called by fp.torch_save."""
     state = {"w": torch.arange(6.0), "n": 3}
-    expected = torch_bytes(state, _use_new_zipfile_serialization=use_zip)
     with serialization_method(use_zip) as wrapped:
-        buf = io.BytesIO()  # a file object: written by torch.save, as the wrapper chose
+        buf = io.BytesIO()  # a file object: written by torch's own save, in its default format
         assert fp.torch_save(state, buf).backend == "torch.save"
         path = os.path.join(workdir, "missing-dir", "x.pt")  # torch.save reports it, as itself
-        with pytest.raises((RuntimeError, FileNotFoundError)):  # what torch.save raises in that format
+        with pytest.raises((RuntimeError, FileNotFoundError)):
             fp.torch_save(state, path)
         protocol_buf = io.BytesIO()
         fp.torch_save(state, protocol_buf, pickle_protocol=2, _disable_byteorder_record=True)
-        fast = os.path.join(workdir, "fast.pt")  # the fast path calls no torch.save the caller sees
+        legacy = io.BytesIO()
+        fp.torch_save(state, legacy, _use_new_zipfile_serialization=False)
+        fast = os.path.join(workdir, "fast.pt")
         assert fp.torch_save(state, fast).backend != "torch.save"
-        with pytest.raises(RuntimeError, match="Cannot set method manually"):  # given: passed on, as torch.save would
-            fp.torch_save(state, io.BytesIO(), _use_new_zipfile_serialization=True)
-    assert wrapped.calls == [
-        {},
-        {},
-        {"pickle_protocol": 2, "_disable_byteorder_record": True},
-        {"_use_new_zipfile_serialization": True},
-    ]
-    assert buf.getvalue() == expected and zipfile.is_zipfile(io.BytesIO(buf.getvalue())) == use_zip
-    assert_same(state, torch.load(io.BytesIO(protocol_buf.getvalue()), weights_only=True))
+    assert wrapped.calls == []
+    assert buf.getvalue() == torch_bytes(state) and not zipfile.is_zipfile(io.BytesIO(legacy.getvalue()))
+    assert protocol_buf.getvalue() == torch_bytes(state, pickle_protocol=2, _disable_byteorder_record=True)
+    for out in (protocol_buf, legacy):
+        assert_same(state, torch.load(io.BytesIO(out.getvalue()), weights_only=True))
     assert_same(state, torch.load(fast, weights_only=True))
+
+
+@pytest.mark.parametrize("use_zip", [True, False], ids=["zip", "legacy"])
+def test_torch_save_bound_to_fp_torch_save_hands_over_without_recursion(
+    workdir: str, use_zip: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``torch.save = fp.torch_save`` installs the drop-in for a whole program; every route
+    works through it, and so does a wrapper around it (torch's tests wrap torch.save so)."""
+    state = {"w": torch.arange(6.0), "n": 3}
+    monkeypatch.setattr(torch, "save", fp.torch_save)
+    outs = {"file object": io.BytesIO(), "legacy": io.BytesIO(), "custom pickle module": io.BytesIO()}
+    torch.save(state, outs["file object"])
+    torch.save(state, outs["legacy"], _use_new_zipfile_serialization=False)
+    torch.save(state, outs["custom pickle module"], pickle_module=pickle)
+    fast = os.path.join(workdir, "fast.pt")
+    assert torch.save(state, fast).backend != "torch.save"
+    with serialization_method(use_zip) as wrapped:  # wraps fp.torch_save now
+        wrapped_out = io.BytesIO()
+        torch.save(state, wrapped_out)
+        wrapped_path = os.path.join(workdir, "wrapped.pt")
+        torch.save(state, wrapped_path)
+    assert wrapped.calls == [{}, {}]
+    assert zipfile.is_zipfile(io.BytesIO(wrapped_out.getvalue())) == use_zip
+    for out in [*outs.values(), wrapped_out]:
+        assert_same(state, torch.load(io.BytesIO(out.getvalue()), weights_only=True))
+    for path in (fast, wrapped_path):
+        assert_same(state, torch.load(path, weights_only=True))
 
 
 def test_the_legacy_format_is_written_by_torch_save(workdir: str, debug_log: pytest.LogCaptureFixture) -> None:

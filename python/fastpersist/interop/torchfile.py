@@ -293,9 +293,10 @@ def torch_save(
     ``torch.save`` leaves them. The file is written to a temporary name, fsynced and renamed
     into place (durable on return when ``config.durable``, the default).
 
-    Everything else is handed to ``torch.save`` itself (with exactly the arguments given: one
-    left out is left out, so torch's defaults apply and a wrapper of ``torch.save`` sees the
-    call as made), with a DEBUG log saying why, and
+    Everything else is handed to torch's own ``torch.save`` (with exactly the arguments given:
+    one left out is left out, so torch's defaults apply; never to what ``torch.save`` is bound
+    to, so ``torch.save = fp.torch_save`` installs the drop-in everywhere), with a DEBUG log
+    saying why, and
     behaves exactly as it does (same output, same exceptions): a file object (``io.BytesIO``,
     anything with ``write``), ``_use_new_zipfile_serialization=False``, a custom
     ``pickle_module``, a path whose directory is missing, a device or FIFO (never renamed

@@ -2,11 +2,15 @@
 route through ``torch.save`` itself.
 
 ``fp.torch_save`` passes on exactly the arguments its caller gave (a left-out one stays left
-out, so torch's defaults apply and a wrapper of ``torch.save`` sees the call as made):
-:data:`TORCH_DEFAULT` marks the ones not given. A path with the zip format and the standard
-``pickle`` takes the engine's path (:mod:`.torchfile`); :func:`torch_save_route` says why
-anything else goes to ``torch.save`` unchanged, and :func:`save_elsewhere` makes that call
-(a path fsynced afterwards when the config is durable).
+out, so torch's defaults apply): :data:`TORCH_DEFAULT` marks the ones not given. It hands them
+to torch's own function (``torch.serialization.save`` as this module found it), never to
+whatever ``torch.save`` is bound to at the time: a program that installs the drop-in with
+``torch.save = fp.torch_save``, or a wrapper around it, would otherwise call itself forever.
+
+A path with the zip format and the standard ``pickle`` takes the engine's path
+(:mod:`.torchfile`); :func:`torch_save_route` says why anything else goes to torch's own save
+unchanged, and :func:`save_elsewhere` makes that call (a path fsynced afterwards when the
+config is durable).
 
 Example:
     >>> torch_save_route("/tmp/x.pt", TorchSaveArgs.of(TORCH_DEFAULT, TORCH_DEFAULT, False, TORCH_DEFAULT))
@@ -31,6 +35,7 @@ from ..config import Config, SaveResult
 
 __all__ = [
     "TORCH_DEFAULT",
+    "TORCH_OWN_SAVE",
     "TorchSaveArgs",
     "save_elsewhere",
     "save_with_torch",
@@ -51,12 +56,14 @@ class _TorchDefault:
 #: The default of every ``torch.save`` argument of :func:`torch_save`: not passed on when left.
 TORCH_DEFAULT: Any = _TorchDefault()
 
+#: torch's own ``save``, taken before anyone could bind ``torch.save`` to ``fp.torch_save``.
+TORCH_OWN_SAVE = torch.serialization.save
+
 
 @dataclass(frozen=True)
 class TorchSaveArgs:
     """``torch.save``'s arguments past ``obj`` and ``f`` that the caller gave, by torch's
-    names: only those are passed on when ``torch.save`` writes (code that wraps ``torch.save``,
-    as torch's own tests do, may refuse an explicit ``_use_new_zipfile_serialization``)."""
+    names: only those are passed on when torch's own save writes."""
 
     given: dict[str, Any] = field(default_factory=dict)
 
@@ -85,9 +92,8 @@ class TorchSaveArgs:
         return cast(bool, self.given.get("_disable_byteorder_record", False))
 
     def save(self, obj: object, f: str | os.PathLike[str] | IO[bytes]) -> None:
-        """``torch.save(obj, f)`` with exactly the arguments given (``torch.save`` as it is now
-        bound: a wrapper the caller installed sees the call the caller made)."""
-        torch.save(obj, f, **self.given)
+        """torch's own ``save(obj, f)`` with exactly the arguments given (:data:`TORCH_OWN_SAVE`)."""
+        TORCH_OWN_SAVE(obj, f, **self.given)
 
 
 def torch_save_route(f: object, args: TorchSaveArgs) -> str | None:
