@@ -1,0 +1,362 @@
+"""Hugging Face ``Trainer`` checkpoints overlapped with training: :class:`FastPersistTrainer`
+and :class:`FastPersistTrainerMixin` (to combine with another ``Trainer`` subclass).
+
+    >>> from fastpersist.integrations.hf_trainer import FastPersistTrainer
+    >>> trainer = FastPersistTrainer(model=model, args=args, train_dataset=data)   # doctest: +SKIP
+    >>> trainer.train(resume_from_checkpoint=True)                                 # doctest: +SKIP
+
+A checkpoint holds the files ``Trainer`` writes, under their names, in their formats, so a
+stock ``Trainer`` resumes from it and ``from_pretrained`` reads its weights:
+
+* the weights (``model.safetensors``, ``config.json``, ...) are written by ``Trainer._save``
+  itself, on a background thread, from a copy of the state dict taken at the save (tied
+  weights stay tied in the copy): the copy is the staging, one memory copy of the weights;
+* ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` (and ``scaler.pt``) are written by
+  :func:`fastpersist.torch_save_async`: ``torch.load``'s format with real zip CRC-32s, which
+  Trainer's own loader reads, staged from the tensors themselves (no copy of the optimizer
+  state) with the mutation guard watching them.
+
+The save returns once the copy is taken and the files' writes have started; the writes go on
+during the next steps. A checkpoint is assembled in ``.fastpersist-checkpoint-N`` (a name that
+neither ``get_last_checkpoint`` nor ``save_total_limit`` rotation matches); once every file of
+it is durable, ``trainer_state.json`` is written and fsynced, then the directory is renamed to
+``checkpoint-N`` and its parent fsynced. So ``resume_from_checkpoint=True`` only ever finds a
+checkpoint that is complete, and rotation runs after that rename: it never deletes a checkpoint
+before its successor is durable. A kill -9 mid-save leaves the previous checkpoints as they were
+and a staging directory that the next save removes.
+
+Where the waits sit in Trainer's loop (``_save_checkpoint`` runs after ``optimizer.step()``):
+
+* before the next ``optimizer.step()`` (a step pre-hook on the torch optimizer): staging of the
+  optimizer state ends; the step then modifies nothing a save still reads;
+* before a new checkpoint starts: the previous one commits (at most one in flight, so a
+  checkpoint slower than the save interval slows the loop rather than queueing);
+* at the end of ``train()`` (before ``load_best_model_at_end`` and the final rotation) and at
+  its start, and before any load (``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
+  ``_load_rng_state``, ``_load_best_model``): the checkpoint in flight commits;
+* :meth:`FastPersistTrainerMixin.wait_for_checkpoint` waits for it on demand.
+
+One process only: DeepSpeed, FSDP, XLA, SageMaker and multi-process runs (whose ranks would
+need a barrier before the rename) are refused at the first save, naming the setting; use
+``transformers.Trainer`` there.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+try:
+    import transformers
+    from transformers.trainer_callback import ExportableState
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+    from transformers.utils.import_utils import is_sagemaker_mp_enabled, is_torch_xla_available
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("fastpersist.integrations.hf_trainer needs transformers: pip install transformers") from e
+
+import fastpersist._core as _core
+
+from ..config import Config
+from ..format.layout import write_small_file
+from ..futures import SaveFuture
+from ..interop.torchasync import torch_save_async
+
+__all__ = ["STAGING_PREFIX", "FastPersistTrainer", "FastPersistTrainerMixin", "HFCheckpoint"]
+
+log = logging.getLogger("fastpersist")
+
+#: Where a checkpoint is assembled before its rename: no ``checkpoint-*`` name, so Trainer never sees it.
+STAGING_PREFIX = ".fastpersist-"
+TRAINER_STATE_NAME = "trainer_state.json"
+
+
+def snapshot_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of `state`'s tensors; entries that shared memory (tied weights) share the copy,
+    so ``save_pretrained`` sees the same ties as in the model."""
+    copies: dict[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], str], torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), str(t.device))
+        if key not in copies:
+            copies[key] = t.detach().clone()
+        out[name] = copies[key]
+    return out
+
+
+def _fsync_tree(path: str) -> None:
+    """fsyncs every regular file under `path`, then each directory (deepest first)."""
+    for root, _dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            full = os.path.join(root, name)
+            if os.path.isfile(full) and not os.path.islink(full):
+                _core.fsync_path(full)
+        _core.fsync_dir(root)
+
+
+@dataclasses.dataclass
+class HFCheckpoint:
+    """One Trainer checkpoint in flight: its files being written into `staging`, committed as
+    `final` by :meth:`commit` (on the trainer's checkpoint thread)."""
+
+    staging: str
+    final: str
+    futures: list[SaveFuture]
+    trainer_state_json: str
+    save_weights: Any  # () -> None: Trainer._save into `staging` from the copy of the weights
+    rotate: Any  # () -> None: the trainer's save_total_limit rotation
+
+    def wait_staged(self) -> None:
+        """Returns once the optimizer state may be modified (the weights are a copy already)."""
+        for fut in self.futures:
+            fut.wait_staged()
+
+    def commit(self) -> str:
+        """Writes the weights, waits for every file, then trainer_state.json, the rename and
+        the rotation; returns `final`. A failure leaves `final` untouched and raises."""
+        try:
+            self.save_weights()
+            for fut in self.futures:
+                fut.wait()
+            _fsync_tree(self.staging)  # what Trainer._save wrote without fsync (weights, config, args)
+            write_small_file(
+                os.path.join(self.staging, TRAINER_STATE_NAME), self.trainer_state_json.encode(), durable=True
+            )
+            self._rename_into_place()
+        except BaseException:
+            for fut in self.futures:
+                fut.cancel()
+            raise
+        self.rotate()
+        return self.final
+
+    def _rename_into_place(self) -> None:
+        parent = os.path.dirname(self.final)
+        old = None
+        if os.path.lexists(self.final):  # the same step saved again: the new one replaces it
+            old = os.path.join(parent, f"{STAGING_PREFIX}old-{os.path.basename(self.final)}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(self.final, old)
+        os.replace(self.staging, self.final)
+        _core.fsync_dir(parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _unsupported_setting(trainer: Any) -> str | None:
+    """The Trainer setting this integration does not handle, if any (named for the error)."""
+    args = trainer.args
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return "DeepSpeed (args.deepspeed)"
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
+        return "FSDP (args.fsdp)"
+    if is_torch_xla_available():
+        return "XLA (torch_xla is installed)"
+    if is_sagemaker_mp_enabled():
+        return "SageMaker model parallelism"
+    if args.world_size > 1:
+        return f"a multi-process run (args.world_size={args.world_size})"
+    if args.push_to_hub:
+        return "args.push_to_hub=True"
+    return None
+
+
+class FastPersistTrainerMixin:
+    """Overrides ``Trainer``'s checkpoint save so it overlaps with training (module docstring).
+
+    Put it first among the bases: ``class MyTrainer(FastPersistTrainerMixin, SFTTrainer)``.
+    `fastpersist_config` (keyword of ``__init__``) sets the engine knobs of the
+    ``torch_save_async`` writes.
+    """
+
+    # Set by Trainer; declared for the type checker.
+    args: Any
+    state: Any
+    control: Any
+    callback_handler: Any
+    optimizer: Any
+    lr_scheduler: Any
+    accelerator: Any
+    hp_search_backend: Any
+    model: Any
+
+    def __init__(self, *args: Any, fastpersist_config: Config | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if fastpersist_config is not None and not isinstance(fastpersist_config, Config):
+            raise TypeError(
+                f"fastpersist_config={fastpersist_config!r}: expected a fastpersist.Config (or None for the defaults)"
+            )
+        self.fastpersist_config = fastpersist_config or Config()
+        self._fp_in_flight: HFCheckpoint | None = None
+        self._fp_commit: concurrent.futures.Future[str] | None = None
+        self._fp_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fastpersist-hf-checkpoint")
+        self._fp_guarded: Any = None
+        self._fp_guard_handle: Any = None
+
+    # ---- the waits ----
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Blocks until the checkpoint in flight is durable, renamed and rotated; returns its
+        directory (None if none was in flight). Raises the save's error, once."""
+        commit, self._fp_commit, self._fp_in_flight = self._fp_commit, None, None
+        return None if commit is None else commit.result()
+
+    def _fp_wait_staged(self) -> None:
+        if self._fp_in_flight is not None:
+            self._fp_in_flight.wait_staged()
+
+    def _fp_guard(self) -> None:
+        """The step pre-hook on the torch optimizer under Accelerate's wrapper (whose own step
+        bypasses hooks registered on the wrapper)."""
+        inner = self.optimizer
+        while hasattr(inner, "optimizer") and isinstance(inner.optimizer, torch.optim.Optimizer):
+            inner = inner.optimizer
+        if inner is self._fp_guarded:
+            return
+        if self._fp_guard_handle is not None:
+            self._fp_guard_handle.remove()
+        self._fp_guard_handle = inner.register_step_pre_hook(lambda *_: self._fp_wait_staged())
+        self._fp_guarded = inner
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self.wait_for_checkpoint()  # resume_from_checkpoint=True must see the newest one
+        try:
+            return super().train(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.wait_for_checkpoint()
+
+    def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
+        self.wait_for_checkpoint()  # load_best_model_at_end and the last rotation read the checkpoints
+        return super()._finalize_training(*args, **kwargs)  # type: ignore[misc]
+
+    def _load_from_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        self.wait_for_checkpoint()
+        return super()._load_from_checkpoint(*args, **kwargs)  # type: ignore[misc]
+
+    def _load_optimizer_and_scheduler(self, *args: Any, **kwargs: Any) -> Any:
+        self.wait_for_checkpoint()
+        return super()._load_optimizer_and_scheduler(*args, **kwargs)  # type: ignore[misc]
+
+    def _load_rng_state(self, *args: Any, **kwargs: Any) -> Any:
+        self.wait_for_checkpoint()
+        return super()._load_rng_state(*args, **kwargs)  # type: ignore[misc]
+
+    def _load_best_model(self, *args: Any, **kwargs: Any) -> Any:
+        self.wait_for_checkpoint()
+        return super()._load_best_model(*args, **kwargs)  # type: ignore[misc]
+
+    # ---- the save ----
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        unsupported = _unsupported_setting(self)
+        if unsupported is not None:
+            raise ValueError(
+                f"FastPersistTrainer does not overlap checkpoints with {unsupported}; "
+                "use transformers.Trainer (or drop the mixin) for this run"
+            )
+        self.wait_for_checkpoint()
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()  # type: ignore[attr-defined]
+        run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
+        final = os.path.join(run_dir, name)
+        staging = os.path.join(run_dir, STAGING_PREFIX + name)
+        os.makedirs(run_dir, exist_ok=True)
+        _remove_leftovers(run_dir)
+        os.makedirs(staging)
+
+        weights = snapshot_state_dict(self.model.state_dict())
+        futures = [] if self.args.save_only_model else self._fp_start_training_state(staging)
+        self._fp_record_best(run_dir, name)
+        checkpoint = HFCheckpoint(
+            staging=staging,
+            final=final,
+            futures=futures,
+            trainer_state_json=self._fp_trainer_state_json(),
+            save_weights=lambda: self._save(staging, state_dict=weights),  # type: ignore[attr-defined]
+            rotate=self._fp_rotation(run_dir),
+        )
+        self._fp_in_flight = checkpoint
+        self._fp_commit = self._fp_thread.submit(checkpoint.commit)
+        if futures:
+            self._fp_guard()
+
+    def _fp_start_training_state(self, staging: str) -> list[SaveFuture]:
+        """Starts the writes of the optimizer, scheduler, scaler and RNG files into `staging`."""
+        config = self.fastpersist_config
+        futures = [torch_save_async(self.optimizer.state_dict(), os.path.join(staging, "optimizer.pt"), config=config)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the scheduler's "please also save the optimizer" warning
+            scheduler = self.lr_scheduler.state_dict()
+        futures.append(torch_save_async(scheduler, os.path.join(staging, "scheduler.pt"), config=config))
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None:
+            futures.append(torch_save_async(scaler.state_dict(), os.path.join(staging, "scaler.pt"), config=config))
+        rng: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "cpu": torch.random.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.random.get_rng_state()
+        futures.append(torch_save_async(rng, os.path.join(staging, "rng_state.pth"), config=config))
+        return futures
+
+    def _fp_record_best(self, run_dir: str, name: str) -> None:
+        """``state.best_model_checkpoint`` as Trainer sets it; the checkpoint being saved counts
+        as existing (Trainer checks for its directory, which it has already written)."""
+        best_step = self.state.best_global_step
+        if not best_step or self.args.save_strategy not in ("steps", "epoch", "best"):
+            return
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best_step}")
+        if best == os.path.join(run_dir, name) or os.path.exists(best):
+            self.state.best_model_checkpoint = best
+
+    def _fp_trainer_state_json(self) -> str:
+        """trainer_state.json's text now (the state goes on changing while the files are written)."""
+        for cb in [c for c in [*self.callback_handler.callbacks, self.control] if isinstance(c, ExportableState)]:
+            cb_name = cb.__class__.__name__
+            if isinstance(self.state.stateful_callbacks.get(cb_name), list):
+                self.state.stateful_callbacks[cb_name].append(cb.state())
+            else:
+                self.state.stateful_callbacks[cb_name] = cb.state()
+        return json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
+
+    def _fp_rotation(self, run_dir: str) -> Any:
+        limit = self.args.save_total_limit
+        best = self.state.best_model_checkpoint
+
+        def rotate() -> None:
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
+
+        return rotate
+
+
+def _remove_leftovers(run_dir: str) -> None:
+    """Removes staging directories a killed save left (none is in flight: the caller waited)."""
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(run_dir):
+            if entry.name.startswith(STAGING_PREFIX) and entry.is_dir(follow_symlinks=False):
+                log.info("removing %s: a checkpoint whose save did not finish", entry.path)
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+class FastPersistTrainer(FastPersistTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` whose checkpoints are written by fastpersist, overlapped with
+    the next steps (module docstring). Takes Trainer's arguments plus `fastpersist_config`.
+
+    Example:
+        >>> trainer = FastPersistTrainer(model=model, args=args, train_dataset=data)   # doctest: +SKIP
+        >>> trainer.train()                                                            # doctest: +SKIP
+        >>> trainer.train(resume_from_checkpoint=True)                                 # doctest: +SKIP
+    """

