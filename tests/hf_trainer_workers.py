@@ -1,9 +1,9 @@
 """The Hugging Face Trainer run of tests/integrations/test_hf_trainer.py: a tiny GPT-2 built from
 a config (nothing downloaded, dropout on, so the RNG state matters), deterministic data, CPU.
 
-Run as a script (``python hf_trainer_workers.py OUT STEPS``) it trains in OUT and makes every
-weights write after the first checkpoint slow, announcing it in OUT/slow-save, so that the
-test can kill it with SIGKILL while a checkpoint is in flight.
+Run as a script (``python hf_trainer_workers.py OUT``) it trains in OUT and makes every weights
+write after the first checkpoint hang, announcing it in OUT/slow-save, so that the test can
+kill it with SIGKILL while a checkpoint is in flight.
 """
 
 from __future__ import annotations
@@ -86,16 +86,25 @@ def make_trainer(out: str, base: type | None = None, **overrides: Any) -> Any:
 
 
 def _slow_after_first(out: str) -> type:
+    """FastPersistTrainer whose weights writes after the first checkpoint's never end (OUT/slow-save
+    names the checkpoint), and which writes how many steps it trained into OUT/steps."""
     from fastpersist.integrations.hf_trainer import FastPersistTrainer
 
     class SlowSaves(FastPersistTrainer):  # type: ignore[misc]
+        def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            loss: torch.Tensor = super().training_step(*args, **kwargs)
+            self.trained = getattr(self, "trained", 0) + 1
+            with open(os.path.join(out, "steps"), "w") as f:
+                f.write(str(self.trained))
+            return loss
+
         def _save(self, output_dir: str | None = None, state_dict: Any = None) -> None:
             super()._save(output_dir, state_dict)
             if os.path.basename(output_dir or "").endswith(f"-{SAVE_STEPS}"):
                 return
             with open(os.path.join(out, "slow-save"), "w") as f:
                 f.write(output_dir or "")
-            time.sleep(60)
+            time.sleep(600)
 
     return SlowSaves
 

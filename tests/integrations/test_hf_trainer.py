@@ -120,12 +120,15 @@ def test_a_kill_during_a_save_leaves_the_last_durable_checkpoint_which_resumes_e
     script = Path(workers.__file__)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stderr=subprocess.PIPE)
-    marker = tmp_path / "slow-save"
+    marker, steps = tmp_path / "slow-save", tmp_path / "steps"
     deadline = time.monotonic() + 120
-    while not marker.exists():
+    # Training goes on while checkpoint-4 is written, up to the next save (which waits for it).
+    while not (marker.exists() and steps.exists() and steps.read_text() == "6"):
         assert run.poll() is None, run.stderr.read().decode()[-3000:] if run.stderr else ""
-        assert time.monotonic() < deadline, "the worker never reached its second checkpoint"
+        assert time.monotonic() < deadline, "the worker never trained on to step 6 while checkpoint-4 was in flight"
         time.sleep(0.05)
+    time.sleep(0.5)
+    assert steps.read_text() == "6"  # and stopped there: at most one checkpoint in flight
     in_flight = marker.read_text()
     run.send_signal(signal.SIGKILL)
     assert run.wait(30) == -signal.SIGKILL
@@ -134,6 +137,7 @@ def test_a_kill_during_a_save_leaves_the_last_durable_checkpoint_which_resumes_e
     assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
 
     marker.unlink()
+    steps.unlink()
     resumed = _resumed_from(tmp_path / "checkpoint-2", tmp_path)
     assert resumed.losses == losses[2:]
     _assert_same_weights(resumed.model.state_dict(), weights)
@@ -146,3 +150,62 @@ def test_unsupported_settings_are_refused_at_the_first_save_naming_them(tmp_path
     with pytest.raises(ValueError, match=r"push_to_hub=True.*use transformers\.Trainer"):
         trainer._save_checkpoint(trainer.model, None)
     assert not list(tmp_path.iterdir())
+
+
+def _accelerate_steps(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, steps: range) -> list[float]:
+    """Optimizer steps over fixed batches (batch k: sequences 4k..4k+3); each step's exact loss."""
+    ids = workers.TokenData().ids
+    losses = []
+    model.train()
+    for step in steps:
+        batch = ids[4 * step : 4 * step + 4]
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _prepared(seed: int) -> Any:
+    from accelerate import Accelerator
+
+    from fastpersist.integrations.hf_accelerate import FastPersistStateHooks
+
+    accelerator = Accelerator(cpu=True)
+    model = workers.tiny_gpt2()
+    if seed:  # another starting point, which only the load can undo
+        torch.manual_seed(seed)
+        model = transformers.GPT2LMHeadModel(model.config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.8)
+    prepared = accelerator.prepare(model, optimizer, scheduler)
+    return accelerator, FastPersistStateHooks().install(accelerator), *prepared
+
+
+def test_accelerate_save_state_and_load_state_go_through_the_hooks_and_resume_exactly(tmp_path: Path) -> None:
+    from fastpersist.integrations.hf_accelerate import model_dir_name
+
+    accelerator, hooks, model, optimizer, scheduler = _prepared(seed=0)
+    _accelerate_steps(accelerator, model, optimizer, scheduler, range(2))
+    accelerator.save_state(str(tmp_path))  # returns with the weights' save in flight
+    expected = _accelerate_steps(accelerator, model, optimizer, scheduler, range(2, 4))  # steps wait for staging
+    (result,) = hooks.wait()
+    assert result.path == str(tmp_path / model_dir_name(0))
+    names = {p.name for p in tmp_path.iterdir()}
+    assert model_dir_name(0) in names and "optimizer.bin" in names and "model.safetensors" not in names
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+
+    accelerator, hooks, model, optimizer, scheduler = _prepared(seed=7)
+    accelerator.load_state(str(tmp_path))
+    assert _accelerate_steps(accelerator, model, optimizer, scheduler, range(2, 4)) == expected
+    _assert_same_weights(model.state_dict(), weights)
+
+    hooks.remove()  # a folder Accelerate wrote alone still loads with the hooks installed
+    plain = tmp_path / "plain"
+    accelerator.save_state(str(plain))
+    assert "model.safetensors" in {p.name for p in plain.iterdir()}
+    accelerator, hooks, model, optimizer, scheduler = _prepared(seed=7)
+    accelerator.load_state(str(plain))
+    _assert_same_weights(model.state_dict(), weights)
