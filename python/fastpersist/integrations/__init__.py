@@ -1,5 +1,6 @@
 """Helpers that wire fastpersist into training loops and frameworks: :mod:`.dcp`
-(torch.distributed.checkpoint), :mod:`.lightning`, and :func:`guard_optimizer` (defined in
+(torch.distributed.checkpoint), :mod:`.lightning`, :mod:`.deepspeed` (imports DeepSpeed: import
+it only where DeepSpeed is installed), and :func:`guard_optimizer` (defined in
 :mod:`fastpersist.saving.optimizer_guard`, below the Checkpointer that uses it)."""
 
 from __future__ import annotations
