@@ -144,6 +144,20 @@ def test_a_kill_during_a_save_leaves_the_last_durable_checkpoint_which_resumes_e
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(hf_trainer.STAGING_PREFIX)]
 
 
+def test_a_checkpoint_moved_aside_by_a_killed_resave_of_its_step_is_put_back_and_staging_removed(
+    uninterrupted: Any, tmp_path: Path
+) -> None:
+    losses, weights, out = uninterrupted
+    prefix = hf_trainer.STAGING_PREFIX
+    shutil.copytree(out / "checkpoint-4", tmp_path / f"{prefix}{hf_trainer.OLD_MARK}checkpoint-4")
+    shutil.copytree(out / "checkpoint-6", tmp_path / f"{prefix}checkpoint-4")  # the new one, never renamed
+    resumed = workers.make_trainer(str(tmp_path))
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.losses == losses[4:]
+    _assert_same_weights(resumed.model.state_dict(), weights)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(prefix)]
+
+
 def test_unsupported_settings_are_refused_at_the_first_save_naming_them(tmp_path: Path) -> None:
     trainer = workers.make_trainer(str(tmp_path))
     trainer.args.push_to_hub = True  # set after __init__, which would reach the Hub to make the repository

@@ -9,8 +9,10 @@ A checkpoint holds the files ``Trainer`` writes, under their names, in their for
 stock ``Trainer`` resumes from it and ``from_pretrained`` reads its weights:
 
 * the weights (``model.safetensors``, ``config.json``, ...) are written by ``Trainer._save``
-  itself, on a background thread, from a copy of the state dict taken at the save (tied
-  weights stay tied in the copy): the copy is the staging, one memory copy of the weights;
+  itself, on a background thread, from a copy of the state dict in host memory taken at the
+  save (tied weights stay tied in the copy): the copy is the staging, one memory copy of the
+  weights, whose buffers are kept and reused by the next save (host memory of the weights'
+  size, as fastpersist's snapshot pool);
 * ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` (and ``scaler.pt``) are written by
   :func:`fastpersist.torch_save_async`: ``torch.load``'s format with real zip CRC-32s, which
   Trainer's own loader reads, staged from the tensors themselves (no copy of the optimizer
@@ -23,7 +25,7 @@ it is durable, ``trainer_state.json`` is written and fsynced, then the directory
 ``checkpoint-N`` and its parent fsynced. So ``resume_from_checkpoint=True`` only ever finds a
 checkpoint that is complete, and rotation runs after that rename: it never deletes a checkpoint
 before its successor is durable. A kill -9 mid-save leaves the previous checkpoints as they were
-and a staging directory that the next save removes.
+and a staging directory that the next ``train()`` or save removes.
 
 Where the waits sit in Trainer's loop (``_save_checkpoint`` runs after ``optimizer.step()``):
 
@@ -79,17 +81,29 @@ log = logging.getLogger("fastpersist")
 #: Where a checkpoint is assembled before its rename: no ``checkpoint-*`` name, so Trainer never sees it.
 STAGING_PREFIX = ".fastpersist-"
 TRAINER_STATE_NAME = "trainer_state.json"
+#: Marks a committed checkpoint moved aside while a new save of its step takes its name.
+OLD_MARK = "old-"
 
 
-def snapshot_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy of `state`'s tensors; entries that shared memory (tied weights) share the copy,
-    so ``save_pretrained`` sees the same ties as in the model."""
+def snapshot_state_dict(
+    state: dict[str, torch.Tensor], into: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """A host-memory copy of `state`'s tensors (GPU weights too: the copy must not double the
+    device's memory); entries that shared memory (tied weights) share the copy, so
+    ``save_pretrained`` sees the same ties as in the model. The tensors of `into` (the previous
+    snapshot, no longer read by anyone) are reused where name, dtype and shape match."""
     copies: dict[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], str], torch.Tensor] = {}
+    reused: set[int] = set()
     out: dict[str, torch.Tensor] = {}
     for name, t in state.items():
         key = (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()), str(t.device))
         if key not in copies:
-            copies[key] = t.detach().clone()
+            old = None if into is None else into.get(name)
+            if old is not None and old.dtype == t.dtype and old.shape == t.shape and id(old) not in reused:
+                reused.add(id(old))
+                copies[key] = old.copy_(t.detach())
+            else:
+                copies[key] = torch.empty(t.shape, dtype=t.dtype, device="cpu").copy_(t.detach())
         out[name] = copies[key]
     return out
 
@@ -144,7 +158,9 @@ class HFCheckpoint:
         parent = os.path.dirname(self.final)
         old = None
         if os.path.lexists(self.final):  # the same step saved again: the new one replaces it
-            old = os.path.join(parent, f"{STAGING_PREFIX}old-{os.path.basename(self.final)}")
+            # A kill between these two renames leaves the old one under this name, which the
+            # next save's _remove_leftovers puts back.
+            old = os.path.join(parent, f"{STAGING_PREFIX}{OLD_MARK}{os.path.basename(self.final)}")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(self.final, old)
         os.replace(self.staging, self.final)
@@ -202,6 +218,7 @@ class FastPersistTrainerMixin:
         self._fp_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fastpersist-hf-checkpoint")
         self._fp_guarded: Any = None
         self._fp_guard_handle: Any = None
+        self._fp_snapshot: dict[str, torch.Tensor] | None = None
 
     # ---- the waits ----
 
@@ -230,10 +247,18 @@ class FastPersistTrainerMixin:
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self.wait_for_checkpoint()  # resume_from_checkpoint=True must see the newest one
+        if self.args.should_save:
+            _remove_leftovers(self.args.output_dir)
         try:
-            return super().train(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            self.wait_for_checkpoint()
+            result = super().train(*args, **kwargs)  # type: ignore[misc]
+        except BaseException:
+            try:  # the checkpoint in flight still commits; training's own error is the one to raise
+                self.wait_for_checkpoint()
+            except Exception:
+                log.exception("the checkpoint in flight when training failed did not commit")
+            raise
+        self.wait_for_checkpoint()
+        return result
 
     def _finalize_training(self, *args: Any, **kwargs: Any) -> Any:
         self.wait_for_checkpoint()  # load_best_model_at_end and the last rotation read the checkpoints
@@ -275,7 +300,7 @@ class FastPersistTrainerMixin:
         _remove_leftovers(run_dir)
         os.makedirs(staging)
 
-        weights = snapshot_state_dict(self.model.state_dict())
+        weights = self._fp_snapshot = snapshot_state_dict(self.model.state_dict(), into=self._fp_snapshot)
         futures = [] if self.args.save_only_model else self._fp_start_training_state(staging)
         self._fp_record_best(run_dir, name)
         checkpoint = HFCheckpoint(
@@ -343,12 +368,19 @@ class FastPersistTrainerMixin:
 
 
 def _remove_leftovers(run_dir: str) -> None:
-    """Removes staging directories a killed save left (none is in flight: the caller waited)."""
+    """Removes staging directories a killed save left (none is in flight: the caller waited),
+    and puts back a committed checkpoint that a killed save of the same step had moved aside."""
     with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir(run_dir):
-            if entry.name.startswith(STAGING_PREFIX) and entry.is_dir(follow_symlinks=False):
-                log.info("removing %s: a checkpoint whose save did not finish", entry.path)
-                shutil.rmtree(entry.path, ignore_errors=True)
+        for entry in sorted(os.scandir(run_dir), key=lambda e: e.name):
+            if not entry.name.startswith(STAGING_PREFIX) or not entry.is_dir(follow_symlinks=False):
+                continue
+            name = entry.name[len(STAGING_PREFIX) :]
+            if name.startswith(OLD_MARK) and not os.path.lexists(os.path.join(run_dir, name[len(OLD_MARK) :])):
+                os.replace(entry.path, os.path.join(run_dir, name[len(OLD_MARK) :]))
+                _core.fsync_dir(run_dir)
+                continue
+            log.info("removing %s: a checkpoint whose save did not finish", entry.path)
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 class FastPersistTrainer(FastPersistTrainerMixin, transformers.Trainer):
