@@ -119,12 +119,14 @@ def test_a_kill_during_a_save_leaves_the_last_durable_checkpoint_which_resumes_e
     losses, weights, _ = uninterrupted
     script = Path(workers.__file__)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stderr=subprocess.PIPE)
+    log = tmp_path.parent / f"{tmp_path.name}-worker.log"
+    with open(log, "wb") as out:
+        run = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stdout=out, stderr=out)
     marker, steps = tmp_path / "slow-save", tmp_path / "steps"
     deadline = time.monotonic() + 120
     # Training goes on while checkpoint-4 is written, up to the next save (which waits for it).
     while not (marker.exists() and steps.exists() and steps.read_text() == "6"):
-        assert run.poll() is None, run.stderr.read().decode()[-3000:] if run.stderr else ""
+        assert run.poll() is None, log.read_text()[-3000:]
         assert time.monotonic() < deadline, "the worker never trained on to step 6 while checkpoint-4 was in flight"
         time.sleep(0.05)
     time.sleep(0.5)

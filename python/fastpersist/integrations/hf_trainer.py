@@ -54,6 +54,7 @@ import os
 import random
 import shutil
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -127,8 +128,8 @@ class HFCheckpoint:
     final: str
     futures: list[SaveFuture]
     trainer_state_json: str
-    save_weights: Any  # () -> None: Trainer._save into `staging` from the copy of the weights
-    rotate: Any  # () -> None: the trainer's save_total_limit rotation
+    save_weights: Callable[[], None]  # Trainer._save into `staging`, from the copy of the weights
+    rotate: Callable[[], None]  # the trainer's save_total_limit rotation
 
     def wait_staged(self) -> None:
         """Returns once the optimizer state may be modified (the weights are a copy already)."""
@@ -357,7 +358,7 @@ class FastPersistTrainerMixin:
                 self.state.stateful_callbacks[cb_name] = cb.state()
         return json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
 
-    def _fp_rotation(self, run_dir: str) -> Any:
+    def _fp_rotation(self, run_dir: str) -> Callable[[], None]:
         limit = self.args.save_total_limit
         best = self.state.best_model_checkpoint
 
