@@ -141,3 +141,21 @@ def test_fastpersist_imports_no_deepspeed_and_the_integration_says_what_is_missi
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "needs DeepSpeed: pip install deepspeed" in done.stdout
+
+
+def test_the_docs_recipe_runs_and_resumes(tmp_path: Any) -> None:
+    """docs/integrations.md's DeepSpeed recipe, run as it says (torchrun, 2 CPU ranks), twice."""
+    docs = os.path.join(os.path.dirname(TESTS_DIR), "docs", "integrations.md")
+    with open(docs) as f:
+        section = f.read().split("## DeepSpeed", 1)[1]
+    recipe = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "train.py").write_text(recipe)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"]
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    for run in ("first", "resumed"):
+        done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
+        assert done.returncode == 0, f"the {run} run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        assert (tmp_path / "ckpt" / "latest").read_text() == "global_step40"
+    tags = sorted(p.name for p in (tmp_path / "ckpt").glob("global_step*"))
+    assert tags == [f"global_step{n}" for n in (10, 20, 30, 40)]
+    assert "Unable to find latest file" not in done.stderr + done.stdout  # the second run loaded it
