@@ -65,17 +65,18 @@ def _hold_manifests(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     return gate
 
 
-def _fail_next_manifest(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """The next save fails with ENOSPC at its manifest, once the returned event is set; later ones pass."""
+def _fail_manifest(monkeypatch: pytest.MonkeyPatch, nth: int = 1) -> threading.Event:
+    """The `nth` save from now fails with ENOSPC at its manifest, once the returned event is set;
+    the others pass."""
     gate = threading.Event()
     write_manifest = job.write_manifest
-    failed = False
+    calls = 0
 
     def full(directory: str, manifest: bytes, *, durable: bool) -> None:
-        nonlocal failed
-        if failed:
+        nonlocal calls
+        calls += 1
+        if calls != nth:
             return write_manifest(directory, manifest, durable=durable)
-        failed = True
         assert gate.wait(60), "the test never released the save"
         raise OSError(errno.ENOSPC, "No space left on device (simulated)", directory)
 
@@ -159,6 +160,18 @@ def test_overlapped_saves_resume_exactly(tmp_path: Any) -> None:
     _same_training_state(reference, resumed)
 
 
+def test_a_failed_save_stops_the_fit_at_the_next_save_and_leaves_the_previous_checkpoints(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, ckdir = str(tmp_path), str(tmp_path / "ck")
+    _fail_manifest(monkeypatch, nth=3).set()  # epoch 1's top-k save fails in the background
+    with pytest.raises(OSError, match="simulated") as caught:  # raised by the save of last.ckpt after it
+        trainer(root, 4, FastPersistAsyncCheckpointIO(), callbacks=[rotation(ckdir)]).fit(seeded_model(), loader())
+    assert caught.value.errno == errno.ENOSPC
+    assert sorted(os.listdir(ckdir)) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert fp.load(os.path.join(ckdir, "last.ckpt"))["global_step"] == STEPS_PER_EPOCH
+
+
 # ------------------------------------------------------------------------- overlapped: the plug-in's calls
 
 
@@ -184,7 +197,7 @@ def test_a_background_failure_is_raised_by_the_next_call_and_its_predecessor_kep
     io = FastPersistAsyncCheckpointIO()
     io.save_checkpoint(_checkpoint(1), older)
     io.wait()
-    gate = _fail_next_manifest(monkeypatch)
+    gate = _fail_manifest(monkeypatch)
     io.save_checkpoint(_checkpoint(2), newer)  # staged; its commit will fail
     io.remove_checkpoint(older)
     gate.set()
@@ -205,7 +218,7 @@ def test_teardown_raises_a_failure_no_call_raised_and_says_what_it_kept(
     io = FastPersistAsyncCheckpointIO()
     io.save_checkpoint(_checkpoint(1), older)
     io.wait()
-    gate = _fail_next_manifest(monkeypatch)
+    gate = _fail_manifest(monkeypatch)
     io.save_checkpoint(_checkpoint(2), newer)
     io.remove_checkpoint(older)
     gate.set()
@@ -240,24 +253,36 @@ def test_removing_the_path_being_saved_cancels_that_save(tmp_path: Any, monkeypa
 # ------------------------------------------------------------------------- overlapped: kill -9
 
 
-def test_a_kill_during_an_overlapped_save_leaves_the_previous_checkpoints_and_resume_is_exact(tmp_path: Any) -> None:
+@pytest.mark.parametrize(
+    ("held", "held_name", "left", "last_step"),
+    [
+        # Saves 1-4 are epochs 0 and 1 (top-k, then last.ckpt). Save 5, epoch 2's top-k, held:
+        # epoch=0's removal waited for it, so it stays, and last.ckpt is epoch 1's.
+        (5, "epoch=2-step=12.ckpt", ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"], 8),
+        # Save 6, last.ckpt replacing itself, held: epoch 2's top-k is durable (epoch=0 went
+        # when it was), and last.ckpt is still epoch 1's whole checkpoint.
+        (6, "last.ckpt", ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt", "last.ckpt"], 8),
+    ],
+    ids=["top-k-save-in-flight", "last-ckpt-in-flight"],
+)
+def test_a_kill_during_an_overlapped_save_leaves_the_previous_checkpoints_and_resume_is_exact(
+    tmp_path: Any, held: int, held_name: str, left: list[str], last_step: int
+) -> None:
     root, ckdir = str(tmp_path), str(tmp_path / "ck")
-    # Saves 1-4 are epochs 0 and 1 (top-k, then last.ckpt); save 5, epoch 2's top-k, is held
-    # before its manifest and the process killed there, while the save is in flight.
-    child = subprocess.Popen([sys.executable, WORKER, root, "5"], stdout=subprocess.PIPE, text=True)
-    _kill_when(child, "holding")
+    child = subprocess.Popen([sys.executable, WORKER, root, str(held)], stdout=subprocess.PIPE, text=True)
+    _kill_when(child, "holding")  # the held save's data files are written, its manifest is not
     assert child.returncode == -signal.SIGKILL
 
-    # epoch=0's removal waited for epoch=2's save, which never became durable: it stays.
-    assert _visible(ckdir) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
-    for name in _visible(ckdir):
+    assert _visible(ckdir) == left
+    for name in left:
         fp.verify(os.path.join(ckdir, name))
     last = os.path.join(ckdir, "last.ckpt")
-    assert fp.load(last)["global_step"] == 8
-    (leftover,) = [n for n in os.listdir(ckdir) if n.startswith(".epoch=2-step=12.ckpt.")]
+    assert fp.load(last)["global_step"] == last_step
+    (leftover,) = [n for n in os.listdir(ckdir) if n.startswith(f".{held_name}.")]
     with pytest.raises(fp.FastPersistError):
         fp.load(os.path.join(ckdir, leftover))  # the half-written save does not load
-    assert fp.clean(ckdir) == [os.path.join(ckdir, leftover)]
+    assert os.path.join(ckdir, leftover) in fp.clean(ckdir)  # (with a removed tree the kill beat the remover to)
+    assert sorted(os.listdir(ckdir)) == left
 
     reference = seeded_model()
     trainer(str(tmp_path / "ref"), 4, FastPersistAsyncCheckpointIO(), enable_checkpointing=False).fit(
@@ -265,7 +290,7 @@ def test_a_kill_during_an_overlapped_save_leaves_the_previous_checkpoints_and_re
     )
     resumed = seeded_model(seed=1)
     trainer(root, 4, FastPersistAsyncCheckpointIO(), callbacks=[rotation(ckdir)]).fit(resumed, loader(), ckpt_path=last)
-    assert resumed.losses == reference.losses[2 * STEPS_PER_EPOCH :]
+    assert resumed.losses == reference.losses[last_step:]
     _same_training_state(reference, resumed)
 
 
