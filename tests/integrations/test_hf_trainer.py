@@ -79,6 +79,29 @@ def test_resume_from_the_newest_checkpoint_is_exact(uninterrupted: Any, tmp_path
     _assert_same_weights(resumed.model.state_dict(), weights)
 
 
+def test_the_optimizer_step_after_a_save_waits_for_its_staging(tmp_path: Path) -> None:
+    waits: list[tuple[str, int, bool]] = []  # (checkpoint, global step at the wait, staged after it)
+    trainer = workers.make_trainer(str(tmp_path))
+
+    class RecordWaits(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_save(self, *_: Any, **__: Any) -> None:  # right after _save_checkpoint returned
+            checkpoint = trainer.checkpoint_in_flight
+            assert checkpoint is not None
+            wait_staged = checkpoint.wait_staged
+
+            def recorded() -> None:
+                wait_staged()
+                waits.append((os.path.basename(checkpoint.final), trainer.state.global_step, checkpoint.staged()))
+
+            checkpoint.wait_staged = recorded  # type: ignore[method-assign]
+
+    trainer.add_callback(RecordWaits())
+    trainer.train()
+    first = {name: step for name, step, _ in reversed(waits)}
+    assert first == {f"checkpoint-{s}": s for s in range(workers.SAVE_STEPS, workers.STEPS, workers.SAVE_STEPS)}
+    assert all(staged for _, _, staged in waits)
+
+
 def test_rotation_keeps_the_newest_two_durable_checkpoints_and_deletes_only_behind_a_committed_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -136,6 +136,10 @@ class HFCheckpoint:
         for fut in self.futures:
             fut.wait_staged()
 
+    def staged(self) -> bool:
+        """Whether the optimizer state may be modified (never blocks)."""
+        return all(fut.staged() for fut in self.futures)
+
     def commit(self) -> str:
         """Writes the weights, waits for every file, then trainer_state.json, the rename and
         the rotation; returns `final`. A failure leaves `final` untouched and raises."""
@@ -228,6 +232,11 @@ class FastPersistTrainerMixin:
         directory (None if none was in flight). Raises the save's error, once."""
         commit, self._fp_commit, self._fp_in_flight = self._fp_commit, None, None
         return None if commit is None else commit.result()
+
+    @property
+    def checkpoint_in_flight(self) -> HFCheckpoint | None:
+        """The checkpoint saved last, until the next save or wait takes it (None after a wait)."""
+        return self._fp_in_flight
 
     def _fp_wait_staged(self) -> None:
         if self._fp_in_flight is not None:
