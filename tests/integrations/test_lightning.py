@@ -144,6 +144,23 @@ def test_overlapped_saves_every_n_steps_leave_exactly_what_model_checkpoint_repo
     assert torch.equal(last["state_dict"]["layer.weight"], model.layer.weight)
 
 
+def test_training_goes_on_while_a_save_is_written(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    root, ckdir = str(tmp_path), str(tmp_path / "ck")
+    gate = _hold_manifests(monkeypatch)  # no save can commit until step 3 has trained
+    seen: dict[int, bool] = {}
+
+    class Release(pl.Callback):  # type: ignore[misc, name-defined]
+        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
+            seen[trainer.global_step] = os.path.exists(os.path.join(ckdir, "epoch=0-step=2.ckpt"))
+            if trainer.global_step == 3:
+                gate.set()
+
+    keep = pl.callbacks.ModelCheckpoint(dirpath=ckdir, every_n_train_steps=2, save_top_k=-1)
+    trainer(root, 1, FastPersistAsyncCheckpointIO(), callbacks=[keep, Release()]).fit(seeded_model(), loader())
+    assert seen[3] is False  # step 3 trained while step 2's checkpoint was being written
+    assert sorted(os.listdir(ckdir)) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+
+
 def test_overlapped_saves_resume_exactly(tmp_path: Any) -> None:
     reference = seeded_model()
     trainer(str(tmp_path / "ref"), 4, FastPersistAsyncCheckpointIO(), enable_checkpointing=False).fit(
@@ -170,6 +187,24 @@ def test_a_failed_save_stops_the_fit_at_the_next_save_and_leaves_the_previous_ch
     assert caught.value.errno == errno.ENOSPC
     assert sorted(os.listdir(ckdir)) == ["epoch=0-step=4.ckpt", "last.ckpt"]
     assert fp.load(os.path.join(ckdir, "last.ckpt"))["global_step"] == STEPS_PER_EPOCH
+
+
+def test_the_docs_recipe_runs_and_resumes(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/integrations.md's Lightning recipe, run as a script twice: the second run resumes."""
+    docs = os.path.join(os.path.dirname(WORKER), os.pardir, "docs", "integrations.md")
+    with open(docs, encoding="utf-8") as f:
+        section = f.read().split("\n## Lightning\n", 1)[1]
+    recipe = section.split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    first: dict[str, Any] = {"__name__": "__main__"}
+    exec(compile(recipe, "train.py", "exec"), first)
+    assert sorted(os.listdir("ckpt")) == ["epoch=1-step=64.ckpt", "epoch=2-step=96.ckpt", "last.ckpt"]
+    again: dict[str, Any] = {"__name__": "__main__"}
+    exec(compile(recipe, "train.py", "exec"), again)
+    assert again["trainer"].global_step == 96 and again["trainer"].ckpt_path == os.path.abspath("ckpt/last.ckpt")
+    trained, resumed = first["trainer"].lightning_module, again["trainer"].lightning_module
+    for a, b in zip(trained.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 # ------------------------------------------------------------------------- overlapped: the plug-in's calls
