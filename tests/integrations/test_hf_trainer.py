@@ -136,6 +136,35 @@ def test_rotation_keeps_the_newest_two_durable_checkpoints_and_deletes_only_behi
     _assert_same_weights(trainer.model.state_dict(), model.state_dict())
 
 
+def test_load_best_model_at_end_keeps_and_loads_the_best_checkpoint_as_the_stock_trainer_does(tmp_path: Path) -> None:
+    # The best checkpoint (eval loss at step 2, with greater_is_better) is not the newest: rotation
+    # must keep it while later ones are in flight, and the end of training must load it.
+    settings = dict(
+        eval_strategy="steps",
+        eval_steps=workers.SAVE_STEPS,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,
+        save_total_limit=1,
+    )
+    runs = []
+    for base in (hf_trainer.FastPersistTrainer, transformers.Trainer):
+        out = tmp_path / base.__name__
+        trainer = workers.recording(base)(
+            model=workers.tiny_gpt2(),
+            args=workers.training_args(str(out), **settings),
+            train_dataset=workers.TokenData(),
+            eval_dataset=workers.TokenData(),
+        )
+        trainer.train()
+        runs.append((trainer, out))
+    (ours, ours_out), (stock, stock_out) = runs
+    assert ours.state.best_model_checkpoint == str(ours_out / f"checkpoint-{workers.SAVE_STEPS}")
+    assert sorted(p.name for p in ours_out.iterdir()) == sorted(p.name for p in stock_out.iterdir())
+    assert ours.losses == stock.losses
+    _assert_same_weights(ours.model.state_dict(), stock.model.state_dict())
+
+
 def test_a_kill_during_a_save_leaves_the_last_durable_checkpoint_which_resumes_exactly(
     uninterrupted: Any, tmp_path: Path
 ) -> None:
