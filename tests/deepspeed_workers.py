@@ -113,8 +113,10 @@ def save_load_resume(stage: int, decoupled: bool, save_dir: str) -> dict[str, An
             saved_weights = full_weights(engine, stage)
             engine.save_checkpoint(save_dir)
             latest_before_commit = latest(save_dir)  # decoupled: not before engine.step()'s commit
+    checkpoint_engine = type(engine.checkpoint_engine).__name__
     engine.destroy()
     result: dict[str, Any] = {
+        "checkpoint_engine": checkpoint_engine,
         "losses": losses,
         "latest": latest(save_dir),
         "latest_before_commit": latest_before_commit,

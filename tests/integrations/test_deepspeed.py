@@ -53,6 +53,7 @@ def test_save_load_resume_is_exact(tmp_path: Any, stage: int) -> None:
         save_dir = tmp_path / f"ckpt-{mode}"
         for rank, res in enumerate(results):
             case = res[mode]
+            assert case["checkpoint_engine"] == "FastPersistCheckpointEngine"
             assert len(case["losses"]) == STEPS
             assert case["resumed"] == case["losses"][SAVE_AFTER:], (mode, rank)  # bit for bit
             assert os.path.basename(os.path.dirname(case["load_path"])) == TAG_A

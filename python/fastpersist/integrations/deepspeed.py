@@ -93,7 +93,11 @@ class OpenTag:
 
 class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (DeepSpeed ships no types)
     """DeepSpeed's ``CheckpointEngine`` interface over :func:`fastpersist.torch_save` and
-    :func:`fastpersist.torch_save_async`; see the module docstring. Made by :func:`install`.
+    :func:`fastpersist.torch_save_async`; see the module docstring. Made by :func:`install`,
+    whose wrapper of ``save_checkpoint`` also tells it when a tag's files are all handed over
+    (:meth:`mark_saved`): a decoupled tag is committed only then. When the ranks stop
+    answering at a commit (a rank killed, ``timeout_s`` passed), its group is closed and later
+    commits raise :class:`~fastpersist.GroupSaveError` too: restart from the tag ``latest`` names.
 
     Args:
         config: the engine's knobs for every file.
@@ -179,7 +183,7 @@ class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (D
         if self._settled_open():
             self._commit_open()
 
-    def saved(self) -> None:
+    def mark_saved(self) -> None:
         """DeepSpeed's ``save_checkpoint`` returned: the open tag has all its files (:func:`install`'s wrapper)."""
         if self._open is not None:
             self._open.saved = True
@@ -281,7 +285,7 @@ def _latest_by_us(original: Callable[..., Any], ours: FastPersistCheckpointEngin
         ours.latest_wanted = bool(bound.arguments["save_latest"])
         bound.arguments["save_latest"] = False
         result = original(*bound.args, **bound.kwargs)
-        ours.saved()
+        ours.mark_saved()
         return result
 
     return save_checkpoint
