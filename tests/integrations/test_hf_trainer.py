@@ -258,7 +258,16 @@ def test_accelerate_save_state_and_load_state_go_through_the_hooks_and_resume_ex
     accelerator, hooks, model, optimizer, scheduler = _prepared(seed=0)
     _accelerate_steps(accelerator, model, optimizer, scheduler, range(2))
     accelerator.save_state(str(tmp_path))  # returns with the weights' save in flight
-    expected = _accelerate_steps(accelerator, model, optimizer, scheduler, range(2, 4))  # steps wait for staging
+    waits: list[bool] = []
+    wait_staged = hooks.wait_staged
+
+    def recorded(timeout: float | None = None) -> None:
+        wait_staged(timeout)
+        waits.append(all(fut.staged() for fut in hooks.saves_in_flight))
+
+    hooks.wait_staged = recorded  # type: ignore[method-assign]
+    expected = _accelerate_steps(accelerator, model, optimizer, scheduler, range(2, 4))
+    assert waits == [True, True]  # each optimizer.step() waited for the weights' staging first
     (result,) = hooks.wait()
     assert result.path == str(tmp_path / model_dir_name(0))
     names = {p.name for p in tmp_path.iterdir()}

@@ -95,6 +95,11 @@ class FastPersistStateHooks:
             handle.remove()
         self._handles, self.accelerator = [], None
 
+    @property
+    def saves_in_flight(self) -> list[SaveFuture]:
+        """The models' saves started by the last ``save_state`` and not yet waited for."""
+        return list(self._in_flight)
+
     def wait_staged(self, timeout: float | None = None) -> None:
         """Returns once the weights being saved may be modified (what ``optimizer.step()`` calls;
         `timeout` applies to each model's save)."""
