@@ -9,7 +9,7 @@ repo=$(pwd)
 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore ".[test]"
 # DeepSpeed's tests (tests/integrations/test_deepspeed.py) run DeepSpeed on the CPU, which
 # compiles its shared-memory comm op at first use with ninja (from .[test]) and a C++ compiler.
-command -v c++ >/dev/null || { echo "scripts/test.sh: no C++ compiler for DeepSpeed's CPU comm op: apt-get install g++" >&2; exit 1; }
+command -v c++ >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++; }
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
