@@ -3,7 +3,8 @@ a config (nothing downloaded, dropout on, so the RNG state matters), determinist
 
 Run as a script (``python hf_trainer_workers.py OUT``) it trains in OUT and makes every weights
 write after the first checkpoint hang, announcing it in OUT/slow-save, so that the test can
-kill it with SIGKILL while a checkpoint is in flight.
+kill it with SIGKILL while a checkpoint is in flight. Under ``torchrun`` as
+``hf_trainer_workers.py ddp OUT`` it is one rank of a 2-process run (:func:`ddp_full_then_resumed`).
 """
 
 from __future__ import annotations
@@ -109,6 +110,32 @@ def _slow_after_first(out: str) -> type:
     return SlowSaves
 
 
+def ddp_full_then_resumed(out: str) -> None:
+    """Each rank of a 2-process (gloo) run: a whole run in OUT/full, then one resumed from a copy
+    of its checkpoint-4 in OUT/resumed; writes OUT/rank-R.json with both runs' losses and
+    whether the final weights are equal."""
+    import json
+    import shutil
+
+    import torch.distributed as dist
+
+    full = make_trainer(os.path.join(out, "full"), ddp_backend="gloo")
+    full.train()
+    resumed_dir = os.path.join(out, "resumed")
+    if full.args.process_index == 0:
+        shutil.copytree(os.path.join(out, "full", f"checkpoint-{2 * SAVE_STEPS}"), resumed_dir + "/checkpoint-4")
+    dist.barrier()
+    resumed = make_trainer(resumed_dir, ddp_backend="gloo")
+    resumed.train(resume_from_checkpoint=True)
+    a, b = full.model.state_dict(), resumed.model.state_dict()
+    result = {"full": full.losses, "resumed": resumed.losses, "same_weights": all(torch.equal(a[k], b[k]) for k in a)}
+    with open(os.path.join(out, f"rank-{dist.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
+
+
 if __name__ == "__main__":
-    out_dir = sys.argv[1]
-    make_trainer(out_dir, _slow_after_first(out_dir)).train()
+    if sys.argv[1] == "ddp":
+        ddp_full_then_resumed(sys.argv[2])
+    else:
+        out_dir = sys.argv[1]
+        make_trainer(out_dir, _slow_after_first(out_dir)).train()

@@ -8,6 +8,7 @@ and on the final weights: the model has dropout, so the RNG state must come back
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -134,6 +135,23 @@ def test_rotation_keeps_the_newest_two_durable_checkpoints_and_deletes_only_behi
         assert len(optimizer["state"]) == len(list(model.parameters()))
         assert torch.load(folder / "scheduler.pt", weights_only=True)["last_epoch"] == int(name.split("-")[1])
     _assert_same_weights(trainer.model.state_dict(), model.state_dict())
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_checkpoint_every_rank_s_rng_and_resume_exactly(tmp_path: Path) -> None:
+    # tests/hf_trainer_workers.py's ddp_full_then_resumed on each rank, under torchrun (~20 s).
+    script = Path(workers.__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run([*command, str(script), "ddp", str(tmp_path)], env=env, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert result["resumed"] == result["full"][4:] and result["same_weights"]
+    for folder in (tmp_path / "full").iterdir():
+        assert CHECKPOINT_FILES - {"rng_state.pth"} | {"rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"} <= {
+            p.name for p in folder.iterdir()
+        }
 
 
 def test_load_best_model_at_end_keeps_and_loads_the_best_checkpoint_as_the_stock_trainer_does(tmp_path: Path) -> None:

@@ -38,8 +38,12 @@ Where the waits sit in Trainer's loop (``_save_checkpoint`` runs after ``optimiz
   ``_load_rng_state``, ``_load_best_model``): the checkpoint in flight commits;
 * :meth:`FastPersistTrainerMixin.wait_for_checkpoint` waits for it on demand.
 
-One process only: DeepSpeed, FSDP, XLA, SageMaker and multi-process runs (whose ranks would
-need a barrier before the rename) are refused at the first save, naming the setting; use
+Several processes (DDP, ``torchrun``): the process that saves (Trainer's ``should_save``) makes
+the staging directory and writes the weights, optimizer and scheduler; every rank writes its
+``rng_state_{rank}.pth`` into it; the ranks agree over a private gloo group that every file is
+durable before the rename, and again after it, so no rank reads a checkpoint before it is in
+place; a failure on any rank fails the checkpoint on every rank. DeepSpeed, FSDP, XLA, SageMaker
+and ``push_to_hub`` are refused at the first save, naming the setting; use
 ``transformers.Trainer`` there.
 """
 
@@ -71,6 +75,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 import fastpersist._core as _core
 
 from ..config import Config
+from ..distributed.control import ControlGroup, collective, control_for, describe
+from ..errors import GroupSaveError
 from ..format.layout import write_small_file
 from ..futures import SaveFuture
 from ..interop.torchasync import torch_save_async
@@ -119,17 +125,44 @@ def _fsync_tree(path: str) -> None:
         _core.fsync_dir(root)
 
 
+def agree(control: ControlGroup | None, what: str, error: BaseException | None, final: str) -> None:
+    """Every rank tells the others whether its part of `what` went well; raises this rank's
+    `error`, else a :class:`GroupSaveError` naming a rank that failed. One process: raises `error`."""
+    if control is None:
+        if error is not None:
+            raise error
+        return
+    consequence = f"; {final} was not committed and the previous checkpoints stay as they were"
+    outcomes = collective(
+        control,
+        what,
+        lambda: control.all_gather(None if error is None else describe(error)),
+        GroupSaveError,
+        consequence,
+    )
+    if error is not None:
+        raise error
+    for rank, why in enumerate(outcomes):
+        if why is not None:
+            raise GroupSaveError(f"rank {control.rank}: rank {rank} failed to {what} ({why}){consequence}")
+
+
 @dataclasses.dataclass
 class HFCheckpoint:
     """One Trainer checkpoint in flight: its files being written into `staging`, committed as
-    `final` by :meth:`commit` (on the trainer's checkpoint thread)."""
+    `final` by :meth:`commit` (on the trainer's checkpoint thread).
+
+    `renames`: this process writes trainer_state.json, renames and rotates (Trainer's
+    ``should_save``); `control`: the ranks' private group, None for one process."""
 
     staging: str
     final: str
     futures: list[SaveFuture]
     trainer_state_json: str
-    save_weights: Callable[[], None]  # Trainer._save into `staging`, from the copy of the weights
+    save_weights: Callable[[], None] | None  # Trainer._save into `staging`, from the copy of the weights
     rotate: Callable[[], None]  # the trainer's save_total_limit rotation
+    renames: bool = True
+    control: ControlGroup | None = None
 
     def wait_staged(self) -> None:
         """Returns once the optimizer state may be modified (the weights are a copy already)."""
@@ -141,22 +174,33 @@ class HFCheckpoint:
         return all(fut.staged() for fut in self.futures)
 
     def commit(self) -> str:
-        """Writes the weights, waits for every file, then trainer_state.json, the rename and
-        the rotation; returns `final`. A failure leaves `final` untouched and raises."""
+        """Writes the weights and waits for every file of every rank, then trainer_state.json,
+        the rename and the rotation; returns `final`. A failure on any rank leaves `final`
+        untouched and raises on every rank."""
+        error: BaseException | None = None
         try:
-            self.save_weights()
+            if self.save_weights is not None:
+                self.save_weights()
             for fut in self.futures:
                 fut.wait()
-            _fsync_tree(self.staging)  # what Trainer._save wrote without fsync (weights, config, args)
-            write_small_file(
-                os.path.join(self.staging, TRAINER_STATE_NAME), self.trainer_state_json.encode(), durable=True
-            )
-            self._rename_into_place()
-        except BaseException:
+            if self.renames:
+                _fsync_tree(self.staging)  # what Trainer._save wrote without fsync (weights, config, args)
+        except BaseException as e:
+            error = e
             for fut in self.futures:
                 fut.cancel()
-            raise
-        self.rotate()
+        agree(self.control, f"make its files of {self.final} durable", error, self.final)
+        try:
+            if self.renames:
+                path = os.path.join(self.staging, TRAINER_STATE_NAME)
+                write_small_file(path, self.trainer_state_json.encode(), durable=True)
+                self._rename_into_place()
+        except BaseException as e:
+            error = e
+        # No rank goes on (to a load of it, say) before the checkpoint is in place.
+        agree(self.control, f"rename {self.staging} into place", error, self.final)
+        if self.renames:
+            self.rotate()
         return self.final
 
     def _rename_into_place(self) -> None:
@@ -185,8 +229,6 @@ def _unsupported_setting(trainer: Any) -> str | None:
         return "XLA (torch_xla is installed)"
     if is_sagemaker_mp_enabled():
         return "SageMaker model parallelism"
-    if args.world_size > 1:
-        return f"a multi-process run (args.world_size={args.world_size})"
     if args.push_to_hub:
         return "args.push_to_hub=True"
     return None
@@ -306,11 +348,21 @@ class FastPersistTrainerMixin:
         run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
         final = os.path.join(run_dir, name)
         staging = os.path.join(run_dir, STAGING_PREFIX + name)
-        os.makedirs(run_dir, exist_ok=True)
-        _remove_leftovers(run_dir)
-        os.makedirs(staging)
+        renames = bool(self.args.should_save)
+        control = self._fp_control()
+        error: BaseException | None = None
+        if renames:
+            try:
+                os.makedirs(run_dir, exist_ok=True)
+                _remove_leftovers(run_dir)
+                os.makedirs(staging)
+            except BaseException as e:
+                error = e
+        agree(control, f"make {staging}", error, final)  # the other ranks write their RNG files into it
 
-        weights = self._fp_snapshot = snapshot_state_dict(self.model.state_dict(), into=self._fp_snapshot)
+        weights = None
+        if renames:
+            weights = self._fp_snapshot = snapshot_state_dict(self.model.state_dict(), into=self._fp_snapshot)
         futures = [] if self.args.save_only_model else self._fp_start_training_state(staging)
         self._fp_record_best(run_dir, name)
         checkpoint = HFCheckpoint(
@@ -318,33 +370,48 @@ class FastPersistTrainerMixin:
             final=final,
             futures=futures,
             trainer_state_json=self._fp_trainer_state_json(),
-            save_weights=lambda: self._save(staging, state_dict=weights),  # type: ignore[attr-defined]
+            save_weights=None if weights is None else lambda: self._save(staging, state_dict=weights),  # type: ignore[attr-defined]
             rotate=self._fp_rotation(run_dir),
+            renames=renames,
+            control=control,
         )
         self._fp_in_flight = checkpoint
         self._fp_commit = self._fp_thread.submit(checkpoint.commit)
         if futures:
             self._fp_guard()
 
+    def _fp_control(self) -> ControlGroup | None:
+        """The ranks' private gloo group (made by the first save, on every rank), None for one process.
+        Its collectives run on the checkpoint thread and, while none is in flight, on the loop's."""
+        if self.args.world_size <= 1:
+            return None
+        return control_for(None, self.fastpersist_config.timeout_s, lane="hf-trainer")
+
     def _fp_start_training_state(self, staging: str) -> list[SaveFuture]:
-        """Starts the writes of the optimizer, scheduler, scaler and RNG files into `staging`."""
+        """Starts the writes of the optimizer, scheduler and scaler files (the process that saves)
+        and of this rank's RNG file into `staging`, under Trainer's names."""
         config = self.fastpersist_config
-        futures = [torch_save_async(self.optimizer.state_dict(), os.path.join(staging, "optimizer.pt"), config=config)]
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the scheduler's "please also save the optimizer" warning
-            scheduler = self.lr_scheduler.state_dict()
-        futures.append(torch_save_async(scheduler, os.path.join(staging, "scheduler.pt"), config=config))
-        scaler = getattr(self.accelerator, "scaler", None)
-        if scaler is not None:
-            futures.append(torch_save_async(scaler.state_dict(), os.path.join(staging, "scaler.pt"), config=config))
+        futures = []
+        if self.args.should_save:
+            optimizer = self.optimizer.state_dict()
+            futures.append(torch_save_async(optimizer, os.path.join(staging, "optimizer.pt"), config=config))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the scheduler's "please also save the optimizer" warning
+                scheduler = self.lr_scheduler.state_dict()
+            futures.append(torch_save_async(scheduler, os.path.join(staging, "scheduler.pt"), config=config))
+            scaler = getattr(self.accelerator, "scaler", None)
+            if scaler is not None:
+                futures.append(torch_save_async(scaler.state_dict(), os.path.join(staging, "scaler.pt"), config=config))
         rng: dict[str, Any] = {
             "python": random.getstate(),
             "numpy": np.random.get_state(),
             "cpu": torch.random.get_rng_state(),
         }
+        distributed = self.args.world_size > 1
         if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.random.get_rng_state()
-        futures.append(torch_save_async(rng, os.path.join(staging, "rng_state.pth"), config=config))
+            rng["cuda"] = torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
+        name = f"rng_state_{self.args.process_index}.pth" if distributed else "rng_state.pth"
+        futures.append(torch_save_async(rng, os.path.join(staging, name), config=config))
         return futures
 
     def _fp_record_best(self, run_dir: str, name: str) -> None:
