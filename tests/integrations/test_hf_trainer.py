@@ -27,6 +27,7 @@ pytest.importorskip("accelerate")
 import hf_trainer_workers as workers  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
+import fastpersist.integrations.hf_checkpoint as hf_checkpoint  # noqa: E402
 import fastpersist.integrations.hf_trainer as hf_trainer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -204,7 +205,7 @@ def test_a_kill_during_a_save_leaves_the_last_durable_checkpoint_which_resumes_e
     in_flight = marker.read_text()
     run.send_signal(signal.SIGKILL)
     assert run.wait(30) == -signal.SIGKILL
-    assert os.path.basename(in_flight) == f"{hf_trainer.STAGING_PREFIX}checkpoint-4"
+    assert os.path.basename(in_flight) == f"{hf_checkpoint.STAGING_PREFIX}checkpoint-4"
     assert (tmp_path / "checkpoint-2" / "trainer_state.json").is_file()
     assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
 
@@ -213,15 +214,15 @@ def test_a_kill_during_a_save_leaves_the_last_durable_checkpoint_which_resumes_e
     resumed = _resumed_from(tmp_path / "checkpoint-2", tmp_path)
     assert resumed.losses == losses[2:]
     _assert_same_weights(resumed.model.state_dict(), weights)
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(hf_trainer.STAGING_PREFIX)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(hf_checkpoint.STAGING_PREFIX)]
 
 
 def test_a_checkpoint_moved_aside_by_a_killed_resave_of_its_step_is_put_back_and_staging_removed(
     uninterrupted: Any, tmp_path: Path
 ) -> None:
     losses, weights, out = uninterrupted
-    prefix = hf_trainer.STAGING_PREFIX
-    shutil.copytree(out / "checkpoint-4", tmp_path / f"{prefix}{hf_trainer.OLD_MARK}checkpoint-4")
+    prefix = hf_checkpoint.STAGING_PREFIX
+    shutil.copytree(out / "checkpoint-4", tmp_path / f"{prefix}{hf_checkpoint.OLD_MARK}checkpoint-4")
     shutil.copytree(out / "checkpoint-6", tmp_path / f"{prefix}checkpoint-4")  # the new one, never renamed
     resumed = workers.make_trainer(str(tmp_path))
     resumed.train(resume_from_checkpoint=True)
