@@ -80,6 +80,21 @@ __all__ = ["FastPersistTrainer", "FastPersistTrainerMixin"]
 log = logging.getLogger("fastpersist")
 
 
+def snapshot_config(optimizer_state: dict[str, Any], where: str) -> Config:
+    """A Config whose staging pool holds `optimizer_state`'s tensors whole (capped at a quarter
+    of RAM, at least the default pool), so staging is a memory copy. `where`: the target."""
+    nbytes = sum(
+        t.untyped_storage().nbytes()
+        for per_param in optimizer_state.get("state", {}).values()
+        for t in per_param.values()
+        if isinstance(t, torch.Tensor)
+    )
+    chunk = Config().resolved_for(where).resolved_chunk_bytes
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    pool = max(Config().pool_bytes, min(-(-nbytes // chunk) * chunk, ram // 4 // chunk * chunk))
+    return Config(pool_bytes=pool)
+
+
 def _unsupported_setting(trainer: Any) -> str | None:
     """The Trainer setting this integration does not handle, if any (named for the error)."""
     args = trainer.args
@@ -101,7 +116,9 @@ class FastPersistTrainerMixin:
 
     Put it first among the bases: ``class MyTrainer(FastPersistTrainerMixin, SFTTrainer)``.
     `fastpersist_config` (keyword of ``__init__``) sets the engine knobs of the
-    ``torch_save_async`` writes.
+    ``torch_save_async`` writes. Without it, the staging pool is sized to the optimizer state
+    (snapshot mode, as a Checkpointer's: capped at a quarter of RAM, at least 256 MiB), so the
+    step after a save waits for one memory copy, not for the disk (docs/overlap.md).
     """
 
     # Set by Trainer; declared for the type checker.
@@ -121,7 +138,7 @@ class FastPersistTrainerMixin:
             raise TypeError(
                 f"fastpersist_config={fastpersist_config!r}: expected a fastpersist.Config (or None for the defaults)"
             )
-        self.fastpersist_config = fastpersist_config or Config()
+        self.fastpersist_config = fastpersist_config
         self._fp_in_flight: HFCheckpoint | None = None
         self._fp_commit: concurrent.futures.Future[str] | None = None
         self._fp_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fastpersist-hf-checkpoint")
@@ -247,15 +264,17 @@ class FastPersistTrainerMixin:
         Its collectives run on the checkpoint thread and, while none is in flight, on the loop's."""
         if self.args.world_size <= 1:
             return None
-        return control_for(None, self.fastpersist_config.timeout_s, lane="hf-trainer")
+        return control_for(None, (self.fastpersist_config or Config()).timeout_s, lane="hf-trainer")
 
     def _fp_start_training_state(self, staging: str) -> list[SaveFuture]:
         """Starts the writes of the optimizer, scheduler and scaler files (the process that saves)
         and of this rank's RNG file into `staging`, under Trainer's names."""
-        config = self.fastpersist_config
+        config = self.fastpersist_config or Config()
         futures = []
         if self.args.should_save:
             optimizer = self.optimizer.state_dict()
+            if self.fastpersist_config is None:
+                config = snapshot_config(optimizer, staging)
             futures.append(torch_save_async(optimizer, os.path.join(staging, "optimizer.pt"), config=config))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the scheduler's "please also save the optimizer" warning
