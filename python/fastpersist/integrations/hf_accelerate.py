@@ -42,6 +42,7 @@ from ..api import load, save_async
 from ..config import Config, SaveResult
 from ..futures import SaveFuture
 from ..saving.optimizer_guard import guard_optimizer
+from .hf_checkpoint import snapshot_pool_config
 
 __all__ = ["FastPersistStateHooks", "model_dir_name"]
 
@@ -56,7 +57,9 @@ class FastPersistStateHooks:
     """The save and load hooks of one ``Accelerator``, and the saves they started.
 
     Args:
-        config: engine knobs for the models' saves and loads.
+        config: engine knobs for the models' saves and loads. Without it, a model's weights are
+            staged in snapshot mode (a pool of their size, capped at a quarter of RAM), so the
+            step after ``save_state`` waits for one memory copy, not for the disk.
 
     Example:
         >>> hooks = FastPersistStateHooks().install(accelerator)   # doctest: +SKIP
@@ -66,7 +69,7 @@ class FastPersistStateHooks:
     def __init__(self, config: Config | None = None) -> None:
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config={config!r}: expected a fastpersist.Config (or None for the defaults)")
-        self.config = config or Config()
+        self.config = config
         self.accelerator: Any = None
         self._in_flight: list[SaveFuture] = []
         self._last_dir: str | None = None
@@ -131,10 +134,11 @@ class FastPersistStateHooks:
                 guard_optimizer(inner, self)
                 self._guarded.add(id(inner))
         self._last_dir = output_dir
-        self._in_flight = [
-            save_async(state, os.path.join(output_dir, model_dir_name(i)), config=self.config)
-            for i, state in enumerate(weights)
-        ]
+        self._in_flight = []
+        for i, state in enumerate(weights):
+            path = os.path.join(output_dir, model_dir_name(i))
+            config = self.config or snapshot_pool_config(state.values(), output_dir)
+            self._in_flight.append(save_async(state, path, config=config))
         weights.clear()  # Accelerate writes no model file of its own
 
     def _load_hook(self, models: list[Any], input_dir: str) -> None:
@@ -150,5 +154,5 @@ class FastPersistStateHooks:
                 "checkpoint; prepare the same models, in the same order, as the run that saved this folder"
             )
         for model, path in zip(models, paths, strict=True):
-            load(path, out=model.state_dict(), config=self.config)
+            load(path, out=model.state_dict(), config=self.config or Config())
         models.clear()  # loaded: Accelerate must not look for its own model files

@@ -15,12 +15,13 @@ import dataclasses
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 import fastpersist._core as _core
 
+from ..config import Config
 from ..distributed.control import ControlGroup, collective, describe
 from ..errors import GroupSaveError
 from ..format.layout import write_small_file
@@ -33,6 +34,7 @@ __all__ = [
     "HFCheckpoint",
     "agree",
     "remove_leftovers",
+    "snapshot_pool_config",
     "snapshot_state_dict",
     "staging_dir",
 ]
@@ -50,6 +52,17 @@ def staging_dir(final: str) -> str:
     """Where the checkpoint `final` is assembled before its rename."""
     parent, name = os.path.split(final)
     return os.path.join(parent, STAGING_PREFIX + name)
+
+
+def snapshot_pool_config(tensors: Iterable[object], where: str) -> Config:
+    """A Config whose staging pool holds `tensors` whole (capped at a quarter of RAM, at least
+    the default pool), so that staging them is a memory copy, not a wait for the disk (a
+    Checkpointer's rule, docs/overlap.md). `where`: the target, whose drive sets the chunk size."""
+    nbytes = sum(t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor))
+    chunk = Config().resolved_for(where).resolved_chunk_bytes
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    pool = max(Config().pool_bytes, min(-(-nbytes // chunk) * chunk, ram // 4 // chunk * chunk))
+    return Config(pool_bytes=pool)
 
 
 def snapshot_state_dict(

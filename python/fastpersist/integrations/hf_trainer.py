@@ -73,26 +73,11 @@ from ..config import Config
 from ..distributed.control import ControlGroup, control_for
 from ..futures import SaveFuture
 from ..interop.torchasync import torch_save_async
-from .hf_checkpoint import HFCheckpoint, agree, remove_leftovers, snapshot_state_dict, staging_dir
+from .hf_checkpoint import HFCheckpoint, agree, remove_leftovers, snapshot_pool_config, snapshot_state_dict, staging_dir
 
 __all__ = ["FastPersistTrainer", "FastPersistTrainerMixin"]
 
 log = logging.getLogger("fastpersist")
-
-
-def snapshot_config(optimizer_state: dict[str, Any], where: str) -> Config:
-    """A Config whose staging pool holds `optimizer_state`'s tensors whole (capped at a quarter
-    of RAM, at least the default pool), so staging is a memory copy. `where`: the target."""
-    nbytes = sum(
-        t.untyped_storage().nbytes()
-        for per_param in optimizer_state.get("state", {}).values()
-        for t in per_param.values()
-        if isinstance(t, torch.Tensor)
-    )
-    chunk = Config().resolved_for(where).resolved_chunk_bytes
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    pool = max(Config().pool_bytes, min(-(-nbytes // chunk) * chunk, ram // 4 // chunk * chunk))
-    return Config(pool_bytes=pool)
 
 
 def _unsupported_setting(trainer: Any) -> str | None:
@@ -274,7 +259,8 @@ class FastPersistTrainerMixin:
         if self.args.should_save:
             optimizer = self.optimizer.state_dict()
             if self.fastpersist_config is None:
-                config = snapshot_config(optimizer, staging)
+                tensors = [t for per_param in optimizer["state"].values() for t in per_param.values()]
+                config = snapshot_pool_config(tensors, staging)
             futures.append(torch_save_async(optimizer, os.path.join(staging, "optimizer.pt"), config=config))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the scheduler's "please also save the optimizer" warning
