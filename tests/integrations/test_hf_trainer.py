@@ -231,6 +231,17 @@ def test_a_checkpoint_moved_aside_by_a_killed_resave_of_its_step_is_put_back_and
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(prefix)]
 
 
+def test_save_only_model_writes_the_weights_and_trainer_state_alone(tmp_path: Path) -> None:
+    trainer = workers.make_trainer(str(tmp_path), save_only_model=True, max_steps=workers.SAVE_STEPS)
+    trainer.train()
+    folder = tmp_path / f"checkpoint-{workers.SAVE_STEPS}"
+    names = {p.name for p in folder.iterdir()}
+    assert {"model.safetensors", "trainer_state.json"} <= names and not names & {"optimizer.pt", "rng_state.pth"}
+    _assert_same_weights(
+        transformers.GPT2LMHeadModel.from_pretrained(str(folder)).state_dict(), trainer.model.state_dict()
+    )
+
+
 def test_unsupported_settings_are_refused_at_the_first_save_naming_them(tmp_path: Path) -> None:
     trainer = workers.make_trainer(str(tmp_path))
     trainer.args.push_to_hub = True  # set after __init__, which would reach the Hub to make the repository
