@@ -50,11 +50,11 @@ def _assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         assert torch.equal(a[name], b[name]), name
 
 
-def _resumed_from(checkpoint: Path, out: Path) -> Any:
+def _resumed_from(checkpoint: Path, out: Path, base: type | None = None) -> Any:
     """A fresh trainer resumed (resume_from_checkpoint=True) in `out`, holding a copy of `checkpoint`."""
     if checkpoint.parent != out:
         shutil.copytree(checkpoint, out / checkpoint.name)
-    trainer = workers.make_trainer(str(out))
+    trainer = workers.make_trainer(str(out), base)
     trainer.train(resume_from_checkpoint=True)
     return trainer
 
@@ -78,6 +78,13 @@ def test_resume_from_the_newest_checkpoint_is_exact(uninterrupted: Any, tmp_path
     losses, weights, out = uninterrupted
     resumed = _resumed_from(out / "checkpoint-4", tmp_path)
     assert resumed.losses == losses[4:]
+    _assert_same_weights(resumed.model.state_dict(), weights)
+
+
+def test_the_stock_trainer_resumes_exactly_from_a_fastpersist_checkpoint(uninterrupted: Any, tmp_path: Path) -> None:
+    losses, weights, out = uninterrupted  # the files are Trainer's own, under its names
+    resumed = _resumed_from(out / "checkpoint-6", tmp_path, transformers.Trainer)
+    assert resumed.losses == losses[6:]
     _assert_same_weights(resumed.model.state_dict(), weights)
 
 
