@@ -15,8 +15,9 @@ stock ``Trainer`` resumes from it and ``from_pretrained`` reads its weights:
   size, as fastpersist's snapshot pool);
 * ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth`` (and ``scaler.pt``) are written by
   :func:`fastpersist.torch_save_async`: ``torch.load``'s format with real zip CRC-32s, which
-  Trainer's own loader reads, staged from the tensors themselves (no copy of the optimizer
-  state) with the mutation guard watching them.
+  Trainer's own loader reads, staged by the engine from the tensors themselves into its pool
+  (by default one of the optimizer state's size: staging is a memory copy), with the mutation
+  guard watching them.
 
 The save returns once the copy is taken and the files' writes have started; the writes go on
 during the next steps. A checkpoint is assembled in ``.fastpersist-checkpoint-N`` (a name that
@@ -25,7 +26,7 @@ it is durable, ``trainer_state.json`` is written and fsynced, then the directory
 ``checkpoint-N`` and its parent fsynced. So ``resume_from_checkpoint=True`` only ever finds a
 checkpoint that is complete, and rotation runs after that rename: it never deletes a checkpoint
 before its successor is durable. A kill -9 mid-save leaves the previous checkpoints as they were
-and a staging directory that the next ``train()`` or save removes.
+and a staging directory that the next ``train()`` or save removes (:mod:`.hf_checkpoint`).
 
 Where the waits sit in Trainer's loop (``_save_checkpoint`` runs after ``optimizer.step()``):
 
