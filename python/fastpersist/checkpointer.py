@@ -31,7 +31,7 @@ from .advisor.multilevel import Failures, local_mtbf_s
 from .api import load
 from .arguments import given_path, given_timeout
 from .cleanup import clean, stripe_leftovers
-from .config import Config, SaveResult, given_config
+from .config import Config, SaveResult, given_config, snapshot_pool_bytes
 from .distributed.control import control_for, group_rank_and_size
 from .errors import CheckpointNotFoundError
 from .format.flatten import flatten
@@ -257,9 +257,7 @@ class Checkpointer:
 
         nbytes = sum(b.nbytes for b in flatten(state).blobs)
         chunk = Config().resolved_for(self.root, tuned_chunk=tuned_chunk).resolved_chunk_bytes
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        wanted = -(-nbytes // chunk) * chunk
-        pool = max(Config().pool_bytes, min(wanted, ram // 4 // chunk * chunk))
+        pool = snapshot_pool_bytes(nbytes, chunk)
         self.config = Config(pool_bytes=pool).resolved_for(self.root, tuned_chunk=tuned_chunk)
         return self.config
 

@@ -24,6 +24,7 @@ __all__ = [
     "granules",
     "min_pinned_bytes",
     "resolve",
+    "snapshot_pool_bytes",
 ]
 
 #: A pinned arena's size is a whole number of these (its mapping's huge pages): the rule
@@ -204,6 +205,21 @@ class Config:
         if isinstance(self.queue_depth, int):
             return self.queue_depth
         raise ValueError('Config.queue_depth is still "auto": resolve it with config.resolved_for(path) first')
+
+
+def snapshot_pool_bytes(state_bytes: int, chunk_bytes: int) -> int:
+    """A staging pool that holds a state of `state_bytes` whole, so that staging it is a memory
+    copy, not a wait for the disk (docs/overlap.md): whole chunks of `chunk_bytes`, at least the
+    default pool, at most a quarter of the machine's memory. What a Checkpointer and the
+    overlapped integrations size their pool by when no Config is given.
+
+    Example:
+        >>> snapshot_pool_bytes(1 << 30, 8 << 20) >= 1 << 30 or os.sysconf("SC_PHYS_PAGES") < 1 << 20
+        True
+    """
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    wanted = -(-state_bytes // chunk_bytes) * chunk_bytes
+    return max(Config().pool_bytes, min(wanted, ram // 4 // chunk_bytes * chunk_bytes))
 
 
 def given_config(config: object, where: str = "config") -> Config:

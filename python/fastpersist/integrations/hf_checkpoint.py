@@ -21,7 +21,7 @@ import torch
 
 import fastpersist._core as _core
 
-from ..config import Config
+from ..config import Config, snapshot_pool_bytes
 from ..distributed.control import ControlGroup, collective, describe
 from ..errors import GroupSaveError
 from ..format.layout import write_small_file
@@ -60,9 +60,7 @@ def snapshot_pool_config(tensors: Iterable[object], where: str) -> Config:
     Checkpointer's rule, docs/overlap.md). `where`: the target, whose drive sets the chunk size."""
     nbytes = sum(t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor))
     chunk = Config().resolved_for(where).resolved_chunk_bytes
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    pool = max(Config().pool_bytes, min(-(-nbytes // chunk) * chunk, ram // 4 // chunk * chunk))
-    return Config(pool_bytes=pool)
+    return Config(pool_bytes=snapshot_pool_bytes(nbytes, chunk))
 
 
 def snapshot_state_dict(
