@@ -7,6 +7,12 @@ cd "$(dirname "$0")/.."
 repo=$(pwd)
 
 python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore ".[test]"
+# torchtitan (tests/integrations/test_torchtitan.py) without its training-data dependencies:
+# their datasets pin would replace huggingface-hub with one transformers refuses. Its checkpoint
+# module needs only these.
+python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps \
+    torchtitan==0.3.0 torch_checkpointing==0.1.1 spmd_types==0.2.3 torchdata==0.11.0 tyro==1.0.17 \
+    docstring_parser==0.18.0 typeguard==4.6.1
 # DeepSpeed's tests (tests/integrations/test_deepspeed.py) run DeepSpeed on the CPU, which
 # compiles its shared-memory comm op at first use with ninja (from .[test]) and a C++ compiler.
 command -v c++ >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++; }

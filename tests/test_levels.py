@@ -9,9 +9,9 @@ import os
 import shutil
 from typing import Any
 
-import levels_workers as w
 import pytest
 
+import levels_workers as w
 from backends import available_backends
 from gloo import run_ranks
 

@@ -11,12 +11,12 @@ import subprocess
 import time
 from typing import Any
 
-import levels_workers as w
 import pytest
 import torch
 
 import fastpersist as fp
 
+import levels_workers as w
 from gloo import run_ranks
 
 CONFIG = fp.Config(chunk_bytes=64 << 10, pool_bytes=1 << 20, queue_depth=4)

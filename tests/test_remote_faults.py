@@ -15,13 +15,13 @@ import textwrap
 import time
 from typing import Any
 
-import levels_workers as w
 import pytest
 import torch
 
 import fastpersist as fp
 from fastpersist.format.layout import TMP_MARKER
 
+import levels_workers as w
 from gloo import run_ranks
 
 CONFIG = fp.Config(chunk_bytes=64 << 10, pool_bytes=1 << 20, queue_depth=4)

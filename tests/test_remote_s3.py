@@ -13,7 +13,6 @@ import threading
 import time
 from typing import Any
 
-import levels_workers as w
 import pytest
 import torch
 from s3server import S3Server
@@ -21,6 +20,7 @@ from s3server import S3Server
 import fastpersist as fp
 from fastpersist.levels import stores
 
+import levels_workers as w
 from gloo import run_ranks
 
 CONFIG = fp.Config(chunk_bytes=64 << 10, pool_bytes=1 << 20, queue_depth=4)

@@ -24,11 +24,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-import hf_trainer_workers as workers  # noqa: E402
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import fastpersist.integrations.hf_checkpoint as hf_checkpoint  # noqa: E402
 import fastpersist.integrations.hf_trainer as hf_trainer  # noqa: E402
+
+import hf_trainer_workers as workers  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 

@@ -23,12 +23,12 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from lightning_workers import STEPS_PER_EPOCH, Tiny, loader, rotation, seeded_model, trainer  # noqa: E402
-
 import fastpersist as fp  # noqa: E402
 from fastpersist.futures import SaveFuture  # noqa: E402
 from fastpersist.integrations.lightning import FastPersistAsyncCheckpointIO, FastPersistCheckpointIO  # noqa: E402
 from fastpersist.saving import job  # noqa: E402
+
+from lightning_workers import STEPS_PER_EPOCH, Tiny, loader, rotation, seeded_model, trainer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 

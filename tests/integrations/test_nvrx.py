@@ -23,12 +23,12 @@ pytest.importorskip(
 from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import (
     SameMachineReplicationException,
 )
-from nvrx_workers import ITERATIONS, SESSION, CpuTensorAwareStateDict, rank_state, run, run_damaged, same
 
 import fastpersist as fp
 from fastpersist.integrations.nvrx import FastPersistLocalCheckpointManager, checkpoint_name
 
 from gloo import run_ranks
+from nvrx_workers import ITERATIONS, SESSION, CpuTensorAwareStateDict, rank_state, run, run_damaged, same
 
 pytestmark = pytest.mark.filterwarnings("ignore:Torch distributed backend has not been initialized")
 

@@ -23,11 +23,11 @@ pytest.importorskip(
 )
 
 from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan_workers import MORE_STEPS, STEPS, build, run, run_damaged, snapshot, train_step
 
 from fastpersist.integrations.torchtitan import FastPersistCheckpointManager
 
 from gloo import run_ranks
+from torchtitan_workers import MORE_STEPS, STEPS, build, run, run_damaged, snapshot, train_step
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 
