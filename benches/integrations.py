@@ -5,11 +5,13 @@ rep, two measurements:
 
 * **lost/ckpt s** (the training time lost per checkpoint): the loop's wall time with a checkpoint
   every ``--every`` steps minus the same loop's wall time without checkpoints (run in the same
-  rep), divided by the number of checkpoints. The loop's time ends once the writer's own saves
-  are done (DeepSpeed: a decoupled engine's last tag committed; Lightning and the Trainer: their
-  ``fit``/``train`` return, which waits for saves in flight), so what an overlapped writer leaves
-  running is counted. The bench adds no fsync here: each writer is timed as it ships (torch.save
-  leaves its bytes in the page cache). This one definition is used for every stack.
+  rep), divided by the number of checkpoints. The loop's time starts at the first step (the
+  Trainer's and Lightning's set-up before ``on_train_begin``/``on_train_start`` is left out)
+  and ends once the writer's own saves are done (DeepSpeed: a decoupled engine's last tag
+  committed; Lightning and the Trainer: their ``fit``/``train`` return, which waits for saves in
+  flight), so what an overlapped writer leaves running is counted. The bench adds no fsync here:
+  each writer is timed as it ships (torch.save leaves its bytes in the page cache). This one
+  definition is used for every stack.
 * **GB/s** (the save's speed to durable): one more checkpoint, saved with the loop idle, from
   the call until every file is durable: the writer's own wait (commit, ``wait_for_checkpoint``,
   ``teardown``), then the bench fsyncs every file of the checkpoint and its directories (a no-op
@@ -193,7 +195,7 @@ def run_deepspeed(o: dict[str, Any], root: str) -> list[dict[str, Any]] | None:
         print(f"deepspeed: ranks failed, exit codes {codes}", file=sys.stderr)
         return None
     if any(codes):
-        print(f"deepspeed: rank 0 wrote its result, but exit codes are {codes}", file=sys.stderr)
+        print(f"deepspeed: ranks failed (exit codes {codes}); the rows done before are shown", file=sys.stderr)
     with open(outs[0]) as f:
         return json.load(f)  # type: ignore[no-any-return]
 
@@ -207,9 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=2, help="interleaved reps, medians reported (default 2)")
     parser.add_argument("--zero-stage", type=int, default=1, help="DeepSpeed ZeRO stage (default 1)")
     parser.add_argument(
-        "--ds-data-parallel", choices=["machine", "socket", "replica"], default="machine",
-        help="FastCheckpointEngine's writer.data_parallel unit (default machine: one writer per file on one machine)",
+        "--ds-data-parallel", choices=["replica", "socket", "machine"], default="replica",
+        help="the fast writers' writer.data_parallel unit (default replica: every data-parallel rank writes its byte "
+        "range of each replicated file, as the paper does; DeepSpeed 0.19.8's default, none, fails without a model-"
+        "parallel unit, and 'machine' on one machine has both ranks write the same model file (its fsync fails: EIO))",
     )  # fmt: skip
+    parser.add_argument(
+        "--ds-timeout-s", type=float, default=600, help="DeepSpeed's collectives' timeout (default 600)"
+    )
     parser.add_argument(
         "--ds-precision", choices=["fp32", "bf16"], default="fp32",
         help="DeepSpeed's training precision (default fp32; bf16 adds ZeRO's fp32 master partitions to the checkpoint)",

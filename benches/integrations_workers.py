@@ -6,6 +6,7 @@ first two); benches/integrations.py's docstring says what each one measures.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
@@ -96,6 +97,15 @@ def ckpt_bytes_estimate(params: int) -> int:
 # ---------------------------------------------------------------------------- DeepSpeed
 
 
+def page_aligned_copy(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    nbytes = self.numel() * self.element_size()
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    offset = -raw.data_ptr() % 4096
+    out = raw[offset : offset + nbytes].view(self.dtype).view(self.shape)
+    out.copy_(self)
+    return out
+
+
 def stand_ins() -> list[str]:
     """Where this machine has no CUDA, gives DeepSpeed's fast writer CPU versions of its two
     CUDA-only steps; returns what was stood in for."""
@@ -105,8 +115,11 @@ def stand_ins() -> list[str]:
     os.environ[STAND_INS_ENV] = "1"  # DecoupledCheckpointEngine's writer process (spawned) applies them at import
     notes = []
     if not torch.cuda.is_available():
-        torch.Tensor.pin_memory = lambda self, *a, **k: self  # type: ignore[method-assign]
-        notes.append("stand-in: Tensor.pin_memory() is a no-op (no CUDA here; FastCheckpointEngine's io buffer pins)")
+        torch.Tensor.pin_memory = page_aligned_copy  # type: ignore[method-assign, assignment]
+        notes.append(
+            "stand-in: Tensor.pin_memory() returns a page-aligned copy, unpinned (no CUDA here; FastCheckpointEngine "
+            "pins its io buffer, and pinned host memory is page-aligned, as its O_DIRECT writes need)"
+        )
     try:
         UtilsBuilder().load()
     except Exception as e:
@@ -228,7 +241,11 @@ def ds_one(name: str, rep: int, root: str, o: dict[str, Any], data: list[Any]) -
 
 
 def deepspeed_rank(rank: int, root: str, o: dict[str, Any], out: str) -> None:
-    """One DeepSpeed rank: every writer (and the no-checkpoint loop) for every rep; rank 0 writes the runs."""
+    """One DeepSpeed rank: every writer (and the no-checkpoint loop) for every rep; rank 0 writes
+    the runs, also those done before a failure. A row that fails on a rank ends the run: the ranks'
+    collectives no longer match, and the other rank's next one fails (after ``--ds-timeout-s`` at
+    most) rather than hanging."""
+    import datetime
     import json
 
     import torch.distributed as dist
@@ -238,11 +255,13 @@ def deepspeed_rank(rank: int, root: str, o: dict[str, Any], out: str) -> None:
     # One machine: DeepSpeed's launcher sets these, and its fast writer reads them.
     os.environ.update(CROSS_RANK="0", CROSS_SIZE="1")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // DS_WORLD))
-    dist.init_process_group("gloo", init_method=f"file://{root}/ds-pg", rank=rank, world_size=DS_WORLD)
+    timeout = datetime.timedelta(seconds=o["ds_timeout_s"])
+    dist.init_process_group("gloo", init_method=f"file://{root}/ds-pg", rank=rank, world_size=DS_WORLD, timeout=timeout)
+    runs: list[dict[str, Any]] = []
     try:
         import deepspeed
 
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, timeout=timeout)
         started = time.perf_counter()
         why_no_aio = aio_loads()
         aio_s = time.perf_counter() - started
@@ -256,7 +275,6 @@ def deepspeed_rank(rank: int, root: str, o: dict[str, Any], out: str) -> None:
         width = mlp_width(o["params"])
         data = batches(width, o["steps"], seed=rank)
         order = [NONE, *DS_WRITERS]
-        runs: list[dict[str, Any]] = []
         ds_one(NONE, -1, root, o, data)  # a warm-up, not counted: the first engine pays for first-call set-up
         for rep in range(o["reps"]):
             shift = rep % len(order)
@@ -269,23 +287,33 @@ def deepspeed_rank(rank: int, root: str, o: dict[str, Any], out: str) -> None:
                 try:
                     runs.append({"rep": rep, "writer": name, "notes": notes, **ds_one(name, rep, root, o, data)})
                 except Exception as e:
-                    traceback.print_exc()
-                    runs.append({"rep": rep, "writer": name, "skipped": f"failed: {type(e).__name__}: {e}"})
-                    gc.collect()
-                    dist.barrier()
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(runs, f)
+                    runs.append(
+                        {"rep": rep, "writer": name, "skipped": f"failed on rank {rank}: {type(e).__name__}: {e}"}
+                    )
+                    raise
     except BaseException:
-        with open(f"{out}.error", "w") as f:
-            f.write(traceback.format_exc())
         traceback.print_exc()
         raise
     finally:
-        dist.destroy_process_group()
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(runs, f)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------ Hugging Face Trainer
+
+
+class TrainStart:
+    """When training began: the Trainer's set-up (model wrapping, optimizer, data loader) is
+    outside the loop's time, whose variation would otherwise swamp a checkpoint's cost."""
+
+    def __init__(self) -> None:
+        self.start_s = float("nan")
+
+    def now(self) -> None:
+        self.start_s = time.perf_counter()
 
 
 class HFStack:
@@ -331,9 +359,15 @@ class HFStack:
         cls = FastPersistTrainer if name == HF_OURS else transformers.Trainer
         trainer: Any = cls(model=model, args=args, train_dataset=self.data)
         trainer.remove_callback(transformers.PrinterCallback)  # its metrics line at the end of train()
-        start = time.perf_counter()
+        clock = TrainStart()
+
+        class Clock(transformers.TrainerCallback):
+            def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+                clock.now()
+
+        trainer.add_callback(Clock())
         trainer.train()  # FastPersistTrainer's waits for its checkpoint in flight before returning
-        result: dict[str, Any] = {"loop_s": time.perf_counter() - start}
+        result: dict[str, Any] = {"loop_s": time.perf_counter() - clock.start_s}
         result["ckpts"] = len([n for n in os.listdir(out) if n.startswith("checkpoint-")]) if name != NONE else 0
         if name != NONE:
             trainer.state.global_step += 1000
@@ -398,19 +432,25 @@ class LightningStack:
 
         out = os.path.join(self.root, f"pl-{rep}-{name.split()[0]}")
         saving = name != NONE
+        clock = TrainStart()
         callbacks: list[pl.Callback] = [
             pl.callbacks.ModelCheckpoint(dirpath=out, every_n_train_steps=o["every"], save_top_k=-1)
         ]
+
+        class Clock(pl.Callback):
+            def on_train_start(self, *args: Any, **kwargs: Any) -> None:
+                clock.now()
+
+        callbacks = [Clock(), *callbacks] if saving else [Clock()]
         trainer = pl.Trainer(
             max_steps=o["steps"], max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-            accelerator="cpu", devices=1, enable_checkpointing=saving, callbacks=callbacks if saving else [],
+            accelerator="cpu", devices=1, enable_checkpointing=saving, callbacks=callbacks,
             plugins=[self.io(name)] if name in (PL_ASYNC, PL_OURS) else [],
         )  # fmt: skip
         model = Model()
-        start = time.perf_counter()
         # fit's teardown waits for an overlapped plug-in's saves in flight.
         trainer.fit(model, torch.utils.data.DataLoader(self.data, batch_size=None))  # type: ignore[arg-type]
-        result: dict[str, Any] = {"loop_s": time.perf_counter() - start}
+        result: dict[str, Any] = {"loop_s": time.perf_counter() - clock.start_s}
         result["ckpts"] = len([n for n in os.listdir(out) if n.endswith(".ckpt")]) if saving else 0
         if saving:
             # The plug-in alone, on the Trainer's own checkpoint dict: a fresh instance, so that
