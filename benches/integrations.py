@@ -42,8 +42,12 @@ Stacks (``--stacks``):
   and ``FastPersistAsyncCheckpointIO`` (its pool sized to the checkpoint), ``ModelCheckpoint``
   every ``--every`` steps keeping all, the same MLP as DeepSpeed's.
 
-    python benches/integrations.py --stacks deepspeed,hf,lightning --params 100e6 --steps 12 --every 4 --reps 2
-    python benches/integrations.py --tiny      # seconds per stack: a smoke run
+Sizes for about 10 minutes on 2 cores (ZeRO-1 in fp32 writes 16 bytes a parameter: the weights,
+the fp32 partitions and Adam's two moments, so 75M parameters is a checkpoint of about 1.2 GB):
+
+    python benches/integrations.py --stacks deepspeed --params 75e6 --steps 6 --every 3 --reps 2
+    python benches/integrations.py --stacks hf,lightning --params 25e6 --steps 8 --every 4 --reps 2
+    python benches/integrations.py --tiny      # under a minute per stack: a smoke run
 """
 
 from __future__ import annotations
