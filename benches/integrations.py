@@ -12,7 +12,8 @@ rep, two measurements:
   flight), so what an overlapped writer leaves running is counted. The bench adds no fsync here:
   each writer is timed as it ships (torch.save leaves its bytes in the page cache). This one
   definition is used for every stack.
-* **GB/s** (the save's speed to durable): one more checkpoint, saved with the loop idle, from
+* **GB/s** (the save's speed to durable): one more checkpoint, saved with the loop idle (and the
+  page cache written back first, untimed, so the loop's checkpoints are not flushed meanwhile), from
   the call until every file is durable: the writer's own wait (commit, ``wait_for_checkpoint``,
   ``teardown``), then the bench fsyncs every file of the checkpoint and its directories (a no-op
   for files fastpersist already made durable). GB/s = checkpoint bytes / that time; the bytes
@@ -42,11 +43,11 @@ Stacks (``--stacks``):
   and ``FastPersistAsyncCheckpointIO`` (its pool sized to the checkpoint), ``ModelCheckpoint``
   every ``--every`` steps keeping all, the same MLP as DeepSpeed's.
 
-Sizes for about 10 minutes on 2 cores (ZeRO-1 in fp32 writes 16 bytes a parameter: the weights,
-the fp32 partitions and Adam's two moments, so 75M parameters is a checkpoint of about 1.2 GB):
+Sizes for about 9 minutes on 2 cores (all three stacks at 75M parameters, 2 reps took 5.7
+minutes on a busy 2-core machine; ZeRO-1 in fp32 writes 16 bytes a parameter: the weights, the
+fp32 partitions and Adam's two moments, about 1.2 GB at 75M):
 
-    python benches/integrations.py --stacks deepspeed --params 75e6 --steps 6 --every 3 --reps 2
-    python benches/integrations.py --stacks hf,lightning --params 25e6 --steps 8 --every 4 --reps 2
+    python benches/integrations.py --params 75e6 --steps 6 --every 3 --reps 3 --json integrations.json
     python benches/integrations.py --tiny      # under a minute per stack: a smoke run
 """
 

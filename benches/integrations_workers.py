@@ -222,6 +222,7 @@ def ds_one(name: str, rep: int, root: str, o: dict[str, Any], data: list[Any]) -
     result |= {"loop_s": slowest(time.perf_counter() - start), "ckpts": ckpts}
     if name != NONE:
         tag_dir = os.path.join(save_dir, "durable")
+        os.sync()  # untimed: the loop's checkpoints still in the page cache are not written back meanwhile
         dist.barrier()
         start = time.perf_counter()
         with torch.no_grad():
@@ -372,6 +373,7 @@ class HFStack:
         if name != NONE:
             trainer.state.global_step += 1000
             path = os.path.join(out, f"checkpoint-{trainer.state.global_step}")
+            os.sync()  # untimed: the loop's checkpoints still in the page cache are not written back meanwhile
             start = time.perf_counter()
             trainer._save_checkpoint(model, trial=None)
             if name == HF_OURS:
@@ -457,6 +459,7 @@ class LightningStack:
             # fit's teardown leaves nothing of it.
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
             io, path = self.io(name), os.path.join(out, "durable.ckpt")
+            os.sync()  # untimed: the loop's checkpoints still in the page cache are not written back meanwhile
             start = time.perf_counter()
             io.save_checkpoint(checkpoint, path)
             io.teardown()
