@@ -11,7 +11,26 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["FakeCuda", "FakeRuntime", "LaterCopier"]
+__all__ = ["FakeCuda", "FakeRuntime", "InstantCopier", "LaterCopier"]
+
+
+class InstantCopier:
+    """A fake copy engine over host memory whose copies are done when ``copy`` returns."""
+
+    needs_pinned_memory = False
+
+    def __init__(self, device: object) -> None:
+        pass
+
+    def begin(self) -> None:
+        pass
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, early: bool = False) -> None:
+        for src, dst in pairs:
+            dst.copy_(src)
+
+    def wait(self) -> None:
+        pass
 
 
 class LaterCopier:

@@ -24,7 +24,7 @@ from fastpersist.gpu.pinned import pin_host, unpin_host
 from fastpersist.gpu.staging import arena_views
 
 from cuda_marks import cuda_test
-from fake_cuda import FakeCuda, FakeRuntime
+from fake_cuda import FakeCuda, FakeRuntime, InstantCopier
 
 CHUNK = 64 << 10
 
@@ -437,25 +437,14 @@ def test_a_device_storage_freed_and_reallocated_before_its_copy_fails_the_save(
     assert not [n for n in os.listdir(workdir) if ".fptmp-" in n]
 
 
-class ReallocatingCopier:
+class ReallocatingCopier(InstantCopier):
     """A copy engine whose copies land after their sources' storages were freed and re-allocated,
     as when the caller's later work runs while the copies are queued."""
 
-    needs_pinned_memory: ClassVar[bool] = False
-
-    def __init__(self, device: torch.device) -> None:
-        pass
-
-    def begin(self) -> None:
-        pass
-
     def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, early: bool = False) -> None:
-        for src, dst in pairs:
+        for src, _ in pairs:
             _free_and_reallocate(src)
-            dst.copy_(src)
-
-    def wait(self) -> None:
-        pass
+        super().copy(pairs, early=early)
 
 
 def test_torch_save_of_a_device_storage_freed_and_reallocated_under_its_copy_fails(workdir: str) -> None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Sequence
-from typing import ClassVar
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -16,6 +15,8 @@ import fastpersist as fp
 from fastpersist import checkpointer as checkpointer_module
 from fastpersist.gpu.arenas import ARENAS
 from fastpersist.gpu.copiers import use_copier
+
+from fake_cuda import InstantCopier
 
 
 @pytest.fixture
@@ -36,25 +37,6 @@ def held_commit(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
 
 def _state(step: int) -> dict[str, object]:
     return {"w": torch.full((200_000,), float(step)), "b": torch.arange(100.0) + step, "step": step}
-
-
-class InstantCopier:
-    """A device copier over host memory whose copies are done when ``copy`` returns."""
-
-    needs_pinned_memory: ClassVar[bool] = False
-
-    def __init__(self, device: torch.device) -> None:
-        pass
-
-    def begin(self) -> None:
-        pass
-
-    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, early: bool = False) -> None:
-        for src, dst in pairs:
-            dst.copy_(src)
-
-    def wait(self) -> None:
-        pass
 
 
 def test_steps_due_while_the_disk_is_busy_are_snapshots_and_the_newest_is_written(
