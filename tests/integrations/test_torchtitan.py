@@ -101,3 +101,28 @@ def test_a_checkpoint_written_by_torchtitan_s_stock_manager_still_loads(tmp_path
     assert ours.load() is True  # DCP's own reader for DCP's own files
     assert all(torch.equal(a, b) for a, b in zip(saved, snapshot(model, optimizers), strict=True))
     ours.close()
+
+
+def test_an_overlapped_save_s_folder_exists_when_the_call_returns(tmp_path: Any, monkeypatch: Any) -> None:
+    # torchtitan purges by listing the folder right after save() returns: a folder made later,
+    # on DCP's thread, would not count, and keep_latest_k would keep one checkpoint too many.
+    from concurrent.futures import Future
+
+    from torchtitan.components.checkpoint import AsyncMode
+
+    import fastpersist.integrations.torchtitan as ours
+
+    manager, model, *_ = build(str(tmp_path), "disabled", FastPersistCheckpointManager.Config)
+    checkpoint_id = os.path.join(str(tmp_path), "ckpt", "step-1")
+    seen: list[bool] = []
+
+    def async_save(state_dict: Any, **kwargs: Any) -> Future:
+        seen.append(os.path.isdir(checkpoint_id))
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    monkeypatch.setattr(ours.state_dict_saver, "async_save", async_save)
+    manager.dcp_save({"model": model.state_dict()}, checkpoint_id, AsyncMode.ASYNC)
+    assert seen == [True]
+    manager.close()

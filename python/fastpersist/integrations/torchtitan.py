@@ -115,6 +115,10 @@ class FastPersistCheckpointManager(CheckpointManager):  # type: ignore[misc]  # 
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
         writer = FastPersistWriter(checkpoint_id, self.engine_config)
         if async_mode == AsyncMode.ASYNC:
+            # torchtitan purges by listing the folder right after this returns; a folder DCP
+            # made later, on its thread, would not count, and keep_latest_k would keep one more.
+            # An empty folder is never loaded: torchtitan loads only a folder with a .metadata.
+            os.makedirs(checkpoint_id, exist_ok=True)
             ret: Any = state_dict_saver.async_save(
                 state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, process_group=self.pg
             )
