@@ -254,20 +254,27 @@ def test_every_step_on_the_memory_level_and_the_disk_as_often_as_it_allows(
     # The GPU every-step recipe of docs/levels.md: every step into /dev/shm (each into its
     # recycled file), a disk directory drained in the background whenever the last drain is done.
     disk = os.path.join(workdir, "disk")
+    futures = {}
     with fp.Checkpointer(shm_root, every=1, keep=2, remote=disk, remote_every=None, config=config()) as ck:
         for step in range(10):
-            ck.save(step, device_state(on_device, step))
+            futures[step] = ck.save(step, device_state(on_device, step))
             ck.wait_staged()
+    # A step due while the disk still wrote waited as a snapshot; a newer one may have replaced
+    # it (cancelled, never written). Which did depends on timing; the newest always commits.
+    committed = [s for s, f in futures.items() if f is not None and not f.cancelled()]
+    assert all(futures[s].result() is not None for s in committed)
+    assert committed[-1] == 9 and committed[0] == 0, futures
     levels = ck.levels()  # closed: the drain of the newest due step is done
-    # The newest keep steps, and one a drain may still be reading (kept until it is done).
-    assert {8, 9} <= set(levels["local"]["steps"]) and len(levels["local"]["steps"]) <= 3, levels
+    local = levels["local"]["steps"]
+    # The newest keep committed steps, and one a drain may still be reading (kept until it is done).
+    assert set(committed[-2:]) <= set(local) <= set(committed) and len(local) <= 3, (committed, levels)
     drained = levels["remote"]["steps"]
-    assert drained and set(drained) <= set(range(10)) and max(drained) == 9, levels
-    # Recycled files got their arenas (a step a drain still reads is retired later, and its
-    # file may be freed rather than recycled).
+    assert drained and set(drained) <= set(committed) and max(drained) == 9, levels
+    # No arena outlives its file (that recycled files get theirs, by a fixed schedule:
+    # test_device_bytes_land_in_the_recycled_step_files_whose_arenas_serve_every_later_save).
     live = [k for k in ARENAS._kept if k.over_file and k.arena.file_status[1]]
-    assert 1 <= len(live) <= 4  # the local steps' files and the one in the recycle directory
-    for step in (8, 9):
+    assert len(live) <= 4  # the local steps' files and the one in the recycle directory
+    for step in committed[-2:]:
         got, want = ck.load(step), device_state(set(), step)
         assert torch.equal(got["w"], want["w"]) and torch.equal(got["host"], want["host"])
     shutil.rmtree(shm_root)  # the node's memory is gone: the disk level restores its newest step
