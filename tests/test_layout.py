@@ -125,6 +125,28 @@ def test_only_the_engine_front_door_starts_writes_and_reads() -> None:
     assert {m: c for m, c in calls.items() if c} == {}
 
 
+#: Raw writes and O_DIRECT, which part files leave to the engine (engine.PartFile, start_write).
+RAW_WRITES = ("pwrite", "pwritev", "O_DIRECT")
+#: Files that are not part files, written with a raw call, and why.
+RAW_WRITERS = {
+    # a safetensors shard for Hugging Face tools: each tensor lands at its own offset as it arrives
+    "fastpersist.interop.hfshards": ["pwrite"],
+}
+
+
+def test_only_the_engine_writes_part_files_raw_or_opens_with_o_direct() -> None:
+    raw = {
+        mod: sorted(
+            node.attr
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr in RAW_WRITES
+        )
+        for mod, path in _modules().items()
+        if not mod.startswith("fastpersist.engine")
+    }
+    assert {m: c for m, c in raw.items() if c} == RAW_WRITERS
+
+
 def _lint_imports(python_dir: pathlib.Path, config: pathlib.Path) -> subprocess.CompletedProcess[str]:
     command = shutil.which("lint-imports")
     assert command, "lint-imports is missing: pip install '.[test]' installs import-linter"

@@ -45,6 +45,7 @@ __all__ = [
     "writes_in_memory",
     "read_ranges_into",
     "PagedBuffer",
+    "PartFileWriter",
 ]
 
 __version__: str
@@ -347,6 +348,31 @@ def read_ranges_into(
     checksums (empty: unchecked). Returns the bytes read; ``bytes`` and ``crc32c_s``
     (time spent verifying checksums) are added to a ``stats`` dict, so one dict can total reads.
     """
+
+@final
+class PartFileWriter:
+    """A part file written front to back from bytes that arrive from elsewhere (a level's copy, a
+    download, a peer's share): each chunk's crc32c checked before its last byte is written
+    (``ChecksumMismatchError``), O_DIRECT where the filesystem takes it, fsynced by ``finish``.
+    ``replace``: truncate an existing file (else one there, or a link, is refused)."""
+
+    def __new__(
+        cls,
+        path: str | os.PathLike[str],
+        len_bytes: int,
+        chunk_crc32c: Sequence[int],
+        chunk_bytes: int,
+        *,
+        replace: bool = False,
+        direct: bool = True,
+    ) -> PartFileWriter: ...
+    def append(self, data: Buffer) -> None: ...
+    def finish(self, *, durable: bool = True) -> None: ...
+    def discard(self) -> None: ...
+    @property
+    def written_bytes(self) -> int: ...
+    @property
+    def direct(self) -> bool: ...
 
 @final
 class PagedBuffer:

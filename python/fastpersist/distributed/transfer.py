@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import fastpersist._core as _core
 
-from ..engine import first_bad_chunk, read_file_range
+from ..engine import PartFile, read_file_range
 from ..errors import ChecksumMismatchError
 from ..format.layout import MANIFEST_NAME
 from ..format.manifest import parse
@@ -83,43 +83,36 @@ def _read_piece(path: str, f: ShareFile, offset: int, length: int, chunk_bytes: 
     read_file_range(path, f.len_bytes, offset, length, f.chunk_crc32c, out.numpy(), chunk_bytes)
 
 
-def _check_piece(where: str, f: ShareFile, offset: int, data: torch.Tensor, chunk_bytes: int) -> None:
-    """Checks a received piece against the sender's checksums (a manifest: its seal, once whole)."""
-    bad = first_bad_chunk(f.chunk_crc32c, chunk_bytes, offset, data.numpy())
-    if bad is not None:
-        start, end, found, expected = bad
-        raise ChecksumMismatchError(
-            f"{where}: the copy received of {f.name} bytes [{start}, {end}) has crc32c "
-            f"{found:#010x}, the sender recorded {expected:#010x}; the copy is not kept"
-        )
-
-
 class _Receiving:
-    """Writes one incoming file as its pieces arrive."""
+    """Writes one incoming file through the engine as its pieces arrive, each chunk checked
+    against the sender's checksums (a manifest: its seal, once whole)."""
 
-    def __init__(self, path: str, f: ShareFile, durable: bool) -> None:
-        self.path, self.file, self.durable = path, f, durable
+    def __init__(self, path: str, f: ShareFile, chunk_bytes: int, durable: bool) -> None:
+        self.path, self.file = path, f
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        self.out = PartFile(path, f.len_bytes, f.chunk_crc32c, chunk_bytes, durable=durable)
         self.received = bytearray() if f.is_manifest else None
 
-    def write(self, offset: int, data: torch.Tensor, chunk_bytes: int) -> None:
-        _check_piece(self.path, self.file, offset, data, chunk_bytes)
-        view = memoryview(data.numpy().data)
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], offset + done)
+    def write(self, offset: int, data: torch.Tensor) -> None:
+        if offset != self.out.written_bytes:
+            raise RuntimeError(f"{self.path}: a piece at {offset} arrived after {self.out.written_bytes} bytes")
+        view = data.numpy()
+        try:
+            self.out.append(view)
+        except ChecksumMismatchError as e:
+            e.add_note(f"the copy received of {self.file.name} differs from what its sender recorded; it is not kept")
+            raise
         if self.received is not None:
-            self.received += view
+            self.received += view.data
 
     def close(self) -> None:
-        try:
-            if self.received is not None:
+        if self.received is not None:
+            try:
                 parse(bytes(self.received), where=self.path)  # its seal: a damaged manifest is not kept
-            if self.durable:
-                os.fsync(self.fd)
-        finally:
-            os.close(self.fd)
+            except BaseException:
+                self.out.discard()
+                raise
+        self.out.finish()
 
 
 def _steps(t: Transfer, chunk_bytes: int) -> list[tuple[ShareFile, int, int]]:
@@ -182,9 +175,9 @@ class _Rounds:
             key = (t.src, f.name)
             if key not in self.receiving:
                 path = os.path.join(dst_dir, f.name)
-                self.receiving[key] = _Receiving(path, f, self.durable)
+                self.receiving[key] = _Receiving(path, f, self.chunk_bytes, self.durable)
                 self.written.append(path)
-            self.receiving[key].write(offset, piece, self.chunk_bytes)
+            self.receiving[key].write(offset, piece)
             if offset + piece.numel() >= f.len_bytes:
                 self.receiving.pop(key).close()
 
@@ -228,5 +221,5 @@ def send_and_receive(
         raise
     finally:
         for r in rounds.receiving.values():
-            os.close(r.fd)
+            r.out.discard()  # an unfinished copy is not kept
     return rounds.written

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import abc
 import datetime
-import errno
 import os
 import shutil
 from collections.abc import Callable, Generator, Iterator
@@ -27,7 +26,7 @@ from typing import Any, cast
 
 import fastpersist._core as _core
 
-from ..engine import first_bad_chunk, read_file_range
+from ..engine import PartFile, first_bad_chunk, read_file_range
 from ..errors import ChecksumMismatchError, CorruptCheckpointError
 from ..format.layout import write_small_file
 from ..format.ownership import REMOVING, remove_owned_dir
@@ -84,26 +83,21 @@ class FileCopy:
             )
 
 
-def _local_pieces(
-    path: str, f: FileCopy, throttle: Callable[[int], None], *, reuse: bool = False
-) -> Iterator[bytes | memoryview]:
-    """The local file's pieces, each checked before it is yielded. `reuse`: read into one buffer
-    (no allocation and page faults per piece), for a caller that is done with a piece before it
-    asks for the next; else fresh bytes (a caller that may keep them, as obstore's uploads do)."""
-    pieces = f.pieces()
-    buf = memoryview(bytearray(max((hi - lo for lo, hi in pieces), default=0))) if reuse else None
+def _manifest_pieces(path: str, f: FileCopy, throttle: Callable[[int], None]) -> Iterator[bytes]:
+    """A manifest's pieces (no chunk checksums: its seal is checked where it is parsed), read
+    whole; part files are read by the engine (:func:`_engine_pieces`)."""
     with open(path, "rb", buffering=0) as fin:
-        for lo, hi in pieces:
-            data: bytes | memoryview
-            if buf is not None:
-                data = buf[: fin.readinto(buf[: hi - lo]) or 0]
-            else:
-                data = fin.read(hi - lo)
+        for lo, hi in f.pieces():
+            data = fin.read(hi - lo)
             if len(data) != hi - lo:
                 raise CorruptCheckpointError(f"{path}: ends before {hi} bytes, the manifest says {f.len_bytes}")
-            f.check(f"{path} (the local copy: not sent)", lo, data)
             yield data
             throttle(len(data))
+
+
+def _local_pieces(path: str, f: FileCopy, throttle: Callable[[int], None]) -> Iterator[bytes | memoryview]:
+    """The local file's pieces, checked, each one valid until the next is asked for."""
+    return _engine_pieces(path, f, throttle) if f.chunk_crc32c else _manifest_pieces(path, f, throttle)
 
 
 def _engine_pieces(path: str, f: FileCopy, throttle: Callable[[int], None]) -> Generator[memoryview, None, None]:
@@ -128,38 +122,6 @@ def _engine_pieces(path: str, f: FileCopy, throttle: Callable[[int], None]) -> G
             ahead = reader.submit(read, k + 1) if k + 1 < len(pieces) else None
             yield memoryview(buffers[k % 2])[: hi - lo]
             throttle(hi - lo)
-
-
-def _direct_copy(dst: str, pieces: Generator[memoryview, None, None], len_bytes: int) -> bool:
-    """Writes `pieces` (page-aligned buffers, from :func:`_engine_pieces`) to the new file `dst`
-    with O_DIRECT: no second copy into the page cache and no flush of it at the end, while the
-    next piece is read. False, with nothing written, where the filesystem refuses O_DIRECT."""
-    try:
-        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_DIRECT, 0o644)
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            return False
-        raise
-    align = _core.DIRECT_ALIGN_BYTES
-    try:
-        offset = 0
-        for data in pieces:
-            padded = memoryview(data.obj)[: -(-len(data) // align) * align]
-            done = 0
-            while done < len(padded):
-                try:
-                    done += os.pwrite(fd, padded[done:], offset + done)
-                except OSError as e:  # the open took O_DIRECT but the writes do not: write buffered
-                    if e.errno != errno.EINVAL or offset + done:
-                        raise
-                    pieces.close()
-                    return False
-            offset += len(data)
-        os.ftruncate(fd, len_bytes)  # the last piece's padding
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return True
 
 
 class Store(abc.ABC):
@@ -206,14 +168,12 @@ class Store(abc.ABC):
         ...
 
     def download(self, key: str, local: str, f: FileCopy) -> None:
-        """Writes the object to the new local file `local`, its chunks checked, fsynced."""
+        """Writes the object to the new local file `local` through the engine, its chunks
+        checked, fsynced; a download that fails leaves no file."""
         os.makedirs(os.path.dirname(local), exist_ok=True)
-        with open(local, "xb", buffering=0) as out:
+        with PartFile(local, f.len_bytes, f.chunk_crc32c, f.chunk_bytes) as out:
             for _, _, data in self.read_pieces(key, f):
-                view = memoryview(data)
-                while view:
-                    view = view[out.write(view) :]
-            os.fsync(out.fileno())
+                out.append(data)
 
     def read_pieces(self, key: str, f: FileCopy) -> Iterator[tuple[int, int, bytes]]:
         """The object's pieces ``(lo, hi, bytes)``, each checked against its chunk checksums."""
@@ -239,16 +199,11 @@ class DirStore(Store):
     def upload(self, key: str, local: str, f: FileCopy, throttle: Callable[[int], None]) -> None:
         dst = self.where(key)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
-        if not f.chunk_crc32c or not _direct_copy(dst, _engine_pieces(local, f, throttle), f.len_bytes):
-            pieces = (
-                _engine_pieces(local, f, throttle) if f.chunk_crc32c else _local_pieces(local, f, throttle, reuse=True)
-            )
-            with open(dst, "wb", buffering=0) as out:
-                for data in pieces:
-                    view = memoryview(data)
-                    while view:
-                        view = view[out.write(view) :]
-                os.fsync(out.fileno())
+        # The pieces were checked as they were read: not again. Page-aligned ones go out with
+        # O_DIRECT from where they lie.
+        with PartFile(dst, f.len_bytes, [], f.chunk_bytes, replace=True) as out:
+            for data in _local_pieces(local, f, throttle):
+                out.append(data)
         _core.fsync_dir(os.path.dirname(dst))
 
     def put_bytes(self, key: str, data: bytes, *, durable: bool = True) -> None:
@@ -343,7 +298,9 @@ class S3Store(Store):
     def upload(self, key: str, local: str, f: FileCopy, throttle: Callable[[int], None]) -> None:
         import obstore
 
-        obstore.put(self.store, key, _local_pieces(local, f, throttle), chunk_size=COPY_PIECE_BYTES)
+        # obstore may hold a piece after asking for the next: each is its own bytes
+        pieces = (bytes(data) for data in _local_pieces(local, f, throttle))
+        obstore.put(self.store, key, pieces, chunk_size=COPY_PIECE_BYTES)
 
     def put_bytes(self, key: str, data: bytes, *, durable: bool = True) -> None:
         import obstore  # a completed PUT is durable: nothing to choose

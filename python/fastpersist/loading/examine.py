@@ -20,9 +20,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import fastpersist._core as _core
-
-from ..errors import CorruptCheckpointError
+from ..engine import check_part_file
+from ..errors import ChecksumMismatchError, CorruptCheckpointError
 from ..format.confine import check_data_files
 from ..format.manifest import FileEntry, Manifest
 from ..format.quote import shown
@@ -140,14 +139,11 @@ def verify_file(root: str, m: Manifest, f: FileEntry, progress: Callable[[int], 
             raise CorruptCheckpointError(
                 f"{shown(file_path, 300)} has the wrong size (truncated?): expected {f.len_bytes} bytes, found {size}"
             )
-        spans = _core.chunk_spans(f.len_bytes, m.chunk_bytes) if f.chunk_crc32c else []  # checksums off
-        for (offset, length), expected in zip(spans, f.chunk_crc32c, strict=True):
-            data = os.pread(fd, length, offset)
-            found = _core.crc32c(data)
-            if found != expected:
-                raise checksum_error(m, root, file_path, offset, length, expected, found)
-            if progress is not None:
-                progress(length)
     finally:
         os.close(fd)
+    try:
+        check_part_file(file_path, f.len_bytes, f.chunk_crc32c, m.chunk_bytes, progress)  # the engine's reads
+    except ChecksumMismatchError as e:  # the engine names the range; the manifest names its tensors
+        assert e.offset_bytes is not None and e.len_bytes is not None and e.expected is not None and e.found is not None
+        raise checksum_error(m, root, file_path, e.offset_bytes, e.len_bytes, e.expected, e.found) from None
     return len(f.chunk_crc32c)

@@ -7,7 +7,8 @@
 //! * [`backend`] moves chunks between memory and files: io_uring, or a thread pool of
 //!   `pwrite`/`pread` where io_uring is blocked.
 //! * [`job`] stages source bytes into the pool (checksumming while the bytes are hot) and drives
-//!   a backend; [`read`] is the mirror for loads.
+//!   a backend; [`read`] is the mirror for loads; [`part_file`] writes a part file from bytes
+//!   that arrive from elsewhere (a level's copy, a download, a peer's share), checked as they pass.
 //! * [`durable`] holds fsync / rename helpers; [`probe`] decides which backend and whether
 //!   O_DIRECT can be used.
 
@@ -21,6 +22,7 @@ pub mod durable;
 pub mod error;
 pub mod job;
 pub mod pages;
+pub mod part_file;
 pub mod plan;
 pub mod pool;
 pub mod probe;

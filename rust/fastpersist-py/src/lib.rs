@@ -6,6 +6,7 @@ mod before_free;
 mod buffers;
 mod errors;
 mod handle;
+mod part_file;
 mod read;
 mod walk;
 mod write;
@@ -278,6 +279,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WriteHandle>()?;
     m.add_class::<handle::WriteGate>()?;
     m.add_class::<PagedBuffer>()?;
+    m.add_class::<part_file::PartFileWriter>()?;
     m.add_function(wrap_pyfunction!(write::start_write, m)?)?;
     m.add_function(wrap_pyfunction!(read::read_ranges_into, m)?)?;
     m.add_function(wrap_pyfunction!(check_chunk_bytes, m)?)?;

@@ -1,0 +1,434 @@
+//! Writing one part file from bytes that arrive in order from elsewhere: a level copying a share
+//! to a directory, a drain downloading an object, a rank receiving a peer's share.
+//!
+//! The write jobs ([`crate::job`]) write from memory they stage themselves; this writer takes
+//! pieces of any size, checks each chunk's crc32c as its last byte passes (before that byte is
+//! written), writes with O_DIRECT where the filesystem takes it, and fsyncs at the end. A piece
+//! that is page-aligned in memory and in the file is written from where it lies; anything else
+//! goes through one aligned buffer, so the writes stay large and aligned whatever the pieces.
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::align::AlignedBuf;
+use crate::checksum::Crc32c;
+use crate::error::{Error, Result};
+use crate::{DIRECT_ALIGN_BYTES, round_up};
+
+/// The aligned buffer's size: large writes, and at most this much held per open writer.
+pub const PART_FILE_BUFFER_BYTES: usize = 8 << 20;
+
+/// How a new part file is created.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Create {
+    /// The file must not exist yet (`O_EXCL`): a copy that finds one there is refused.
+    New,
+    /// An existing file is truncated (a store overwriting an object).
+    Replace,
+}
+
+/// The chunks a new file's bytes are checked against.
+#[derive(Debug, Clone, Default)]
+pub struct Expected {
+    /// One crc32c per chunk of `chunk_bytes` (the last may be shorter); empty: unchecked.
+    pub chunk_crc32c: Vec<u32>,
+    /// The chunk size the checksums were taken at.
+    pub chunk_bytes: u64,
+}
+
+/// A part file being written front to back (see the module docs). Dropped without
+/// [`PartFileWriter::finish`], the file stays as it is: the caller removes it (or calls
+/// [`PartFileWriter::discard`]).
+pub struct PartFileWriter {
+    path: PathBuf,
+    file: File,
+    direct: bool,
+    len_bytes: u64,
+    /// File offset of the next byte appended.
+    next: u64,
+    expected: Expected,
+    /// The running checksum of the chunk `chunk` (its bytes before `next`).
+    crc: Crc32c,
+    chunk: usize,
+    /// Bytes appended but not yet written (direct I/O only); they start at `next - held`.
+    buffer: Option<AlignedBuf>,
+    held: usize,
+}
+
+impl std::fmt::Debug for PartFileWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PartFileWriter")
+            .field("path", &self.path)
+            .field("direct", &self.direct)
+            .field("len_bytes", &self.len_bytes)
+            .field("written_bytes", &self.next)
+            .finish()
+    }
+}
+
+impl PartFileWriter {
+    /// Creates the file `path` for `len_bytes` bytes checked against `expected`; `direct`: try
+    /// O_DIRECT, falling back to buffered I/O where the filesystem refuses it.
+    pub fn create(
+        path: &Path,
+        len_bytes: u64,
+        expected: Expected,
+        create: Create,
+        direct: bool,
+    ) -> Result<Self> {
+        if !expected.chunk_crc32c.is_empty() {
+            let chunks = if expected.chunk_bytes == 0 {
+                u64::MAX
+            } else {
+                len_bytes.div_ceil(expected.chunk_bytes)
+            };
+            if chunks != expected.chunk_crc32c.len() as u64 {
+                return Err(Error::InvalidArgument(format!(
+                    "{}: {} chunk checksums for {len_bytes} bytes in chunks of {} bytes",
+                    path.display(),
+                    expected.chunk_crc32c.len(),
+                    expected.chunk_bytes
+                )));
+            }
+        }
+        let (file, direct) = match direct.then(|| open(path, create, true)) {
+            Some(Ok(file)) => (Ok(file), true),
+            Some(Err(e)) if e.raw_os_error() == Some(libc::EINVAL) => {
+                (open(path, create, false), false)
+            }
+            Some(Err(e)) => (Err(e), false),
+            None => (open(path, create, false), false),
+        };
+        let file = file.map_err(|e| Error::io("create", path, e))?;
+        Ok(PartFileWriter {
+            path: path.to_path_buf(),
+            file,
+            direct,
+            len_bytes,
+            next: 0,
+            expected,
+            crc: Crc32c::default(),
+            chunk: 0,
+            buffer: None,
+            held: 0,
+        })
+    }
+
+    /// Whether the file is written with O_DIRECT.
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Bytes appended so far.
+    pub fn written_bytes(&self) -> u64 {
+        self.next
+    }
+
+    /// Appends `data`: every chunk it completes is checked first, then its bytes are written.
+    pub fn append(&mut self, data: &[u8]) -> Result<()> {
+        let end = self.next + data.len() as u64;
+        if end > self.len_bytes {
+            return Err(Error::InvalidArgument(format!(
+                "{}: {} bytes at {} run past its {} bytes",
+                self.path.display(),
+                data.len(),
+                self.next,
+                self.len_bytes
+            )));
+        }
+        self.check(data)?;
+        if !self.direct {
+            self.file
+                .write_all_at(data, self.next)
+                .map_err(|e| Error::io("write", &self.path, e))?;
+        } else if self.held == 0 && aligned(data, self.next) {
+            self.write_direct(data, self.next)?;
+        } else {
+            self.hold(data)?;
+        }
+        self.next = end;
+        Ok(())
+    }
+
+    /// Writes what is held and sets the size: the file is whole and checked; `durable`: fsynced
+    /// too (a copy another one vouches for may skip it). A file that cannot be finished (short,
+    /// or a write or fsync failed) is removed.
+    pub fn finish(mut self, durable: bool) -> Result<()> {
+        let finished = self.complete(durable);
+        if finished.is_err() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+        finished
+    }
+
+    fn complete(&mut self, durable: bool) -> Result<()> {
+        if self.next != self.len_bytes {
+            return Err(Error::SizeMismatch {
+                path: self.path.clone(),
+                expected_bytes: self.len_bytes,
+                found_bytes: self.next,
+            });
+        }
+        if self.held > 0 {
+            let at = self.next - self.held as u64;
+            let padded = round_up(self.held, DIRECT_ALIGN_BYTES);
+            let buffer = self.buffer.take().expect("held bytes live in the buffer");
+            self.write_direct(&buffer[..padded], at)?;
+            self.held = 0;
+        }
+        // A held tail was written padded to the page: the file ends at its own length.
+        self.file
+            .set_len(self.len_bytes)
+            .map_err(|e| Error::io("truncate", &self.path, e))?;
+        if durable {
+            self.file
+                .sync_all()
+                .map_err(|e| Error::io("fsync", &self.path, e))?;
+        }
+        Ok(())
+    }
+
+    /// Closes and removes the unfinished file.
+    pub fn discard(self) -> Result<()> {
+        let path = self.path.clone();
+        drop(self);
+        match std::fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::io("remove", path, e)),
+        }
+    }
+
+    fn check(&mut self, mut data: &[u8]) -> Result<()> {
+        let crcs = &self.expected.chunk_crc32c;
+        if crcs.is_empty() {
+            return Ok(());
+        }
+        let chunk_bytes = self.expected.chunk_bytes;
+        let mut at = self.next;
+        while !data.is_empty() {
+            let start = self.chunk as u64 * chunk_bytes;
+            let chunk_end = (start + chunk_bytes).min(self.len_bytes);
+            let take = ((chunk_end - at) as usize).min(data.len());
+            self.crc.update(&data[..take]);
+            at += take as u64;
+            data = &data[take..];
+            if at == chunk_end {
+                let found = self.crc.finish();
+                let expected = crcs[self.chunk];
+                if found != expected {
+                    return Err(Error::ChecksumMismatch {
+                        path: self.path.clone(),
+                        offset_bytes: start,
+                        len_bytes: chunk_end - start,
+                        expected,
+                        found,
+                    });
+                }
+                self.crc = Crc32c::default();
+                self.chunk += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies `data` into the aligned buffer, writing it out each time it fills.
+    fn hold(&mut self, mut data: &[u8]) -> Result<()> {
+        let capacity = round_up(
+            (self.len_bytes.min(PART_FILE_BUFFER_BYTES as u64) as usize).max(1),
+            DIRECT_ALIGN_BYTES,
+        );
+        let mut at = self.next;
+        while !data.is_empty() {
+            let buffer = self
+                .buffer
+                .get_or_insert_with(|| AlignedBuf::zeroed(capacity));
+            let take = (buffer.len_bytes() - self.held).min(data.len());
+            buffer[self.held..self.held + take].copy_from_slice(&data[..take]);
+            self.held += take;
+            at += take as u64;
+            data = &data[take..];
+            if self.held == buffer.len_bytes() {
+                let buffer = self.buffer.take().expect("just filled");
+                let start = at - self.held as u64;
+                self.write_direct(&buffer, start)?;
+                self.buffer = Some(buffer);
+                self.held = 0;
+            }
+        }
+        Ok(())
+    }
+
+    fn write_direct(&mut self, data: &[u8], offset: u64) -> Result<()> {
+        match self.file.write_all_at(data, offset) {
+            // Some filesystems open with O_DIRECT and then refuse the writes: nothing is written
+            // yet, so the file is opened again for buffered I/O.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) && offset == 0 => {
+                self.file = open(&self.path, Create::Replace, false)
+                    .map_err(|e| Error::io("create", &self.path, e))?;
+                self.direct = false;
+                self.file.write_all_at(data, offset)
+            }
+            written => written,
+        }
+        .map_err(|e| Error::io("write", &self.path, e))
+    }
+}
+
+fn aligned(data: &[u8], offset: u64) -> bool {
+    let align = DIRECT_ALIGN_BYTES;
+    (data.as_ptr() as usize).is_multiple_of(align)
+        && data.len().is_multiple_of(align)
+        && offset.is_multiple_of(align as u64)
+}
+
+fn open(path: &Path, create: Create, direct: bool) -> std::io::Result<File> {
+    let mut options = OpenOptions::new();
+    options.write(true);
+    match create {
+        Create::New => options.create_new(true),
+        Create::Replace => options.create(true).truncate(true),
+    };
+    let flags = libc::O_CLOEXEC | libc::O_NOFOLLOW | if direct { libc::O_DIRECT } else { 0 };
+    options.custom_flags(flags).mode(0o644).open(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checksum::crc32c;
+
+    fn bytes(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 31 % 251) as u8).collect()
+    }
+
+    fn expected(data: &[u8], chunk_bytes: usize) -> Expected {
+        Expected {
+            chunk_crc32c: data.chunks(chunk_bytes).map(crc32c).collect(),
+            chunk_bytes: chunk_bytes as u64,
+        }
+    }
+
+    fn write_in_pieces(
+        path: &Path,
+        data: &[u8],
+        cuts: &[usize],
+        direct: bool,
+    ) -> Result<PartFileWriter> {
+        let mut w = PartFileWriter::create(
+            path,
+            data.len() as u64,
+            expected(data, 64 << 10),
+            Create::New,
+            direct,
+        )?;
+        let mut lo = 0;
+        for &hi in cuts.iter().chain(std::iter::once(&data.len())) {
+            w.append(&data[lo..hi])?;
+            lo = hi;
+        }
+        Ok(w)
+    }
+
+    #[test]
+    fn pieces_of_any_size_make_the_same_file_direct_or_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = bytes((3 << 20) + 12_345);
+        for direct in [true, false] {
+            for cuts in [vec![], vec![1, 4096, 70_000, 2 << 20], vec![8192, 1 << 20]] {
+                let path = dir.path().join(format!("f-{direct}-{}", cuts.len()));
+                write_in_pieces(&path, &data, &cuts, direct)
+                    .unwrap()
+                    .finish(true)
+                    .unwrap();
+                assert_eq!(std::fs::read(&path).unwrap(), data);
+            }
+        }
+    }
+
+    #[test]
+    fn a_bad_chunk_is_refused_before_its_last_byte_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = bytes(300 << 10);
+        let mut damaged = data.clone();
+        damaged[(128 << 10) + 7] ^= 1; // the third 64 KiB chunk
+        let path = dir.path().join("f");
+        let mut w = PartFileWriter::create(
+            &path,
+            data.len() as u64,
+            expected(&data, 64 << 10),
+            Create::New,
+            true,
+        )
+        .unwrap();
+        w.append(&damaged[..100_000]).unwrap();
+        let err = w.append(&damaged[100_000..]).expect_err("a damaged chunk");
+        match err {
+            Error::ChecksumMismatch {
+                offset_bytes,
+                len_bytes,
+                ..
+            } => {
+                assert_eq!((offset_bytes, len_bytes), (128 << 10, 64 << 10));
+            }
+            other => panic!("{other}"),
+        }
+        w.discard().unwrap();
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_short_file_fails_finish_and_a_long_one_fails_append() {
+        let dir = tempfile::tempdir().unwrap();
+        let data = bytes(10_000);
+        let path = dir.path().join("short");
+        let mut w =
+            PartFileWriter::create(&path, 10_000, Expected::default(), Create::New, true).unwrap();
+        w.append(&data[..9_999]).unwrap();
+        assert!(matches!(
+            w.finish(true),
+            Err(Error::SizeMismatch {
+                found_bytes: 9_999,
+                ..
+            })
+        ));
+        assert!(!path.exists());
+        let path = dir.path().join("long");
+        let mut w =
+            PartFileWriter::create(&path, 10, Expected::default(), Create::New, false).unwrap();
+        assert!(matches!(
+            w.append(&data[..11]),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn new_refuses_an_existing_file_or_link_and_replace_truncates() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, b"old bytes, longer than the new").unwrap();
+        assert!(PartFileWriter::create(&path, 3, Expected::default(), Create::New, true).is_err());
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        assert!(
+            PartFileWriter::create(&link, 3, Expected::default(), Create::Replace, true).is_err()
+        );
+        let mut w =
+            PartFileWriter::create(&path, 3, Expected::default(), Create::Replace, true).unwrap();
+        w.append(b"new").unwrap();
+        w.finish(true).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"new");
+    }
+
+    #[test]
+    fn checksums_that_do_not_fit_the_length_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let bad = Expected {
+            chunk_crc32c: vec![0; 3],
+            chunk_bytes: 4096,
+        };
+        let err = PartFileWriter::create(&dir.path().join("f"), 4096, bad, Create::New, true).err();
+        assert!(matches!(err, Some(Error::InvalidArgument(_))));
+    }
+}
