@@ -366,3 +366,23 @@ def test_the_module_map_names_every_module() -> None:
 def test_every_folder_of_the_package_is_in_the_module_map() -> None:
     folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     assert sorted(folders - set(LISTED_FOLDERS)) == []
+
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_the_write_request_has_one_field_list_in_python_the_stub_and_the_binding() -> None:
+    # The request crosses into Rust by attribute name: a field added to one of the three and not
+    # the others fails only at run time, on the path that sets it.
+    import dataclasses
+
+    from fastpersist.engine import WriteRequest
+
+    dataclass_fields = {f.name for f in dataclasses.fields(WriteRequest)}
+    stub = ast.parse((REPO / "python" / "fastpersist" / "_core.pyi").read_text())
+    protocol = next(n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == "WriteRequest")
+    stub_fields = {n.name for n in protocol.body if isinstance(n, ast.FunctionDef)}
+    binding = (REPO / "rust" / "fastpersist-py" / "src" / "write.rs").read_text()
+    struct = binding.split("pub(crate) struct WriteRequest<'py> {", 1)[1].split("\n}", 1)[0]
+    binding_fields = set(re.findall(r"^\s+(\w+):", struct, re.M))
+    assert dataclass_fields == stub_fields == binding_fields, (dataclass_fields, stub_fields, binding_fields)

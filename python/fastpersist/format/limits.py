@@ -78,10 +78,6 @@ def namedtuple_problem(name: object, fields: object) -> str | None:
     return None
 
 
-def _public_field(f: object) -> bool:
-    return type(f) is str and f.isidentifier() and not f.startswith("_") and not keyword.iskeyword(f)
-
-
 def check_manifest_size(manifest: bytes, tree: dict[str, Any], tensors: list[dict[str, Any]]) -> None:
     """Refuses a manifest that a reader would refuse as too large, naming what made it so.
 

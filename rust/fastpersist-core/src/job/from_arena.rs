@@ -17,12 +17,11 @@ use super::crc32_fields::Crc32Patcher;
 use super::guard::GuardState;
 use super::source::{CopyPiece, DeviceCopier, ExtentMap, SourceRegion, check_against_plan};
 use super::staging::check_in_stream_order;
-use super::{JobHooks, JobProgress, WriteOptions, WriteTarget, finish_files, open_targets};
+use super::{JobContext, JobHooks, JobProgress, WriteTarget, finish_files, open_targets};
 use crate::DIRECT_ALIGN_BYTES;
 use crate::arena::ArenaLease;
 use crate::error::{Error, Result};
 use crate::plan::{Chunk, Plan};
-use crate::pool::Pool;
 use crate::probe::BackendKind;
 use crate::round_up;
 
@@ -47,19 +46,23 @@ impl Drop for CopiedEarly<'_> {
     }
 }
 
-/// Writes `targets` from `sources` through the arena of `hooks` (see the module docs).
+/// Writes the job's targets from `sources` through the arena of `hooks` (see the module docs);
+/// `in_place`: the arena is the one target's file ([`super::StagingMode::InPlace`]).
 pub(super) fn write(
-    plan: &Plan,
-    targets: &[WriteTarget],
+    context: JobContext<'_>,
     sources: Vec<SourceRegion>,
-    pool: &Pool,
-    options: &WriteOptions,
-    progress: &JobProgress,
     hooks: JobHooks,
+    in_place: bool,
 ) -> Result<Written> {
+    let JobContext {
+        targets,
+        options,
+        progress,
+        ..
+    } = context;
     let copied_early = CopiedEarly(progress);
     let gate = hooks.write_gate.clone();
-    let mut job = ArenaJob::new(plan, targets, sources, pool, options, progress, hooks)?;
+    let mut job = ArenaJob::new(context, sources, hooks, in_place)?;
     let windows = job.windows();
     if let Some(first) = windows.first() {
         job.ask_copies(first.clone())?;
@@ -134,21 +137,24 @@ pub(super) struct ArenaJob<'p> {
 
 impl<'p> ArenaJob<'p> {
     fn new(
-        plan: &Plan,
-        targets: &[WriteTarget],
+        context: JobContext<'p>,
         mut sources: Vec<SourceRegion>,
-        pool: &Pool,
-        options: &WriteOptions,
-        progress: &'p JobProgress,
         hooks: JobHooks,
+        in_place: bool,
     ) -> Result<Self> {
+        let JobContext {
+            plan,
+            targets,
+            pool,
+            options,
+            progress,
+        } = context;
         let Some(arena) = hooks.arena else {
             return Err(Error::InvalidArgument(
                 "a job that stages through an arena needs one".into(),
             ));
         };
         check_sources(plan, &sources, hooks.device.is_some())?;
-        let in_place = is_in_place(&arena, targets)?;
         let cell_bytes = plan.chunk_bytes as usize;
         let cells = cells_in_stream_order(targets, plan.chunk_bytes);
         // In place, cell k is the file's chunk k, at k * chunk_bytes: one window holds them all
@@ -368,7 +374,7 @@ impl<'p> ArenaJob<'p> {
 
 /// Whether the job stages `targets` in place: `arena` is the file of its one part. An arena over
 /// a file is refused for any other job (its bytes belong to that file).
-fn is_in_place(arena: &ArenaLease, targets: &[WriteTarget]) -> Result<bool> {
+pub(super) fn is_in_place(arena: &ArenaLease, targets: &[WriteTarget]) -> Result<bool> {
     match targets {
         [one] => arena.is_file_of(&one.path, one.part.len_bytes),
         _ if arena.is_file() => Err(Error::InvalidArgument(format!(

@@ -117,6 +117,77 @@ impl std::fmt::Debug for JobHooks {
     }
 }
 
+/// The ways a job stages its bytes, chosen once per job by [`StagingMode::choose`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StagingMode {
+    /// Host sources are copied chunk by chunk into pool slots, each slot written by the
+    /// backend (`staging`).
+    Pool,
+    /// Host sources are copied straight into mappings of the files' pages: every target is a
+    /// regular file on a memory filesystem and O_DIRECT was not required (`memory`).
+    MappedFiles,
+    /// Chunks are staged window by window into the job's arena (device copies asked for per
+    /// window) and written straight from there (`from_arena`); a write gate may hold the writes.
+    Arena,
+    /// The arena is the job's one data file on a memory filesystem: staging is the write, and
+    /// only the checksums remain (`in_place`).
+    InPlace,
+}
+
+impl StagingMode {
+    /// How a job of `targets` with `hooks` stages: through an arena when it has one (in place
+    /// when the arena is the one target's file), else through the pool, or the files' own pages
+    /// on a memory filesystem. Device sources and a write gate need an arena.
+    pub fn choose(
+        targets: &[WriteTarget],
+        options: &WriteOptions,
+        hooks: &JobHooks,
+    ) -> Result<Self> {
+        if let Some(arena) = hooks.arena.as_ref() {
+            return Ok(if from_arena::is_in_place(arena, targets)? {
+                StagingMode::InPlace
+            } else {
+                StagingMode::Arena
+            });
+        }
+        if hooks.device.is_some() || hooks.write_gate.is_some() {
+            return Err(Error::InvalidArgument(
+                "a job with a device copier or a write gate stages through an arena: none was given".into(),
+            ));
+        }
+        let paths: Vec<&Path> = targets.iter().map(|t| t.path.as_path()).collect();
+        Ok(
+            if memory::writes_in_memory(&paths, options.direct, options.backend) {
+                StagingMode::MappedFiles
+            } else {
+                StagingMode::Pool
+            },
+        )
+    }
+}
+
+/// What every write job works from (its sources and hooks are moved into it separately).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct JobContext<'a> {
+    pub plan: &'a Plan,
+    pub targets: &'a [WriteTarget],
+    pub pool: &'a Pool,
+    pub options: &'a WriteOptions,
+    pub progress: &'a JobProgress,
+}
+
+/// Lets every waiter go when the job returns, whatever happened: the sources were moved into
+/// the job and are dropped with it, so nothing reads them after.
+struct ReleasedOnReturn<'p>(&'p JobProgress);
+
+impl Drop for ReleasedOnReturn<'_> {
+    fn drop(&mut self) {
+        if self.0.sources_released_after().is_none() {
+            self.0.mark_sources_released();
+        }
+    }
+}
+
 /// Writes `targets` (parts of `plan`) from `sources` (one region per plan extent).
 ///
 /// The sources are read only until `progress` reports them released, which happens as soon as
@@ -154,12 +225,22 @@ pub fn write_parts_with(
     progress: &JobProgress,
     hooks: JobHooks,
 ) -> Result<WriteReport> {
-    let (crcs, direct) =
-        if hooks.arena.is_some() || hooks.device.is_some() || hooks.write_gate.is_some() {
-            from_arena::write(plan, targets, sources, pool, options, progress, hooks)?
-        } else {
-            write_from_pool(plan, targets, sources, pool, options, progress, hooks)?
-        };
+    let _released = ReleasedOnReturn(progress);
+    let job = JobContext {
+        plan,
+        targets,
+        pool,
+        options,
+        progress,
+    };
+    let (crcs, direct) = match StagingMode::choose(targets, options, &hooks)? {
+        mode @ (StagingMode::Arena | StagingMode::InPlace) => {
+            from_arena::write(job, sources, hooks, mode == StagingMode::InPlace)?
+        }
+        mode @ (StagingMode::Pool | StagingMode::MappedFiles) => {
+            write_from_pool(job, sources, hooks, mode == StagingMode::MappedFiles)?
+        }
+    };
     let parts = targets
         .iter()
         .zip(crcs)
@@ -182,25 +263,25 @@ pub fn write_parts_with(
 }
 
 /// The job of host sources: staged chunk by chunk into pool slots (`staging`), or straight
-/// into the files' pages on a memory filesystem (`memory`). Returns the chunk checksums per
-/// file and whether each file was written with O_DIRECT.
+/// into the files' pages on a memory filesystem (`in_memory`: `memory`). Returns the chunk
+/// checksums per file and whether each file was written with O_DIRECT.
 fn write_from_pool(
-    plan: &Plan,
-    targets: &[WriteTarget],
+    job: JobContext<'_>,
     sources: Vec<SourceRegion>,
-    pool: &Pool,
-    options: &WriteOptions,
-    progress: &JobProgress,
     hooks: JobHooks,
+    in_memory: bool,
 ) -> Result<(Vec<Vec<u32>>, Vec<bool>)> {
-    let staging = Staging::new(plan, targets, sources, pool, options, progress, hooks);
+    let JobContext {
+        targets,
+        options,
+        progress,
+        ..
+    } = job;
+    let staging = Staging::new(job, sources, hooks);
     progress.mark_copied_early();
     let mut staging = staging?;
     let result = (|| {
-        // The in-memory level (tmpfs, ramfs): the sources are copied straight into the files'
-        // pages, reused across saves; O_DIRECT is never tried there unless it was required.
-        let paths: Vec<&Path> = targets.iter().map(|t| t.path.as_path()).collect();
-        if memory::writes_in_memory(&paths, options.direct, options.backend) {
+        if in_memory {
             memory::write_mapped(&mut staging, targets, options.durable)?;
             progress.check_cancelled("after its data was written")?;
             return Ok(vec![false; targets.len()]);

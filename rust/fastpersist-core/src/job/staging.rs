@@ -9,7 +9,7 @@ use std::time::Duration;
 use super::crc32_fields::Crc32Patcher;
 use super::guard::GuardState;
 use super::source::{ExtentMap, SourceRegion, check_against_plan};
-use super::{JobHooks, JobProgress, WriteOptions, WriteTarget};
+use super::{JobContext, JobHooks, JobProgress};
 use crate::DIRECT_ALIGN_BYTES;
 use crate::backend::{IoBuf, IoOp, Next, OpSource};
 use crate::checksum::Crc32c;
@@ -51,14 +51,17 @@ struct StagedChunk {
 
 impl<'p> Staging<'p> {
     pub fn new(
-        plan: &Plan,
-        targets: &[WriteTarget],
+        context: JobContext<'p>,
         sources: Vec<SourceRegion>,
-        pool: &'p Pool,
-        options: &WriteOptions,
-        progress: &'p JobProgress,
         hooks: JobHooks,
     ) -> Result<Self> {
+        let JobContext {
+            plan,
+            targets,
+            pool,
+            options,
+            progress,
+        } = context;
         // From here an early return drops `staging`, whose Drop releases the sources.
         let mut staging = Staging {
             extents: ExtentMap::new(plan),
