@@ -7,7 +7,7 @@ same means:
 
 * to a directory (``--remote-dir``, default under ``--dir``): the drain vs ``shutil.copyfile``
   + ``os.fsync`` of each file (and of the directory),
-* to a local S3 server (moto's standalone server, ``tests/s3server.py``, reached directly on
+* to a local S3 server (moto's standalone server, ``tests/helpers/s3server.py``, reached directly on
   127.0.0.1, not through the tests' proxy): the drain vs ``obstore.put`` of each file as a
   ``Path`` with the same obstore client (``S3Store.store``) and obstore's defaults (no checksum
   work, as ``aws s3 cp``).
@@ -109,10 +109,10 @@ def put_s3_seconds(target: str, step_dir: str, names: list[str]) -> float:
 
 
 class S3:
-    """moto's server (tests/s3server.py) and one bucket; the AWS_* variables point at the server itself."""
+    """moto's server (tests/helpers/s3server.py) and one bucket; the AWS_* variables point at the server itself."""
 
     def __init__(self) -> None:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "helpers"))
         from s3server import S3Server
 
         self.server = S3Server()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The soak: every hypothesis suite under the "soak" profile (fresh random seeds, SOAK_SCALE times
-# the CI examples; tests/budget.py) and the kill -9 and damage campaigns at SOAK_SCALE times
+# the CI examples; tests/helpers/budget.py) and the kill -9 and damage campaigns at SOAK_SCALE times
 # their CI counts, then a summary of what ran: tests, examples, kills, damages. Run it before
 # resolving anything found by randomized testing; CI (scripts/test.sh) runs the derandomized
 # "ci" profile instead. SOAK_SCALE=20 (the default) takes about 10 minutes on a 2-core VM (it scales

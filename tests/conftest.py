@@ -1,8 +1,8 @@
 """Shared fixtures: every save/load test runs on each backend this machine offers.
 
-The S3 fixtures (``s3_server``, ``s3_bucket``) live in tests/s3server.py. Also loads the
-hypothesis profile (``HYPOTHESIS_PROFILE=ci``, the default, or ``soak``; see tests/budget.py)
-before any test module is imported, and installs tests/netguard.py: no test reaches anything
+The S3 fixtures (``s3_server``, ``s3_bucket``) live in tests/helpers/s3server.py. Also loads the
+hypothesis profile (``HYPOTHESIS_PROFILE=ci``, the default, or ``soak``; see tests/helpers/budget.py)
+before any test module is imported, and installs tests/helpers/netguard.py: no test reaches anything
 but this machine, nor an object store it did not name (``no_traffic_beyond_loopback``).
 """
 
@@ -12,16 +12,16 @@ import os
 import tempfile
 from collections.abc import Iterator
 
-import netguard
 import pytest
-from s3server import s3_bucket, s3_server  # noqa: F401 (fixtures: a real S3-compatible server)
 
 import fastpersist as fp
 from fastpersist.gpu import pinned
 
+import netguard
 from backends import available_backends
 from budget import register_profiles
 from fake_cuda import FakeRuntime
+from s3server import s3_bucket, s3_server  # noqa: F401 (fixtures: a real S3-compatible server)
 
 register_profiles()
 netguard.install()
@@ -57,11 +57,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def no_traffic_beyond_loopback() -> Iterator[None]:
     """Fails a test that reached beyond this machine, or an object store it did not name
-    (tests/netguard.py): its trap, or a Python socket to a non-loopback address."""
+    (tests/helpers/netguard.py): its trap, or a Python socket to a non-loopback address."""
     yield
     found = netguard.take()
     if found:
-        pytest.fail("this test reached beyond what it configured (tests/netguard.py): " + "; ".join(found[:5]))
+        pytest.fail("this test reached beyond what it configured (tests/helpers/netguard.py): " + "; ".join(found[:5]))
 
 
 @pytest.fixture(params=available_backends())

@@ -368,9 +368,6 @@ def test_every_folder_of_the_package_is_in_the_module_map() -> None:
     assert sorted(folders - set(LISTED_FOLDERS)) == []
 
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-
-
 def test_the_write_request_has_one_field_list_in_python_the_stub_and_the_binding() -> None:
     # The request crosses into Rust by attribute name: a field added to one of the three and not
     # the others fails only at run time, on the path that sets it.
@@ -386,3 +383,24 @@ def test_the_write_request_has_one_field_list_in_python_the_stub_and_the_binding
     struct = binding.split("pub(crate) struct WriteRequest<'py> {", 1)[1].split("\n}", 1)[0]
     binding_fields = set(re.findall(r"^\s+(\w+):", struct, re.M))
     assert dataclass_fields == stub_fields == binding_fields, (dataclass_fields, stub_fields, binding_fields)
+
+
+def test_the_tests_mirror_the_package_and_their_helpers_live_in_one_folder() -> None:
+    tests = REPO / "tests"
+    package_folders = {p.parent.name for p in (REPO / "python" / "fastpersist").glob("*/__init__.py")}
+    test_folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "__"))}
+    assert test_folders == package_folders | {"helpers"}
+    loose = [
+        str(p.relative_to(tests))
+        for p in tests.rglob("*.py")
+        if "helpers" not in p.parts and p.name != "conftest.py" and not p.name.startswith("test_")
+    ]
+    assert loose == []  # a helper outside tests/helpers/ is found only by chance
+    assert list((tests / "helpers").glob("test_*.py")) == []
+    # ruff sorts the helpers' imports as local ones only if pyproject.toml names each of them
+    import tomllib
+
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]["isort"]["known-local-folder"]
+    )
+    assert listed == {p.stem for p in (tests / "helpers").glob("*.py")}

@@ -1,4 +1,4 @@
-"""The guard of tests/netguard.py: a test that reaches beyond this machine, or an object store it
+"""The guard of tests/helpers/netguard.py: a test that reaches beyond this machine, or an object store it
 did not name, is caught (the trap, the socket guard); and fastpersist's switch that forbids the
 instance metadata lookup for credentials."""
 
@@ -7,11 +7,12 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-import netguard
 import pytest
 
 import fastpersist as fp
 from fastpersist.levels.stores import METADATA_ENV, check_credentials
+
+import netguard
 
 
 def test_a_python_socket_to_a_non_loopback_address_is_refused_and_recorded() -> None:

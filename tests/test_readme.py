@@ -90,7 +90,7 @@ def test_readme_examples_run(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_the_multi_node_recipe_compiles() -> None:
     """The torchrun script (```python train.py```) needs a real multi-node job, so it is only
-    compiled here; tests/test_levels.py runs its scenario on 4 ranks as 2 simulated nodes."""
+    compiled here; tests/levels/test_levels.py runs its scenario on 4 ranks as 2 simulated nodes."""
     scripts = re.findall(r"```python train\.py\n(.*?)```", open(README).read(), flags=re.DOTALL)
     assert len(scripts) == 1 and "replicas=1" in scripts[0] and "ck.load()" in scripts[0]
     compile(scripts[0], "README.md train.py", "exec")

@@ -32,7 +32,7 @@ import torch
 
 import deepspeed_workers as workers
 from deepspeed_workers import SAVE_AFTER, STEPS, TAG_A, TAG_B
-from gloo import TESTS_DIR, run_ranks
+from gloo import HELPERS_DIR, REPO_DIR, run_ranks
 
 pytestmark = pytest.mark.slow  # each case starts 2 or 4 DeepSpeed processes (a few seconds each to import)
 
@@ -73,8 +73,8 @@ def _run_until_killed(target: Any, world: int, args: tuple[Any, ...], workdir: s
     `grace_s` later (blocked on the dead one in DeepSpeed's own collectives) are killed too.
     Returns each rank's exit code."""
     ctx = multiprocessing.get_context("spawn")
-    if TESTS_DIR not in sys.path:
-        sys.path.insert(0, TESTS_DIR)
+    if HELPERS_DIR not in sys.path:
+        sys.path.insert(0, HELPERS_DIR)
     init_file = os.path.join(workdir, "init-store-kill")
     procs = [ctx.Process(target=target, args=(r, world, init_file, *args)) for r in range(world)]
     for p in procs:
@@ -146,7 +146,7 @@ def test_fastpersist_imports_no_deepspeed_and_the_integration_says_what_is_missi
 
 def test_the_docs_recipe_runs_and_resumes(tmp_path: Any) -> None:
     """docs/integrations.md's DeepSpeed recipe, run as it says (torchrun, 2 CPU ranks), twice."""
-    docs = os.path.join(os.path.dirname(TESTS_DIR), "docs", "integrations.md")
+    docs = os.path.join(REPO_DIR, "docs", "integrations.md")
     with open(docs) as f:
         section = f.read().split("## DeepSpeed", 1)[1]
     recipe = section.split("```python\n", 1)[1].split("```", 1)[0]

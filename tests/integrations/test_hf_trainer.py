@@ -2,7 +2,7 @@
 .hf_accelerate): overlapped checkpoints that resume exactly, rotate only behind a durable
 successor, survive a kill -9 mid-save, and Accelerate's save_state/load_state round trip.
 
-Exactness is checked on every step's loss (recorded unrounded, tests/hf_trainer_workers.py)
+Exactness is checked on every step's loss (recorded unrounded, tests/helpers/hf_trainer_workers.py)
 and on the final weights: the model has dropout, so the RNG state must come back too.
 """
 
@@ -148,7 +148,7 @@ def test_rotation_keeps_the_newest_two_durable_checkpoints_and_deletes_only_behi
 
 @pytest.mark.slow
 def test_two_gloo_ranks_checkpoint_every_rank_s_rng_and_resume_exactly(tmp_path: Path) -> None:
-    # tests/hf_trainer_workers.py's ddp_full_then_resumed on each rank, under torchrun (~20 s).
+    # tests/helpers/hf_trainer_workers.py's ddp_full_then_resumed on each rank, under torchrun (~20 s).
     script = Path(workers.__file__)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

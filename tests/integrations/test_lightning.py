@@ -28,11 +28,13 @@ from fastpersist.futures import SaveFuture  # noqa: E402
 from fastpersist.integrations.lightning import FastPersistAsyncCheckpointIO, FastPersistCheckpointIO  # noqa: E402
 from fastpersist.saving import job  # noqa: E402
 
+import lightning_workers  # noqa: E402
+from gloo import REPO_DIR  # noqa: E402
 from lightning_workers import STEPS_PER_EPOCH, Tiny, loader, rotation, seeded_model, trainer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
-WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lightning_workers.py")
+WORKER = os.path.abspath(lightning_workers.__file__)
 
 
 def _same_training_state(a: Tiny, b: Tiny) -> None:
@@ -191,7 +193,7 @@ def test_a_failed_save_stops_the_fit_at_the_next_save_and_leaves_the_previous_ch
 
 def test_the_docs_recipe_runs_and_resumes(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/integrations.md's Lightning recipe, run as a script twice: the second run resumes."""
-    docs = os.path.join(os.path.dirname(WORKER), os.pardir, "docs", "integrations.md")
+    docs = os.path.join(REPO_DIR, "docs", "integrations.md")
     with open(docs, encoding="utf-8") as f:
         section = f.read().split("\n## Lightning\n", 1)[1]
     recipe = section.split("```python\n", 1)[1].split("```", 1)[0]

@@ -24,7 +24,7 @@ import fastpersist as fp
 from fastpersist.loading import examine, pipeline, reading
 from fastpersist.saving import remover
 
-from gloo import TESTS_DIR
+from gloo import HELPERS_DIR
 from replace_workers import TENSORS, replace_in_a_loop, stepped_state
 
 SECONDS = 4.0
@@ -44,8 +44,8 @@ def test_loads_while_another_process_replaces_see_one_checkpoint(
 ) -> None:
     path = os.path.join(workdir, "ck")
     fp.save(stepped_state(1), path, config=config)
-    if TESTS_DIR not in sys.path:
-        sys.path.insert(0, TESTS_DIR)
+    if HELPERS_DIR not in sys.path:
+        sys.path.insert(0, HELPERS_DIR)
     ctx = multiprocessing.get_context("spawn")
     saves = ctx.Queue()
     writer = ctx.Process(target=replace_in_a_loop, args=(path, backend, SECONDS, saves))

@@ -80,17 +80,17 @@ def test_exit_with_a_save_in_flight_commits_it_whole(workdir: str) -> None:
 
 # ----------------------------------------------------------------------------- the kill -9 campaign
 
-#: Kills per campaign: 40 and 12 in CI, scaled by the soak profile, or set (tests/budget.py).
+#: Kills per campaign: 40 and 12 in CI, scaled by the soak profile, or set (tests/helpers/budget.py).
 KILLS = iterations("FASTPERSIST_CRASH_KILLS", 40)
 PLAIN_KILLS = iterations("FASTPERSIST_CRASH_PLAIN_KILLS", 12)
 SEED = int(os.environ.get("FASTPERSIST_TEST_SEED", random.SystemRandom().randrange(1 << 32)))
 
 
 class ForkServer:
-    """tests/crash_worker.py's fork server: children fork with torch and fastpersist already imported."""
+    """tests/helpers/crash_worker.py's fork server: children fork with torch and fastpersist already imported."""
 
     def __init__(self) -> None:
-        worker = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "crash_worker.py")
+        worker = os.path.abspath(crash_worker.__file__)
         self.proc = subprocess.Popen(
             [sys.executable, worker], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy()
         )

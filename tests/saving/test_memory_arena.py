@@ -25,7 +25,7 @@ from fastpersist.gpu.copiers import use_copier
 from fastpersist.saving.recycle import file_to_stage_in, is_memory_root
 
 from fake_cuda import LaterCopier
-from gloo import TESTS_DIR
+from gloo import HELPERS_DIR
 
 SHM = "/dev/shm"
 pytestmark = pytest.mark.skipif(not (os.path.isdir(SHM) and is_memory_root(SHM)), reason="needs a tmpfs at /dev/shm")
@@ -154,7 +154,7 @@ def test_a_new_process_restores_the_newest_step_staged_in_place(shm_root: str, o
         print(ck.latest(), torch.equal(got["w"], w), torch.equal(got["m"], m))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=TESTS_DIR, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HELPERS_DIR, timeout=120)
     assert out.stdout.split() == ["4", "True", "True"], out.stderr
 
 

@@ -32,7 +32,7 @@ from fastpersist.saving.recycle import is_memory_root
 import crash_worker
 import replace_workers
 from backends import available_backends
-from gloo import TESTS_DIR
+from gloo import HELPERS_DIR
 
 SHM = "/dev/shm"
 pytestmark = pytest.mark.skipif(not (os.path.isdir(SHM) and is_memory_root(SHM)), reason="needs a tmpfs at /dev/shm")
@@ -100,7 +100,7 @@ def test_a_new_process_loads_the_last_step_bit_identically(shm_root: str, backen
         """
     )
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HELPERS_DIR, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
         [sys.executable, "-c", child, shm_root, here], capture_output=True, text=True, env=env, check=True, timeout=120
     )
@@ -224,8 +224,8 @@ def test_loads_while_retention_recycles_see_one_step(shm_root: str, backend: str
     retired before); loads here of the step the index names, unverified, return one step whole
     or raise CheckpointNotFoundError (before the fix: tensors mixing two steps)."""
     os.makedirs(shm_root)
-    if TESTS_DIR not in sys.path:
-        sys.path.insert(0, TESTS_DIR)
+    if HELPERS_DIR not in sys.path:
+        sys.path.insert(0, HELPERS_DIR)
     ctx = multiprocessing.get_context("spawn")
     saves = ctx.Queue()
     seconds = 4.0
@@ -294,10 +294,10 @@ def test_a_file_a_load_holds_is_never_recycled(shm_root: str, backend: str, monk
 
 
 class ForkServer:
-    """tests/crash_worker.py's fork server (as in test_crash.py)."""
+    """tests/helpers/crash_worker.py's fork server (as in test_crash.py)."""
 
     def __init__(self) -> None:
-        worker = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "crash_worker.py")
+        worker = os.path.join(HELPERS_DIR, "crash_worker.py")
         self.proc = subprocess.Popen(
             [sys.executable, worker], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ.copy()
         )

@@ -17,7 +17,7 @@ from fastpersist import _core
 from fastpersist.saving.target import NAME_MAX_BYTES
 
 from dist_workers import run
-from gloo import TESTS_DIR, run_ranks
+from gloo import HELPERS_DIR, run_ranks
 from race_worker import save_rounds, state_of
 
 ROUNDS = 30
@@ -29,8 +29,8 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 def test_two_processes_making_the_first_save_of_one_path_both_commit(workdir: str, backend: str) -> None:
     """Each round both processes save a fresh path at once: the later commit replaces the earlier."""
-    if TESTS_DIR not in sys.path:
-        sys.path.insert(0, TESTS_DIR)
+    if HELPERS_DIR not in sys.path:
+        sys.path.insert(0, HELPERS_DIR)
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()
     os.environ["RACE_BACKEND"] = backend

@@ -20,7 +20,6 @@ MODES = [pytest.param(False, id="replicated"), pytest.param(True, id="sharded")]
 def _partner_roots(workdir: str, sharded: bool) -> None:
     """node0/ and node1/: steps 1 and 2 saved by 4 ranks as 2 simulated nodes with replicas=1."""
     import inspect_workers as w
-
     from gloo import run_ranks
 
     results = run_ranks(w.save_steps, 4, (workdir, sharded, [1, 2]), workdir, timeout_s=120)

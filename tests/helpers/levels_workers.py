@@ -1,4 +1,4 @@
-"""Inside each rank of the partner-level tests (tests/test_levels.py): 4 ranks as 2 simulated
+"""Inside each rank of the partner-level tests (tests/levels/test_levels.py): 4 ranks as 2 simulated
 nodes of 2 (``FASTPERSIST_NODE``), each node its own root."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The partner level: 4 real gloo ranks as 2 simulated nodes of 2, each node its own root,
 ``replicas=1``: a node's root deleted, damaged copies, a partner killed mid-copy, training
-killed and resumed; replicated and sharded state, every backend (tests/levels_workers.py)."""
+killed and resumed; replicated and sharded state, every backend (tests/helpers/levels_workers.py)."""
 
 from __future__ import annotations
 
@@ -186,10 +186,10 @@ def test_kill_9_at_random_moments_never_restores_a_wrong_state(tmp_path: Any) ->
     import sys
     import time
 
-    from gloo import TESTS_DIR
+    from gloo import HELPERS_DIR
 
-    if TESTS_DIR not in sys.path:
-        sys.path.insert(0, TESTS_DIR)
+    if HELPERS_DIR not in sys.path:
+        sys.path.insert(0, HELPERS_DIR)
     ctx = multiprocessing.get_context("spawn")
     rng = random.Random(2207)
     runs = int(os.environ.get("FASTPERSIST_KILL_RUNS", "30"))

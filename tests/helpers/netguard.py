@@ -4,10 +4,10 @@
   run (spawned ranks and subprocesses inherit it) gets ``AWS_ENDPOINT_URL`` and
   ``AWS_METADATA_ENDPOINT`` pointing at a *trap*: a loopback HTTP server that answers 403 and
   records each request. A test that touches an object store sets the endpoint and credentials of
-  the local server itself (the ``s3_bucket`` fixture of tests/s3server.py); one that forgets
+  the local server itself (the ``s3_bucket`` fixture of tests/helpers/s3server.py); one that forgets
   reaches the trap, never AWS, and never the cloud's instance metadata service (which the client
   asks for credentials when none are set: 169.254.169.254).
-* Python sockets in the test process (and in ranks started by tests/gloo.py) refuse to connect
+* Python sockets in the test process (and in ranks started by tests/helpers/gloo.py) refuse to connect
   to any address that is not loopback, and record the attempt.
 
 The ``no_traffic_beyond_loopback`` fixture (autouse, tests/conftest.py) fails a test after which
@@ -57,7 +57,9 @@ def _check(sock: socket.socket, address: Any) -> None:
     host = str(address[0])
     if not _loopback(host):
         _record(f"a Python socket tried to connect to {address}")
-        raise ConnectionRefusedError(f"tests/netguard.py: {address} is not a loopback address; tests stay local")
+        raise ConnectionRefusedError(
+            f"tests/helpers/netguard.py: {address} is not a loopback address; tests stay local"
+        )
 
 
 def _guarded_connect(self: socket.socket, address: Any) -> None:

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from s3server import S3Server
 
 import fastpersist as fp
 from fastpersist.levels import stores
 
 import levels_workers as w
 from gloo import run_ranks
+from s3server import S3Server
 
 CONFIG = fp.Config(chunk_bytes=64 << 10, pool_bytes=1 << 20, queue_depth=4)
 

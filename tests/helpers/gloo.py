@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 
-#: tests/, where the worker modules live; spawned children must be able to import them.
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+#: tests/helpers/, where the worker modules live; spawned children must be able to import them.
+HELPERS_DIR = os.path.dirname(os.path.abspath(__file__))
+#: The repository (its docs/, README.md and benches/).
+REPO_DIR = os.path.dirname(os.path.dirname(HELPERS_DIR))
 
 
 def run_ranks(
@@ -26,8 +28,8 @@ def run_ranks(
     test if a rank is still running after `timeout_s`.
     """
     ctx = multiprocessing.get_context("spawn")
-    if TESTS_DIR not in sys.path:
-        sys.path.insert(0, TESTS_DIR)
+    if HELPERS_DIR not in sys.path:
+        sys.path.insert(0, HELPERS_DIR)
     init_file = os.path.join(workdir, "init-store")
     procs = [ctx.Process(target=target, args=(r, world, init_file, *args)) for r in range(world)]
     for p in procs:
@@ -57,9 +59,10 @@ def report_rank(
     result as ``result-{rank}.json`` or its traceback as ``error-{rank}.txt`` (then re-raises).
     `destroy=False` leaves the group as it is (a scenario whose rank is killed)."""
     import torch.distributed as dist
+
     from netguard import guard_sockets
 
-    guard_sockets()  # a rank reaches nothing beyond this machine either (tests/netguard.py)
+    guard_sockets()  # a rank reaches nothing beyond this machine either (tests/helpers/netguard.py)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         result = compute()
