@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import pickle
 import threading
 import time
@@ -170,6 +171,21 @@ _controls: dict[tuple[int, float, str], ControlGroup] = {}
 _controls_lock = threading.Lock()
 
 
+def _close_all_at_exit() -> None:
+    """Closes this process's control groups while the interpreter is still whole. A gloo group
+    that lives into interpreter finalization can abort the process ("terminate called without
+    an active exception"): its threads' works hold tensors whose release needs the GIL. Our
+    reference kept each group alive even after the script's own destroy_process_group()."""
+    with _controls_lock:
+        controls = list(_controls.values())
+        _controls.clear()
+    for control in controls:
+        try:
+            control.close()
+        except Exception:  # the script destroyed every group already: only our reference is left
+            control._pg = None
+
+
 def control_for(group: Any, timeout_s: float, lane: str = "saves") -> ControlGroup:
     """The private gloo group (operations time out after `timeout_s`) over `group`'s ranks,
     created on first use and kept for later saves and loads through the same group.
@@ -187,6 +203,8 @@ def control_for(group: Any, timeout_s: float, lane: str = "saves") -> ControlGro
     if control is None:
         control = ControlGroup(group, timeout_s)
         with _controls_lock:
+            if not _controls:
+                atexit.register(_close_all_at_exit)  # once per set of groups; a no-op when empty
             _controls[key] = control
     return control
 
