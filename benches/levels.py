@@ -1,4 +1,4 @@
-"""The partner level (``Checkpointer(replicas=k)``): its per-iteration cost, and restoring after a node loss.
+"""The partner level (``levels=[Partner(replicas=k)]``): its per-iteration cost, and restoring after a node loss.
 
 Runs ``--nodes x --ranks-per-node`` spawned gloo ranks on this machine as simulated nodes
 (``FASTPERSIST_NODE=node0, node1, ...``), each node with its own root under ``--dir``.
@@ -8,9 +8,9 @@ GIL-free "device work" (a wait of T seconds, as a GPU kernel frees the CPU), a t
 (the gradient sync that keeps the ranks in step), ``ck.wait_staged()``, an in-place update of
 every tensor of the state, ``ck.save(i, state)``. Interleaved round by round, it compares the
 per-iteration time (the slowest rank's loop wall / iterations) of no checkpoint,
-``Checkpointer(every=1, replicas=0)`` (the plain group save, every rank writing into rank 0's
+``Checkpointer(every=1)`` (the plain group save, every rank writing into rank 0's
 step directory: on one root that every rank passes, as on a shared filesystem) and
-``Checkpointer(every=1, replicas=1)`` (each node its own root). One Checkpointer per method lives
+``Checkpointer(every=1, levels=[Partner(replicas=1)])`` (each node its own root). One Checkpointer per method lives
 through the whole run; its first save (not timed) builds the control group and the pool. T defaults to 1.1 x the slowest
 rank's replicas=1 save time, measured in a warm-up. The bytes each rank sends and receives per
 save are counted at the partner transfer's ``isend``/``irecv`` and compared with what the
@@ -132,7 +132,13 @@ def _checkpointer(root: str, replicas: int, sharded: bool, mib: int) -> Any:
 
     config = fp.Config(pool_bytes=max(256, mib + 16) << 20, timeout_s=300)
     return fp.Checkpointer(
-        root, every=1, keep=2, config=config, group=dist.group.WORLD, sharded=sharded, replicas=replicas
+        root,
+        every=1,
+        keep=2,
+        config=config,
+        group=dist.group.WORLD,
+        sharded=sharded,
+        levels=[fp.Partner(replicas=replicas)] if replicas else [],
     )
 
 

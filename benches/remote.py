@@ -14,7 +14,7 @@ same means:
 
 Per-iteration overhead: a training loop whose device work is a GIL-free wait of T seconds (as
 a GPU kernel frees the CPU) followed by a real AdamW step on CPU tensors, with
-``Checkpointer(every=1)`` and with ``Checkpointer(every=1, remote=DIR, remote_every=10)``
+``Checkpointer(every=1)`` and with ``Checkpointer(every=1, levels=[Remote(DIR, every=10)])``
 against no checkpoint; every iteration is timed, the median per method is reported, and the
 overhead in percentage points.
 
@@ -276,10 +276,11 @@ def bench_loop(args: argparse.Namespace, root: str) -> dict[str, Any]:
     def run(remote: bool) -> Callable[[], tuple[list[float], float]]:
         def go() -> tuple[list[float], float]:
             local = tempfile.mkdtemp(prefix="fp-loop-", dir=root)
-            target = tempfile.mkdtemp(prefix="fp-loop-remote-", dir=args.remote_dir or root) if remote else None
-            extra = {"remote": target, "remote_every": args.remote_every, "remote_bytes_per_s": args.remote_bytes_per_s}
-            extra = extra if remote else {}
-            ck = fp.Checkpointer(local, every=1, keep=2, config=config, **extra)  # type: ignore[arg-type]
+            levels = []
+            if remote:
+                target = tempfile.mkdtemp(prefix="fp-loop-remote-", dir=args.remote_dir or root)
+                levels = [fp.Remote(target, every=args.remote_every, bytes_per_s=args.remote_bytes_per_s)]
+            ck = fp.Checkpointer(local, every=1, keep=2, config=config, levels=levels)
             try:
                 return timed_loop(args.iters, t_dev, params, opt, ck, adamw)
             finally:

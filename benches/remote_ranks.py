@@ -17,7 +17,6 @@ import os
 import shutil
 import sys
 import tempfile
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,9 +44,11 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, root: str) -> Non
             run = os.path.join(root, f"round{rnd}-{i}")
             ck = None
             if i:
-                extra: dict[str, Any] = {"remote": os.path.join(run, "remote"), "remote_every": 10} if i == 2 else {}
+                levels: list[fp.Partner | fp.Remote] = [fp.Partner(replicas=1)]
+                if i == 2:
+                    levels.append(fp.Remote(os.path.join(run, "remote"), every=10))
                 ck = fp.Checkpointer(
-                    os.path.join(run, node), every=1, keep=2, config=config, group=dist.group.WORLD, replicas=1, **extra
+                    os.path.join(run, node), every=1, keep=2, config=config, group=dist.group.WORLD, levels=levels
                 )
             dist.barrier()
             times, close = timed_loop(args.iters, args.device_seconds, params, opt, ck, adamw=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import random
@@ -56,18 +57,35 @@ def test_every_and_keep(workdir: str) -> None:
 
 
 @pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda: fp.Remote(""), "Remote(place=''): expected a directory on a shared filesystem"),
+        (lambda: fp.Remote(5), "Remote(place=5): expected a directory"),  # type: ignore[arg-type]
+        (lambda: fp.Remote("/r", every=0), "Remote(every=0): expected an integer >= 1 or None"),
+        (lambda: fp.Remote("/r", keep=0), "Remote(keep=0): expected an integer >= 1"),
+        (lambda: fp.Remote("/r", bytes_per_s=0), "Remote(bytes_per_s=0): expected a positive number"),
+        (lambda: fp.HFExport("", every=1), "HFExport(export_dir=''): expected a directory"),
+        (lambda: fp.HFExport("/e", every=0), "HFExport(every=0): expected an integer >= 1"),
+        (lambda: fp.Partner(replicas=0), "Partner(replicas=0): expected an integer >= 1"),
+        (lambda: fp.Partner(replicas=True), "Partner(replicas=True): expected an integer >= 1"),
+    ],
+)
+def test_bad_level_settings_are_refused_naming_them(make: Any, named: str) -> None:
+    with pytest.raises((TypeError, ValueError)) as info:
+        make()
+    assert named in str(info.value)
+
+
+@pytest.mark.parametrize(
     ("kwargs", "named"),
     [
-        ({"remote": ""}, "Checkpointer(remote=''): expected None (no remote level)"),
-        ({"remote": 5}, "Checkpointer(remote=5): expected None"),
-        ({"remote_every": 0}, "remote_every=0 applies to the remote level, but remote= is None"),
-        ({"remote_keep": 0}, "remote_keep=0 applies to the remote level"),
-        ({"remote_bytes_per_s": 1e6}, "remote_bytes_per_s=1000000.0 applies"),
         ({"config": "x"}, "config='x': expected a fastpersist.Config"),
-        ({"export_hf_key": "model"}, "export_hf_key='model') applies to the Hugging Face export, but export_hf_every"),
-        ({"export_hf_prefix": "module."}, "export_hf_prefix='module.') applies to the Hugging Face export"),
-        ({"export_hf_every": 1}, "Checkpointer(export_hf_every=1, export_dir=None): they go together"),
-        ({"export_hf_every": 1, "export_dir": ""}, "Checkpointer(export_dir=''): expected a directory"),
+        ({"levels": "s3://b/p"}, "levels='s3://b/p': expected a list of level objects"),
+        ({"levels": [{"replicas": 1}]}, "expected fastpersist.Partner, fastpersist.Remote or fastpersist.HFExport"),
+        ({"levels": [fp.Remote("/r1"), fp.Remote("/r2")]}, "more than one Remote level"),
+        ({"levels": [fp.Partner()]}, "Partner(replicas=1): needs the Checkpointer's group="),
+        ({"every": "auto"}, 'every="auto" needs failures='),
+        ({"failures": {"process_mtbf_s": 1.0}}, "expected a fastpersist.Failures"),
     ],
 )
 def test_bad_constructor_arguments_are_refused_naming_them(workdir: str, kwargs: dict[str, Any], named: str) -> None:
@@ -76,6 +94,44 @@ def test_bad_constructor_arguments_are_refused_naming_them(workdir: str, kwargs:
         fp.Checkpointer(root, **kwargs)
     assert named in str(info.value)
     assert os.listdir(workdir) == []  # refused before anything was made (no remote in the working directory)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "new_form"),
+    [
+        ({"replicas": 1}, "levels=[fastpersist.Partner(replicas=1)]"),
+        (
+            {"remote": "s3://b/p", "remote_every": 10, "remote_keep": 3, "remote_bytes_per_s": 1e6},
+            "levels=[fastpersist.Remote('s3://b/p', every=10, keep=3, bytes_per_s=1000000.0)]",
+        ),
+        (
+            {"export_hf_every": 5, "export_dir": "/e", "export_hf_key": "model", "export_hf_prefix": "m."},
+            "levels=[fastpersist.HFExport('/e', every=5, key='model', prefix='m.')]",
+        ),
+        ({"mtbf_s": 3600.0}, "failures=fastpersist.Failures(process_mtbf_s=3600.0)"),
+        (
+            {"replicas": 2, "remote": "/r", "mtbf_s": 60},
+            "levels=[fastpersist.Partner(replicas=2), fastpersist.Remote('/r')], "
+            "failures=fastpersist.Failures(process_mtbf_s=60)",
+        ),
+    ],
+)
+def test_the_keywords_that_became_objects_are_refused_showing_the_new_form(
+    workdir: str, kwargs: dict[str, Any], new_form: str
+) -> None:
+    with pytest.raises(TypeError) as info:
+        fp.Checkpointer(os.path.join(workdir, "root"), **kwargs)
+    assert f"write Checkpointer(..., {new_form})" in str(info.value)
+    assert os.listdir(workdir) == []
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        fp.Checkpointer(os.path.join(workdir, "root"), bogus=1)
+
+
+def test_the_checkpointer_takes_at_most_eight_keywords() -> None:
+    """The issue-50 cap: a new level is a new object in `levels`, not another keyword family."""
+    params = inspect.signature(fp.Checkpointer.__init__).parameters.values()
+    keywords = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert len(keywords) <= 8, keywords
 
 
 @pytest.mark.parametrize("root", ["", " "])

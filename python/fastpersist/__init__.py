@@ -28,6 +28,7 @@ from .futures import SaveFuture
 from .hfapi import export_hf
 from .interop.torchasync import torch_save_async
 from .interop.torchfile import torch_save
+from .levels.level_objects import HFExport, Partner, Remote
 from .saving.remover import wait_removed
 
 __version__: str = _core.__version__
@@ -43,6 +44,9 @@ __all__ = [
     "FastPersistError",
     "GroupLoadError",
     "GroupSaveError",
+    "HFExport",
+    "Partner",
+    "Remote",
     "SaveCancelledError",
     "SaveFuture",
     "SaveResult",

@@ -37,11 +37,10 @@ from .errors import CheckpointNotFoundError
 from .format.flatten import flatten
 from .format.layout import INDEX_NAME, write_small_file
 from .futures import SaveFuture
-from .levels.background_exports import check_export_arguments, hf_exports_for
 from .levels.holdings import local_levels
+from .levels.level_objects import CommittedStepCopies, Level, Partner, levels_given, moved_keywords_error
 from .levels.local_steps import RESTORE_ATTEMPTS, LocalSteps
 from .levels.partner_level import PartnerLevel
-from .levels.remote_arguments import check_remote_arguments
 from .levels.remote_level import RemoteLevel
 from .levels.resume import bring_in, restore_point, run_id
 from .retention import retire, retire_in_group, retired_steps
@@ -75,41 +74,25 @@ class Checkpointer:
             commits and maintains the index; every rank removes its own stripe directories of
             retired steps.
         sharded: each rank saves its own shard (FSDP/ZeRO-style); needs `group`.
-        replicas: the partner level: each rank's share is also kept on `replicas` other nodes
-            (a node is ``$FASTPERSIST_NODE`` or the host name; each node passes its own `root`),
-            so losing a node loses no step; needs `group`. See docs/levels.md.
-        remote: the remote level: a directory on a shared filesystem that committed steps are
-            drained to in the background (:mod:`fastpersist.levels.drain`), restored from when
-            no local or partner copy of a newer step of this run is left; or an
-            ``s3://bucket/prefix`` URL (S3-compatible stores; endpoint and credentials from the AWS
-            environment variables, docs/levels.md#credentials). Refused (ValueError) when it is
-            the root, lies inside it or holds it, or is another live Checkpointer's remote.
-        remote_every: drain a step whenever a multiple of `remote_every` was crossed since the
-            last one drained (the first saved step is drained too); None: as often as one drain
-            at a time allows (the newest committed step whenever the drain is free);
-            ``fastpersist advise`` recommends it from the failure rates (docs/advisor.md).
-        remote_keep: committed remote steps to keep (>= 1). `remote_every`, `remote_keep` and
-            `remote_bytes_per_s` set without `remote` are refused (they would do nothing), and
-            so is an empty `remote` (it would drain into the working directory).
-        remote_bytes_per_s: the drain's throttle (None: unthrottled); it also pauses while a
-            save is staging and yields half its time to a save that is writing.
-        mtbf_s: the job's mean time between failures in seconds; ``every="auto"`` needs it or
-            `failures`.
-        max_every: the largest interval ``every="auto"`` may choose.
-        failures: the failure model of several levels (:class:`fastpersist.advisor.Failures`:
-            process crashes, node losses, cluster losses). With ``every="auto"``, `every` is set
-            against the failures the local and partner levels survive; with `remote` and
-            ``remote_every=None``, each drain's measured cost sets `remote_every` to the
+        levels: the levels beyond the root, one object each (:mod:`fastpersist.levels.level_objects`):
+            :class:`~fastpersist.Partner` (copies of each rank's share on other nodes; needs
+            `group`), :class:`~fastpersist.Remote` (a shared directory or an object store drained
+            in the background), :class:`~fastpersist.HFExport` (Hugging Face safetensors exported
+            in the background). See docs/levels.md.
+        failures: the failure model (:class:`fastpersist.Failures`: process crashes, node losses,
+            cluster losses). ``every="auto"`` needs it: `every` is set against the failures the
+            local and partner levels survive; with a :class:`~fastpersist.Remote` level of
+            ``every=None``, each drain's measured cost sets the remote interval to the
             multi-level advisor's choice against the failures only the remote level survives
             (docs/advisor.md, "Several levels").
-        export_hf_every: export a committed step to `export_dir` as Hugging Face safetensors
-            whenever a multiple of it was crossed, in the background (:mod:`fastpersist.levels.background_exports`);
-            `export_hf_key`/`export_hf_prefix`: :func:`fastpersist.export_hf`'s `key`/`prefix`;
-            like the ``remote_*`` settings, they are refused without `export_hf_every`.
+        max_every: the largest interval ``every="auto"`` may choose.
+
+    The keywords of earlier versions (``replicas=``, ``remote*=``, ``export_hf*=``, ``mtbf_s=``)
+    are refused with a TypeError that shows the call's new form.
 
     Levels (docs/levels.md): **local**, `root` itself (an NVMe directory, or a directory under
     ``/dev/shm`` for an in-memory level that survives the process but not the node); **partner**,
-    with ``replicas=k``, copies of each rank's share in the roots of k other nodes. A step counts
+    with ``Partner(replicas=k)``, copies of each rank's share in the roots of k other nodes. A step counts
     on a level once it is complete there; :meth:`latest` and :meth:`load` restore from the fastest
     level that holds a copy that verifies, agreed by every rank; :meth:`levels` says what each holds.
 
@@ -132,41 +115,33 @@ class Checkpointer:
         config: Config | None = None,
         group: object = None,
         sharded: bool = False,
-        mtbf_s: float | None = None,
-        max_every: int = DEFAULT_MAX_EVERY,
-        replicas: int = 0,
-        remote: str | os.PathLike[str] | None = None,
-        remote_every: int | None = None,
-        remote_keep: int = 2,
-        remote_bytes_per_s: float | None = None,
+        levels: Iterable[Level] = (),
         failures: Failures | None = None,
-        export_hf_every: int | None = None,
-        export_dir: str | os.PathLike[str] | None = None,
-        export_hf_key: str | None = None,
-        export_hf_prefix: str = "",
+        max_every: int = DEFAULT_MAX_EVERY,
+        **moved: Any,
     ) -> None:
+        if moved:
+            raise moved_keywords_error(moved)
         if every == "auto" and group is not None:
             raise ValueError('every="auto" is not supported with group= yet: every rank must save the same steps')
         if type(keep) is not int or keep < 1:
             raise ValueError(f"keep={keep!r}: expected an integer >= 1 (the last good checkpoint is always kept)")
         if sharded and group is None:
             raise ValueError("sharded=True needs group=")
-        if type(replicas) is not int or replicas < 0:
-            raise ValueError(f"replicas={replicas!r}: expected an integer >= 0")
-        if replicas and group is None:
-            raise ValueError("replicas= needs group=: the copies go to ranks on other nodes")
         if config is not None:
             given_config(config)
-        check_remote_arguments(remote, remote_every, remote_keep, remote_bytes_per_s)
-        check_export_arguments(export_hf_every, export_dir, export_hf_key, export_hf_prefix)
-        mtbf_s = local_mtbf_s(mtbf_s, failures, replicas, auto=every == "auto")
+        chosen = levels_given(levels, group)
+        partner = next((level for level in chosen if isinstance(level, Partner)), None)
+        #: Copies of each rank's share kept on other nodes (the partner level; 0: none).
+        self.replicas = partner.replicas if partner is not None else 0
+        self.failures = failures
+        mtbf_s = local_mtbf_s(failures, self.replicas, auto=every == "auto")
         self.root = os.path.abspath(given_path(root, "root", "Checkpointer"))
         self.history = SaveHistory(self.root, every=every, mtbf_s=mtbf_s, max_every=max_every)
         self.keep = keep
         self.config = config
         self.group = group
         self.sharded = sharded
-        self.replicas = replicas
         self.rank = 0
         if group is not None:
             self.rank = group_rank_and_size(group)[0]
@@ -175,7 +150,7 @@ class Checkpointer:
             control_for(group, self._timeout_s())
         self._saves = InFlight()
         self._from_device = False
-        self._pool: Any = None
+        self._pool: _core.Pool | None = None
         self._lock = threading.Lock()
         #: The local level: the root's committed steps, its index, the newest step that verifies.
         self.local = LocalSteps(self.root)
@@ -184,16 +159,21 @@ class Checkpointer:
         self.removed_leftovers: list[str] = []
         self._cleaned = False
         self.history.persist = self.rank == 0
-        self._partner: Any = None
         self._last: SaveResult | None = None
         self._run: str | None = None  # this root's run id (levels/identity.py), set at the first commit
-        self._remote: Any = None
-        if remote is not None:
-            self._remote = RemoteLevel(self, remote, remote_every, remote_keep, remote_bytes_per_s, failures)
-
-        self._hf = hf_exports_for(self, export_hf_every, export_dir, export_hf_key, export_hf_prefix)
-        if replicas:
-            self._partner = PartnerLevel(self, replicas)
+        self._partner: PartnerLevel | None = None
+        self._remote: RemoteLevel | None = None
+        #: The levels that copy committed steps elsewhere, in the order given (the commit sequence's order).
+        self._copies: list[CommittedStepCopies] = []
+        for level in chosen:
+            if isinstance(level, Partner):
+                continue  # attached last, as before: its first use is collective
+            attached = level.attach(self)
+            if isinstance(attached, RemoteLevel):
+                self._remote = attached
+            self._copies.append(attached)
+        if partner is not None:
+            self._partner = partner.attach(self)
 
     def _timeout_s(self) -> float:
         return float(self.config.timeout_s) if self.config is not None else Config().timeout_s
@@ -277,8 +257,8 @@ class Checkpointer:
             raise ValueError(f"step={step!r}: expected a non-negative integer")
         if not self.history.due(step):
             return None
-        if self._remote is not None:
-            self._remote.claim.hold()  # given up at close(): another root may have taken the remote since
+        for copies in self._copies:
+            copies.before_save()
         ahead = self._from_device and self.group is None and not self.sharded and self._saves.disk_busy()
         with self.history.waiting("commit"):
             if self.group is not None and self._saves.skip_in_group(
@@ -317,9 +297,7 @@ class Checkpointer:
     def _after_commit(self, step: int, result: SaveResult) -> None:
         """On every rank, once `step` committed: the index (rank 0), then retention, then the costs."""
         stripes = self.config.stripes if self.config else None
-        pinned = self._remote.pinned() if self._remote is not None else set()
-        if self._hf is not None:
-            pinned |= self._hf.pinned()
+        pinned = set().union(*(copies.pinned() for copies in self._copies))
         candidates = [self.path(s) for s in retired_steps(self.steps(), step, self.keep) if s not in pinned]
         if self._run is None:
             self._run = run_id(self)
@@ -336,10 +314,8 @@ class Checkpointer:
         self._last = result
         if self.rank == 0:
             self.history.committed(result, stripes=stripes, group=self.group is not None)  # costs and wear
-        if self._remote is not None:
-            self._remote.after_commit(step)
-        if self._hf is not None and self.rank == 0:
-            self._hf.after_commit(step)
+        for copies in self._copies:
+            copies.after_commit(step)
 
     def _write_index(self, step: int) -> None:
         doc: dict[str, Any] = {
@@ -465,10 +441,8 @@ class Checkpointer:
         a failure nobody has seen yet, or the newest drain's or export's), and for the removal of
         retired steps; the Checkpointer can still be used afterwards."""
         self._saves.finish_all()
-        if self._remote is not None:
-            self._remote.close()
-        if self._hf is not None:
-            self._hf.close()
+        for copies in self._copies:
+            copies.close()
         wait_removed()
 
     def __enter__(self) -> Checkpointer:

@@ -87,11 +87,11 @@ def test_auto_needs_an_mtbf(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="every"):
         fp.Checkpointer(tmp_path, every="sometimes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="group"):
-        fp.Checkpointer(tmp_path, every="auto", mtbf_s=3600.0, group=object())
+        fp.Checkpointer(tmp_path, every="auto", failures=fp.Failures(process_mtbf_s=3600.0), group=object())
 
 
 def test_a_real_checkpointer_measures_itself_and_keeps_history(tmp_path: Path) -> None:
-    ck = fp.Checkpointer(tmp_path, every="auto", mtbf_s=60.0, max_every=50, keep=1)
+    ck = fp.Checkpointer(tmp_path, every="auto", failures=fp.Failures(process_mtbf_s=60.0), max_every=50, keep=1)
     assert ck.every == 1
     state = {"w": torch.zeros(1 << 18)}  # 1 MiB
     for step in range(40):

@@ -22,7 +22,9 @@ def save_steps(rank: int, world: int, init_file: str, workdir: str, sharded: boo
     def compute() -> Any:
         config = fp.Config(chunk_bytes=64 << 10, timeout_s=60)
         root = os.path.join(workdir, node)
-        with fp.Checkpointer(root, config=config, group=dist.group.WORLD, sharded=sharded, replicas=1) as ck:
+        with fp.Checkpointer(
+            root, config=config, group=dist.group.WORLD, sharded=sharded, levels=[fp.Partner(replicas=1)]
+        ) as ck:
             for step in steps:
                 gen = torch.Generator().manual_seed(step * 100 + (rank if sharded else 0))
                 ck.save(step, {"w": torch.randn(70_000, generator=gen), "step": step})

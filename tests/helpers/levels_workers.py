@@ -49,7 +49,13 @@ def same(a: Any, b: Any) -> bool:
 def checkpointer(workdir: str, rank: int, sharded: bool, backend: str, keep: int = 2) -> fp.Checkpointer:
     config = fp.Config(chunk_bytes=64 << 10, timeout_s=60, backend=backend)  # type: ignore[arg-type]
     return fp.Checkpointer(
-        node_root(workdir, rank), every=1, keep=keep, config=config, group=dist.group.WORLD, sharded=sharded, replicas=1
+        node_root(workdir, rank),
+        every=1,
+        keep=keep,
+        config=config,
+        group=dist.group.WORLD,
+        sharded=sharded,
+        levels=[fp.Partner(replicas=1)],
     )
 
 
@@ -289,7 +295,9 @@ def refused(rank: int, world: int, init_file: str, workdir: str, replicas: int, 
 
     def compute() -> Any:
         config = fp.Config(chunk_bytes=64 << 10, timeout_s=60, stripes=[workdir] if stripes else None)
-        ck = fp.Checkpointer(node_root(workdir, rank), config=config, group=dist.group.WORLD, replicas=replicas)
+        ck = fp.Checkpointer(
+            node_root(workdir, rank), config=config, group=dist.group.WORLD, levels=[fp.Partner(replicas=replicas)]
+        )
         try:
             ck.save(1, step_state(1, rank, False))
             ck.wait()
@@ -308,9 +316,7 @@ def _remote_checkpointer(workdir: str, rank: int, remote: str | None = None) -> 
         keep=2,
         config=config,
         group=dist.group.WORLD,
-        replicas=1,
-        remote=remote or os.path.join(workdir, "remote"),
-        remote_every=2,
+        levels=[fp.Partner(replicas=1), fp.Remote(remote or os.path.join(workdir, "remote"), every=2)],
     )
 
 
@@ -356,10 +362,10 @@ def save_with_uneven_drains(rank: int, world: int, init_file: str, workdir: str)
             keep=2,
             config=fp.Config(chunk_bytes=64 << 10, timeout_s=8),
             group=dist.group.WORLD,
-            replicas=1,
-            remote=os.path.join(workdir, "remote"),
-            remote_every=1,
-            remote_bytes_per_s=100_000 if rank == 1 else None,
+            levels=[
+                fp.Partner(replicas=1),
+                fp.Remote(os.path.join(workdir, "remote"), every=1, bytes_per_s=100_000 if rank == 1 else None),
+            ],
         )
         for step in range(1, 9):  # training goes on while the drains run, at their own speeds
             ck.save(step, step_state(step, rank, False))
@@ -384,8 +390,7 @@ def plain_group_with_remote(rank: int, world: int, init_file: str, workdir: str)
             os.path.join(workdir, "shared-root"),
             config=fp.Config(chunk_bytes=64 << 10, timeout_s=30),
             group=dist.group.WORLD,
-            remote=os.path.join(workdir, "remote"),
-            remote_every=1,
+            levels=[fp.Remote(os.path.join(workdir, "remote"), every=1)],
         )
         ck.save(1, step_state(1, rank, False, 1000))
         ck.wait()
@@ -452,9 +457,7 @@ def drain_with_a_rank_failing(rank: int, world: int, init_file: str, workdir: st
             keep=2,
             config=fp.Config(chunk_bytes=64 << 10, timeout_s=60),
             group=dist.group.WORLD,
-            replicas=1,
-            remote=os.path.join(workdir, "remote"),
-            remote_every=1,
+            levels=[fp.Partner(replicas=1), fp.Remote(os.path.join(workdir, "remote"), every=1)],
         )
         ck.save(1, step_state(1, rank, False))
         ck.close()

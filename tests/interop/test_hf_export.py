@@ -215,7 +215,7 @@ def test_sharded_two_rank_checkpoint_is_merged(tmp_path: Any) -> None:
 def test_checkpointer_exports_in_the_background(tmp_path: Any) -> None:
     model = tiny_gpt2()
     out = str(tmp_path / "hf")
-    ck = fp.Checkpointer(tmp_path / "root", keep=1, export_hf_every=2, export_dir=out, export_hf_key="model")
+    ck = fp.Checkpointer(tmp_path / "root", keep=1, levels=[fp.HFExport(out, every=2, key="model")])
     for step in range(1, 5):
         with torch.no_grad():
             for p in model.parameters():
@@ -223,7 +223,8 @@ def test_checkpointer_exports_in_the_background(tmp_path: Any) -> None:
         ck.save(step, {"model": model.state_dict(), "step": step})
         ck.wait()
     ck.close()
-    assert ck._hf.last.source == ck.path(4)  # 4 crossed a multiple of 2: the newest export
+    (exports,) = ck._copies
+    assert exports.last.source == ck.path(4)  # type: ignore[attr-defined]  # 4 crossed a multiple of 2: the newest export
     _assert_same_model(model, _from_pretrained(out, model))
 
 
@@ -241,7 +242,7 @@ def test_background_export_never_blocks_the_loop_and_close_raises_its_failure(
         raise FastPersistError("no tensor under key='nope'")
 
     monkeypatch.setattr(background_exports, "export_checkpoint", slow_failing_export)
-    ck = fp.Checkpointer(tmp_path / "root", keep=1, export_hf_every=1, export_dir=tmp_path / "hf")
+    ck = fp.Checkpointer(tmp_path / "root", keep=1, levels=[fp.HFExport(tmp_path / "hf", every=1)])
     ck.save(1, {"w": torch.ones(2)})
     ck.wait()
     ck.save(2, {"w": torch.ones(2)})

@@ -233,10 +233,10 @@ def test_what_the_partner_level_refuses_it_refuses_on_every_rank(
 def test_arguments_are_checked() -> None:
     import fastpersist as fp
 
-    with pytest.raises(ValueError, match="replicas= needs group="):
-        fp.Checkpointer("/tmp/fp-levels-args", replicas=1)
-    with pytest.raises(ValueError, match="replicas=-1"):
-        fp.Checkpointer("/tmp/fp-levels-args", replicas=-1)
+    with pytest.raises(ValueError, match=r"Partner\(replicas=1\): needs the Checkpointer's group="):
+        fp.Checkpointer("/tmp/fp-levels-args", levels=[fp.Partner(replicas=1)])
+    with pytest.raises(ValueError, match=r"Partner\(replicas=-1\)"):
+        fp.Partner(replicas=-1)
 
 
 def test_placement_is_a_ring_over_nodes_never_on_the_same_node() -> None:

@@ -27,13 +27,13 @@ def state(step: int, n: int = 50_000) -> dict[str, Any]:
     return {"w": torch.randn(n, generator=gen), "step": step}
 
 
-def _ck(root: Any, remote: Any, **kw: Any) -> fp.Checkpointer:
-    return fp.Checkpointer(root, every=1, keep=2, config=CONFIG, remote=remote, **kw)
+def _ck(root: Any, remote: fp.Remote, **kw: Any) -> fp.Checkpointer:
+    return fp.Checkpointer(root, every=1, keep=2, config=CONFIG, levels=[remote], **kw)
 
 
 def test_steps_drain_and_restore_when_the_local_root_is_gone(tmp_path: Any) -> None:
     local, remote = tmp_path / "local", tmp_path / "remote"
-    with _ck(local, remote, remote_every=2, remote_keep=2) as ck:
+    with _ck(local, fp.Remote(remote, every=2, keep=2)) as ck:
         for step in range(1, 7):
             ck.save(step, state(step))
             ck.wait_staged()
@@ -41,7 +41,7 @@ def test_steps_drain_and_restore_when_the_local_root_is_gone(tmp_path: Any) -> N
     assert not [n for n in os.listdir(remote) if n.startswith(".")]  # no marker or leftover
     assert torch.equal(fp.load(str(remote / "step-00000006"))["w"], state(6)["w"])  # a plain checkpoint
     shutil.rmtree(local)
-    again = _ck(local, remote, remote_every=2)
+    again = _ck(local, fp.Remote(remote, every=2))
     assert again.latest() == 6
     loaded = again.load()
     assert loaded["step"] == 6 and torch.equal(loaded["w"], state(6)["w"])
@@ -52,7 +52,7 @@ def test_steps_drain_and_restore_when_the_local_root_is_gone(tmp_path: Any) -> N
 
 def test_a_damaged_remote_copy_falls_back_to_the_previous_remote_step(tmp_path: Any) -> None:
     local, remote = tmp_path / "local", tmp_path / "remote"
-    with _ck(local, remote, remote_every=1, remote_keep=3) as ck:
+    with _ck(local, fp.Remote(remote, every=1, keep=3)) as ck:
         for step in (1, 2, 3):
             ck.save(step, state(step))
             ck.close()  # each step drained before the next
@@ -61,14 +61,14 @@ def test_a_damaged_remote_copy_falls_back_to_the_previous_remote_step(tmp_path: 
         f.seek(10)
         f.write(b"\xff\xfe")
     shutil.rmtree(local)
-    again = _ck(local, remote)
+    again = _ck(local, fp.Remote(remote))
     assert again.latest() == 2
     assert torch.equal(again.load()["w"], state(2)["w"])
 
 
 def test_a_slow_remote_never_blocks_a_step(tmp_path: Any) -> None:
     local, remote = tmp_path / "local", tmp_path / "remote"
-    ck = _ck(local, remote, remote_every=1, remote_bytes_per_s=100_000)  # 200 KB: ~2 s per drain
+    ck = _ck(local, fp.Remote(remote, every=1, bytes_per_s=100_000))  # 200 KB: ~2 s per drain
     started = time.monotonic()
     for step in range(1, 6):
         ck.save(step, state(step))
@@ -96,7 +96,7 @@ def test_a_full_remote_fails_the_drain_keeps_the_previous_step_and_close_raises(
     tmp_path: Any, tiny_fs: Any, caplog: Any
 ) -> None:
     local = tmp_path / "local"
-    ck = _ck(local, tiny_fs, remote_every=1)
+    ck = _ck(local, fp.Remote(tiny_fs, every=1))
     ck.save(1, state(1, 20_000))  # 80 KB: fits
     ck.close()
     caplog.set_level(logging.WARNING, logger="fastpersist")
@@ -132,7 +132,7 @@ def test_a_retry_after_the_remote_commit_succeeds_and_rewrites_nothing(tmp_path:
     from fastpersist.levels.remote import Remote
 
     local, remote = tmp_path / "local", tmp_path / "remote"
-    with _ck(local, remote, remote_every=1) as ck:
+    with _ck(local, fp.Remote(remote, every=1)) as ck:
         ck.save(1, state(1))
     m, r = read_manifest(ck.path(1)), Remote(remote)
     manifest = remote / "step-00000001" / "manifest.json"
@@ -234,7 +234,7 @@ def test_an_object_cut_after_its_marker_is_never_committed(tmp_path: Any, monkey
 
     monkeypatch.setattr(Remote, "drain_share", drain_then_cut)
     local, remote = tmp_path / "local", tmp_path / "remote"
-    with caplog.at_level(logging.WARNING, logger="fastpersist"), _ck(local, remote, remote_every=1) as ck:
+    with caplog.at_level(logging.WARNING, logger="fastpersist"), _ck(local, fp.Remote(remote, every=1)) as ck:
         ck.save(1, state(1))
     assert cut and any(cut[0] in r.getMessage() and "4096 bytes" in r.getMessage() for r in caplog.records)
     assert ck.levels()["remote"]["steps"] == [1]
@@ -253,7 +253,7 @@ def test_remote_every_none_with_failures_follows_the_advisor(tmp_path: Any, capl
     monkeypatch.setattr(Drainer, "drain", lambda self, step: dataclasses.replace(drain(self, step), cpu_s=0.05))
     failures = fp.Failures(process_mtbf_s=3600.0, cluster_mtbf_s=5.0)
     local, remote = tmp_path / "local", tmp_path / "remote"
-    with caplog.at_level(logging.INFO, logger="fastpersist"), _ck(local, remote, failures=failures) as ck:
+    with caplog.at_level(logging.INFO, logger="fastpersist"), _ck(local, fp.Remote(remote), failures=failures) as ck:
         for step in range(1, 4):
             time.sleep(0.02)  # a training step
             ck.save(step, state(step))
@@ -275,11 +275,9 @@ def test_remote_every_none_with_failures_follows_the_advisor(tmp_path: Any, capl
 
 def test_every_auto_with_failures_sets_every_against_what_the_local_level_survives(tmp_path: Any) -> None:
     failures = fp.Failures(process_mtbf_s=7200.0, node_mtbf_s=3600.0, nodes=2, cluster_mtbf_s=86400.0)
-    ck = fp.Checkpointer(tmp_path / "a", every="auto", failures=failures, remote=tmp_path / "r")
+    ck = fp.Checkpointer(tmp_path / "a", every="auto", failures=failures, levels=[fp.Remote(tmp_path / "r")])
     assert ck.history.mtbf_s == pytest.approx(7200.0)  # node and cluster losses are the remote's
     with pytest.raises(ValueError, match="no failure the local level survives"):
         fp.Checkpointer(tmp_path / "b", every="auto", failures=fp.Failures(cluster_mtbf_s=86400.0))
-    with pytest.raises(ValueError, match="not both"):
-        fp.Checkpointer(tmp_path / "c", every="auto", mtbf_s=60.0, failures=failures)
     with pytest.raises(TypeError, match="Failures"):
         fp.Checkpointer(tmp_path / "d", failures={"process_mtbf_s": 1.0})  # type: ignore[arg-type]

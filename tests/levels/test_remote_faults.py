@@ -32,8 +32,8 @@ def state(step: int, run: str, n: int = 20_000) -> dict[str, Any]:
     return {"w": torch.randn(n, generator=gen), "step": step, "run": run}
 
 
-def _ck(root: Any, remote: Any = None, **kw: Any) -> fp.Checkpointer:
-    return fp.Checkpointer(root, every=1, config=CONFIG, remote=remote, **kw)
+def _ck(root: Any, remote: fp.Remote | None = None, **kw: Any) -> fp.Checkpointer:
+    return fp.Checkpointer(root, every=1, config=CONFIG, levels=[remote] if remote else [], **kw)
 
 
 def _drained_each(ck: fp.Checkpointer, steps: range, run: str) -> None:
@@ -55,11 +55,11 @@ def test_a_new_run_on_a_reused_remote_prefix_never_restores_the_old_runs_steps(t
     """Repro 20: run 2 (a new root) on run 1's remote prefix has committed steps 1-2 locally and
     drained nothing; its restart restores its own step, never run 1's newer step 5."""
     remote = tmp_path / "remote"
-    _drained_each(_ck(tmp_path / "run1", remote, remote_every=1), range(1, 6), "run1")
+    _drained_each(_ck(tmp_path / "run1", fp.Remote(remote, every=1)), range(1, 6), "run1")
     with _ck(tmp_path / "run2") as ck:  # run 2 dies before its first drain: modelled by none
         for step in (1, 2):
             ck.save(step, state(step, "run2"))
-    again = _ck(tmp_path / "run2", remote)
+    again = _ck(tmp_path / "run2", fp.Remote(remote))
     assert again.latest() == 2  # the local level holds the step its index names: the remote is not asked
     assert again.load()["run"] == "run2"
     _flip_a_byte(tmp_path / "run2" / "step-00000002")  # now the remote is asked: it holds run 1's 4 and 5
@@ -79,9 +79,9 @@ def test_after_a_rollback_no_restore_returns_a_step_the_rollback_abandoned(tmp_p
     abandoned 7, out of the new lineage, is retired; with the new 8 damaged and the local root
     gone, the restore returns the rollback's 6, never an abandoned step."""
     local, remote = tmp_path / "local", tmp_path / "remote"
-    _drained_each(_ck(local, remote, keep=8, remote_every=1, remote_keep=2), range(1, 8), "abandoned")
+    _drained_each(_ck(local, fp.Remote(remote, every=1, keep=2), keep=8), range(1, 8), "abandoned")
     assert sorted(os.listdir(remote)) == ["latest.json", "step-00000006", "step-00000007"]
-    rolled = _ck(local, remote, keep=8, remote_every=2, remote_keep=2)
+    rolled = _ck(local, fp.Remote(remote, every=2, keep=2), keep=8)
     assert rolled.load(step=3)["run"] == "abandoned"
     with caplog.at_level(logging.WARNING, logger="fastpersist"):
         _drained_each(rolled, range(4, 9), "rollback")  # drains 4, 6 and 8
@@ -90,7 +90,7 @@ def test_after_a_rollback_no_restore_returns_a_step_the_rollback_abandoned(tmp_p
     assert fp.load(str(remote / "step-00000006"))["run"] == "rollback"
     _flip_a_byte(remote / "step-00000008")
     shutil.rmtree(local)  # every node lost
-    restored = _ck(local, remote).load()
+    restored = _ck(local, fp.Remote(remote)).load()
     assert (restored["run"], restored["step"]) == ("rollback", 6)
 
 
@@ -101,7 +101,7 @@ def test_a_remote_that_overlaps_the_root_is_refused_at_construction(tmp_path: An
     root = tmp_path / "runs" / "exp1"
     remote = {"the root": root, "inside the root": root / "remote", "around the root": tmp_path / "runs"}[where]
     with pytest.raises(ValueError, match="the remote level must be a place of its own"):
-        _ck(root, remote)
+        _ck(root, fp.Remote(remote))
     assert not os.path.exists(root / "remote")  # nothing made
 
 
@@ -111,13 +111,13 @@ def test_one_remote_for_two_roots_at_once_is_refused(tmp_path: Any, url: bool) -
     other's steps: refused while the first holds it, accepted once it is closed."""
     remote: Any = "s3://bucket/runs" if url else tmp_path / "remote"
     nested: Any = "s3://bucket//runs/exp1/" if url else tmp_path / "remote" / "exp1"
-    first = _ck(tmp_path / "a", remote)
+    first = _ck(tmp_path / "a", fp.Remote(remote))
     for other in (remote, nested):
         with pytest.raises(ValueError, match="remote level of another root"):
-            _ck(tmp_path / "b", other)
-    assert _ck(tmp_path / "a", remote).root == first.root  # the same root again: its restart
+            _ck(tmp_path / "b", fp.Remote(other))
+    assert _ck(tmp_path / "a", fp.Remote(remote)).root == first.root  # the same root again: its restart
     first.close()
-    second = _ck(tmp_path / "b", remote)
+    second = _ck(tmp_path / "b", fp.Remote(remote))
     with pytest.raises(ValueError, match="remote level of another root"):
         first.save(1, state(1, "a"))  # the closed one cannot drain into it again meanwhile
     second.close()
@@ -126,7 +126,7 @@ def test_one_remote_for_two_roots_at_once_is_refused(tmp_path: Any, url: bool) -
 def test_a_restore_never_waits_for_a_throttled_drain(tmp_path: Any) -> None:
     """Repro 29: latest() and load() return at once while the drain of the step they restore
     crawls at 100 KB/s (about 2.5 s here)."""
-    ck = _ck(tmp_path / "local", tmp_path / "remote", remote_every=1, remote_bytes_per_s=100_000)
+    ck = _ck(tmp_path / "local", fp.Remote(tmp_path / "remote", every=1, bytes_per_s=100_000))
     ck.save(1, state(1, "run", 60_000))
     ck.wait()
     started = time.monotonic()
@@ -149,7 +149,7 @@ def dying(self, step, dest_dir, files):
     download(self, step, dest_dir, files[:1])  # one file of the refill written, then killed
     os.kill(os.getpid(), signal.SIGKILL)
 Remote.download = dying
-fp.Checkpointer(sys.argv[1], remote=sys.argv[2]).load()
+fp.Checkpointer(sys.argv[1], levels=[fp.Remote(sys.argv[2])]).load()
 """
 
 
@@ -157,7 +157,7 @@ def test_a_refill_killed_midway_blocks_no_later_restore(tmp_path: Any) -> None:
     """Repro 24: a kill -9 during a refill from the remote leaves its temporary directory,
     named after the remote step's id; the next restore removes it and refills the step."""
     local, remote = tmp_path / "local", tmp_path / "remote"
-    with _ck(local, remote, remote_every=1) as ck:
+    with _ck(local, fp.Remote(remote, every=1)) as ck:
         ck.save(1, state(1, "run", 200_000))
     shutil.rmtree(local)
     killed = subprocess.run(
@@ -166,7 +166,7 @@ def test_a_refill_killed_midway_blocks_no_later_restore(tmp_path: Any) -> None:
     assert killed.returncode == -signal.SIGKILL
     left = [n for n in os.listdir(local) if TMP_MARKER in n]
     assert left, os.listdir(local)
-    again = _ck(local, remote)
+    again = _ck(local, fp.Remote(remote))
     restored = again.load()
     assert restored["step"] == 1 and torch.equal(restored["w"], state(1, "run", 200_000)["w"])
     assert not [n for n in os.listdir(local) if TMP_MARKER in n]

@@ -33,7 +33,7 @@ def state(step: int, n: int = 50_000) -> dict[str, Any]:
 
 def test_drain_to_s3_and_restore_when_the_local_root_is_gone(tmp_path: Any, s3_bucket: str) -> None:
     url = f"s3://{s3_bucket}/run1"
-    with fp.Checkpointer(tmp_path / "local", keep=2, config=CONFIG, remote=url, remote_every=2) as ck:
+    with fp.Checkpointer(tmp_path / "local", keep=2, config=CONFIG, levels=[fp.Remote(url, every=2)]) as ck:
         for step in range(1, 6):
             ck.save(step, state(step))
             ck.wait_staged()
@@ -43,7 +43,7 @@ def test_drain_to_s3_and_restore_when_the_local_root_is_gone(tmp_path: Any, s3_b
     assert fp.inspect(f"{url}/step-00000004")["tensors"] == 1
     assert torch.equal(fp.load(f"{url}/step-00000004")["w"], state(4)["w"])
     shutil.rmtree(tmp_path / "local")
-    again = fp.Checkpointer(tmp_path / "local", config=CONFIG, remote=url)
+    again = fp.Checkpointer(tmp_path / "local", config=CONFIG, levels=[fp.Remote(url)])
     assert again.latest() == 4
     assert torch.equal(again.load()["w"], state(4)["w"])
     assert again.steps() == [4]  # the local level was refilled
@@ -53,7 +53,7 @@ def test_a_damaged_object_is_detected_and_the_previous_remote_step_used(
     tmp_path: Any, s3_bucket: str, s3_server: S3Server
 ) -> None:
     url = f"s3://{s3_bucket}/run2"
-    with fp.Checkpointer(tmp_path / "local", keep=3, config=CONFIG, remote=url, remote_every=1, remote_keep=3) as ck:
+    with fp.Checkpointer(tmp_path / "local", keep=3, config=CONFIG, levels=[fp.Remote(url, every=1, keep=3)]) as ck:
         for step in (1, 2):
             ck.save(step, state(step))
             ck.close()
@@ -69,14 +69,14 @@ def test_a_damaged_object_is_detected_and_the_previous_remote_step_used(
     with pytest.raises(fp.ChecksumMismatchError):
         fp.verify(f"{url}/step-00000002")
     shutil.rmtree(tmp_path / "local")
-    again = fp.Checkpointer(tmp_path / "local", config=CONFIG, remote=url)
+    again = fp.Checkpointer(tmp_path / "local", config=CONFIG, levels=[fp.Remote(url)])
     assert again.latest() == 1
     assert torch.equal(again.load()["w"], state(1)["w"])
 
 
 def test_the_server_gone_mid_drain_and_back(tmp_path: Any, s3_bucket: str, s3_server: S3Server) -> None:
     url = f"s3://{s3_bucket}/run3"
-    ck = fp.Checkpointer(tmp_path / "local", config=CONFIG, remote=url, remote_every=1, remote_bytes_per_s=400_000)
+    ck = fp.Checkpointer(tmp_path / "local", config=CONFIG, levels=[fp.Remote(url, every=1, bytes_per_s=400_000)])
     ck.save(1, state(1))
     ck.close()
     ck.save(2, state(2, 250_000))  # 1 MB at 400 KB/s: the drain runs ~2.5 s
@@ -126,13 +126,13 @@ def test_an_unreachable_store_never_stops_a_restore_from_the_local_level(
     store while the local level holds the step its index names; else within the probe's bound,
     with one WARNING, the newest local step that verifies."""
     url = f"s3://{s3_bucket}/down"
-    with fp.Checkpointer(tmp_path / "local", config=CONFIG, remote=url, remote_every=1) as ck:
+    with fp.Checkpointer(tmp_path / "local", config=CONFIG, levels=[fp.Remote(url, every=1)]) as ck:
         for step in (1, 2):
             ck.save(step, state(step))
             ck.close()
     s3_server.proxy.stop()  # nothing listens: every request is refused
     try:
-        again = fp.Checkpointer(tmp_path / "local", config=CONFIG, remote=url)
+        again = fp.Checkpointer(tmp_path / "local", config=CONFIG, levels=[fp.Remote(url)])
         started = time.monotonic()
         assert again.latest() == 2 and torch.equal(again.load()["w"], state(2)["w"])
         assert time.monotonic() - started < 2.0
@@ -165,7 +165,7 @@ def test_a_store_that_never_answers_costs_a_restore_a_bounded_time(
             for step in (1, 2):
                 ck.save(step, state(step))
         _flip_a_byte(tmp_path / "local" / "step-00000002")
-        again = fp.Checkpointer(tmp_path / "local", config=CONFIG, remote="s3://bucket/never")
+        again = fp.Checkpointer(tmp_path / "local", config=CONFIG, levels=[fp.Remote("s3://bucket/never")])
         with caplog.at_level(logging.WARNING, logger="fastpersist"):
             started = time.monotonic()
             assert again.latest() == 1

@@ -255,7 +255,7 @@ def test_every_step_on_the_memory_level_and_the_disk_as_often_as_it_allows(
     # recycled file), a disk directory drained in the background whenever the last drain is done.
     disk = os.path.join(workdir, "disk")
     futures = {}
-    with fp.Checkpointer(shm_root, every=1, keep=2, remote=disk, remote_every=None, config=config()) as ck:
+    with fp.Checkpointer(shm_root, every=1, keep=2, levels=[fp.Remote(disk, every=None)], config=config()) as ck:
         for step in range(10):
             futures[step] = ck.save(step, device_state(on_device, step))
             ck.wait_staged()
@@ -278,7 +278,7 @@ def test_every_step_on_the_memory_level_and_the_disk_as_often_as_it_allows(
         got, want = ck.load(step), device_state(set(), step)
         assert torch.equal(got["w"], want["w"]) and torch.equal(got["host"], want["host"])
     shutil.rmtree(shm_root)  # the node's memory is gone: the disk level restores its newest step
-    again = fp.Checkpointer(shm_root, keep=2, remote=disk)
+    again = fp.Checkpointer(shm_root, keep=2, levels=[fp.Remote(disk)])
     step = again.latest()
     assert step == max(drained)
     assert torch.equal(again.load(step)["w"], device_state(set(), step)["w"])

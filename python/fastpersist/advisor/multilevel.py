@@ -100,17 +100,20 @@ class Failures:
         return 1.0 / local if local > 0 else None
 
 
-def local_mtbf_s(mtbf_s: float | None, failures: Failures | None, replicas: int, *, auto: bool) -> float | None:
-    """The MTBF a Checkpointer's ``every="auto"`` sets `every` against: `mtbf_s` as given, or from
-    `failures` the failures the local (and, with replicas, partner) level survives."""
+def local_mtbf_s(failures: Failures | None, replicas: int, *, auto: bool) -> float | None:
+    """The MTBF a Checkpointer's ``every="auto"`` sets `every` against: from `failures`, the failures
+    the local (and, with replicas, partner) level survives; None without `failures`."""
     if failures is not None and not isinstance(failures, Failures):
-        raise TypeError(f"failures={failures!r}: expected a fastpersist.advisor.Failures")
-    if failures is not None and mtbf_s is not None:
-        raise ValueError("give mtbf_s= or failures=, not both: failures= sets the MTBF of each level")
-    if not auto or failures is None:
-        return mtbf_s
+        raise TypeError(f"failures={failures!r}: expected a fastpersist.Failures")
+    if failures is None:
+        if auto:
+            raise ValueError(
+                'every="auto" needs failures=, the failure model (e.g. fastpersist.Failures(process_mtbf_s=24 * 3600), '
+                "the mean time between the job's failures in seconds)"
+            )
+        return None
     local = failures.local_mtbf_s(replicas)
-    if local is None:
+    if local is None and auto:
         raise ValueError(
             f'every="auto" with {failures}: no failure the local level survives (process crashes, or node '
             "losses with replicas >= 1), so there is no interval to choose; pass every= an integer"

@@ -57,7 +57,7 @@ class Placement:
         """Raises ValueError unless `replicas` copies fit on other nodes."""
         if replicas > len(self.nodes) - 1:
             raise ValueError(
-                f"replicas={replicas} needs at least {replicas + 1} nodes, but the group spans "
+                f"Partner(replicas={replicas}) needs at least {replicas + 1} nodes, but the group spans "
                 f"{len(self.nodes)} ({', '.join(self.nodes[:8])}); a node is ${NODE_ENV} or the host name"
             )
 

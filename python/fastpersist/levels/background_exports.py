@@ -1,6 +1,6 @@
 """A Checkpointer's Hugging Face exports: committed steps copied out in another format, in the background.
 
-``Checkpointer(..., export_hf_every=N, export_dir=D)`` hands every committed step that crossed a
+``Checkpointer(..., levels=[HFExport(D, every=N)])`` hands every committed step that crossed a
 multiple of N since the last export (the first committed step too) to one thread of its own,
 which runs :func:`~fastpersist.interop.hfexport.export_checkpoint` from the committed checkpoint on
 disk into D (never from the training tensors, so the loop is never blocked; one export at a
@@ -14,7 +14,7 @@ on a filesystem rank 0 sees whole); the other ranks do nothing.
 
 Example:
     >>> import fastpersist as fp, torch
-    >>> ck = fp.Checkpointer("/tmp/fp-doc-hfbg", export_hf_every=1, export_dir="/tmp/fp-doc-hfbg-out")
+    >>> ck = fp.Checkpointer("/tmp/fp-doc-hfbg", levels=[fp.HFExport("/tmp/fp-doc-hfbg-out", every=1)])
     >>> _ = ck.save(1, {"w": torch.ones(2)}); ck.close()
     >>> import os; os.listdir("/tmp/fp-doc-hfbg-out")
     ['model.safetensors']
@@ -29,11 +29,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..arguments import given_path
 from ..errors import FastPersistError
 from ..interop.hfexport import ExportResult, export_checkpoint
 
-__all__ = ["STAGING_WAIT_MAX_S", "HfExports", "check_export_arguments", "hf_exports_for"]
+__all__ = ["STAGING_WAIT_MAX_S", "HfExports", "hf_exports_for"]
 
 log = logging.getLogger("fastpersist")
 
@@ -41,40 +40,15 @@ log = logging.getLogger("fastpersist")
 STAGING_WAIT_MAX_S = 60.0
 
 
-def check_export_arguments(every: object, export_dir: object, key: object, prefix: object) -> None:
-    """Refuses a Checkpointer's export settings that would be silently ignored (`key` or `prefix`
-    without `every`) or export into the working directory, before the Checkpointer makes anything."""
-    if (every is None) != (export_dir is None):
-        raise ValueError(
-            f"Checkpointer(export_hf_every={every!r}, export_dir={export_dir!r}): they go together, pass both "
-            "(or neither)"
-        )
-    if every is None:
-        for name, value, default in (("export_hf_key", key, None), ("export_hf_prefix", prefix, "")):
-            if value != default:
-                raise ValueError(
-                    f"Checkpointer({name}={value!r}) applies to the Hugging Face export, but export_hf_every= is "
-                    "None: pass export_hf_every= and export_dir= too"
-                )
-        return
-    given_path(export_dir, "export_dir", "Checkpointer")
-
-
-def hf_exports_for(
-    ck: Any, every: int | None, export_dir: str | os.PathLike[str] | None, key: str | None, prefix: str
-) -> HfExports | None:
-    """The exports of the Checkpointer `ck` for its ``export_hf_*`` arguments (checked by
-    :func:`check_export_arguments`), or None."""
-    if every is None or export_dir is None:
-        return None
-    if ck.replicas:
-        raise ValueError("export_hf_every= is not supported with replicas= yet")
+def hf_exports_for(ck: Any, every: int, export_dir: str | os.PathLike[str], key: str | None, prefix: str) -> HfExports:
+    """The exports of the Checkpointer `ck` (its :class:`~fastpersist.HFExport` level, which
+    checked the settings); in a group, only rank 0's export anything."""
 
     def staging() -> bool:
         future = ck._future
         return future is not None and not future.staged()
 
-    return HfExports(ck.path, every, export_dir, key=key, prefix=prefix, staging=staging)
+    return HfExports(ck.path, every, export_dir, key=key, prefix=prefix, staging=staging, exporting=ck.rank == 0)
 
 
 class HfExports:
@@ -89,14 +63,16 @@ class HfExports:
         key: str | None = None,
         prefix: str = "",
         staging: Callable[[], bool] = lambda: False,
+        exporting: bool = True,
     ) -> None:
         if type(every) is not int or every < 1:
-            raise ValueError(f"export_hf_every={every!r}: expected an integer >= 1")
+            raise ValueError(f"HFExport(every={every!r}): expected an integer >= 1")
         self.step_path = step_path
         self.every = every
         self.export_dir = os.path.abspath(os.fspath(export_dir))
         self.key, self.prefix = key, prefix
         self.staging = staging  # whether a save is staging now (the export pauses meanwhile)
+        self.exporting = exporting  # False: a group's rank other than 0, which exports nothing
         self.last: ExportResult | None = None
         self._last_submitted = -1
         self._cond = threading.Condition()
@@ -107,6 +83,8 @@ class HfExports:
 
     def after_commit(self, step: int) -> None:
         """Hands `step` to the export thread if a multiple of `every` was crossed since the last."""
+        if not self.exporting:
+            return
         if step // self.every <= self._last_submitted // self.every:
             return
         self._last_submitted = step
@@ -116,6 +94,9 @@ class HfExports:
                 self._thread = threading.Thread(target=self._run, name="fastpersist-hf-export", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    def before_save(self) -> None:
+        """Nothing: an export reads committed steps only."""
 
     def pinned(self) -> set[int]:
         """Steps waiting for or in the export: retention must leave them alone."""

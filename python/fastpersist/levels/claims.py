@@ -67,7 +67,7 @@ class RemoteClaim:
                     del _holders[key]
                 elif overlap(key, self.key) and root != self.root:
                     raise ValueError(
-                        f"remote={self.target!r} is the remote level of another root in this process ({root}: "
+                        f"Remote({self.target!r}) is the remote level of another root in this process ({root}: "
                         f"its remote {key}); two roots draining into one remote would retire each other's steps "
                         "and restore from each other's index. Give each root its own remote prefix, or close() "
                         "the other Checkpointer first"
@@ -95,7 +95,7 @@ def claim_remote(ck: Any, target: str | os.PathLike[str]) -> RemoteClaim:
         if overlap(key, root):
             where = "is" if key == root else "lies inside" if key.startswith(root) else "holds"
             raise ValueError(
-                f"remote={text!r} {where} the root {ck.root!r}: the remote level must be a place of its own (another "
+                f"Remote({text!r}) {where} the root {ck.root!r}: the remote level must be a place of its own (another "
                 "filesystem, or at least a directory beside the root), or its drains would read and write the "
                 "root's own step directories"
             )

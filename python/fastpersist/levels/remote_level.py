@@ -48,12 +48,6 @@ class RemoteLevel:
         bytes_per_s: float | None,
         failures: Failures | None = None,
     ) -> None:
-        if every is not None and (type(every) is not int or every < 1):
-            raise ValueError(f"remote_every={every!r}: expected an integer >= 1 or None")
-        if type(keep) is not int or keep < 1:
-            raise ValueError(f"remote_keep={keep!r}: expected an integer >= 1")
-        if bytes_per_s is not None and not bytes_per_s > 0:
-            raise ValueError(f"remote_bytes_per_s={bytes_per_s!r}: expected a positive number or None")
         self.ck = ck  # the Checkpointer (not imported: it imports this module)
         self.claim = claim_remote(ck, target)  # refuses a remote that overlaps a root (ValueError)
         self.remote = Remote(target)
@@ -79,6 +73,10 @@ class RemoteLevel:
 
     def _timeout(self) -> float:
         return float(self.ck.config.timeout_s) if self.ck.config is not None else 600.0
+
+    def before_save(self) -> None:
+        """Holds the claim on the store again: given up at close(), another root may have taken it since."""
+        self.claim.hold()
 
     def after_commit(self, step: int) -> None:
         """Hands `step` to the drain if a multiple of `every` was crossed since the last one."""

@@ -272,7 +272,7 @@ class S3Store(Store):
         try:
             from obstore.store import S3Store as ObjectStore
         except ImportError as e:
-            raise ImportError("remote='s3://...' needs obstore: pip install 'fastpersist[s3]'") from e
+            raise ImportError("Remote('s3://...') needs obstore: pip install 'fastpersist[s3]'") from e
         bucket, _, prefix = url[len("s3://") :].partition("/")
         if not bucket:
             raise ValueError(f"{url!r}: expected s3://bucket/prefix")

@@ -75,7 +75,9 @@ class PartnerSaveJob(GroupSaveJob):
         pool: Any = None,
     ) -> None:
         if config.stripes:
-            raise ValueError("replicas= does not support Config.stripes yet: each node keeps its shares under its root")
+            raise ValueError(
+                "the Partner level does not support Config.stripes yet: each node keeps its shares under its root"
+            )
         super().__init__(path, config, group, sharded=sharded, pool=pool)
         self.replicas = replicas
 
@@ -150,7 +152,7 @@ class PartnerSaveJob(GroupSaveJob):
             check_target(self.path)
             return make_locked_dir(tmp), None
         except FileExistsError as e:
-            hint = " (do two nodes share this root? with replicas= each node needs its own root)"
+            hint = " (do two nodes share this root? with the Partner level each node needs its own root)"
             return None, FileExistsError(e.errno, f"{e.strerror}{hint}", e.filename)
         except Exception as e:
             return None, e

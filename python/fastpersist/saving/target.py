@@ -83,7 +83,7 @@ def make_parents(path: str, *, durable: bool) -> None:
     if sep and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme):
         raise ValueError(
             f"cannot save to {path}: a save writes a local or mounted directory; for an object store use "
-            "Checkpointer(root, remote='s3://bucket/prefix'), which drains committed steps there"
+            "Checkpointer(root, levels=[fastpersist.Remote('s3://bucket/prefix')]), which drains committed steps there"
         )
     parent = os.path.dirname(os.path.abspath(path))
     missing = []

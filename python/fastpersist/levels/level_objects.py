@@ -1,0 +1,197 @@
+"""The levels a :class:`~fastpersist.Checkpointer` keeps beyond its root, one object each.
+
+``Checkpointer(root, group=g, levels=[Partner(replicas=1), Remote("s3://b/run1", every=100)])``:
+each object holds one level's settings, checks them when it is made, and is attached to the
+Checkpointer that is given it (:meth:`attach`), which makes the level's running part (its
+copies, its drain, its export thread). A level that copies committed steps elsewhere in the
+background (the remote level, the Hugging Face export) is a :class:`CommittedStepCopies`, which
+the Checkpointer's commit sequence calls in the order the levels were given. The local level is
+the root itself (a directory under ``/dev/shm`` makes it an in-memory level, docs/levels.md).
+
+Example:
+    >>> Remote("/shared/run1", every=100)
+    Remote(place='/shared/run1', every=100, keep=2, bytes_per_s=None)
+    >>> Partner(replicas=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: Partner(replicas=0): expected an integer >= 1 (the copies of each rank's share on other nodes)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..arguments import given_path
+from .background_exports import HfExports, hf_exports_for
+from .partner_level import PartnerLevel
+from .remote_level import RemoteLevel
+
+__all__ = ["CommittedStepCopies", "HFExport", "Level", "Partner", "Remote", "levels_given"]
+
+
+class CommittedStepCopies(Protocol):
+    """A level that copies committed steps elsewhere in the background; the Checkpointer calls
+    these in this order: :meth:`before_save` as a due step's save starts, :meth:`pinned` when
+    retention chooses what to retire, :meth:`after_commit` once a step committed (after the local
+    and partner levels hold it), :meth:`close` from ``Checkpointer.close()``."""
+
+    def before_save(self) -> None: ...
+
+    def pinned(self) -> set[int]:
+        """Local steps this level still reads (retention keeps them)."""
+        ...
+
+    def after_commit(self, step: int) -> None: ...
+
+    def close(self) -> None:
+        """Waits for the copy in flight; raises the newest failure nobody has seen."""
+        ...
+
+
+@dataclass(frozen=True)
+class Partner:
+    """The partner level: each rank's share of a step is also kept in the roots of `replicas`
+    other nodes (a node is ``$FASTPERSIST_NODE`` or the host name; each node passes its own
+    root), so losing a node loses no step. Needs the Checkpointer's `group`. See docs/levels.md."""
+
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        if type(self.replicas) is not int or self.replicas < 1:
+            raise ValueError(
+                f"Partner(replicas={self.replicas!r}): expected an integer >= 1 (the copies of each rank's share on "
+                "other nodes)"
+            )
+
+    def attach(self, ck: Any) -> PartnerLevel:
+        return PartnerLevel(ck, self.replicas)
+
+
+@dataclass(frozen=True)
+class Remote:
+    """The remote level: committed steps drained in the background to `place`, a directory on a
+    shared filesystem or an ``s3://bucket/prefix`` URL (S3-compatible stores; endpoint and
+    credentials from the AWS environment variables, docs/levels.md#credentials), and restored
+    from when no local or partner copy of a newer step of this run is left.
+
+    Args:
+        place: refused (ValueError, at attach) when it is the root, lies inside it or holds it,
+            or is another live Checkpointer's remote.
+        every: drain a step whenever a multiple of `every` was crossed since the last one drained
+            (the first saved step is drained too); None: as often as one drain at a time allows,
+            or, with the Checkpointer's `failures`, the multi-level advisor's choice from each
+            drain's measured cost (docs/advisor.md, "Several levels").
+        keep: committed remote steps to keep (>= 1).
+        bytes_per_s: the drain's throttle (None: unthrottled); the drain also pauses while a save
+            is staging and yields half its time to a save that is writing.
+    """
+
+    place: str | os.PathLike[str]
+    every: int | None = None
+    keep: int = 2
+    bytes_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        expected = "a directory on a shared filesystem or an s3://bucket/prefix URL"
+        given_path(self.place, "place", "Remote", expected)
+        if self.every is not None and (type(self.every) is not int or self.every < 1):
+            raise ValueError(f"Remote(every={self.every!r}): expected an integer >= 1 or None")
+        if type(self.keep) is not int or self.keep < 1:
+            raise ValueError(f"Remote(keep={self.keep!r}): expected an integer >= 1")
+        if self.bytes_per_s is not None and not (isinstance(self.bytes_per_s, (int, float)) and self.bytes_per_s > 0):
+            raise ValueError(f"Remote(bytes_per_s={self.bytes_per_s!r}): expected a positive number or None")
+
+    def attach(self, ck: Any) -> RemoteLevel:
+        return RemoteLevel(ck, self.place, self.every, self.keep, self.bytes_per_s, ck.failures)
+
+
+@dataclass(frozen=True)
+class HFExport:
+    """A background export of committed steps to `export_dir` as Hugging Face safetensors,
+    whenever a multiple of `every` was crossed since the last export (the first committed step
+    too), from the committed checkpoint on disk (:mod:`fastpersist.levels.background_exports`);
+    `key` and `prefix` as in :func:`fastpersist.export_hf`."""
+
+    export_dir: str | os.PathLike[str]
+    every: int
+    key: str | None = None
+    prefix: str = ""
+
+    def __post_init__(self) -> None:
+        given_path(self.export_dir, "export_dir", "HFExport")
+        if type(self.every) is not int or self.every < 1:
+            raise ValueError(f"HFExport(every={self.every!r}): expected an integer >= 1")
+
+    def attach(self, ck: Any) -> HfExports:
+        return hf_exports_for(ck, self.every, self.export_dir, self.key, self.prefix)
+
+
+#: What ``Checkpointer(levels=...)`` takes.
+Level = Partner | Remote | HFExport
+
+
+def levels_given(levels: object, group: object) -> list[Level]:
+    """`levels` as a list, each a level object, at most one of each kind, that the Checkpointer's
+    `group` allows; or a TypeError/ValueError that says what was given."""
+    if levels is None:
+        return []
+    if isinstance(levels, (str, bytes, os.PathLike)) or not hasattr(levels, "__iter__"):
+        raise TypeError(
+            f"levels={levels!r}: expected a list of level objects, e.g. [fastpersist.Partner(replicas=1), "
+            "fastpersist.Remote('s3://bucket/prefix')]"
+        )
+    given = list(levels)
+    seen: set[type] = set()
+    for level in given:
+        if not isinstance(level, (Partner, Remote, HFExport)):
+            raise TypeError(
+                f"levels=[..., {level!r}, ...]: expected fastpersist.Partner, fastpersist.Remote or "
+                "fastpersist.HFExport"
+            )
+        if type(level) in seen:
+            raise ValueError(f"levels=: more than one {type(level).__name__} level (give one of each kind)")
+        seen.add(type(level))
+        if isinstance(level, Partner) and group is None:
+            raise ValueError(f"{level}: needs the Checkpointer's group=: the copies go to ranks on other nodes")
+        if isinstance(level, HFExport) and any(isinstance(other, Partner) for other in given):
+            raise ValueError(f"{level}: not supported with the Partner level yet")
+    return given
+
+
+def moved_keywords_error(old: dict[str, Any]) -> TypeError:
+    """The error for Checkpointer keywords that became level objects (or the failure model),
+    showing the call's new form; any other unknown keyword is named as Python names it."""
+    family = {
+        "replicas": "Partner",
+        "remote": "Remote",
+        "remote_every": "Remote",
+        "remote_keep": "Remote",
+        "remote_bytes_per_s": "Remote",
+        "export_hf_every": "HFExport",
+        "export_dir": "HFExport",
+        "export_hf_key": "HFExport",
+        "export_hf_prefix": "HFExport",
+    }
+    unknown = [k for k in old if k not in family and k != "mtbf_s"]
+    if unknown:
+        return TypeError(f"Checkpointer() got an unexpected keyword argument {unknown[0]!r}")
+    levels: list[str] = []
+    if "replicas" in old:
+        levels.append(f"fastpersist.Partner(replicas={old['replicas']!r})")
+    remote = [k for k in old if family.get(k) == "Remote"]
+    if remote:
+        args = [repr(old.get("remote", "..."))]
+        args += [f"{k.removeprefix('remote_')}={old[k]!r}" for k in remote if k != "remote"]
+        levels.append(f"fastpersist.Remote({', '.join(args)})")
+    export = [k for k in old if family.get(k) == "HFExport"]
+    if export:
+        args = [repr(old.get("export_dir", "..."))]
+        args += [f"{k.removeprefix('export_hf_')}={old[k]!r}" for k in export if k != "export_dir"]
+        levels.append(f"fastpersist.HFExport({', '.join(args)})")
+    new = [f"levels=[{', '.join(levels)}]"] if levels else []
+    if "mtbf_s" in old:
+        new.append(f"failures=fastpersist.Failures(process_mtbf_s={old['mtbf_s']!r})")
+    given = ", ".join(f"{k}={v!r}" for k, v in old.items())
+    return TypeError(f"Checkpointer({given}): these keywords became objects; write Checkpointer(..., {', '.join(new)})")
