@@ -42,7 +42,7 @@ import torch
 import fastpersist as fp
 from fastpersist.format.flatten import flatten
 from fastpersist.gpu.copiers import DeviceCopier, device_bytes, use_copier
-from fastpersist.gpu.staging import arena_views
+from fastpersist.gpu.device_side import arena_views
 from fastpersist.tools.bench.state import build_state
 from fastpersist.tools.units import parse_size
 

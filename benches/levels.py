@@ -102,7 +102,7 @@ def expected_bytes(step_dir: str, rank: int) -> tuple[int, int, int]:
     from fastpersist.distributed.placement import Placement
     from fastpersist.format.layout import MANIFEST_NAME, shard_name
     from fastpersist.format.manifest import read_manifest
-    from fastpersist.levels.holdings import shares_of
+    from fastpersist.levels.partner_holdings import shares_of
 
     m = read_manifest(step_dir)
     levels = m.extra["levels"]

@@ -1,7 +1,7 @@
 """The remote level: drain throughput against a plain copy, and per-iteration overhead.
 
 Drain throughput (``--mib`` MiB committed locally by a Checkpointer, then one step drained by
-``fastpersist.levels.drain.Drainer.drain``: every chunk's crc32c checked, markers, manifest
+``fastpersist.levels.remote_drain.Drainer.drain``: every chunk's crc32c checked, markers, manifest
 last, index, retention), interleaved round by round with a plain copy of the same files by the
 same means:
 
@@ -43,8 +43,8 @@ import fastpersist as fp
 from fastpersist import _core
 from fastpersist.format.layout import MANIFEST_NAME
 from fastpersist.format.manifest import read_manifest
-from fastpersist.levels.drain import Drainer
-from fastpersist.levels.remote import Remote, owned_files
+from fastpersist.levels.remote_drain import Drainer
+from fastpersist.levels.remote_steps import RemoteSteps, owned_files
 
 MiB = 1 << 20
 
@@ -78,7 +78,7 @@ def source_cache(step_dir: str, names: list[str], *, cold: bool) -> None:
 
 def drain_seconds(target: str, step_dir: str, step: int) -> float:
     """Seconds for one Drainer.drain of `step` to `target` (a fresh remote)."""
-    drainer = Drainer(Remote(target), lambda s: step_dir, rank=0, size=1, keep=2, timeout_s=120)
+    drainer = Drainer(RemoteSteps(target), lambda s: step_dir, rank=0, size=1, keep=2, timeout_s=120)
     t = time.perf_counter()
     drainer.drain(step)
     return time.perf_counter() - t
@@ -101,7 +101,7 @@ def put_s3_seconds(target: str, step_dir: str, names: list[str]) -> float:
     """Seconds for obstore.put (defaults, a Path) of every file of the step, with the drain's client."""
     import obstore
 
-    store = Remote(target).store.store  # type: ignore[attr-defined]
+    store = RemoteSteps(target).store.store  # type: ignore[attr-defined]
     t = time.perf_counter()
     for name in names:
         obstore.put(store, f"step/{name}", Path(step_dir) / name)

@@ -172,10 +172,10 @@ def test_the_contracts_catch_a_planted_loop(tmp_path: pathlib.Path) -> None:
     shutil.copytree(REPO / "python" / "fastpersist", tmp_path / "python" / "fastpersist", ignore=_not_source)
     shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
     control = tmp_path / "python" / "fastpersist" / "distributed" / "control.py"
-    control.write_text(control.read_text() + "\nfrom ..levels.holdings import Share  # planted\n")
+    control.write_text(control.read_text() + "\nfrom ..levels.partner_holdings import Share  # planted\n")
     run = _lint_imports(tmp_path / "python", tmp_path / "pyproject.toml")
     assert run.returncode != 0
-    assert "fastpersist.distributed.control -> fastpersist.levels.holdings" in run.stdout, run.stdout
+    assert "fastpersist.distributed.control -> fastpersist.levels.partner_holdings" in run.stdout, run.stdout
 
 
 def _not_source(directory: str, names: list[str]) -> list[str]:
@@ -404,3 +404,16 @@ def test_the_tests_mirror_the_package_and_their_helpers_live_in_one_folder() -> 
         tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]["isort"]["known-local-folder"]
     )
     assert listed == {p.stem for p in (tests / "helpers").glob("*.py")}
+
+
+def test_no_two_modules_share_a_name() -> None:
+    """A name says which module it is without its folder (two ``identity.py`` needed a map)."""
+    seen: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.stem not in ("__init__", "__main__"):
+            seen.setdefault(path.stem, []).append(str(path.relative_to(PACKAGE)))
+    rust = REPO / "rust"
+    for path in rust.glob("*/src/**/*.rs"):
+        if path.stem not in ("lib", "mod", "main"):
+            seen.setdefault(f"{path.parts[len(rust.parts)]}:{path.stem}", []).append(str(path.relative_to(rust)))
+    assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import fastpersist as fp
-from fastpersist.levels.stores import METADATA_ENV, check_credentials
+from fastpersist.levels.remote_stores import METADATA_ENV, check_credentials
 
 import netguard
 

@@ -12,7 +12,7 @@ from .advisor import Failures, advise, advise_levels
 from .api import inspect, load, save, save_async, verify
 from .checkpointer import Checkpointer
 from .cleanup import clean
-from .config import Config, SaveResult
+from .config import Config
 from .errors import (
     BackendUnavailableError,
     CheckpointNotFoundError,
@@ -24,7 +24,7 @@ from .errors import (
     SaveCancelledError,
     UnsupportedValueError,
 )
-from .futures import SaveFuture
+from .futures import SaveFuture, SaveResult
 from .hfapi import export_hf
 from .interop.torchasync import torch_save_async
 from .interop.torchfile import torch_save

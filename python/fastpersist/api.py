@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from .arguments import given_path
-from .config import Config, SaveResult, given_config
-from .futures import SaveFuture
-from .levels.fetch import fetched, is_url, verify_url
+from .config import Config, given_config
+from .futures import SaveFuture, SaveResult
+from .levels.remote_fetch import fetched, is_url, verify_url
 from .loading.examine import inspect_checkpoint, verify_checkpoint
 from .loading.fill import check_out
 from .loading.maplocation import MapLocation, check_load_flags

@@ -31,15 +31,15 @@ from .advisor.multilevel import Failures, local_mtbf_s
 from .api import load
 from .arguments import given_path, given_timeout
 from .cleanup import clean, stripe_leftovers
-from .config import Config, SaveResult, given_config, snapshot_pool_bytes
+from .config import Config, given_config, snapshot_pool_bytes
 from .distributed.control import control_for, group_rank_and_size
 from .errors import CheckpointNotFoundError
 from .format.flatten import flatten
 from .format.layout import INDEX_NAME, write_small_file
-from .futures import SaveFuture
-from .levels.holdings import local_levels
+from .futures import SaveFuture, SaveResult
 from .levels.level_objects import CommittedStepCopies, Level, Partner, levels_given, moved_keywords_error
 from .levels.local_steps import RESTORE_ATTEMPTS, LocalSteps
+from .levels.partner_holdings import local_levels
 from .levels.partner_level import PartnerLevel
 from .levels.remote_level import RemoteLevel
 from .levels.resume import bring_in, restore_point, run_id
@@ -160,7 +160,7 @@ class Checkpointer:
         self._cleaned = False
         self.history.persist = self.rank == 0
         self._last: SaveResult | None = None
-        self._run: str | None = None  # this root's run id (levels/identity.py), set at the first commit
+        self._run: str | None = None  # this root's run id (levels/run_identity.py), set at the first commit
         self._partner: PartnerLevel | None = None
         self._remote: RemoteLevel | None = None
         #: The levels that copy committed steps elsewhere, in the order given (the commit sequence's order).
@@ -356,7 +356,7 @@ class Checkpointer:
 
         With ``remote``: a newer step of this run's remote lineage (docs/levels.md), never
         waiting for the drain; the store is asked only if the local level lacks the step its
-        index names, for at most about 10 s (``levels.stores.PROBE_TIMEOUT_S``) and one WARNING.
+        index names, for at most about 10 s (``levels.remote_stores.PROBE_TIMEOUT_S``) and one WARNING.
 
         Another process may save to the root meanwhile: a step it retires while this one checks
         it is not damage (nothing is logged); the index and the steps are read again, up to

@@ -1,4 +1,5 @@
-"""`SaveFuture`: the handle `save_async` returns, a real `concurrent.futures.Future`."""
+"""`SaveFuture`: the handle `save_async` returns, a real `concurrent.futures.Future`; and
+`SaveResult`, what it holds once the save committed."""
 
 from __future__ import annotations
 
@@ -6,14 +7,43 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from .arguments import given_timeout
-from .config import SaveResult
 
-__all__ = ["SaveFuture", "SaveJobLike"]
+__all__ = ["SaveFuture", "SaveJobLike", "SaveResult"]
 
 log = logging.getLogger("fastpersist")
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a committed save did.
+
+    Attributes:
+        path: the checkpoint directory.
+        nbytes: bytes of tensor data written (the logical stream, this rank's share in a group).
+        seconds: wall time from the call until the checkpoint was committed.
+        staged_seconds: time until the sources could be modified again.
+        gb_per_s: ``nbytes / seconds / 1e9``.
+        backend: ``"io_uring"`` or ``"threads"``.
+        files: the data files written by this process.
+        phases: where the time went, in seconds: ``flatten_plan`` (walk the state, lay out
+            the stream), ``staging`` (from the engine's start until the save was staged:
+            copy and crc32c, paced by the pool), ``write_fsync`` (from the engine's start until
+            every data file was written and fsynced; overlaps ``staging``), ``commit``
+            (manifest, fsync, atomic rename, directory fsync; in a group also the exchange).
+    """
+
+    path: str
+    nbytes: int
+    seconds: float
+    staged_seconds: float
+    gb_per_s: float
+    backend: str
+    files: list[str] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 class SaveJobLike(Protocol):

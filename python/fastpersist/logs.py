@@ -14,8 +14,6 @@ from __future__ import annotations
 import logging
 import time
 
-from .config import SaveResult
-
 __all__ = ["SLOW_CALL_S", "log", "log_load", "log_save", "log_save_call"]
 
 log = logging.getLogger("fastpersist")
@@ -28,16 +26,16 @@ def _rate(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
-def log_save(result: SaveResult) -> None:
+def log_save(path: str, nbytes: int, seconds: float, backend: str) -> None:
     """``saved PATH: N bytes in S s (R GB/s, backend B)`` at INFO."""
     if log.isEnabledFor(logging.INFO):
         log.info(
             "saved %s: %d bytes in %.3f s (%.2f GB/s, backend %s)",
-            result.path,
-            result.nbytes,
-            result.seconds,
-            result.gb_per_s,
-            result.backend,
+            path,
+            nbytes,
+            seconds,
+            _rate(nbytes, seconds),
+            backend,
         )
 
 

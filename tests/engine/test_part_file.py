@@ -111,7 +111,7 @@ def test_check_part_file_names_the_first_bad_chunk(where: Path) -> None:
 
 
 def test_a_download_that_meets_a_damaged_object_leaves_no_local_file(tmp_path: Path) -> None:
-    from fastpersist.levels.stores import DirStore, FileCopy
+    from fastpersist.levels.remote_stores import DirStore, FileCopy
 
     data = _data(4 * CHUNK + 17)
     store = DirStore(str(tmp_path / "store"))
@@ -129,7 +129,7 @@ def test_a_download_that_meets_a_damaged_object_leaves_no_local_file(tmp_path: P
 
 
 def test_an_upload_writes_the_store_s_copy_through_the_engine_and_overwrites_one_there(tmp_path: Path) -> None:
-    from fastpersist.levels.stores import DirStore, FileCopy
+    from fastpersist.levels.remote_stores import DirStore, FileCopy
 
     data = _data(3 * CHUNK + 4096 * 3 + 1)
     local = tmp_path / "part"

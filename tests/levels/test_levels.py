@@ -254,7 +254,7 @@ def test_placement_is_a_ring_over_nodes_never_on_the_same_node() -> None:
 
 
 def test_candidates_need_every_share_under_one_id_and_stop_at_the_newest_index() -> None:
-    from fastpersist.levels.restore import NodeReport, StepReport, candidates
+    from fastpersist.levels.partner_restore import NodeReport, StepReport, candidates
 
     reports = [
         NodeReport(0, 3, [StepReport(2, "x", 2, (0, 1), (0, 1)), StepReport(3, "y", 2, (0,), (0, 1))]),

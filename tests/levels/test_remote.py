@@ -129,12 +129,12 @@ def test_a_retry_after_the_remote_commit_succeeds_and_rewrites_nothing(tmp_path:
     import dataclasses
 
     from fastpersist.format.manifest import read_manifest
-    from fastpersist.levels.remote import Remote
+    from fastpersist.levels.remote_steps import RemoteSteps
 
     local, remote = tmp_path / "local", tmp_path / "remote"
     with _ck(local, fp.Remote(remote, every=1)) as ck:
         ck.save(1, state(1))
-    m, r = read_manifest(ck.path(1)), Remote(remote)
+    m, r = read_manifest(ck.path(1)), RemoteSteps(remote)
     manifest = remote / "step-00000001" / "manifest.json"
     inode = os.stat(manifest).st_ino
     assert r.drain_share(1, ck.path(1), m, 0, lambda n: None) == 0
@@ -157,7 +157,7 @@ def test_ranks_that_drain_at_different_speeds_still_drain_the_same_steps(tmp_pat
 
 def test_a_damaged_local_copy_is_never_drained(tmp_path: Any) -> None:
     from fastpersist.format.manifest import read_manifest
-    from fastpersist.levels.remote import Remote
+    from fastpersist.levels.remote_steps import RemoteSteps
 
     ck = fp.Checkpointer(tmp_path / "local", config=CONFIG)
     ck.save(1, state(1, 200_000))
@@ -166,7 +166,7 @@ def test_a_damaged_local_copy_is_never_drained(tmp_path: Any) -> None:
     with open(data, "r+b") as f:
         f.seek(300_000)
         f.write(b"\x00\x01\x02")
-    remote = Remote(str(tmp_path / "remote"))
+    remote = RemoteSteps(str(tmp_path / "remote"))
     with pytest.raises(fp.ChecksumMismatchError):
         remote.drain_share(1, ck.path(1), read_manifest(ck.path(1)), 0, lambda n: None)
     assert remote.steps() == []
@@ -198,13 +198,13 @@ class _Clock:
 
 @pytest.mark.parametrize("writing", [False, True])
 def test_the_drain_yields_half_its_time_to_a_writing_save(tmp_path: Any, monkeypatch: Any, writing: bool) -> None:
-    from fastpersist.levels import drain
-    from fastpersist.levels.remote import Remote
+    from fastpersist.levels import remote_drain as drain
+    from fastpersist.levels.remote_steps import RemoteSteps
 
     clock = _Clock()
     monkeypatch.setattr(drain, "time", clock)
     drainer = drain.Drainer(
-        Remote(str(tmp_path / "remote")), str, rank=0, size=1, keep=1, timeout_s=5, writing=lambda: writing
+        RemoteSteps(str(tmp_path / "remote")), str, rank=0, size=1, keep=1, timeout_s=5, writing=lambda: writing
     )
     try:
         throttle = drainer._throttle(clock.now, [0])
@@ -219,12 +219,12 @@ def test_the_drain_yields_half_its_time_to_a_writing_save(tmp_path: Any, monkeyp
 def test_an_object_cut_after_its_marker_is_never_committed(tmp_path: Any, monkeypatch: Any, caplog: Any) -> None:
     """The commit checks every object's size, not only the owners' markers: a data object cut
     short after its upload fails that attempt (WARNING naming it), and the retry commits it whole."""
-    from fastpersist.levels.remote import Remote
+    from fastpersist.levels.remote_steps import RemoteSteps
 
-    original = Remote.drain_share
+    original = RemoteSteps.drain_share
     cut: list[str] = []
 
-    def drain_then_cut(self: Remote, step: int, local_dir: str, *args: Any) -> int:
+    def drain_then_cut(self: RemoteSteps, step: int, local_dir: str, *args: Any) -> int:
         nbytes = original(self, step, local_dir, *args)
         if not cut:
             data = next(p for p in os.listdir(self.path(step)) if p.endswith(".bin"))
@@ -232,7 +232,7 @@ def test_an_object_cut_after_its_marker_is_never_committed(tmp_path: Any, monkey
             os.truncate(cut[0], 4096)
         return nbytes
 
-    monkeypatch.setattr(Remote, "drain_share", drain_then_cut)
+    monkeypatch.setattr(RemoteSteps, "drain_share", drain_then_cut)
     local, remote = tmp_path / "local", tmp_path / "remote"
     with caplog.at_level(logging.WARNING, logger="fastpersist"), _ck(local, fp.Remote(remote, every=1)) as ck:
         ck.save(1, state(1))
@@ -247,7 +247,7 @@ def test_remote_every_none_with_failures_follows_the_advisor(tmp_path: Any, capl
     import dataclasses
 
     from fastpersist.advisor.multilevel import best_remote_every
-    from fastpersist.levels.drain import Drainer
+    from fastpersist.levels.remote_drain import Drainer
 
     drain = Drainer.drain  # each drain made to cost training 50 ms of CPU: the advice spaces drains
     monkeypatch.setattr(Drainer, "drain", lambda self, step: dataclasses.replace(drain(self, step), cpu_s=0.05))

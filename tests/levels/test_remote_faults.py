@@ -142,13 +142,13 @@ def test_a_restore_never_waits_for_a_throttled_drain(tmp_path: Any) -> None:
 _KILLED_REFILL = """
 import os, signal, sys
 import fastpersist as fp
-from fastpersist.levels.remote import Remote
+from fastpersist.levels.remote_steps import RemoteSteps
 
-download = Remote.download
+download = RemoteSteps.download
 def dying(self, step, dest_dir, files):
     download(self, step, dest_dir, files[:1])  # one file of the refill written, then killed
     os.kill(os.getpid(), signal.SIGKILL)
-Remote.download = dying
+RemoteSteps.download = dying
 fp.Checkpointer(sys.argv[1], levels=[fp.Remote(sys.argv[2])]).load()
 """
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist.levels import stores
+from fastpersist.levels import remote_stores
 
 import levels_workers as w
 from gloo import run_ranks
@@ -142,7 +142,7 @@ def test_an_unreachable_store_never_stops_a_restore_from_the_local_level(
             assert again.latest() == 1
             assert torch.equal(again.load()["w"], state(1)["w"])
             took = time.monotonic() - started
-        assert took < 3 * stores.PROBE_TIMEOUT_S, took
+        assert took < 3 * remote_stores.PROBE_TIMEOUT_S, took
         said = [r.getMessage() for r in caplog.records if "did not answer" in r.getMessage()]
         assert len(said) == 1 and url in said[0], said
     finally:
@@ -159,7 +159,7 @@ def test_a_store_that_never_answers_costs_a_restore_a_bounded_time(
     for key, value in s3_server.env().items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{hole.getsockname()[1]}")
-    monkeypatch.setattr(stores, "PROBE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(remote_stores, "PROBE_TIMEOUT_S", 1.0)
     try:
         with fp.Checkpointer(tmp_path / "local", config=CONFIG) as ck:
             for step in (1, 2):

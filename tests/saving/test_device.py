@@ -20,8 +20,8 @@ from fastpersist import _core
 from fastpersist.gpu import copiers
 from fastpersist.gpu.arenas import ARENAS, Arenas, min_pinned_bytes
 from fastpersist.gpu.copiers import DeviceCopier, use_copier
+from fastpersist.gpu.device_side import arena_views
 from fastpersist.gpu.pinned import pin_host, unpin_host
-from fastpersist.gpu.staging import arena_views
 
 from cuda_marks import cuda_test
 from fake_cuda import FakeCuda, FakeRuntime, InstantCopier

@@ -12,12 +12,12 @@
 See docs/advisor.md.
 """
 
+from .advice import Advice
 from .devinfo import DeviceInfo, device_info
 from .history import SaveHistory
 from .interval import advise
 from .model import Costs, Outcome, best_every, daly_interval_s, job_mtbf_s, outcome, young_interval_s
 from .multilevel import Failures, LevelAdvice, LevelCosts, LevelPlan, advise_levels
-from .report import Advice
 from .wear import Endurance, WearLog
 
 __all__ = [

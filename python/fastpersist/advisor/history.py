@@ -27,10 +27,10 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-from ..config import SaveResult
 from ..errors import CorruptCheckpointError
 from ..format.layout import HISTORY_NAME, read_small_file, write_small_file
 from ..format.manifest import read_manifest
+from ..futures import SaveResult
 from .model import Costs, best_every
 from .wear import WearLog
 

@@ -6,9 +6,9 @@ import datetime
 import math
 import os
 
+from .advice import Advice
 from .devinfo import DeviceInfo, device_info
 from .model import Costs, Outcome, best_every, daly_interval_s, job_mtbf_s, outcome, young_interval_s
-from .report import Advice
 from .sources import Measured, from_bench, from_history, from_root
 from .wear import Endurance, bytes_per_day_allowed
 

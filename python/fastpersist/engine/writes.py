@@ -37,7 +37,7 @@ _warned_fallback = False
 
 
 class DeviceHook(Protocol):
-    """What a write with device-resident sources is given (fastpersist.gpu.staging.DeviceStaging)."""
+    """What a write with device-resident sources is given (fastpersist.gpu.device_side.DeviceStaging)."""
 
     @property
     def lease(self) -> _core.ArenaLease: ...

@@ -9,7 +9,7 @@ A save with CUDA tensors (docs/gpu.md):
 * :mod:`~fastpersist.gpu.early`: the early copy, one budget for host and device tensors;
 * :mod:`~fastpersist.gpu.arenas`: the pinned arenas saves stage into and write from, made once
   per process and bounded by ``Config.pinned_bytes``;
-* :mod:`~fastpersist.gpu.staging`: one save's device side, as the engine calls it (every copy
+* :mod:`~fastpersist.gpu.device_side`: one save's device side, as the engine calls it (every copy
   of an arena window in one call, one wait);
 * :mod:`~fastpersist.gpu.snapshots`: tensors copied into an arena for a caller that hands the
   copies on instead of writing them (``dcp.async_save``'s staging);

@@ -4,7 +4,7 @@ save's pinned arena.
 A save does not call ``.cpu()`` on device tensors. ``flatten(state, copiers=DEVICE_COPIERS)``
 keeps their blobs device-resident (:func:`copier_for` names the copier), and the engine asks for
 the device-to-host copies of a whole window of the arena in one call
-(:class:`~fastpersist.gpu.staging.DeviceStaging`): for a state that fits the arena, every copy
+(:class:`~fastpersist.gpu.device_side.DeviceStaging`): for a state that fits the arena, every copy
 of the save at once, before ``save_async`` returns.
 
 :class:`CudaCopier` queues one non-blocking ``copy_`` per contiguous run (a tensor, for a state

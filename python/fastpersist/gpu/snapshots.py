@@ -4,7 +4,7 @@ instead of writing them (``dcp.async_save`` through ``FastPersistWriter.stage``)
 :func:`snapshot_tensors` leases an arena from the process's arenas (:mod:`fastpersist.gpu.arenas`:
 made and pinned once, reused by every save), queues the device-to-host copies of every device
 tensor at once through their copiers and waits for them once, as a save's staging does
-(:mod:`fastpersist.gpu.staging`), and copies the host tensors into the same arena. Each copy is
+(:mod:`fastpersist.gpu.device_side`), and copies the host tensors into the same arena. Each copy is
 a CPU tensor of the source's dtype and shape viewing the arena, so a warm arena takes no page
 faults and no pinning. The arena stays leased until :meth:`ArenaSnapshot.release` (or until the
 snapshot is dropped): the copies must not be read after that. Given ``into=`` a snapshot of
@@ -29,7 +29,7 @@ import fastpersist._core as _core
 from ..format.blobs import Blob
 from .arenas import ArenasBusy, granules, pinned_cap_bytes
 from .copiers import copier_for
-from .staging import start_device_staging
+from .device_side import start_device_staging
 
 __all__ = ["SNAPSHOT_ALIGN_BYTES", "ArenaSnapshot", "snapshot_tensors"]
 

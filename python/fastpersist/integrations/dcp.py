@@ -58,7 +58,7 @@ from ..format.blobs import byte_view
 from ..format.layout import DCP_DATA_SUFFIX, DCP_METADATA_NAME, dcp_data_file_name, write_small_file
 from ..format.quote import shown
 from ..gpu.copiers import copier_for, device_bytes
-from ..gpu.staging import stage_from_devices
+from ..gpu.device_side import stage_from_devices
 from ..loading.reading import aligned_uint8, direct_padded
 from ..saving.pools import pool_for
 from .dcp_args import checked_config, refuse_rank_local_metadata, writer_config

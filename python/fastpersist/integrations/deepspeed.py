@@ -62,11 +62,11 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("fastpersist.integrations.deepspeed needs DeepSpeed: pip install deepspeed") from e
 
-from ..config import Config, SaveResult
+from ..config import Config
 from ..distributed.control import ControlGroup, collective, control_for, describe
 from ..errors import GroupSaveError
 from ..format.layout import write_small_file
-from ..futures import SaveFuture
+from ..futures import SaveFuture, SaveResult
 from ..interop.torchasync import torch_save_async
 from ..interop.torchfile import torch_save
 from ..saving.target import make_parents

@@ -39,8 +39,8 @@ from typing import Any
 import fastpersist._core as _core
 
 from ..api import load, save_async
-from ..config import Config, SaveResult
-from ..futures import SaveFuture
+from ..config import Config
+from ..futures import SaveFuture, SaveResult
 from ..saving.optimizer_guard import guard_optimizer
 from .hf_checkpoint import snapshot_pool_config
 

@@ -30,11 +30,11 @@ import torch
 
 import fastpersist._core as _core
 
-from ..config import Config, SaveResult
+from ..config import Config
 from ..errors import SaveCancelledError
 from ..format.blobs import Blob
 from ..format.layout import atomic_file
-from ..futures import SaveFuture
+from ..futures import SaveFuture, SaveResult
 from ..gpu.early import choose_early_copies
 from ..saving.verdict import Verdict
 from .torchfile import Archive, capture_skeleton, fast_path_target, lay_out_archive, save_instead, torch_save

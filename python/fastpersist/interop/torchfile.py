@@ -43,12 +43,13 @@ import torch
 
 import fastpersist._core as _core
 
-from ..config import Config, SaveResult
+from ..config import Config
 from ..engine import WriteRequest, knobs, start_write
 from ..format.blobs import byte_view
 from ..format.layout import atomic_file
+from ..futures import SaveResult
 from ..gpu.copiers import copier_for
-from ..gpu.staging import stage_from_devices
+from ..gpu.device_side import stage_from_devices
 from ..saving.pools import pool_for
 from .torchroutes import (
     TORCH_DEFAULT,

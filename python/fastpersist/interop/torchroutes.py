@@ -31,7 +31,8 @@ import torch
 
 import fastpersist._core as _core
 
-from ..config import Config, SaveResult
+from ..config import Config
+from ..futures import SaveResult
 
 __all__ = [
     "TORCH_DEFAULT",

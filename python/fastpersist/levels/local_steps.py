@@ -22,7 +22,7 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 from ..format.manifest import read_manifest
 from ..loading.examine import verify_checkpoint
-from .identity import read_local_index
+from .run_identity import read_local_index
 
 __all__ = ["RESTORE_ATTEMPTS", "LocalSteps", "Verdict"]
 

@@ -4,7 +4,7 @@ Each node's root holds that node's own step directories (the shares of its ranks
 its partners' shares, :mod:`fastpersist.saving.partner_copies`); the node's leader (its lowest rank)
 cleans that root, writes its index and retires its old steps, each only once the new step is
 complete on the node. ``latest()`` and ``load()`` are agreed over the group
-(:mod:`fastpersist.levels.restore`).
+(:mod:`fastpersist.levels.partner_restore`).
 """
 
 from __future__ import annotations
@@ -13,16 +13,17 @@ import logging
 import os
 from typing import Any
 
-from ..config import Config, SaveResult
+from ..config import Config
 from ..distributed.control import ControlGroup, control_for
 from ..distributed.placement import Placement, node_name
 from ..errors import FastPersistError
 from ..format.layout import MANIFEST_NAME, shard_name
 from ..format.manifest import read_manifest
+from ..futures import SaveResult
 from ..loading.phases import PhaseClock
 from ..loading.pipeline import LoadOptions
-from .holdings import retire_on_node, share_problem, shares_of
-from .restore import candidates, node_report, restore_step, verified_step
+from .partner_holdings import retire_on_node, share_problem, shares_of
+from .partner_restore import candidates, node_report, restore_step, verified_step
 
 __all__ = ["PartnerLevel"]
 

@@ -1,7 +1,7 @@
 """A :class:`~fastpersist.Checkpointer`'s remote level: when a step is due for the remote, which
 remote step a restore may take and how long it waits for the store, what ``levels()`` says of it
-(the drain: :mod:`fastpersist.levels.drain`; the store: :mod:`fastpersist.levels.remote`; which
-run a remote step belongs to: :mod:`fastpersist.levels.identity`)."""
+(the drain: :mod:`fastpersist.levels.remote_drain`; the store: :mod:`fastpersist.levels.remote_steps`; which
+run a remote step belongs to: :mod:`fastpersist.levels.run_identity`)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from typing import Any
 from ..advisor.multilevel import Failures, LevelCosts, best_remote_every
 from ..distributed.control import ControlGroup, control_for, group_rank_and_size
 from ..errors import FastPersistError
-from .claims import claim_remote
-from .drain import Drainer, DrainResult
-from .drainpeers import DrainPeers
-from .identity import LocalIdentity, RemoteVerdict, judge_remote
-from .refill import refill_step
-from .remote import Remote
+from .remote_claims import claim_remote
+from .remote_drain import Drainer, DrainResult
+from .remote_drain_peers import DrainPeers
+from .remote_refill import refill_step
+from .remote_steps import RemoteSteps
+from .run_identity import LocalIdentity, RemoteVerdict, judge_remote
 
 __all__ = ["RemoteChoice", "RemoteLevel"]
 
@@ -50,7 +50,7 @@ class RemoteLevel:
     ) -> None:
         self.ck = ck  # the Checkpointer (not imported: it imports this module)
         self.claim = claim_remote(ck, target)  # refuses a remote that overlaps a root (ValueError)
-        self.remote = Remote(target)
+        self.remote = RemoteSteps(target)
         #: None: every committed step is handed over and the drain takes the newest whenever it is
         #: free, i.e. as often as one drain at a time allows; with `failures`, each drain's
         #: measured cost then sets it to the multi-level advisor's choice (:meth:`_advise`).
@@ -186,7 +186,7 @@ class RemoteLevel:
 
     def _choose_here(self, local: LocalIdentity, above: int | None) -> RemoteChoice | None:
         """Rank 0 (or the one process): the newest remote step the run identity rule allows
-        (:mod:`fastpersist.levels.identity`) above `above` that verifies; a store that does not
+        (:mod:`fastpersist.levels.run_identity`) above `above` that verifies; a store that does not
         answer within the probe's bound is logged once at WARNING and counts as holding nothing."""
         try:
             index = self.remote.index(self.remote.probe)
@@ -268,7 +268,7 @@ class RemoteLevel:
 
     def refill(self, step: int) -> None:
         """Downloads `step` from the remote into the local level (every rank its shares), so it
-        loads as a local step (:mod:`fastpersist.levels.refill`)."""
+        loads as a local step (:mod:`fastpersist.levels.remote_refill`)."""
         log.info("rank %d refills step %d from the remote level %s", self.ck.rank, step, self.remote.root)
         refill_step(self.ck, self.remote, step, self._timeout())
 

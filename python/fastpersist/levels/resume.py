@@ -1,7 +1,7 @@
 """Where a :class:`~fastpersist.Checkpointer` resumes from, over its levels: the step
 :meth:`~fastpersist.Checkpointer.latest` names, whether it comes from the remote level (then it
 is refilled into the local roots before the load), and the run id the root's index carries
-(:mod:`fastpersist.levels.identity`). Every function is collective in a group.
+(:mod:`fastpersist.levels.run_identity`). Every function is collective in a group.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 from ..distributed.control import control_for
 from ..format.layout import MANIFEST_NAME
-from .identity import LocalIdentity, read_local_index
 from .remote_level import RemoteChoice
+from .run_identity import LocalIdentity, read_local_index
 
 __all__ = ["bring_in", "held_locally", "local_identity", "restore_point", "run_id"]
 

@@ -28,12 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
-from ..config import Config, SaveResult
+from ..config import Config
 from ..distributed.control import collective, control_for, describe, writer_map
 from ..errors import GroupSaveError
 from ..format.layout import shard_name, stripe_tag, tmp_dir_for
 from ..format.manifest import FileEntry, build
 from ..format.ownership import DirLock, make_locked_dir
+from ..futures import SaveResult
 from .job import Layout, SaveJob, Written
 from .leftovers import stripe_leftovers
 from .target import check_name_fits, check_stripe_roots, check_target, write_manifest

@@ -30,10 +30,9 @@ import time
 
 import fastpersist._core as _core
 
-from ..config import SaveResult
 from ..distributed.control import collective, control_for
 from ..errors import GroupSaveError
-from ..futures import SaveFuture
+from ..futures import SaveFuture, SaveResult
 
 log = logging.getLogger("fastpersist")
 

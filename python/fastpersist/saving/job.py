@@ -25,7 +25,7 @@ from typing import Any, Literal, NamedTuple
 
 import fastpersist._core as _core
 
-from ..config import Config, SaveResult
+from ..config import Config
 from ..engine import WriteRequest, knobs, start_write
 from ..errors import SaveCancelledError
 from ..format.flatten import FlatState, TensorRecord, flatten, records_to_json
@@ -33,11 +33,12 @@ from ..format.layout import data_file_name, stripe_dir_name, tmp_dir_for
 from ..format.manifest import FileEntry, StreamText, build, stream_text
 from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write_owner
 from ..format.quote import shown
+from ..futures import SaveResult
 from ..gcpause import paused_gc
 from ..gpu.arenas import ARENAS
 from ..gpu.copiers import DEVICE_COPIERS
+from ..gpu.device_side import DeviceStaging, has_device_blobs, share_bytes, start_device_staging
 from ..gpu.early import choose_early_copies, split_by_side
-from ..gpu.staging import DeviceStaging, has_device_blobs, share_bytes, start_device_staging
 from ..logs import log_save, log_save_call
 from .pools import pool_for
 from .recycle import file_to_stage_in, take_recycled
@@ -233,7 +234,7 @@ class SaveJob:
 
     def _start_engine(self, paths: list[str], background: bool) -> None:
         """Hands this process's parts to the engine (stage, checksum, write, fsync); a save with
-        device tensors leases an arena for them first (fastpersist.gpu.staging)."""
+        device tensors leases an arena for them first (fastpersist.gpu.device_side)."""
         flat, config, pool = self._flat, self.config, self.pool
         assert flat is not None and self.writers and pool is not None
         make_room(paths, [part.len_bytes for part in self.my_parts])  # a replaced tree's space may be queued
@@ -449,7 +450,7 @@ class SaveJob:
             files=[p["path"] for p in written.report["parts"]],
             phases=phases,
         )
-        log_save(result)
+        log_save(result.path, result.nbytes, result.seconds, result.backend)
         return result
 
     def finish(self, timeout: float | None = None) -> SaveResult:

@@ -36,13 +36,14 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from ..config import Config, SaveResult
+from ..config import Config
 from ..distributed.control import control_for, describe, writer_map
 from ..distributed.placement import Placement
 from ..distributed.transfer import ShareFile, Transfer, send_and_receive
 from ..errors import GroupSaveError
 from ..format.layout import MANIFEST_NAME, shard_name, tmp_dir_for
 from ..format.ownership import DirLock, make_locked_dir
+from ..futures import SaveResult
 from .group import GroupSaveJob, RankStatus, StartMessage
 from .job import Layout, SaveJob
 from .target import check_name_fits, check_target

@@ -16,7 +16,8 @@ import os
 
 import fastpersist._core as _core
 
-from ..config import Config, SaveResult
+from ..config import Config
+from ..futures import SaveResult
 from .group import GroupSaveJob
 from .job import SaveJob
 from .partner_copies import PartnerSaveJob

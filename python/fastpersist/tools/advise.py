@@ -9,10 +9,10 @@ import json
 import os
 import sys
 
+from ..advisor.advice import Advice
 from ..advisor.devinfo import device_info
 from ..advisor.interval import advise
 from ..advisor.multilevel import Failures, LevelAdvice, LevelCosts, advise_levels
-from ..advisor.report import Advice
 from ..advisor.sources import Measured, from_bench, from_root
 from ..advisor.wear import Endurance
 from ..format.layout import HISTORY_NAME

@@ -3,7 +3,7 @@
 A Checkpointer root is a directory holding step directories and/or an index, not itself a
 checkpoint. For each step: its checkpoint id, whether it was saved with ``replicas=k`` (the
 partner level), and for such a step which shares are present in this root, as regular files of
-their recorded sizes (:mod:`fastpersist.levels.holdings`; no data is read, ``verify`` checks
+their recorded sizes (:mod:`fastpersist.levels.partner_holdings`; no data is read, ``verify`` checks
 the bytes): this node's own ranks' shares (level "local") and the copies it keeps of its
 partners' shares (level "partner").
 
@@ -27,8 +27,8 @@ from ..distributed.placement import Placement, node_name
 from ..errors import FastPersistError
 from ..format.layout import MANIFEST_NAME, is_checkpointer_root, parse_step_dir, shard_name
 from ..format.manifest import Manifest, read_manifest
-from ..levels.holdings import Share, share_problem, shares_of
-from ..levels.identity import read_local_index
+from ..levels.partner_holdings import Share, share_problem, shares_of
+from ..levels.run_identity import read_local_index
 
 __all__ = ["describe_root", "is_checkpointer_root", "print_root"]
 

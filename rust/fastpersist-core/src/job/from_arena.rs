@@ -14,9 +14,9 @@
 use std::ops::Range;
 
 use super::crc32_fields::Crc32Patcher;
+use super::from_pool::check_in_stream_order;
 use super::guard::GuardState;
 use super::source::{CopyPiece, DeviceCopier, ExtentMap, SourceRegion, check_against_plan};
-use super::staging::check_in_stream_order;
 use super::{JobContext, JobHooks, JobProgress, WriteTarget, finish_files, open_targets};
 use crate::DIRECT_ALIGN_BYTES;
 use crate::arena::ArenaLease;

@@ -22,8 +22,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::WriteTarget;
+use super::from_pool::Staging;
 use super::mapped::{self, MappedFile};
-use super::staging::Staging;
 use crate::error::{Error, Result};
 use crate::probe::{BackendKind, DirectMode};
 

@@ -15,13 +15,13 @@
 mod arena_writes;
 mod crc32_fields;
 mod from_arena;
+mod from_pool;
 mod guard;
 mod in_place;
 mod mapped;
 mod memory;
 mod progress;
 mod source;
-mod staging;
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
@@ -36,11 +36,11 @@ use crate::pool::Pool;
 use crate::probe::{BackendKind, DirectMode};
 
 pub use crc32_fields::{CRC32_FIELD_BYTES, Crc32Field};
+use from_pool::Staging;
 pub use guard::{Guard, StagingObserver};
 pub use memory::{is_memory_fs, writes_in_memory};
 pub use progress::{JobProgress, WriteGate};
 pub use source::{CopyPiece, DeviceCopier, SourceRegion};
-use staging::Staging;
 
 /// Knobs of one write job.
 #[derive(Debug, Clone)]

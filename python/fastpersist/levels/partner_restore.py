@@ -3,7 +3,7 @@
 Every rank of the group takes part (each rank calls ``ck.latest()`` / ``ck.load()``):
 
 1. each rank lists the committed steps of its node's root (up to the step its index names) and
-   which shares each holds (:func:`fastpersist.levels.holdings.held_shares`: present, of their
+   which shares each holds (:func:`fastpersist.levels.partner_holdings.held_shares`: present, of their
    recorded sizes); the ranks exchange these reports;
 2. the candidates are the steps whose nodes, between them, hold every share under one
    checkpoint id (a node that came back empty holds nothing, and is no obstacle), newest
@@ -43,7 +43,7 @@ from ..loading.examine import verify_checkpoint, verify_file
 from ..loading.pipeline import LoadOptions, state_from_stream
 from ..loading.reading import direct_padded, read_stream, read_window
 from ..loading.shared_read import read_and_broadcast, read_pieces
-from .holdings import held_shares, shares_of
+from .partner_holdings import held_shares, shares_of
 
 __all__ = ["Candidate", "NodeReport", "StepReport", "candidates", "node_report", "restore_step", "verified_step"]
 

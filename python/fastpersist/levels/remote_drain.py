@@ -1,4 +1,4 @@
-"""The background drain of committed steps to the remote level (:mod:`fastpersist.levels.remote`).
+"""The background drain of committed steps to the remote level (:mod:`fastpersist.levels.remote_steps`).
 
 One thread per Checkpointer (per rank). :meth:`Drainer.submit` hands it a committed step that
 is due; at most one drain runs at a time, and a newer due step replaces one still waiting (the
@@ -10,7 +10,7 @@ the drive and the cores from a running save and all of them between saves. First
 the step number if another checkpoint holds it on the remote (a step a rollback abandoned,
 another run's: WARNING); then every rank uploads its share; then rank 0 commits the remote step
 and retires old ones. In a group the ranks' drain threads tell each other how each phase went
-(:mod:`fastpersist.levels.drainpeers`), so every rank knows the outcome at once, and a rank's
+(:mod:`fastpersist.levels.remote_drain_peers`), so every rank knows the outcome at once, and a rank's
 failure is every rank's, with its real error. A failed drain is logged at WARNING and retried
 with backoff (a newer step supersedes it, on every rank alike); :meth:`close` waits for the
 drain in flight and raises if the newest submitted step could not be drained.
@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..format.manifest import read_manifest
-from .drainpeers import DrainPeers
-from .remote import Remote
+from .remote_drain_peers import DrainPeers
+from .remote_steps import RemoteSteps
 
 __all__ = ["DrainResult", "Drainer"]
 
@@ -57,7 +57,7 @@ class Drainer:
 
     def __init__(
         self,
-        remote: Remote,
+        remote: RemoteSteps,
         local_path: Callable[[int], str],
         *,
         rank: int,

@@ -1,4 +1,4 @@
-"""The ranks' drain threads keeping in step (:mod:`fastpersist.levels.drain`), over a control
+"""The ranks' drain threads keeping in step (:mod:`fastpersist.levels.remote_drain`), over a control
 group of their own (the training thread's saves and loads use another).
 
 Every rank's drain thread takes part in the same exchanges, in the same order: it agrees on the

@@ -19,8 +19,8 @@ from typing import Any
 from ..errors import CheckpointNotFoundError
 from ..format.layout import MANIFEST_NAME, write_new_file
 from ..format.manifest import Manifest, parse
-from .remote import files_named
-from .stores import S3Store
+from .remote_steps import files_named
+from .remote_stores import S3Store
 
 __all__ = ["fetched", "is_url", "split_url", "verify_url"]
 

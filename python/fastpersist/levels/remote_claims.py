@@ -10,7 +10,7 @@
   :meth:`~fastpersist.Checkpointer.close` (again from its next save), or until it is garbage.
 
 Two processes on one remote prefix cannot be seen from here; the run identity rule
-(:mod:`fastpersist.levels.identity`) keeps either from restoring the other's steps.
+(:mod:`fastpersist.levels.run_identity`) keeps either from restoring the other's steps.
 
 Example:
     >>> remote_key("s3://bucket//runs/exp1/"), overlap("s3://b/runs", "s3://b/runs/exp1")

@@ -6,7 +6,7 @@ Who downloads what: with ``replicas`` (each node its own root), every rank downl
 shares it owns into its node's temporary directory, and the node's leader writes the manifest
 last and commits (each node then holds its ranks' shares; the next save replicates again); one
 process, or a plain group save, rank 0 downloads everything. Every chunk is checked on the way
-(:meth:`fastpersist.levels.remote.Remote.download`); a failure on any rank fails the refill on
+(:meth:`fastpersist.levels.remote_steps.RemoteSteps.download`); a failure on any rank fails the refill on
 every rank and leaves nothing committed.
 
 A refill writes into the root, so, like a save, it first removes what interrupted saves and
@@ -32,13 +32,13 @@ from ..errors import FastPersistError, GroupLoadError
 from ..format.layout import MANIFEST_NAME, tmp_dir_for, write_new_file
 from ..format.ownership import make_locked_dir
 from ..saving.target import replace_as_last_writer
-from .identity import read_local_index
-from .remote import Remote, of_writers, owned_shares
+from .remote_steps import RemoteSteps, of_writers, owned_shares
+from .run_identity import read_local_index
 
 __all__ = ["refill_step"]
 
 
-def refill_step(ck: Any, remote: Remote, step: int, timeout_s: float) -> None:
+def refill_step(ck: Any, remote: RemoteSteps, step: int, timeout_s: float) -> None:
     """Every rank of `ck`'s group (or the one process): brings `step` from `remote` into the local roots."""
     found = remote.manifest(step)
     if found is None:

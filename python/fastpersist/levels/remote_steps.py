@@ -1,4 +1,4 @@
-"""The remote level: what a drain puts in the store (:mod:`fastpersist.levels.stores`), how it
+"""The remote level: what a drain puts in the store (:mod:`fastpersist.levels.remote_stores`), how it
 commits, what it keeps, and how a step comes back from it.
 
 A remote step has the layout of a committed checkpoint (docs/format.md): its data files (a
@@ -7,7 +7,7 @@ commit. Each rank that owns a share uploads that share's files from its node's c
 copy (every chunk's crc32c checked on the way) and leaves a marker (``.fpdrained-RRRRR.json``);
 rank 0, once every owner's upload succeeded, checks that every object is there at its recorded
 size (a stat or a HEAD each), writes the manifest, then the remote index (``latest.json``: the
-step, its run and the run's lineage, :mod:`fastpersist.levels.identity`), then retires the
+step, its run and the run's lineage, :mod:`fastpersist.levels.run_identity`), then retires the
 remote steps older than the step that the lineage does not keep (the manifest goes first). A
 committed remote step is never written again; a step number held by another checkpoint (a step
 a rollback abandoned, another run's) is removed before a drain takes the number. A restore
@@ -26,11 +26,11 @@ from collections.abc import Callable
 from ..errors import CorruptCheckpointError, FastPersistError
 from ..format.layout import INDEX_NAME, MANIFEST_NAME, drained_marker_name, parse_step_dir, shard_name, step_dir_name
 from ..format.manifest import Manifest, parse, read_manifest, read_manifest_bytes
-from .holdings import shares_of
-from .identity import RemoteIndex, lineage_for, remote_retention
-from .stores import FileCopy, Store, open_store
+from .partner_holdings import shares_of
+from .remote_stores import FileCopy, Store, open_store
+from .run_identity import RemoteIndex, lineage_for, remote_retention
 
-__all__ = ["Remote", "files_named", "of_writers", "owned_files", "owned_shares", "step_files"]
+__all__ = ["RemoteSteps", "files_named", "of_writers", "owned_files", "owned_shares", "step_files"]
 
 log = logging.getLogger("fastpersist")
 
@@ -99,13 +99,13 @@ def files_named(store: Store, name: str, m: Manifest, shards: list[int] | None =
     return step_files(m, manifests, shards)
 
 
-class Remote:
+class RemoteSteps:
     """The remote level on one store: its committed steps, their drain, commit, retention and download.
 
     `store` is patient (an object store client retries for minutes: drains, downloads);
     `probe` answers the few small reads a restore makes first (the index, the listing, the
     manifests) within a bounded time, so an unreachable store costs a restore seconds, not
-    minutes (:data:`fastpersist.levels.stores.PROBE_TIMEOUT_S`)."""
+    minutes (:data:`fastpersist.levels.remote_stores.PROBE_TIMEOUT_S`)."""
 
     def __init__(self, target: str | os.PathLike[str]) -> None:
         self.store: Store = open_store(target)
