@@ -9,7 +9,7 @@ drives and data-parallel ranks, overlapped with training. See ``fastpersist.save
 
 from . import _core
 from .advisor import Failures, advise, advise_levels
-from .api import inspect, load, save, save_async, verify
+from .api import inspect, load, prepare, save, save_async, verify
 from .checkpointer import Checkpointer
 from .cleanup import clean
 from .config import Config
@@ -58,6 +58,7 @@ __all__ = [
     "export_hf",
     "inspect",
     "load",
+    "prepare",
     "save",
     "save_async",
     "torch_save",

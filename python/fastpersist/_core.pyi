@@ -143,6 +143,10 @@ class Pool:
     def call_before_free(self, callback: Callable[[], object]) -> None:
         """Calls ``callback()`` when the pool goes, before its memory is freed (an exception is
         reported as unraisable). It must not refer to the pool."""
+    def prefault(self) -> int:
+        """Allocates every slot not allocated yet and faults its pages in (the GIL released), so
+        that a save stages into memory the kernel already handed over; returns the bytes. A save
+        running meanwhile takes the slots already made."""
 
 @final
 class Arena:
@@ -288,6 +292,9 @@ class WriteRequest(Protocol):
       disjoint, each offset after its range's end; the plan must have a single part.
     * ``write_gate``: a :class:`WriteGate` that holds the writes back until opened (with
       ``device`` only: the arena holds the snapshot meanwhile).
+    * ``staging_threads``: the most threads that copy host sources into staging (the pool, or a
+      memory root's mapped files) and checksum them at once, each a contiguous share of a
+      chunk (chunks of at least 4 MiB; a job with ``crc32_fields`` stages on one).
     """
 
     @property
@@ -326,6 +333,8 @@ class WriteRequest(Protocol):
     def crc32_fields(self) -> Sequence[tuple[int, int, Sequence[int]]]: ...
     @property
     def write_gate(self) -> WriteGate | None: ...
+    @property
+    def staging_threads(self) -> int: ...
 
 def start_write(request: WriteRequest) -> WriteHandle:
     """Starts the write that ``request`` describes (see :class:`WriteRequest`); returns its handle."""

@@ -1,4 +1,4 @@
-"""The public entry points: save, save_async, load, inspect, verify.
+"""The public entry points: save, save_async, load, inspect, verify, prepare.
 
 Each is its documented signature and docstring over one call: saves start in
 :mod:`fastpersist.saving.start`, loads run :mod:`fastpersist.loading.pipeline`, inspect and
@@ -20,11 +20,31 @@ from .loading.fill import check_out
 from .loading.maplocation import MapLocation, check_load_flags
 from .loading.phases import PhaseClock
 from .loading.pipeline import LoadOptions, load_checkpoint
+from .saving.pools import pool_for, prefault_in_background
 from .saving.start import save_blocking, start_save
 
-__all__ = ["inspect", "load", "save", "save_async", "verify"]
+__all__ = ["inspect", "load", "prepare", "save", "save_async", "verify"]
 
 _CHECKPOINT_PATH = "the checkpoint directory to write"
+
+
+def prepare(path: str | os.PathLike[str], *, config: Config | None = None) -> None:
+    """Does now, for saves to `path`, what a process's first save would otherwise pay once, and
+    returns at once: settles `config`'s ``"auto"`` values for the device of `path` (the tuning
+    cache, the device's identity) and faults the staging pool's memory in on a background
+    thread. The first touch of fresh memory is the one cost a first save has that later saves
+    do not (0.35-0.5 s for the default 256 MiB pool on the VMs we measure, docs/performance.md);
+    call this while the model loads. A save that starts meanwhile uses what is ready.
+    :class:`Checkpointer` does the same at construction when given a `config`.
+
+    Example:
+        >>> import fastpersist as fp, torch
+        >>> fp.prepare("/tmp/fp-doc-prepare")
+        >>> fp.save({"w": torch.ones(2)}, "/tmp/fp-doc-prepare").nbytes
+        8
+    """
+    resolved = given_config(config).resolved_for(given_path(path, "path", "fastpersist.prepare", _CHECKPOINT_PATH))
+    prefault_in_background(pool_for(resolved))
 
 
 def save(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 import fastpersist._core as _core
@@ -19,10 +19,11 @@ __all__ = [
     "DEFAULT_QUEUE_DEPTH",
     "Config",
     "Resolved",
-    "SaveResult",
     "given_config",
     "granules",
     "min_pinned_bytes",
+    "MAX_STAGING_THREADS",
+    "ranks_on_node",
     "resolve",
     "snapshot_pool_bytes",
 ]
@@ -35,6 +36,11 @@ ARENA_GRANULE_BYTES = 2 << 20
 def granules(nbytes: int) -> int:
     """`nbytes` rounded up to the arenas' granule (never less than one)."""
     return max(1, -(-nbytes // ARENA_GRANULE_BYTES)) * ARENA_GRANULE_BYTES
+
+
+#: The most staging threads ``Config.staging_threads="auto"`` takes: past a few threads a
+#: socket's memory bandwidth, not its cores, bounds a copy.
+MAX_STAGING_THREADS = 8
 
 
 def min_pinned_bytes(chunk_bytes: int) -> int:
@@ -98,6 +104,12 @@ class Config:
             last window). An integer must hold one chunk (an ``"auto"`` chunk counts as the
             largest a tuned size may be, half of ``pool_bytes``). Saves of host tensors use
             ``pool_bytes`` instead.
+        staging_threads: the most threads that copy a save's host bytes into staging (and
+            checksum them) at once. ``"auto"``: the cores this process may run on divided by the
+            ranks on the node (``LOCAL_WORLD_SIZE``), less one for the training loop's own
+            thread, at least 1 and at most :data:`MAX_STAGING_THREADS`. An integer is used up to
+            the process's share of the cores. The stream, its order and its checks do not
+            depend on it (docs/performance.md, "Host staging on every core").
 
     Example:
         >>> import fastpersist as fp
@@ -120,6 +132,7 @@ class Config:
     timeout_s: float = 600.0
     guard: Literal["version", "copy"] = "version"
     pinned_bytes: int | Literal["auto"] = "auto"
+    staging_threads: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, expected: str) -> ValueError:
@@ -154,6 +167,8 @@ class Config:
             if type(self.pinned_bytes) is not int or self.pinned_bytes <= 0:
                 raise bad("pinned_bytes", self.pinned_bytes, '"auto" or a positive number of bytes')
             self._check_pinned_bytes_hold_a_chunk(self.pinned_bytes)
+        if self.staging_threads != "auto" and (type(self.staging_threads) is not int or self.staging_threads < 1):
+            raise bad("staging_threads", self.staging_threads, '"auto" or an integer >= 1')
         if self.guard not in _GUARDS:
             raise bad("guard", self.guard, " | ".join(_GUARDS) + " (see docs/overlap.md)")
         if self.stripes is not None:
@@ -205,6 +220,30 @@ class Config:
         if isinstance(self.queue_depth, int):
             return self.queue_depth
         raise ValueError('Config.queue_depth is still "auto": resolve it with config.resolved_for(path) first')
+
+    @property
+    def resolved_staging_threads(self) -> int:
+        """The staging threads a save of this process uses (``staging_threads``; see the class).
+
+        Example:
+            >>> 1 <= Config().resolved_staging_threads <= MAX_STAGING_THREADS
+            True
+            >>> Config(staging_threads=1).resolved_staging_threads
+            1
+        """
+        mine = max(1, len(os.sched_getaffinity(0)) // ranks_on_node())
+        if self.staging_threads == "auto":
+            return max(1, min(mine - 1, MAX_STAGING_THREADS))
+        return min(self.staging_threads, mine)
+
+
+def ranks_on_node() -> int:
+    """The ranks that share this node's cores and memory: ``LOCAL_WORLD_SIZE`` (as torchrun sets
+    it), else 1; what ``"auto"`` bounds (pinned memory, staging threads) divide among."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def snapshot_pool_bytes(state_bytes: int, chunk_bytes: int) -> int:
@@ -263,32 +302,3 @@ def resolve(
     if (chunk, depth) == (config.chunk_bytes, config.queue_depth):
         return Resolved(config, source)
     return Resolved(replace(config, chunk_bytes=chunk, queue_depth=depth), source)
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    """What a committed save did.
-
-    Attributes:
-        path: the checkpoint directory.
-        nbytes: bytes of tensor data written (the logical stream, this rank's share in a group).
-        seconds: wall time from the call until the checkpoint was committed.
-        staged_seconds: time until the sources could be modified again.
-        gb_per_s: ``nbytes / seconds / 1e9``.
-        backend: ``"io_uring"`` or ``"threads"``.
-        files: the data files written by this process.
-        phases: where the time went, in seconds: ``flatten_plan`` (walk the state, lay out
-            the stream), ``staging`` (from the engine's start until the save was staged:
-            copy and crc32c, paced by the pool), ``write_fsync`` (from the engine's start until
-            every data file was written and fsynced; overlaps ``staging``), ``commit``
-            (manifest, fsync, atomic rename, directory fsync; in a group also the exchange).
-    """
-
-    path: str
-    nbytes: int
-    seconds: float
-    staged_seconds: float
-    gb_per_s: float
-    backend: str
-    files: list[str] = field(default_factory=list)
-    phases: dict[str, float] = field(default_factory=dict)

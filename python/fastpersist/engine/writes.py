@@ -69,6 +69,7 @@ class WriteRequest:
     device: DeviceHook | None = None
     crc32_fields: Sequence[tuple[int, int, Sequence[int]]] = ()
     write_gate: _core.WriteGate | None = None
+    staging_threads: int = 1
 
 
 class ConfigKnobs(TypedDict):
@@ -79,6 +80,7 @@ class ConfigKnobs(TypedDict):
     queue_depth: int
     checksum: bool
     durable: bool
+    staging_threads: int
 
 
 def knobs(config: Config, *, backend: Literal["auto", "io_uring", "threads", "null"] | None = None) -> ConfigKnobs:
@@ -90,6 +92,7 @@ def knobs(config: Config, *, backend: Literal["auto", "io_uring", "threads", "nu
         queue_depth=config.resolved_queue_depth,
         checksum=config.checksum == "crc32c",
         durable=config.durable,
+        staging_threads=config.resolved_staging_threads,
     )
 
 

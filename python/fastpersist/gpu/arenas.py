@@ -45,7 +45,7 @@ import torch
 
 import fastpersist._core as _core
 
-from ..config import ARENA_GRANULE_BYTES, granules, min_pinned_bytes
+from ..config import ARENA_GRANULE_BYTES, granules, min_pinned_bytes, ranks_on_node
 from .pinned import pin_host
 
 __all__ = ["ARENAS", "Arenas", "ArenasBusy", "auto_pinned_bytes", "granules", "min_pinned_bytes", "pinned_cap_bytes"]
@@ -57,11 +57,7 @@ def auto_pinned_bytes() -> int:
     """``Config.pinned_bytes="auto"``: a quarter of the machine's memory, divided among the
     ranks on this node (``LOCAL_WORLD_SIZE``, as torchrun sets it; else 1)."""
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    try:
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local_ranks = 1
-    return physical // 4 // local_ranks
+    return physical // 4 // ranks_on_node()
 
 
 def pinned_cap_bytes(pinned_bytes: int | str) -> int:

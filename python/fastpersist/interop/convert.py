@@ -43,6 +43,7 @@ from ..format.quote import shown
 from ..format.records import TORCH_DTYPES, TensorRecord, dtype_itemsize, span_elems
 from ..loading.phases import PhaseClock
 from ..loading.pipeline import LoadOptions, load_checkpoint
+from ..saving.pools import pool_for, prefault_in_background
 from ..saving.start import save_blocking
 from .torchfile import torch_save
 
@@ -354,6 +355,8 @@ def convert(
         raise ValueError(f"to={to!r}: expected one of {', '.join(FORMATS)}")
     step = progress or (lambda _text: None)
     kind = detect_format(src)
+    if to == "fastpersist":  # the staging pool's first touch overlaps the read (fp.prepare)
+        prefault_in_background(pool_for(Config().resolved_for(out)))
     step(f"reading {kind} {src}")
     state = read_any(src, unsafe_pickle=unsafe_pickle)
     step(f"writing {to} {out}")

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import collections
+import logging
 import threading
+import time
 
 import fastpersist._core as _core
 
 from ..config import Config
 
-__all__ = ["pool_for"]
+__all__ = ["pool_for", "prefault_in_background"]
+
+log = logging.getLogger("fastpersist")
 
 #: Pools kept alive between saves, most recently used last. Bounded, so a process that saves
 #: states of many sizes does not keep a pool per size (a Checkpointer holds its own).
@@ -27,3 +31,23 @@ def pool_for(config: Config) -> _core.Pool:
         while len(_pools) > _POOLS_KEPT:
             _pools.popitem(last=False)
         return pool
+
+
+def prefault_in_background(pool: _core.Pool) -> threading.Thread:
+    """Faults `pool`'s memory in on a daemon thread (the GIL released), so that the first save
+    staging into it does not pay the pages' first touch; logs at DEBUG what that cost. A save
+    that starts meanwhile takes the slots already made and makes the others itself."""
+
+    def prefault() -> None:
+        start = time.perf_counter()
+        faulted = pool.prefault()
+        if faulted:
+            log.debug(
+                "faulted in %d MiB of staging pool in %.3f s, ahead of the first save",
+                faulted >> 20,
+                time.perf_counter() - start,
+            )
+
+    thread = threading.Thread(target=prefault, name="fastpersist-prefault", daemon=True)
+    thread.start()
+    return thread

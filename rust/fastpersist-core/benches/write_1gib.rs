@@ -62,6 +62,7 @@ fn write_1gib(c: &mut Criterion) {
             queue_depth: QUEUE_DEPTH,
             checksum: true,
             durable: true,
+            staging_threads: 1,
         };
         // One pool per backend, reused across iterations like a trainer reuses it across saves.
         let pool = Pool::new(CHUNK_BYTES as usize, POOL_BYTES);

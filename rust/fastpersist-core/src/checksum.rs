@@ -36,6 +36,17 @@ pub fn crc32c(bytes: &[u8]) -> u32 {
     crc_fast::checksum(CrcAlgorithm::Crc32Iscsi, bytes) as u32
 }
 
+/// crc32c of `a` followed by `b`, from `crc32c(a)`, `crc32c(b)` and `b`'s length: how the
+/// checksums of a chunk's shares, staged by several threads, become the chunk's.
+pub fn crc32c_combine(crc_a: u32, crc_b: u32, len_b: u64) -> u32 {
+    crc_fast::checksum_combine(
+        CrcAlgorithm::Crc32Iscsi,
+        u64::from(crc_a),
+        u64::from(crc_b),
+        len_b,
+    ) as u32
+}
+
 /// Incremental CRC-32 (IEEE 802.3, reflected, as in zip's local headers and central directory).
 #[derive(Clone)]
 pub struct Crc32(Digest);
@@ -80,6 +91,18 @@ mod tests {
         assert_eq!(crc32c(b"123456789"), 0xE306_9283);
         assert_eq!(crc32c(&[0u8; 32]), 0x8A91_36AA);
         assert_eq!(crc32c(&[0xFFu8; 32]), 0x62A8_AB43);
+    }
+
+    #[test]
+    fn combined_shares_match_the_whole() {
+        let bytes: Vec<u8> = (0..100_000u32).map(|i| (i * 7 + i / 13) as u8).collect();
+        for cut in [0, 1, 4096, 65_537, 99_999, 100_000] {
+            let (a, b) = bytes.split_at(cut);
+            assert_eq!(
+                crc32c_combine(crc32c(a), crc32c(b), b.len() as u64),
+                crc32c(&bytes)
+            );
+        }
     }
 
     #[test]

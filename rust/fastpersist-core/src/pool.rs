@@ -104,6 +104,32 @@ impl Pool {
         }
     }
 
+    /// Allocates every slot not allocated yet and writes each of its pages once, so that a
+    /// save stages into memory the kernel has already handed over; returns the bytes faulted
+    /// in. The first touch of fresh memory costs more than the copy into it (zeroing each page;
+    /// on a VM, also the host backing it: 256 MiB took 0.35-0.5 s here against 0.03 s for the
+    /// copy), and a process's first save would pay it. A save running meanwhile takes the
+    /// slots already made, allocating the others itself as usual.
+    pub fn prefault(&self) -> usize {
+        let mut faulted = 0;
+        loop {
+            let index = {
+                let mut state = self.lock();
+                if state.allocated >= self.inner.slot_count {
+                    break;
+                }
+                state.allocated += 1;
+                state.allocated - 1
+            };
+            let mut buf = AlignedBuf::zeroed(self.inner.slot_bytes);
+            buf.fill(0); // a store to every page (the compiler cannot know they read as zero)
+            faulted += buf.len_bytes();
+            self.lock().free.push((index, buf));
+            self.inner.returned.notify_one();
+        }
+        faulted
+    }
+
     fn take(&self, state: &mut PoolState) -> Option<Slot> {
         let (index, buf) = if let Some(entry) = state.free.pop() {
             entry
@@ -277,6 +303,21 @@ mod tests {
         assert_eq!(pool.spare_bytes(), 3 << 20);
         drop(d);
         assert_eq!(pool.spare_bytes(), 4 << 20);
+    }
+
+    #[test]
+    fn prefaulted_slots_are_the_pools_own() {
+        let pool = Pool::new(8192, 4 * 8192);
+        let held = pool.try_acquire().unwrap(); // allocated by a save before the prefault ran
+        assert_eq!(pool.prefault(), 3 * 8192);
+        assert_eq!(pool.allocated_bytes(), 4 * 8192);
+        assert_eq!(pool.prefault(), 0);
+        let mut slots: Vec<_> = (0..3).map(|_| pool.try_acquire().unwrap()).collect();
+        assert!(pool.try_acquire().is_none());
+        slots.push(held);
+        let mut indices: Vec<_> = slots.iter().map(Slot::index).collect();
+        indices.sort_unstable();
+        assert_eq!(indices, [0, 1, 2, 3]);
     }
 
     #[test]

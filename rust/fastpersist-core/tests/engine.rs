@@ -1,6 +1,10 @@
 //! Real files, both backends, O_DIRECT on and off: write a plan and read it back.
 
+mod common;
+
 use std::path::{Path, PathBuf};
+
+use common::{expected_stream, pseudo_random};
 
 use fastpersist_core::align::AlignedBuf;
 use fastpersist_core::error::Error;
@@ -20,26 +24,6 @@ fn backends() -> Vec<BackendKind> {
         Err(why) => eprintln!("skipping io_uring: {why}"),
     }
     kinds
-}
-
-fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
-fn expected_stream(plan: &Plan, data: &[Vec<u8>]) -> Vec<u8> {
-    let mut stream = vec![0u8; plan.total_bytes as usize];
-    for (off, bytes) in plan.extent_offsets.iter().zip(data) {
-        stream[*off as usize..*off as usize + bytes.len()].copy_from_slice(bytes);
-    }
-    stream
 }
 
 struct Written {
@@ -70,6 +54,7 @@ fn write_all(
         queue_depth: 4,
         checksum: true,
         durable: true,
+        staging_threads: 1,
     };
     let mut parts = Vec::new();
     for writer in 0..writers {
@@ -315,6 +300,7 @@ fn os_errors_keep_errno_and_path() {
             queue_depth: 2,
             checksum: true,
             durable: true,
+            staging_threads: 1,
         };
         let targets = [WriteTarget {
             part: plan.parts[0],
@@ -364,6 +350,7 @@ fn pool_is_bounded_and_reused_across_jobs() {
                 queue_depth: 8,
                 checksum: false,
                 durable: false,
+                staging_threads: 1,
             };
             write_parts(
                 &plan,
@@ -398,6 +385,7 @@ fn cancelled_job_fails_and_releases_sources() {
         queue_depth: 2,
         checksum: true,
         durable: false,
+        staging_threads: 1,
     };
     let progress = JobProgress::default();
     progress.cancel();
@@ -430,6 +418,7 @@ fn write_one(
         queue_depth: 4,
         checksum: true,
         durable: true,
+        staging_threads: 1,
     };
     let targets: Vec<WriteTarget> = plan
         .parts_of_writer(0)

@@ -127,6 +127,12 @@ impl Pool {
     fn allocated_bytes(&self) -> usize {
         self.inner.allocated_bytes()
     }
+
+    /// Allocates every slot not allocated yet and faults its pages in, the GIL released;
+    /// returns the bytes faulted in.
+    fn prefault(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.inner.prefault())
+    }
 }
 
 /// Raises ValueError unless `chunk_bytes` is a chunk size the engine writes and reads: a

@@ -57,6 +57,8 @@ pub(crate) struct WriteRequest<'py> {
     crc32_fields: Vec<(u64, u64, Vec<u64>)>,
     #[pyo3(attribute)]
     write_gate: Option<PyRef<'py, WriteGate>>,
+    #[pyo3(attribute)]
+    staging_threads: usize,
 }
 
 /// Starts the write that `request` describes (see `WriteRequest` in `_core.pyi`).
@@ -69,6 +71,7 @@ pub(crate) fn start_write(py: Python<'_>, request: WriteRequest<'_>) -> PyResult
         queue_depth: request.queue_depth,
         checksum: request.checksum,
         durable: request.durable,
+        staging_threads: request.staging_threads,
     };
     let plan = &request.plan.inner;
     let targets = writer_targets(plan, request.writer, &request.also_writers, request.paths)?;

@@ -225,6 +225,7 @@ mod tests {
             queue_depth: 2,
             checksum: true,
             durable: true,
+            staging_threads: 1,
         };
         let targets = [WriteTarget {
             part: plan.parts[0],

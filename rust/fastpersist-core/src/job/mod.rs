@@ -55,6 +55,9 @@ pub struct WriteOptions {
     pub checksum: bool,
     /// fsync every data file before returning.
     pub durable: bool,
+    /// Threads that copy and checksum host bytes into staging at once, the job's own thread
+    /// among them (1: that thread alone); see `from_pool`.
+    pub staging_threads: usize,
 }
 
 /// One file to write: a part of the plan and where it goes.

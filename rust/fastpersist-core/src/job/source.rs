@@ -15,9 +15,13 @@ pub struct SourceRegion {
     pub(super) device: bool,
 }
 
-// SAFETY: a SourceRegion is only a promise (made in `new`) that the memory stays readable; the
-// job reads it from one thread at a time and never writes it.
+// SAFETY: a SourceRegion is only a promise (made in `new`) that the memory stays readable until
+// the job releases its sources; the job only ever reads it, never writes it.
 unsafe impl Send for SourceRegion {}
+// SAFETY: as for Send: shared `&SourceRegion`s give only reads of memory nobody writes while the
+// job holds it (a concurrent write by the caller is its bug: torn data, as one thread reading
+// would see), so a job's staging threads may read disjoint ranges of it at once.
+unsafe impl Sync for SourceRegion {}
 
 impl SourceRegion {
     /// # Safety

@@ -20,6 +20,7 @@ pub fn options() -> WriteOptions {
         queue_depth: 2,
         checksum: true,
         durable: false,
+        staging_threads: 1,
     }
 }
 
@@ -83,4 +84,26 @@ impl StagingObserver for Recorder {
         }
         Ok(())
     }
+}
+
+/// `len` bytes of a xorshift sequence seeded by `seed` (no two extents alike).
+pub fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// The logical stream of `plan` over the extents `data`: each at its offset, zeros between.
+pub fn expected_stream(plan: &Plan, data: &[Vec<u8>]) -> Vec<u8> {
+    let mut stream = vec![0u8; plan.total_bytes as usize];
+    for (off, bytes) in plan.extent_offsets.iter().zip(data) {
+        stream[*off as usize..*off as usize + bytes.len()].copy_from_slice(bytes);
+    }
+    stream
 }
