@@ -34,8 +34,8 @@ def prepare(path: str | os.PathLike[str], *, config: Config | None = None) -> No
     cache, the device's identity) and faults the staging pool's memory in on a background
     thread. The first touch of fresh memory is the one cost a first save has that later saves
     do not (0.35-0.5 s for the default 256 MiB pool on the VMs we measure, docs/performance.md);
-    call this while the model loads. A save that starts meanwhile uses what is ready.
-    :class:`Checkpointer` does the same at construction when given a `config`.
+    call this while the model loads. A save that starts meanwhile uses what is ready. The whole
+    pool is faulted in, even the part a state smaller than ``pool_bytes`` would not use.
 
     Example:
         >>> import fastpersist as fp, torch

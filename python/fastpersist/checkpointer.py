@@ -46,7 +46,7 @@ from .levels.resume import bring_in, restore_point, run_id
 from .retention import retire, retire_in_group, retired_steps
 from .saving.in_flight import InFlight
 from .saving.optimizer_guard import guard_optimizer
-from .saving.pools import pool_for, prefault_in_background
+from .saving.pools import pool_for
 from .saving.remover import wait_removed
 from .saving.start import start_save
 
@@ -151,11 +151,6 @@ class Checkpointer:
         self._saves = InFlight()
         self._from_device = False
         self._pool: _core.Pool | None = None
-        if config is not None:
-            # The pool is known before the first state is: fault it in while the model loads.
-            self.config = config.resolved_for(self.root, tuned_chunk=group is None)
-            self._pool = pool_for(self.config)
-            prefault_in_background(self._pool)
         self._lock = threading.Lock()
         #: The local level: the root's committed steps, its index, the newest step that verifies.
         self.local = LocalSteps(self.root)

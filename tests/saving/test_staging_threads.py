@@ -3,7 +3,7 @@
 The contract: the number of staging threads changes nothing on disk (the same data files, the
 same per-chunk crc32c in the manifest) on every path that stages host bytes (the pool on a
 drive, a memory root's mapped files, a bounded pool that is reused while writes drain), and
-``fp.prepare`` / a Checkpointer given a config fault the pool in without a save.
+``fp.prepare`` faults the pool in without a save.
 """
 
 from __future__ import annotations
@@ -101,12 +101,3 @@ def test_prepare_faults_the_pool_in_before_the_first_save(tmp_path: Any) -> None
         fp.prepare("")
     with pytest.raises(TypeError, match="config"):
         fp.prepare(path, config={"pool_bytes": 1})  # type: ignore[arg-type]
-
-
-def test_a_checkpointer_given_a_config_faults_its_pool_in_at_construction(tmp_path: Any) -> None:
-    ck = fp.Checkpointer(tmp_path / "root", config=fp.Config(chunk_bytes=1 << 20, pool_bytes=12 << 20))
-    assert ck._pool is not None
-    _wait_allocated(ck._pool, 12 << 20)
-    ck.save(1, {"w": torch.ones(1 << 20)})
-    ck.wait()
-    assert torch.equal(ck.load()["w"], torch.ones(1 << 20))
