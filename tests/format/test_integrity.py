@@ -104,13 +104,18 @@ def test_every_damage_anywhere_is_detected_by_verify_and_load(workdir: str, back
         new = fn(bytearray(originals[target]))
         if new == originals[target]:
             continue  # e.g. a zeroed page that was already zero: nothing changed
+        if target.endswith("manifest.json") and new == originals[target] + b"\n":
+            continue  # the one trailing newline the format allows (docs/format.md): same bytes read
         changed += 1
         _write(target, new)
         try:
             for op in ("verify", "load"):
-                with pytest.raises(fp.FastPersistError) as caught:
+                try:
                     fp.verify(path) if op == "verify" else fp.load(path, config=cfg)
-                err = caught.value
+                except fp.FastPersistError as caught:
+                    err = caught
+                else:
+                    pytest.fail(f"seed {SEED}: {what} in {target}: {op} raised nothing")
                 context = f"seed {SEED}: {what} in {target}: {op} raised {type(err).__name__}: {err}"
                 if new is None and target.endswith("manifest.json"):
                     assert isinstance(err, fp.CheckpointNotFoundError) and isinstance(err, FileNotFoundError), context
@@ -158,6 +163,24 @@ def test_seal_covers_a_dict_key_and_a_value(workdir: str) -> None:
             fp.load(path)
     open(manifest, "wb").write(raw)
     assert fp.load(path)["alpha"] == 1
+
+
+def test_the_seal_allows_one_trailing_newline_and_nothing_else(workdir: str) -> None:
+    """docs/format.md: a sealed manifest may end with one newline (text tools add it); any other
+    tail, a second newline included, leaves the seal unmatched and the checkpoint refused."""
+    path = os.path.join(workdir, "nl")
+    fp.save({"w": torch.arange(4.0), "step": 3}, path)
+    manifest = os.path.join(path, "manifest.json")
+    raw = open(manifest, "rb").read()
+    assert raw.endswith(b'"}')  # the writer adds no newline
+    open(manifest, "wb").write(raw + b"\n")
+    fp.verify(path)
+    assert fp.load(path)["step"] == 3
+    for tail in (b"\n\n", b"\r\n", b" ", b"\x00", b"}"):
+        open(manifest, "wb").write(raw + tail)
+        for op in (fp.verify, fp.load):
+            with pytest.raises(fp.CorruptCheckpointError, match=r"manifest\.json"):
+                op(path)
 
 
 def test_format_1_0_manifests_without_a_seal_still_load(workdir: str) -> None:
