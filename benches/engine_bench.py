@@ -40,7 +40,7 @@ from typing import Any, Literal
 import numpy as np
 
 from fastpersist import _core
-from fastpersist.engine import WriteRequest, start_write
+from fastpersist.engine import WriteOptions, WriteRequest, start_write
 from fastpersist.tools.bench.fio import fio_engine, run_fio_write
 
 GB = 1e9
@@ -79,11 +79,13 @@ class Engine:
             paths=[str(path)],
             sources=[self.source],
             pool=self.pool,
-            backend=self.backend,
-            direct_io="require",
-            queue_depth=self.args.queue_depth,
-            checksum=not self.args.no_checksum,
-            durable=True,
+            options=WriteOptions(
+                backend=self.backend,
+                direct_io="require",
+                queue_depth=self.args.queue_depth,
+                checksum=not self.args.no_checksum,
+                durable=True,
+            ),
         )
         report = start_write(request).wait()
         seconds = time.perf_counter() - start

@@ -370,19 +370,30 @@ def test_every_folder_of_the_package_is_in_the_module_map() -> None:
 
 def test_the_write_request_has_one_field_list_in_python_the_stub_and_the_binding() -> None:
     # The request crosses into Rust by attribute name: a field added to one of the three and not
-    # the others fails only at run time, on the path that sets it.
+    # the others fails only at run time, on the path that sets it. Each record of the request
+    # (Python dataclass = stub protocol = binding struct) is checked, and each nests the same.
     import dataclasses
 
-    from fastpersist.engine import WriteRequest
+    from fastpersist import engine
 
-    dataclass_fields = {f.name for f in dataclasses.fields(WriteRequest)}
+    binding_structs = {
+        "WriteRequest": "WriteRequest<'py>",
+        "WriteOptions": "WriteOptionsAttrs",
+        "JobHooks": "JobHooksAttrs<'py>",
+        "Guard": "GuardAttrs",
+    }
     stub = ast.parse((REPO / "python" / "fastpersist" / "_core.pyi").read_text())
-    protocol = next(n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == "WriteRequest")
-    stub_fields = {n.name for n in protocol.body if isinstance(n, ast.FunctionDef)}
     binding = (REPO / "rust" / "fastpersist-py" / "src" / "write.rs").read_text()
-    struct = binding.split("pub(crate) struct WriteRequest<'py> {", 1)[1].split("\n}", 1)[0]
-    binding_fields = set(re.findall(r"^\s+(\w+):", struct, re.M))
-    assert dataclass_fields == stub_fields == binding_fields, (dataclass_fields, stub_fields, binding_fields)
+    for name, struct_name in binding_structs.items():
+        dataclass_fields = {f.name for f in dataclasses.fields(getattr(engine, name))}
+        protocol = next(n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == name)
+        stub_fields = {n.name for n in protocol.body if isinstance(n, ast.FunctionDef)}
+        struct = binding.split(f"pub(crate) struct {struct_name} {{", 1)[1].split("\n}", 1)[0]
+        binding_fields = set(re.findall(r"^\s+(\w+):", struct, re.M))
+        assert dataclass_fields == stub_fields == binding_fields, (name, dataclass_fields, stub_fields, binding_fields)
+    # The nesting: the request holds options and hooks, the hooks hold the guard.
+    assert "options: WriteOptionsAttrs" in binding and "hooks: JobHooksAttrs<'py>" in binding
+    assert "guard: Option<GuardAttrs>" in binding
 
 
 def test_the_tests_mirror_the_package_and_their_helpers_live_in_one_folder() -> None:

@@ -256,27 +256,53 @@ class _DeviceHook(Protocol):
     def wait(self) -> None: ...
 
 @type_check_only
-class WriteRequest(Protocol):
-    """What :func:`start_write` reads, by attribute name (``fastpersist.engine.WriteRequest``;
-    ``rust/fastpersist-py/src/write.rs`` reads the same names). The one place they are described:
+class WriteOptions(Protocol):
+    """How a job writes (``fastpersist.engine.WriteOptions``, the core's ``job::WriteOptions``):
 
-    * ``plan``; ``writer`` and ``also_writers``: the job writes ``writer``'s parts, then each of
-      ``also_writers``' parts, to ``paths`` (one per part, in that order).
-    * ``sources``: one C-contiguous buffer per extent of ``plan``, held (and not to be modified)
-      until the handle reports them staged; ``None`` for an extent in device memory (``device``).
-    * ``pool``: the staging slots of host sources (and the memory of their early copies).
     * ``backend``, ``direct_io``, ``queue_depth``, ``checksum`` (crc32c per chunk), ``durable``
       (fsync the files before the job ends). ``backend="null"`` (benchmarks only) completes
       every write at once and moves no byte: the files stay empty.
-    * ``background``: run on a thread of its own (``start_write`` returns once the early copies
-      are made and, with ``device``, the first window's device copies are queued); else on the
-      calling thread with the GIL released, and the handle returned is finished.
-    * The mutation guard: ``watched[i]`` says extent ``i``'s source may be modified while the job
-      runs; ``copy_early`` names watched host extents copied before ``start_write`` returns;
-      ``on_staged(extents)`` is called from the job's thread once each other watched extent is
-      staged whole (for a device save: once per arena window, every such extent in one call),
-      and a false result (or an exception) fails the job. ``watched`` and ``on_staged`` go
-      together.
+    * ``staging_threads``: the most threads that copy host sources into staging (the pool, or a
+      memory root's mapped files) and checksum them at once, each a contiguous share of a
+      chunk (chunks of at least 4 MiB; a job with ``crc32_fields`` stages on one).
+    """
+
+    @property
+    def backend(self) -> _WriteBackendChoice: ...
+    @property
+    def direct_io(self) -> _DirectIO: ...
+    @property
+    def queue_depth(self) -> int: ...
+    @property
+    def checksum(self) -> bool: ...
+    @property
+    def durable(self) -> bool: ...
+    @property
+    def staging_threads(self) -> int: ...
+
+@type_check_only
+class Guard(Protocol):
+    """The mutation guard (``fastpersist.engine.Guard``, the core's ``job::Guard``):
+    ``watched[i]`` says extent ``i``'s source may be modified while the job runs (an entry per
+    extent); ``copy_early`` names watched host extents copied before ``start_write`` returns;
+    ``on_staged(extents)`` is called from the job's thread once each other watched extent is
+    staged whole (for a device save: once per arena window, every such extent in one call), and
+    a false result (or an exception) fails the job.
+    """
+
+    @property
+    def watched(self) -> Sequence[bool]: ...
+    @property
+    def on_staged(self) -> Callable[[list[int]], bool]: ...
+    @property
+    def copy_early(self) -> Sequence[int]: ...
+
+@type_check_only
+class JobHooks(Protocol):
+    """What a job calls out to or waits for (``fastpersist.engine.JobHooks``, the core's
+    ``job::JobHooks``):
+
+    * ``guard``: the mutation :class:`Guard`, or ``None`` (no source is watched).
     * ``device``: for ``None`` sources. The job takes over ``device.lease`` (an arena lease), lays
       its chunks into the arena in stream order (one ``chunk_bytes`` cell each, so a tensor is
       one contiguous run) and, per arena window, calls ``device.copy(pieces)`` once with every
@@ -292,9 +318,33 @@ class WriteRequest(Protocol):
       disjoint, each offset after its range's end; the plan must have a single part.
     * ``write_gate``: a :class:`WriteGate` that holds the writes back until opened (with
       ``device`` only: the arena holds the snapshot meanwhile).
-    * ``staging_threads``: the most threads that copy host sources into staging (the pool, or a
-      memory root's mapped files) and checksum them at once, each a contiguous share of a
-      chunk (chunks of at least 4 MiB; a job with ``crc32_fields`` stages on one).
+    """
+
+    @property
+    def guard(self) -> Guard | None: ...
+    @property
+    def device(self) -> _DeviceHook | None: ...
+    @property
+    def crc32_fields(self) -> Sequence[tuple[int, int, Sequence[int]]]: ...
+    @property
+    def write_gate(self) -> WriteGate | None: ...
+
+@type_check_only
+class WriteRequest(Protocol):
+    """What :func:`start_write` reads, by attribute name (``fastpersist.engine.WriteRequest``;
+    ``rust/fastpersist-py/src/write.rs`` reads the same names, nested as here). The one place
+    they are described:
+
+    * ``plan``; ``writer`` and ``also_writers``: the job writes ``writer``'s parts, then each of
+      ``also_writers``' parts, to ``paths`` (one per part, in that order).
+    * ``sources``: one C-contiguous buffer per extent of ``plan``, held (and not to be modified)
+      until the handle reports them staged; ``None`` for an extent in device memory
+      (``hooks.device``).
+    * ``pool``: the staging slots of host sources (and the memory of their early copies).
+    * ``background``: run on a thread of its own (``start_write`` returns once the early copies
+      are made and, with ``hooks.device``, the first window's device copies are queued); else on
+      the calling thread with the GIL released, and the handle returned is finished.
+    * ``options``: :class:`WriteOptions`; ``hooks``: :class:`JobHooks`.
     """
 
     @property
@@ -310,31 +360,11 @@ class WriteRequest(Protocol):
     @property
     def pool(self) -> Pool: ...
     @property
-    def backend(self) -> _WriteBackendChoice: ...
-    @property
-    def direct_io(self) -> _DirectIO: ...
-    @property
-    def queue_depth(self) -> int: ...
-    @property
-    def checksum(self) -> bool: ...
-    @property
-    def durable(self) -> bool: ...
-    @property
     def background(self) -> bool: ...
     @property
-    def watched(self) -> Sequence[bool] | None: ...
+    def options(self) -> WriteOptions: ...
     @property
-    def on_staged(self) -> Callable[[list[int]], bool] | None: ...
-    @property
-    def copy_early(self) -> Sequence[int]: ...
-    @property
-    def device(self) -> _DeviceHook | None: ...
-    @property
-    def crc32_fields(self) -> Sequence[tuple[int, int, Sequence[int]]]: ...
-    @property
-    def write_gate(self) -> WriteGate | None: ...
-    @property
-    def staging_threads(self) -> int: ...
+    def hooks(self) -> JobHooks: ...
 
 def start_write(request: WriteRequest) -> WriteHandle:
     """Starts the write that ``request`` describes (see :class:`WriteRequest`); returns its handle."""

@@ -25,7 +25,7 @@ import pytest
 
 import fastpersist
 from fastpersist import _core
-from fastpersist.engine import WriteRequest, start_write
+from fastpersist.engine import Guard, JobHooks, WriteOptions, WriteRequest, start_write
 
 from backends import uring_available
 
@@ -44,11 +44,26 @@ def start_engine_write(
     paths: Sequence[str | Path],
     sources: Sequence[object],
     pool: _core.Pool,
-    **fields: Any,
+    *,
+    also_writers: Sequence[int] = (),
+    background: bool = False,
+    hooks: JobHooks | None = None,
+    **options: Any,
 ) -> _core.WriteHandle:
-    """The engine's write, started as the library starts it (a fastpersist.engine.WriteRequest)."""
+    """The engine's write, started as the library starts it (a fastpersist.engine.WriteRequest);
+    `options`: the fields of its WriteOptions."""
     return start_write(
-        WriteRequest(plan=plan, writer=writer, paths=list(paths), sources=list(sources), pool=pool, **fields)
+        WriteRequest(
+            plan=plan,
+            writer=writer,
+            paths=list(paths),
+            sources=list(sources),
+            pool=pool,
+            also_writers=also_writers,
+            background=background,
+            options=WriteOptions(**options),
+            hooks=hooks or JobHooks(),
+        )
     )
 
 
@@ -420,14 +435,14 @@ def test_a_callbacks_exception_reaches_the_caller_as_itself(tmp_path: Path, back
         raise raised
 
     plan = _core.Plan([3 * CHUNK], chunk_bytes=CHUNK)
-    hooks: dict[str, Any] = (
-        {"watched": [True], "on_staged": fail}
+    hooks = (
+        JobHooks(guard=Guard(watched=[True], on_staged=fail))
         if callback == "on_staged"
-        else {"device": FailingDevice(fail, callback.removeprefix("device."))}
+        else JobHooks(device=FailingDevice(fail, callback.removeprefix("device.")))
     )
     sources = [np.ones(3 * CHUNK, np.uint8) if callback == "on_staged" else None]
     handle = start_engine_write(
-        plan, 0, [tmp_path / "f"], sources, _core.Pool(CHUNK, 2 * CHUNK), backend=backend, background=True, **hooks
+        plan, 0, [tmp_path / "f"], sources, _core.Pool(CHUNK, 2 * CHUNK), backend=backend, background=True, hooks=hooks
     )
     with pytest.raises(CallbackFailed) as caught:
         handle.wait()

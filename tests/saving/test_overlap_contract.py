@@ -261,7 +261,7 @@ def test_only_a_save_that_returns_early_copies_the_small_tensors_first(
     real = _core.start_write
 
     def spy(request: Any) -> object:
-        budgets.append(len(request.copy_early))
+        budgets.append(len(request.hooks.guard.copy_early))
         return real(request)
 
     monkeypatch.setattr(_core, "start_write", spy)

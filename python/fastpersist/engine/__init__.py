@@ -5,15 +5,17 @@ every read of part files is a :func:`~fastpersist.engine.reads.read_ranges` call
 
 from .copies import PartFile, check_part_file
 from .reads import ReadRange, first_bad_chunk, read_file_range, read_ranges
-from .writes import WriteRequest, knobs, start_write
+from .writes import Guard, JobHooks, WriteOptions, WriteRequest, start_write
 
 __all__ = [
+    "Guard",
+    "JobHooks",
     "PartFile",
     "ReadRange",
+    "WriteOptions",
     "WriteRequest",
     "check_part_file",
     "first_bad_chunk",
-    "knobs",
     "read_file_range",
     "read_ranges",
     "start_write",

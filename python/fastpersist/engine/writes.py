@@ -1,9 +1,10 @@
 """A write of the engine: one typed request, started in one place.
 
 Every save path (a checkpoint's job, ``fp.torch_save``, the DCP writer, the tuner) builds a
-:class:`WriteRequest` and calls :func:`start_write`; the fields are documented once, on
-``WriteRequest`` in ``fastpersist/_core.pyi``, and ``rust/fastpersist-py/src/write.rs`` reads
-them by name.
+:class:`WriteRequest` and calls :func:`start_write`. The request is nested as the core's job is:
+:class:`WriteOptions` (how it writes) and :class:`JobHooks` (the mutation :class:`Guard`, the
+device, the CRC-32 fields, the write gate). The fields are documented once, in
+``fastpersist/_core.pyi``, and ``rust/fastpersist-py/src/write.rs`` reads them by name.
 
 Example:
     >>> import os, tempfile
@@ -22,13 +23,13 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypedDict
+from typing import Literal, Protocol
 
 import fastpersist._core as _core
 
 from ..config import Config
 
-__all__ = ["ConfigKnobs", "DeviceHook", "WriteRequest", "knobs", "start_write"]
+__all__ = ["DeviceHook", "Guard", "JobHooks", "WriteOptions", "WriteRequest", "start_write"]
 
 log = logging.getLogger("fastpersist")
 
@@ -48,6 +49,57 @@ class DeviceHook(Protocol):
 
 
 @dataclass(frozen=True, kw_only=True)
+class WriteOptions:
+    """How a job writes (the core's ``job::WriteOptions``): see ``WriteOptions`` in ``_core.pyi``."""
+
+    backend: Literal["auto", "io_uring", "threads", "null"] = "auto"
+    direct_io: Literal["auto", "require", "off"] = "auto"
+    queue_depth: int = 8
+    checksum: bool = True
+    durable: bool = True
+    staging_threads: int = 1
+
+    @classmethod
+    def of(
+        cls,
+        config: Config,
+        *,
+        backend: Literal["auto", "io_uring", "threads", "null"] | None = None,
+        checksum: bool | None = None,
+    ) -> WriteOptions:
+        """The options a (resolved) config sets. `backend` overrides the config's (the null sink
+        of ``fastpersist bench``); `checksum` too (a torch archive's integrity is its CRC-32s)."""
+        return cls(
+            backend=backend or config.backend,
+            direct_io=config.direct_io,
+            queue_depth=config.resolved_queue_depth,
+            checksum=config.checksum == "crc32c" if checksum is None else checksum,
+            durable=config.durable,
+            staging_threads=config.resolved_staging_threads,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Guard:
+    """The mutation guard (the core's ``job::Guard``): see ``Guard`` in ``_core.pyi``."""
+
+    watched: Sequence[bool]
+    on_staged: Callable[[list[int]], bool]
+    copy_early: Sequence[int] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobHooks:
+    """What a job calls out to or is held by (the core's ``job::JobHooks``): see ``JobHooks`` in
+    ``_core.pyi``."""
+
+    guard: Guard | None = None
+    device: DeviceHook | None = None
+    crc32_fields: Sequence[tuple[int, int, Sequence[int]]] = ()
+    write_gate: _core.WriteGate | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class WriteRequest:
     """The engine's write: see ``WriteRequest`` in ``fastpersist/_core.pyi`` for every field."""
 
@@ -57,43 +109,9 @@ class WriteRequest:
     pool: _core.Pool
     writer: int = 0
     also_writers: Sequence[int] = ()
-    backend: Literal["auto", "io_uring", "threads", "null"] = "auto"
-    direct_io: Literal["auto", "require", "off"] = "auto"
-    queue_depth: int = 8
-    checksum: bool = True
-    durable: bool = True
     background: bool = False
-    watched: Sequence[bool] | None = None
-    on_staged: Callable[[list[int]], bool] | None = None
-    copy_early: Sequence[int] = ()
-    device: DeviceHook | None = None
-    crc32_fields: Sequence[tuple[int, int, Sequence[int]]] = ()
-    write_gate: _core.WriteGate | None = None
-    staging_threads: int = 1
-
-
-class ConfigKnobs(TypedDict):
-    """The fields of a request that a config sets."""
-
-    backend: Literal["auto", "io_uring", "threads", "null"]
-    direct_io: Literal["auto", "require", "off"]
-    queue_depth: int
-    checksum: bool
-    durable: bool
-    staging_threads: int
-
-
-def knobs(config: Config, *, backend: Literal["auto", "io_uring", "threads", "null"] | None = None) -> ConfigKnobs:
-    """The request fields a (resolved) config sets: ``WriteRequest(**knobs(config), ...)``;
-    `backend` overrides the config's (the null sink of ``fastpersist bench``)."""
-    return ConfigKnobs(
-        backend=backend or config.backend,
-        direct_io=config.direct_io,
-        queue_depth=config.resolved_queue_depth,
-        checksum=config.checksum == "crc32c",
-        durable=config.durable,
-        staging_threads=config.resolved_staging_threads,
-    )
+    options: WriteOptions = WriteOptions()
+    hooks: JobHooks = JobHooks()
 
 
 def start_write(request: WriteRequest) -> _core.WriteHandle:

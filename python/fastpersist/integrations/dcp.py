@@ -52,7 +52,7 @@ from torch.futures import Future
 import fastpersist._core as _core
 
 from ..config import Config
-from ..engine import WriteRequest, knobs, read_ranges, start_write
+from ..engine import JobHooks, WriteOptions, WriteRequest, read_ranges, start_write
 from ..errors import CorruptCheckpointError
 from ..format.blobs import byte_view
 from ..format.layout import DCP_DATA_SUFFIX, DCP_METADATA_NAME, dcp_data_file_name, write_small_file
@@ -239,7 +239,12 @@ class FastPersistWriter(_LocalDirectory, StorageWriter, ArenaStaging, BlockingAs
                 [source for _, source, _, _ in items], engine_plan, pinned_bytes=cfg.pinned_bytes, what=target
             )
             request = WriteRequest(
-                **knobs(cfg), plan=engine_plan, paths=[target], sources=sources, pool=pool_for(cfg), device=device
+                plan=engine_plan,
+                paths=[target],
+                sources=sources,
+                pool=pool_for(cfg),
+                options=WriteOptions.of(cfg),
+                hooks=JobHooks(device=device),
             )
             report = start_write(request).wait()
         part = report["parts"][0] if report["parts"] else None

@@ -31,6 +31,7 @@ import torch
 import fastpersist._core as _core
 
 from ..config import Config
+from ..engine import Guard
 from ..errors import SaveCancelledError
 from ..format.blobs import Blob
 from ..format.layout import atomic_file
@@ -116,9 +117,11 @@ class ArchiveSaveJob:
                 tmp,
                 what=self.path,
                 background=True,
-                watched=[bool(w) for w in self.watchers],
-                on_staged=self._check_staged,
-                copy_early=_early_copies(self.archive, self.watchers),
+                guard=Guard(
+                    watched=[bool(w) for w in self.watchers],
+                    on_staged=self._check_staged,
+                    copy_early=_early_copies(self.archive, self.watchers),
+                ),
             )
             if self.config.guard == "copy":
                 # Writes the version counter cannot see (.data, .numpy(), CUDA) are kept out only by waiting.

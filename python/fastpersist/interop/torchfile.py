@@ -44,7 +44,7 @@ import torch
 import fastpersist._core as _core
 
 from ..config import Config
-from ..engine import WriteRequest, knobs, start_write
+from ..engine import Guard, JobHooks, WriteOptions, WriteRequest, start_write
 from ..format.blobs import byte_view
 from ..format.layout import atomic_file
 from ..futures import SaveResult
@@ -353,23 +353,22 @@ class Archive:
     def total_bytes(self) -> int:
         return self.skeleton.total_bytes
 
-    def start(self, config: Config, tmp: str, *, what: str, **guard: Any) -> _core.WriteHandle:
+    def start(
+        self, config: Config, tmp: str, *, what: str, guard: Guard | None = None, background: bool = False
+    ) -> _core.WriteHandle:
         """Starts the engine's write of this archive to `tmp` (`what`: the file, for messages);
-        device storages are staged through an arena. `guard`: the mutation guard's fields of
-        :class:`WriteRequest` and ``background``, for an overlapped save (:mod:`.torchasync`)."""
+        device storages are staged through an arena. `guard` and `background`: for an overlapped
+        save (:mod:`.torchasync`)."""
         sources, device = stage_from_devices(self.extents, self.plan, pinned_bytes=config.pinned_bytes, what=what)
-        settings = knobs(config)
-        # The archive's integrity is its CRC-32s; the engine's chunk crc32c would go nowhere.
-        settings["checksum"] = False
         request = WriteRequest(
-            **settings,
             plan=self.plan,
             paths=[tmp],
             sources=sources,
             pool=pool_for(config),
-            crc32_fields=self.crc32_fields,
-            device=device,
-            **guard,
+            background=background,
+            # The archive's integrity is its CRC-32s; the engine's chunk crc32c would go nowhere.
+            options=WriteOptions.of(config, checksum=False),
+            hooks=JobHooks(guard=guard, device=device, crc32_fields=self.crc32_fields),
         )
         return start_write(request)
 

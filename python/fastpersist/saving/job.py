@@ -26,7 +26,7 @@ from typing import Any, Literal, NamedTuple
 import fastpersist._core as _core
 
 from ..config import Config
-from ..engine import WriteRequest, knobs, start_write
+from ..engine import Guard, JobHooks, WriteOptions, WriteRequest, start_write
 from ..errors import SaveCancelledError
 from ..format.flatten import FlatState, TensorRecord, flatten, records_to_json
 from ..format.layout import data_file_name, stripe_dir_name, tmp_dir_for
@@ -257,7 +257,6 @@ class SaveJob:
             ARENAS.let_go_of_files(paths)  # written another way: their pinned pages must not outlive it
         self.handle = start_write(
             WriteRequest(
-                **knobs(config, backend=self.engine_backend),
                 plan=self.plan,
                 writer=self.writers[0],
                 also_writers=self.writers[1:],
@@ -265,11 +264,16 @@ class SaveJob:
                 sources=[None if b.device_copier is not None else b.data for b in flat.blobs],
                 pool=pool,
                 background=background,
-                watched=[b.version is not None for b in flat.blobs],
-                on_staged=self._check_staged,
-                copy_early=self._copy_early,
-                device=self._device,
-                write_gate=self.write_gate,
+                options=WriteOptions.of(config, backend=self.engine_backend),
+                hooks=JobHooks(
+                    guard=Guard(
+                        watched=[b.version is not None for b in flat.blobs],
+                        on_staged=self._check_staged,
+                        copy_early=self._copy_early,
+                    ),
+                    device=self._device,
+                    write_gate=self.write_gate,
+                ),
             )
         )
 

@@ -44,7 +44,7 @@ import torch
 import fastpersist._core as _core
 
 from ..config import Config
-from ..engine import ReadRange, WriteRequest, read_ranges, start_write
+from ..engine import ReadRange, WriteOptions, WriteRequest, read_ranges, start_write
 from ..loading.reading import aligned_uint8
 from ..tuning.cache import Best, Figure
 from ..tuning.defaults import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
@@ -178,7 +178,9 @@ class _Trials:
         path = os.path.join(self.folder, f"w-{chunk}-{depth}")
         lengths, sources = self._extents(nbytes)
         plan = _core.Plan(lengths, 1, 1, chunk)
-        request = WriteRequest(plan=plan, paths=[path], sources=sources, pool=self._pool(chunk), queue_depth=depth)
+        request = WriteRequest(
+            plan=plan, paths=[path], sources=sources, pool=self._pool(chunk), options=WriteOptions(queue_depth=depth)
+        )
         report = start_write(request).wait()
         self.direct = report["parts"][0]["direct"]
         if not keep:
@@ -213,7 +215,11 @@ class _Trials:
         handles = [
             start_write(
                 WriteRequest(
-                    plan=_core.Plan(lengths, 1, 1, chunk), paths=[path], sources=sources, pool=pool, queue_depth=depth
+                    plan=_core.Plan(lengths, 1, 1, chunk),
+                    paths=[path],
+                    sources=sources,
+                    pool=pool,
+                    options=WriteOptions(queue_depth=depth),
                 )
             )
             for path, pool in zip(paths, pools, strict=True)

@@ -18,7 +18,8 @@ use crate::handle::{PyDeviceCopier, PyStagingObserver, Shared, WriteGate, WriteH
 use crate::{Plan, Pool};
 
 /// What `start_write` is asked to do: the attributes of a Python `WriteRequest`
-/// (`fastpersist.engine.WriteRequest`; each field is documented in `_core.pyi`).
+/// (`fastpersist.engine.WriteRequest`; each field is documented in `_core.pyi`), nested as the
+/// core's job is.
 #[derive(FromPyObject)]
 pub(crate) struct WriteRequest<'py> {
     #[pyo3(attribute)]
@@ -26,11 +27,24 @@ pub(crate) struct WriteRequest<'py> {
     #[pyo3(attribute)]
     writer: usize,
     #[pyo3(attribute)]
+    also_writers: Vec<usize>,
+    #[pyo3(attribute)]
     paths: Vec<PathBuf>,
     #[pyo3(attribute)]
     sources: Vec<Option<Bound<'py, PyAny>>>,
     #[pyo3(attribute)]
     pool: PyRef<'py, Pool>,
+    #[pyo3(attribute)]
+    background: bool,
+    #[pyo3(attribute)]
+    options: WriteOptionsAttrs,
+    #[pyo3(attribute)]
+    hooks: JobHooksAttrs<'py>,
+}
+
+/// A request's `options` (`fastpersist.engine.WriteOptions`): the core's `WriteOptions`.
+#[derive(FromPyObject)]
+pub(crate) struct WriteOptionsAttrs {
     #[pyo3(attribute)]
     backend: String,
     #[pyo3(attribute)]
@@ -42,48 +56,56 @@ pub(crate) struct WriteRequest<'py> {
     #[pyo3(attribute)]
     durable: bool,
     #[pyo3(attribute)]
-    background: bool,
+    staging_threads: usize,
+}
+
+/// A request's `hooks` (`fastpersist.engine.JobHooks`): the core's `JobHooks`.
+#[derive(FromPyObject)]
+pub(crate) struct JobHooksAttrs<'py> {
     #[pyo3(attribute)]
-    watched: Option<Vec<bool>>,
-    #[pyo3(attribute)]
-    on_staged: Option<Py<PyAny>>,
-    #[pyo3(attribute)]
-    copy_early: Vec<usize>,
+    guard: Option<GuardAttrs>,
     #[pyo3(attribute)]
     device: Option<Bound<'py, PyAny>>,
-    #[pyo3(attribute)]
-    also_writers: Vec<usize>,
     #[pyo3(attribute)]
     crc32_fields: Vec<(u64, u64, Vec<u64>)>,
     #[pyo3(attribute)]
     write_gate: Option<PyRef<'py, WriteGate>>,
+}
+
+/// The hooks' `guard` (`fastpersist.engine.Guard`): the core's mutation `Guard`.
+#[derive(FromPyObject)]
+pub(crate) struct GuardAttrs {
     #[pyo3(attribute)]
-    staging_threads: usize,
+    watched: Vec<bool>,
+    #[pyo3(attribute)]
+    on_staged: Py<PyAny>,
+    #[pyo3(attribute)]
+    copy_early: Vec<usize>,
 }
 
 /// Starts the write that `request` describes (see `WriteRequest` in `_core.pyi`).
 #[pyfunction]
 pub(crate) fn start_write(py: Python<'_>, request: WriteRequest<'_>) -> PyResult<WriteHandle> {
-    let (selection, direct) = crate::io_choices(py, &request.backend, &request.direct_io)?;
+    let asked = &request.options;
+    let (selection, direct) = crate::io_choices(py, &asked.backend, &asked.direct_io)?;
     let options = WriteOptions {
         backend: selection.kind,
         direct,
-        queue_depth: request.queue_depth,
-        checksum: request.checksum,
-        durable: request.durable,
-        staging_threads: request.staging_threads,
+        queue_depth: asked.queue_depth,
+        checksum: asked.checksum,
+        durable: asked.durable,
+        staging_threads: asked.staging_threads,
     };
     let plan = &request.plan.inner;
     let targets = writer_targets(plan, request.writer, &request.also_writers, request.paths)?;
     let extents = &plan.extent_bytes;
     let (held, regions) = source_regions(&request.sources, extents)?;
-    let guard = guard_from(
-        request.watched,
-        request.on_staged,
-        request.copy_early,
-        extents.len(),
-    )?;
-    let (device, arena) = match request.device {
+    let given = request.hooks;
+    let guard = given
+        .guard
+        .map(|guard| guard_from(guard, extents.len()))
+        .transpose()?;
+    let (device, arena) = match given.device {
         Some(staging) => {
             let lease = staging.getattr("lease")?;
             let lease = lease.cast::<ArenaLease>()?.get().take()?;
@@ -102,8 +124,8 @@ pub(crate) fn start_write(py: Python<'_>, request: WriteRequest<'_>) -> PyResult
         guard,
         device,
         arena,
-        crc32_fields: crc32_fields_from(request.crc32_fields),
-        write_gate: request.write_gate.map(|gate| Arc::clone(&gate.inner)),
+        crc32_fields: crc32_fields_from(given.crc32_fields),
+        write_gate: given.write_gate.map(|gate| Arc::clone(&gate.inner)),
     };
     let shared = Shared::new();
     let (job_plan, job_pool, job_shared) = (
@@ -133,29 +155,18 @@ pub(crate) fn start_write(py: Python<'_>, request: WriteRequest<'_>) -> PyResult
     })
 }
 
-/// The mutation guard that `watched` (an entry per extent) and `on_staged` describe (both or
-/// neither).
-fn guard_from(
-    watched: Option<Vec<bool>>,
-    on_staged: Option<Py<PyAny>>,
-    copy_early: Vec<usize>,
-    extent_count: usize,
-) -> PyResult<Option<Guard>> {
-    match (watched, on_staged) {
-        (Some(watched), Some(_)) if watched.len() != extent_count => Err(PyValueError::new_err(
-            format!("watched has an entry per source, and the plan has {extent_count} extents"),
-        )),
-        (Some(watched), Some(callback)) => Ok(Some(Guard {
-            watched,
-            copy_early,
-            observer: Box::new(PyStagingObserver::new(callback)),
-        })),
-        (None, None) if copy_early.is_empty() => Ok(None),
-        (None, None) => Err(PyValueError::new_err(
-            "copy_early names extents of the mutation guard: it needs watched and on_staged",
-        )),
-        _ => Err(PyValueError::new_err("watched and on_staged go together")),
+/// The core's mutation guard from the request's (`watched` has an entry per extent).
+fn guard_from(guard: GuardAttrs, extent_count: usize) -> PyResult<Guard> {
+    if guard.watched.len() != extent_count {
+        return Err(PyValueError::new_err(format!(
+            "watched has an entry per source, and the plan has {extent_count} extents"
+        )));
     }
+    Ok(Guard {
+        watched: guard.watched,
+        copy_early: guard.copy_early,
+        observer: Box::new(PyStagingObserver::new(guard.on_staged)),
+    })
 }
 
 /// The core's fields from `crc32_fields`' `(start_bytes, len_bytes, [write_at_bytes])` tuples.

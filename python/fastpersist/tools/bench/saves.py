@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import fastpersist as fp
 import fastpersist._core as _core
 
-from ...engine import WriteRequest, start_write
+from ...engine import WriteOptions, WriteRequest, start_write
 from .fio import fio_engine, run_fio_write
 from .measure import Method
 from .system import Backend, aligned_buffer
@@ -96,11 +96,9 @@ def _raw_write(
             paths=paths,
             sources=[source],
             pool=pool,
-            backend=backend,
-            direct_io=bench.direct,
-            queue_depth=queue_depth,
-            checksum=False,
-            durable=True,
+            options=WriteOptions(
+                backend=backend, direct_io=bench.direct, queue_depth=queue_depth, checksum=False, durable=True
+            ),
         )
         report = start_write(request).wait()
         seconds = time.perf_counter() - start
