@@ -283,3 +283,30 @@ def test_staging_pools_are_reused_and_bounded(workdir: str) -> None:
     ck.save(2, {"w": torch.ones(1000)})
     ck.wait()
     assert ck._pool is pool and pool.allocated_bytes > 0
+
+
+@pytest.mark.parametrize("config", [None, fp.Config()], ids=["sized-by-the-state", "given"])
+def test_every_save_flattens_its_state_once(
+    workdir: str, config: fp.Config | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a config the first save sizes the pool by the state: it flattens it for that and
+    hands the result to the save, which does not flatten again."""
+    from fastpersist.saving import share_layout
+
+    calls: list[object] = []
+    real = share_layout.flatten
+
+    def counted(state: object, **kwargs: Any) -> Any:
+        calls.append(state)
+        return real(state, **kwargs)
+
+    monkeypatch.setattr(share_layout, "flatten", counted)
+    ck = fp.Checkpointer(os.path.join(workdir, "ck"), config=config)
+    states = [{"w": torch.full((1000,), float(step)), "step": step} for step in range(3)]
+    for step, state in enumerate(states):
+        ck.save(step, state)
+        ck.wait()
+    assert [id(c) for c in calls] == [id(s) for s in states]
+    assert ck.config is not None and (config is not None or ck.config.pool_bytes >= fp.Config().pool_bytes)
+    assert ck.latest() == 2 and torch.equal(ck.load(2)["w"], states[2]["w"])
+    ck.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import inspect
 import os
 import pathlib
 import re
@@ -394,6 +395,25 @@ def test_the_write_request_has_one_field_list_in_python_the_stub_and_the_binding
     # The nesting: the request holds options and hooks, the hooks hold the guard.
     assert "options: WriteOptionsAttrs" in binding and "hooks: JobHooksAttrs<'py>" in binding
     assert "guard: Option<GuardAttrs>" in binding
+
+
+def test_a_save_job_is_given_its_settings_when_made_not_after() -> None:
+    # Settings assigned from outside after construction (four modules did) are a second place
+    # where a job's rule lives; SaveJob's constructor takes them all.
+    from fastpersist.saving.job import SaveJob
+
+    settings = set(inspect.signature(SaveJob).parameters) - {"path", "config"}
+    late = {
+        f"{mod}:{node.lineno}"
+        for mod, path in _modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Attribute)
+        and target.attr in settings
+        and not (isinstance(target.value, ast.Name) and target.value.id == "self")
+    }
+    assert late == set()
 
 
 def test_the_tests_mirror_the_package_and_their_helpers_live_in_one_folder() -> None:

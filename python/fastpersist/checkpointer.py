@@ -34,7 +34,6 @@ from .cleanup import clean, stripe_leftovers
 from .config import Config, given_config, snapshot_pool_bytes
 from .distributed.control import control_for, group_rank_and_size
 from .errors import CheckpointNotFoundError
-from .format.flatten import flatten
 from .format.layout import INDEX_NAME, write_small_file
 from .futures import SaveFuture, SaveResult
 from .levels.level_objects import CommittedStepCopies, Level, Partner, levels_given, moved_keywords_error
@@ -48,6 +47,7 @@ from .saving.in_flight import InFlight
 from .saving.optimizer_guard import guard_optimizer
 from .saving.pools import pool_for
 from .saving.remover import wait_removed
+from .saving.share_layout import flatten_to_save
 from .saving.start import start_save
 
 __all__ = ["Checkpointer"]
@@ -227,19 +227,22 @@ class Checkpointer:
 
     # -- saving ------------------------------------------------------------------------------
 
-    def _config_for(self, state: object) -> Config:
-        # Resolved once for the root's device, so that the pool held for every save fits its chunks
-        # (resolving a config of integers returns it as it is).
+    def _config_for(self, state: object) -> tuple[Config, object]:
+        """The config of every save, resolved once for the root's device so that the pool held
+        for every save fits its chunks (resolving a config of integers returns it as it is), and
+        the state to save: without a config the pool is sized by the first state, flattened for
+        that once and handed to the save flattened."""
         tuned_chunk = self.group is None  # a group's ranks plan one stream: see Config.resolved_for
         if self.config is not None:
             self.config = self.config.resolved_for(self.root, tuned_chunk=tuned_chunk)
-            return self.config
+            return self.config, state
 
-        nbytes = sum(b.nbytes for b in flatten(state).blobs)
+        flat = flatten_to_save(state)
+        nbytes = sum(b.nbytes for b in flat.blobs)
         chunk = Config().resolved_for(self.root, tuned_chunk=tuned_chunk).resolved_chunk_bytes
         pool = snapshot_pool_bytes(nbytes, chunk)
         self.config = Config(pool_bytes=pool).resolved_for(self.root, tuned_chunk=tuned_chunk)
-        return self.config
+        return self.config, flat
 
     def save(self, step: int, state: object) -> SaveFuture | None:
         """Starts saving `state` as `step` if the step is due; returns its future, else None.
@@ -268,7 +271,7 @@ class Checkpointer:
                 return None
             self._saves.raise_unseen() if ahead else self._saves.finish_all()
         with self.history.waiting("start"), self._lock:
-            config = self._config_for(state)
+            config, state = self._config_for(state)
             if not self._cleaned:
                 self._before_first_save(step)
             if self._pool is None:

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
+import fastpersist._core as _core
+
 from ..config import Config
 from ..distributed.control import collective, control_for, describe, writer_map
 from ..errors import GroupSaveError
@@ -35,8 +37,9 @@ from ..format.layout import shard_name, stripe_tag, tmp_dir_for
 from ..format.manifest import FileEntry, build
 from ..format.ownership import DirLock, make_locked_dir
 from ..futures import SaveResult
-from .job import Layout, SaveJob, Written
+from .job import SaveJob, Written
 from .leftovers import stripe_leftovers
+from .share_layout import Layout
 from .target import check_name_fits, check_stripe_roots, check_target, write_manifest
 
 __all__ = ["CommitOutcome", "GroupSaveJob", "RankStatus", "StartMessage"]
@@ -92,7 +95,8 @@ class GroupSaveJob:
         group: Any,
         *,
         sharded: bool,
-        pool: Any = None,
+        pool: _core.Pool | None = None,
+        early_copy: bool = True,
     ) -> None:
         self.path = os.path.abspath(os.fspath(path))
         # Every rank plans the same stream, so an "auto" chunk stays at the default here.
@@ -102,7 +106,7 @@ class GroupSaveJob:
         self.pool = pool
         self.job: SaveJob | None = None
         #: Whether this rank's job copies small watched tensors before start returns (see SaveJob).
-        self.early_copy = True
+        self.early_copy = early_copy
         self.start_error: BaseException | None = None
         self.writer: int | None = None
 
@@ -141,8 +145,16 @@ class GroupSaveJob:
             raise GroupSaveError(f"rank 0 could not start the save of {self.path}: {message.error}")
         self.layout = self._layout(message)
         try:
-            self.job = SaveJob(self.path, self.config, layout=self.layout, pool=self.pool, tmp_lock=tmp_lock)
-            self.job.early_copy = self.early_copy
+            self.job = SaveJob(
+                self.path,
+                self.config,
+                layout=self.layout,
+                pool=self.pool,
+                tmp_lock=tmp_lock,
+                early_copy=self.early_copy,
+                # Rank 0 commits: the other ranks' stripes of the old tree must see it dead at once.
+                hold_replaced=not self.config.stripes,
+            )
             self.job.start(state, background=background)
         except BaseException as e:  # reported to the group in finish(); wait_staged re-raises it
             self.start_error = e
@@ -279,7 +291,6 @@ class GroupSaveJob:
         assert self.job is not None and written is not None
         outcome: CommitOutcome | None = None
         if self.rank == 0:
-            self.job.hold_replaced = not self.config.stripes  # the others' stripes of the old tree
             try:
                 self._commit(statuses)
                 outcome = CommitOutcome()

@@ -19,30 +19,29 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import fastpersist._core as _core
 
 from ..config import Config
 from ..engine import Guard, JobHooks, WriteOptions, WriteRequest, start_write
 from ..errors import SaveCancelledError
-from ..format.flatten import FlatState, TensorRecord, flatten, records_to_json
-from ..format.layout import data_file_name, stripe_dir_name, tmp_dir_for
+from ..format.flatten import FlatState, TensorRecord, records_to_json
+from ..format.layout import data_file_name, stripe_dir_name
 from ..format.manifest import FileEntry, StreamText, build, stream_text
 from ..format.ownership import DirLock, make_locked_dir, remove_owned_dir, write_owner
 from ..format.quote import shown
 from ..futures import SaveResult
 from ..gcpause import paused_gc
 from ..gpu.arenas import ARENAS
-from ..gpu.copiers import DEVICE_COPIERS
 from ..gpu.device_side import DeviceStaging, has_device_blobs, share_bytes, start_device_staging
 from ..gpu.early import choose_early_copies, split_by_side
 from ..logs import log_save, log_save_call
 from .pools import pool_for
 from .recycle import file_to_stage_in, take_recycled
 from .remover import held_for_removal, make_room
+from .share_layout import Layout, PlanPart, flatten_to_save, single_layout
 from .target import (
     check_name_fits,
     check_stripe_roots,
@@ -53,40 +52,9 @@ from .target import (
 )
 from .verdict import Verdict
 
-__all__ = ["Layout", "SaveJob", "single_layout"]
+__all__ = ["SaveJob", "Written"]
 
 log = logging.getLogger("fastpersist")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Layout:
-    """Where this process's share of a save goes.
-
-    Attributes:
-        checkpoint_id: the save's random id (the same on every rank of a group).
-        tmp_dir: the temporary checkpoint directory, renamed to the target at commit.
-        data_dir: where this process's data files go when there are no stripes.
-        writer: this process's writer index, or None when it writes no data.
-        writer_count: writers in the plan.
-        owner: this process creates `tmp_dir` and commits it.
-        tag: distinguishes this process's stripe directories from other ranks' ("" alone).
-        also_writers: other writers' parts this process also writes after its own (a partner's copy).
-    """
-
-    checkpoint_id: str
-    tmp_dir: str
-    data_dir: str
-    writer: int | None
-    writer_count: int
-    owner: bool
-    tag: str = ""
-    also_writers: tuple[int, ...] = ()
-
-
-def single_layout(path: str) -> Layout:
-    checkpoint_id = uuid.uuid4().hex
-    tmp = tmp_dir_for(path, checkpoint_id)
-    return Layout(checkpoint_id=checkpoint_id, tmp_dir=tmp, data_dir=tmp, writer=0, writer_count=1, owner=True)
 
 
 @dataclass
@@ -98,20 +66,21 @@ class Written:
     report: dict[str, Any]
 
 
-class PlanPart(NamedTuple):
-    """One part of the plan: a file's range of the stream (``_core.Plan.parts`` entries)."""
-
-    writer: int
-    stripe: int
-    stream_offset_bytes: int
-    len_bytes: int
-
-
 class SaveJob:
     """This process's share of a save. Not public: :class:`SaveFuture`, :func:`save` and the
     group protocol drive it.
 
-    Construction records where the save goes; :meth:`start` flattens, plans, makes directories, starts the engine.
+    Construction records where the save goes and how (every setting is given here, none is set
+    later); :meth:`start` flattens, plans, makes directories, starts the engine.
+
+    `pool`: a staging pool to reuse (a Checkpointer's). `tmp_lock`: held from the temporary
+    directory's creation until commit or discard (cleaners leave it alone). `early_copy`: copy
+    small watched tensors before start returns (docs/overlap.md), not for a caller that waits
+    (``fp.save``). `hold_replaced`: a replaced tree stays locked until deleted (not where other
+    ranks must see it dead). `engine_backend`: the config's backend unless given (the null sink
+    of ``fastpersist bench``, tools/bench/nullsink.py). `write_gate`: holds the writes back until
+    opened (a Checkpointer's snapshot waiting for the disk): the state is staged into an arena
+    at once, host tensors included.
     """
 
     def __init__(
@@ -122,20 +91,20 @@ class SaveJob:
         layout: Layout | None = None,
         pool: _core.Pool | None = None,
         tmp_lock: DirLock | None = None,
+        early_copy: bool = True,
+        hold_replaced: bool = True,
+        engine_backend: Literal["null"] | None = None,
+        write_gate: _core.WriteGate | None = None,
     ) -> None:
         self.started = self._laid_out = self._written = time.perf_counter()
         self.path = os.path.abspath(os.fspath(path))
         self.config = config.resolved_for(self.path)  # a group's job gets a resolved config
         self.layout = layout or single_layout(self.path)
         self.pool = pool
-        #: Held from the temporary directory's creation until commit or discard (cleaners leave it alone).
         self.tmp_lock = tmp_lock
-        #: Whether a replaced tree stays locked until deleted (not where other ranks must see it dead).
-        self.hold_replaced = True
-        #: Copy small watched tensors before start returns (docs/overlap.md): not for a caller that waits (fp.save).
-        self.early_copy = True
-        #: The engine's backend: the config's, or the null sink of `fastpersist bench` (tools/bench/nullsink.py).
-        self.engine_backend: Literal["auto", "io_uring", "threads", "null"] = self.config.backend
+        self.hold_replaced = hold_replaced
+        self.early_copy = early_copy
+        self.engine_backend: Literal["auto", "io_uring", "threads", "null"] = engine_backend or self.config.backend
         self.handle: Any = None
         self.verdict = Verdict()
         self._created: list[str] = []
@@ -145,9 +114,7 @@ class SaveJob:
         self._copy_early: list[int] = []
         self._copy_early_on_device: list[int] = []
         self._device: DeviceStaging | None = None
-        #: Holds the writes back until opened (a Checkpointer's snapshot waiting for the disk):
-        #: the state is staged into an arena at once, host tensors included.
-        self.write_gate: _core.WriteGate | None = None
+        self.write_gate = write_gate
         #: Some of the state's tensors are staged from a device (known once the engine started).
         self.from_device = False
         self.stripe_dirs: list[str] = []
@@ -181,9 +148,10 @@ class SaveJob:
         return self
 
     def _lay_out(self, state: object) -> None:
-        """Flattens the state and plans the stream: what this process writes, and where."""
+        """Flattens the state (unless given flattened already, by :func:`flatten_to_save`) and
+        plans the stream: what this process writes, and where."""
         layout, config = self.layout, self.config
-        flat = self._flat = flatten(state, copiers=DEVICE_COPIERS)
+        flat = self._flat = state if isinstance(state, FlatState) else flatten_to_save(state)
         name = os.path.basename(self.path)
         stripe_roots = list(config.stripes or [])
         stripe_name = stripe_dir_name(name, layout.checkpoint_id, layout.tag)

@@ -36,6 +36,8 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
+import fastpersist._core as _core
+
 from ..config import Config
 from ..distributed.control import control_for, describe, writer_map
 from ..distributed.placement import Placement
@@ -45,7 +47,8 @@ from ..format.layout import MANIFEST_NAME, shard_name, tmp_dir_for
 from ..format.ownership import DirLock, make_locked_dir
 from ..futures import SaveResult
 from .group import GroupSaveJob, RankStatus, StartMessage
-from .job import Layout, SaveJob
+from .job import SaveJob
+from .share_layout import Layout
 from .target import check_name_fits, check_target
 
 __all__ = ["PartnerSaveJob", "share_files"]
@@ -73,13 +76,14 @@ class PartnerSaveJob(GroupSaveJob):
         *,
         sharded: bool,
         replicas: int,
-        pool: Any = None,
+        pool: _core.Pool | None = None,
+        early_copy: bool = True,
     ) -> None:
         if config.stripes:
             raise ValueError(
                 "the Partner level does not support Config.stripes yet: each node keeps its shares under its root"
             )
-        super().__init__(path, config, group, sharded=sharded, pool=pool)
+        super().__init__(path, config, group, sharded=sharded, pool=pool, early_copy=early_copy)
         self.replicas = replicas
 
     def start(self, state: object, *, background: bool = True) -> PartnerSaveJob:
@@ -110,8 +114,14 @@ class PartnerSaveJob(GroupSaveJob):
             )
         self.layout = self.layout_for(message.checkpoint_id, tmp, owner=self.placement.is_leader(self.rank))
         try:
-            self.job = SaveJob(self.path, self.config, layout=self.layout, pool=self.pool, tmp_lock=tmp_lock)
-            self.job.early_copy = self.early_copy
+            self.job = SaveJob(
+                self.path,
+                self.config,
+                layout=self.layout,
+                pool=self.pool,
+                tmp_lock=tmp_lock,
+                early_copy=self.early_copy,
+            )
             self.job.start(state, background=background)
         except BaseException as e:  # reported to the group in finish(); wait_staged re-raises it
             self.start_error = e

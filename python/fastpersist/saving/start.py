@@ -44,21 +44,21 @@ def start_save(
     on `replicas` other nodes). `pool`: a staging pool to reuse (a Checkpointer's); else one per config.
     `blocking`: the caller waits for the save before it touches the state again (``fp.save``), so
     the small tensors that ``save_async`` copies before returning (docs/overlap.md) need no copy.
-    `write_gate`: stage at once, write once the gate is opened (one process only).
+    `write_gate`: stage at once, write once the gate is opened (one process only). `state` may
+    come flattened already (:func:`~fastpersist.saving.share_layout.flatten_to_save`).
     Missing directories above `path` are created first (``mkdir -p``)."""
     make_parents(os.fspath(path), durable=config.durable)
     # The engine always runs on its own thread, so that waiting for it can be interrupted.
     job: SaveJob | GroupSaveJob
     if write_gate is not None and (group is not None or sharded):
         raise ValueError("a save held back by a write gate must be one process's (no group, not sharded)")
+    early_copy = not blocking
     if group is None and not sharded:
-        job = SaveJob(path, config, pool=pool)
-        job.write_gate = write_gate
+        job = SaveJob(path, config, pool=pool, early_copy=early_copy, write_gate=write_gate)
     elif replicas:
-        job = PartnerSaveJob(path, config, group, sharded=sharded, replicas=replicas, pool=pool)
+        job = PartnerSaveJob(path, config, group, sharded=sharded, replicas=replicas, pool=pool, early_copy=early_copy)
     else:
-        job = GroupSaveJob(path, config, group, sharded=sharded, pool=pool)
-    job.early_copy = not blocking
+        job = GroupSaveJob(path, config, group, sharded=sharded, pool=pool, early_copy=early_copy)
     return job.start(state)
 
 

@@ -53,9 +53,7 @@ def null_sink_save(state: object, directory: str, *, blocking: bool = True, **co
 
     path = os.path.join(directory, f"null-sink-{uuid.uuid4().hex[:8]}")
     start = time.perf_counter()
-    job = SaveJob(path, fp.Config(**config))
-    job.engine_backend = "null"
-    job.early_copy = not blocking  # as saving.start.start_save sets it
+    job = SaveJob(path, fp.Config(**config), engine_backend="null", early_copy=not blocking)  # as start_save makes it
     try:
         job.start(state)
         written = job.wait_written()
