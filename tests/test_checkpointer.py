@@ -279,7 +279,7 @@ def test_staging_pools_are_reused_and_bounded(workdir: str) -> None:
     assert ck._pool is pool, "a Checkpointer reuses its pool"
     for i, pool_bytes in enumerate([1 << 20, 2 << 20, 3 << 20]):
         fp.save({"w": torch.ones(10)}, os.path.join(workdir, f"s{i}"), config=fp.Config(pool_bytes=pool_bytes))
-    assert len(saving._pools) <= saving._POOLS_KEPT, "pools for other sizes are let go"
+    assert len(saving.POOLS) <= saving.POOLS.keep, "pools for other sizes are let go"
     ck.save(2, {"w": torch.ones(1000)})
     ck.wait()
     assert ck._pool is pool and pool.allocated_bytes > 0

@@ -467,15 +467,15 @@ def test_a_dropped_ring_is_unpinned_only_once_its_copies_ran(
     def spy(host: torch.Tensor) -> None:
         unpinned.append((host.data_ptr(), FakeLoader.queue.reads_from(host.data_ptr())))
 
+    todevice.RINGS.clear()  # rings of earlier tests go before the spy counts
     monkeypatch.setattr(todevice, "unpin_host", spy)
-    monkeypatch.setattr(todevice, "_rings", collections.OrderedDict())
     values = [torch.full((20_000,), float(k)) for k in range(4)]
     paths = [_saved_one(workdir, f"s{k}", v, _config(backend)) for k, v in enumerate(values)]
     loaded = []
     for k, path in enumerate(paths):  # a ring size per load: the cache keeps two, drops the rest
         monkeypatch.setattr(todevice, "DEVICE_WINDOW_BYTES", WINDOW << k)
         loaded.append(fp.load(path))
-    assert len(unpinned) == 2 * (len(paths) - todevice._RINGS_KEPT)  # two buffers per dropped ring
+    assert len(unpinned) == 2 * (len(paths) - todevice.RINGS.keep)  # two buffers per dropped ring
     assert not any(busy for _, busy in unpinned), "a ring buffer was unpinned while copies from it were queued"
     FakeLoader.synchronize()
     for got, value in zip(loaded, values, strict=True):

@@ -23,7 +23,8 @@ The file keeps its inode as retention recycles it (``saving/recycle.py``), so it
 once and registered once (by a thread of its own, after the save that mapped it), serves every
 later save that takes it. A file that has an arena is only ever written through it: a save
 that would write it another way lets go of the arena first. Such arenas count against the same
-bound; one whose file is deleted is forgotten at the next lease.
+bound; one whose file is deleted is forgotten at the next lease. The arenas are one kind of the
+process's kept memory (``engine/kept_memory.py``, which reports them with the others).
 
 Example:
     >>> arenas = Arenas()
@@ -46,6 +47,7 @@ import torch
 import fastpersist._core as _core
 
 from ..config import ARENA_GRANULE_BYTES, granules, min_pinned_bytes, ranks_on_node
+from ..engine.kept_memory import count_kept
 from .pinned import pin_host
 
 __all__ = ["ARENAS", "Arenas", "ArenasBusy", "auto_pinned_bytes", "granules", "min_pinned_bytes", "pinned_cap_bytes"]
@@ -379,3 +381,4 @@ def _below_one_chunk(cap_bytes: int, min_bytes: int) -> ValueError:
 
 #: The arenas of this process.
 ARENAS = Arenas()
+count_kept("staging arenas", ARENAS.total_bytes)

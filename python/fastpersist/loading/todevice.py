@@ -38,8 +38,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
-import threading
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -48,6 +46,7 @@ import torch
 import fastpersist._core as _core
 
 from ..config import Config
+from ..engine.kept_memory import KeptCache
 from ..errors import FastPersistError
 from ..format.manifest import Manifest
 from ..gpu.loaders import CopyFence, DeviceLoader, loader_for
@@ -107,11 +106,13 @@ class Ring:
         for _, host in self.buffers:
             unpin_host(host)
 
+    def nbytes(self) -> int:
+        return sum(host.numel() for _, host in self.buffers)
 
-#: Rings kept between loads by buffer size, most recently used last (bounded, like save pools).
-_rings: collections.OrderedDict[int, Ring] = collections.OrderedDict()
-_rings_lock = threading.Lock()
-_RINGS_KEPT = 2
+
+#: Rings kept between loads by buffer size (bounded, as save pools are: engine/kept_memory.py). A
+#: ring let go of is unpinned once the copies from it have run.
+RINGS: KeptCache[int, Ring] = KeptCache("device-load rings", size_of=Ring.nbytes, release=Ring.release)
 
 
 def device_targets(m: Manifest, location: MapLocation) -> dict[int, torch.device]:
@@ -131,25 +132,6 @@ def device_targets(m: Manifest, location: MapLocation) -> dict[int, torch.device
         elif targets.setdefault(rec.blob, target) != target:
             targets[rec.blob] = None  # records of one storage sent to two devices: host path
     return {b: t for b, t in targets.items() if t is not None}
-
-
-def _take_ring(nbytes: int) -> Ring:
-    with _rings_lock:
-        ring = _rings.pop(nbytes, None)
-    return ring if ring is not None else Ring(nbytes)
-
-
-def _give_back_ring(nbytes: int, ring: Ring) -> None:
-    dropped: list[Ring] = []
-    with _rings_lock:
-        previous = _rings.pop(nbytes, None)  # a concurrent load's ring of the same size
-        if previous is not None:
-            dropped.append(previous)
-        _rings[nbytes] = ring
-        while len(_rings) > _RINGS_KEPT:
-            dropped.append(_rings.popitem(last=False)[1])
-    for old in dropped:
-        old.release()
 
 
 def _copy_failed(root: str, device: torch.device, error: BaseException) -> FastPersistError:
@@ -259,7 +241,7 @@ def copy_extents(
     chunk = m.chunk_bytes
     window = max(chunk, DEVICE_WINDOW_BYTES // chunk * chunk)
     nbytes = direct_padded(window)
-    ring = _take_ring(nbytes)
+    ring = RINGS.take(nbytes) or Ring(nbytes)
     try:
         for _, host in ring.buffers:
             for device in copies.loaders:
@@ -271,7 +253,7 @@ def copy_extents(
         copies.drain(ring)
         raise
     finally:
-        _give_back_ring(nbytes, ring)
+        RINGS.give_back(nbytes, ring)
 
 
 def _fill(

@@ -1,8 +1,8 @@
-"""The staging pools kept between saves: one per (chunk size, pool budget), the most recent few."""
+"""The staging pools kept between saves: one per (chunk size, pool budget), the most recent few
+(``engine/kept_memory.py`` holds them, with the process's other kept memory)."""
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -10,27 +10,21 @@ import time
 import fastpersist._core as _core
 
 from ..config import Config
+from ..engine.kept_memory import KeptCache
 
-__all__ = ["pool_for", "prefault_in_background"]
+__all__ = ["POOLS", "pool_for", "prefault_in_background"]
 
 log = logging.getLogger("fastpersist")
 
-#: Pools kept alive between saves, most recently used last. Bounded, so a process that saves
+#: Pools kept alive between saves, by (chunk size, budget). Bounded, so a process that saves
 #: states of many sizes does not keep a pool per size (a Checkpointer holds its own).
-_POOLS_KEPT = 2
-_pools: collections.OrderedDict[tuple[int, int], _core.Pool] = collections.OrderedDict()
-_pools_lock = threading.Lock()
+POOLS: KeptCache[tuple[int, int], _core.Pool] = KeptCache("staging pools", size_of=lambda pool: pool.allocated_bytes)
 
 
 def pool_for(config: Config) -> _core.Pool:
     """The process-wide staging pool for this (resolved) chunk size and budget, reused across saves."""
     key = (config.resolved_chunk_bytes, config.pool_bytes)
-    with _pools_lock:
-        pool = _pools.pop(key, None) or _core.Pool(*key)
-        _pools[key] = pool
-        while len(_pools) > _POOLS_KEPT:
-            _pools.popitem(last=False)
-        return pool
+    return POOLS.get_or_make(key, lambda: _core.Pool(*key))
 
 
 def prefault_in_background(pool: _core.Pool) -> threading.Thread:
