@@ -329,6 +329,7 @@ LISTED_FOLDERS = (
     "format",
     "tuning",
     "saving",
+    "memory_level",
     "loading",
     "levels",
     "distributed",

@@ -12,7 +12,7 @@ names are :mod:`fastpersist.format.layout`'s):
   was being written; and ``.latest.json.tmp-*`` / ``.history.json.tmp-*`` of older versions.
 
 On a memory root, the recycle directory ``.fprecycle/`` holds retired steps' data files kept for
-a later save to overwrite (:mod:`fastpersist.saving.recycle`). It is garbage by construction
+a later save to overwrite (:mod:`fastpersist.memory_level.recycle`). It is garbage by construction
 (nothing committed names it) and is emptied too; a save racing with that merely allocates fresh
 pages.
 
@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from .arguments import given_paths
 from .format.layout import INDEX_TMP, dead_tmp_files
 from .format.ownership import cleaning
+from .memory_level.recycle import free_recycled, recycled_entries
 from .saving.leftovers import (
     RootView,
     find_dead_tmp_dirs,
@@ -48,7 +49,6 @@ from .saving.leftovers import (
     remove_stripe_dir,
     stripe_leftovers,
 )
-from .saving.recycle import free_recycled, recycled_entries
 from .saving.remover import wait_removed
 
 __all__ = ["clean", "stripe_leftovers"]

@@ -10,7 +10,7 @@ The rules (docs/failure-model.md, "Deletion"):
 * Rank 0 removes the retired checkpoint directories (moved out of sight at once, deleted after
   the commit returns by :mod:`fastpersist.saving.remover`) and their stripe directories on its drives
   (on a memory root it recycles the newest one's data files instead, for the next save to
-  overwrite in place: :mod:`fastpersist.saving.recycle`);
+  overwrite in place: :mod:`fastpersist.memory_level.recycle`);
   then every other rank removes its own stripe directories of those steps, found by their
   owner markers (so per-rank drives on other nodes are cleaned by the rank that has them).
 
@@ -30,8 +30,8 @@ from .distributed.control import control_for, forget_control
 from .errors import FastPersistError
 from .format.confine import data_file_problem, real_roots, under_roots
 from .format.manifest import Manifest, read_manifest
+from .memory_level.recycle import recycle_checkpoint
 from .saving.leftovers import stripe_leftovers
-from .saving.recycle import recycle_checkpoint
 from .saving.remover import remove_checkpoint_later, run_later
 
 __all__ = ["ShareCheck", "check_share", "retire", "retire_in_group", "retired_steps"]

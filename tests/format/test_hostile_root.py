@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import fastpersist as fp
 from fastpersist.format.layout import HISTORY_NAME, INDEX_NAME, MANIFEST_NAME, RECYCLE_DIR, data_file_name
 from fastpersist.integrations.dcp import FastPersistReader, FastPersistWriter
-from fastpersist.saving.recycle import is_memory_root, take_recycled
+from fastpersist.memory_level.recycle import is_memory_root, take_recycled
 from fastpersist.tools.cli import main as cli
 
 SHM = "/dev/shm"

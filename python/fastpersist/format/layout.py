@@ -17,7 +17,7 @@ What lies where (docs/format.md):
   dead writer's (:func:`remove_dead_tmp_files`; ``fastpersist clean``). Older versions wrote
   ``.latest.json.tmp-PID-TID``, still recognised (:data:`INDEX_TMP`);
 * on a memory root (tmpfs), the recycle directory ``.fprecycle/`` holding retired steps' data
-  files for a later save to overwrite in place (:mod:`fastpersist.saving.recycle`): one entry
+  files for a later save to overwrite in place (:mod:`fastpersist.memory_level.recycle`): one entry
   ``NAME.ID`` per retired step, never a checkpoint (its manifest is removed on the way in);
 * a DCP directory (:mod:`fastpersist.integrations.dcp`): ``.metadata`` and ``__R_ID.fpdcp``
   (``__R_ID_I.fpdcp``, one per item, with ``single_file_per_rank=False``);

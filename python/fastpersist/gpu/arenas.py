@@ -19,7 +19,7 @@ ranks).
 On the in-memory level (a root on tmpfs, e.g. under ``/dev/shm``) the arena of a save whose
 share is one recycled data file is that file itself (:meth:`Arenas.lease_file`): the device
 copies land in the file's pages and the job only checksums them, so the step costs one copy.
-The file keeps its inode as retention recycles it (``saving/recycle.py``), so its arena, mapped
+The file keeps its inode as retention recycles it (``memory_level/recycle.py``), so its arena, mapped
 once and registered once (by a thread of its own, after the save that mapped it), serves every
 later save that takes it. A file that has an arena is only ever written through it: a save
 that would write it another way lets go of the arena first. Such arenas count against the same

@@ -24,7 +24,7 @@ from ..errors import FastPersistError
 from ..format.confine import data_file_problem
 from ..format.layout import shard_name
 from ..format.manifest import Manifest, read_manifest
-from ..saving.recycle import recycle_checkpoint
+from ..memory_level.recycle import recycle_checkpoint
 from ..saving.remover import remove_checkpoint_later
 
 __all__ = ["Share", "held_shares", "local_levels", "retire_on_node", "share_problem", "shares_of"]

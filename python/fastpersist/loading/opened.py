@@ -12,7 +12,7 @@ or deleted afterwards, every later open resolves inside the same directory. Stri
 need no handle: their names carry the checkpoint id, so they cannot hold another save's files.
 
 On a memory root (tmpfs) retention does not free a retired step's data files: it recycles
-them, and the next save overwrites them in place (:mod:`fastpersist.saving.recycle`). A handle
+them, and the next save overwrites them in place (:mod:`fastpersist.memory_level.recycle`). A handle
 alone does not protect a reader there (it keeps the inodes, whose bytes are then rewritten), so
 a reader also holds a shared ``flock`` on every file of the directory for as long as the
 directory is open, taken before it reads anything, and then checks that the directory still
@@ -38,19 +38,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import re
-import stat
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import fastpersist._core as _core
-
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.confine import check_shard_dir
-from ..format.layout import MANIFEST_NAME
+from ..memory_level.reader_locks import hold_against_recycling
 
 __all__ = ["OpenedCheckpoint", "opened_checkpoint", "opened_shard", "real_paths"]
 
@@ -139,45 +135,6 @@ def _with_real_paths(error: Exception) -> Exception:
     return copy.with_traceback(error.__traceback__)
 
 
-def _on_memory_fs(ck: OpenedCheckpoint) -> bool:
-    """Whether the held directory lies on a memory filesystem (where retired files are recycled)."""
-    try:
-        return _core.is_memory_fs(ck.at)
-    except OSError:
-        return False
-
-
-def _hold_files(ck: OpenedCheckpoint) -> list[int]:
-    """Shared ``flock``s on every plain file of the held directory but its manifest (see the
-    module's docstring); returns their descriptors. None on a filesystem other than memory
-    (nothing is recycled there, and a network filesystem's locks may be slow or missing), and
-    none once the directory has lost its manifest: the step was retired and its files may be
-    recycled, and the caller's own read of the manifest, which comes next, fails as it should.
-    """
-    if not _on_memory_fs(ck):
-        return []
-    held: list[int] = []
-    try:
-        with os.scandir(ck.fd) as entries:
-            names = [e.name for e in entries if e.name != MANIFEST_NAME and e.is_file(follow_symlinks=False)]
-        for name in names:
-            try:
-                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=ck.fd)
-            except OSError:
-                continue  # gone since the listing: the step is being retired; the check below says so
-            held.append(fd)
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                fcntl.flock(fd, fcntl.LOCK_SH)  # a save holds its exclusive lock for a rename only
-        os.stat(MANIFEST_NAME, dir_fd=ck.fd, follow_symlinks=False)
-    except BaseException as e:
-        for fd in held:
-            os.close(fd)
-        if isinstance(e, FileNotFoundError):
-            return []
-        raise
-    return held
-
-
 @contextlib.contextmanager
 def _held(root: str, fd: int) -> Iterator[OpenedCheckpoint]:
     ck = OpenedCheckpoint(root, fd, f"{_FD_DIR}/{fd}")
@@ -186,7 +143,7 @@ def _held(root: str, fd: int) -> Iterator[OpenedCheckpoint]:
         yield OpenedCheckpoint(root, -1, root)
         return
     try:
-        files = _hold_files(ck)
+        files = hold_against_recycling(ck.fd, ck.at)
     except BaseException:
         os.close(fd)
         raise

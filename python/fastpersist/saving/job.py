@@ -38,8 +38,8 @@ from ..gpu.arenas import ARENAS
 from ..gpu.device_side import DeviceStaging, has_device_blobs, share_bytes, start_device_staging
 from ..gpu.early import choose_early_copies, split_by_side
 from ..logs import log_save, log_save_call
+from ..memory_level.recycle import file_to_stage_in, take_recycled
 from .pools import pool_for
-from .recycle import file_to_stage_in, take_recycled
 from .remover import held_for_removal, make_room
 from .share_layout import Layout, PlanPart, flatten_to_save, single_layout
 from .target import (

@@ -14,7 +14,7 @@
 //!
 //! An arena may also be a shared mapping of one data file on a memory filesystem
 //! ([`Arena::over_file`]): a save to the in-memory level whose part is that file stages its
-//! bytes straight into the file's pages, and its job only checksums them (`job/in_place.rs`).
+//! bytes straight into the file's pages, and its job only checksums them (`job/memory/in_place.rs`).
 //! The file keeps its inode while it moves from a save's temporary directory to its step and,
 //! retired, back into a later save's (`saving/recycle.py`), so the mapping, and the device
 //! runtime's registration of it, serve every save that recycles the file.
@@ -228,7 +228,7 @@ impl ArenaLease {
     }
 
     /// Whether the arena is the file of the job's one part at `path`, `part_len` bytes long:
-    /// the job then writes it in place (`job/in_place.rs`). An anonymous arena is not; an arena
+    /// the job then writes it in place (`job/memory/in_place.rs`). An anonymous arena is not; an arena
     /// over any other file, or over this one at another length, is refused: its bytes belong to
     /// that file, which may be a committed step's.
     pub fn is_file_of(&self, path: &Path, part_len: u64) -> Result<bool> {

@@ -7,9 +7,10 @@
 //! * [`crc32_fields`](Crc32Field): CRC-32s of stream ranges written into the stream (zip records);
 //! * `staging`: the [`OpSource`](crate::backend::OpSource) that fills slots and makes writes;
 //! * `from_arena`: the job of a save with device sources, staged into its arena and written
-//!   straight from there (`arena_writes`: a window's writes and their checksum threads;
-//!   `in_place`: a job whose arena is its one file on a memory filesystem, checksummed only);
-//! * [`memory`](is_memory_fs): targets on tmpfs/ramfs, written through mappings of the files;
+//!   straight from there (`arena_writes`: a window's writes and their checksum threads);
+//! * [`memory`](is_memory_fs), the in-memory level in one folder: targets on tmpfs/ramfs,
+//!   written through kept mappings of the files (`memory/mapped`), and a device job whose arena
+//!   is its one file there, checksummed only (`memory/in_place`);
 //! * here: the job itself (open the files, drive the backend, finish the files, report).
 
 mod arena_writes;
@@ -17,8 +18,6 @@ mod crc32_fields;
 mod from_arena;
 mod from_pool;
 mod guard;
-mod in_place;
-mod mapped;
 mod memory;
 mod progress;
 mod source;

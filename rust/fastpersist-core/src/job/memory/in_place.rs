@@ -6,19 +6,19 @@
 
 use std::ops::Range;
 
-use super::WriteOptions;
-use super::WriteTarget;
-use super::arena_writes::{CrcBoard, crc_threads};
-use super::from_arena::{ArenaJob, Written};
-use super::progress::WriteGate;
 use crate::checksum::crc32c;
 use crate::error::{Error, Result};
+use crate::job::WriteOptions;
+use crate::job::WriteTarget;
+use crate::job::arena_writes::{CrcBoard, crc_threads};
+use crate::job::from_arena::{ArenaJob, Written};
+use crate::job::progress::WriteGate;
 
 impl ArenaJob<'_> {
     /// Stages `windows` (one, holding every cell, or none for an empty part) into the file,
     /// lets the sources go, waits for the write gate of a snapshot, then checksums the file's
     /// chunks and fsyncs it when durable.
-    pub(super) fn write_in_place(
+    pub(in crate::job) fn write_in_place(
         mut self,
         windows: Vec<Range<usize>>,
         targets: &[WriteTarget],

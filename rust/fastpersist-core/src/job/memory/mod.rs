@@ -11,8 +11,11 @@
 //! helper thread populates the page tables of the chunks ahead of the copy
 //! (`MADV_POPULATE_WRITE`), so the copy does not take one page fault per 4 KiB page. The mapping
 //! of a recycled file (one that existed with data) is kept after the job
-//! ([`mapped`](super::mapped)): the next save that overwrites the same file writes through it
+//! ([`mapped`]): the next save that overwrites the same file writes through it
 //! with no mapping work at all. A new file's mapping is not kept.
+
+mod in_place;
+mod mapped;
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
@@ -23,9 +26,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::WriteTarget;
 use super::from_pool::Staging;
-use super::mapped::{self, MappedFile};
 use crate::error::{Error, Result};
 use crate::probe::{BackendKind, DirectMode};
+use mapped::MappedFile;
 
 /// `statfs` f_type of tmpfs (and of /dev/shm).
 const TMPFS_MAGIC: i64 = 0x0102_1994;

@@ -1,6 +1,6 @@
 """A device state saved to the in-memory level is staged straight into its data file's pages: the
 file is the arena (``Arena.over_file``, ``Arenas.lease_file``), kept and reused as retention
-recycles the file, and the job only checksums it (``job/in_place.rs``)."""
+recycles the file, and the job only checksums it (``job/memory/in_place.rs``)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from fastpersist import _core
 from fastpersist.format.layout import data_file_name
 from fastpersist.gpu.arenas import ARENAS, Arenas
 from fastpersist.gpu.copiers import use_copier
-from fastpersist.saving.recycle import file_to_stage_in, is_memory_root
+from fastpersist.memory_level.recycle import file_to_stage_in, is_memory_root
 
 from fake_cuda import LaterCopier
 from gloo import HELPERS_DIR

@@ -1,5 +1,5 @@
 """The in-memory level: a Checkpointer root on a real tmpfs (/dev/shm) reuses its memory across
-saves, survives the process, and stays crash-safe (saving/recycle.py, job/memory.rs)."""
+saves, survives the process, and stays crash-safe (memory_level/recycle.py, job/memory/mod.rs)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import fastpersist as fp
 from fastpersist import _core
 from fastpersist.format.layout import INDEX_NAME, MANIFEST_NAME, RECYCLE_DIR, data_file_name
 from fastpersist.loading import reading
-from fastpersist.saving.recycle import is_memory_root
+from fastpersist.memory_level.recycle import is_memory_root
 
 import crash_worker
 import replace_workers

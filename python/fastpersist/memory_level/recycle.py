@@ -7,7 +7,7 @@ next one costs more than copying the bytes. So retention on a memory root
 directory (``.fprecycle/``, named by :mod:`fastpersist.format.layout`) with one atomic rename
 and then removes its manifest; a save (:func:`take_recycled`) renames a recycled data file of
 the same name into its fresh temporary directory before the engine starts, and the engine
-(``job/memory.rs``) opens it without truncating, sets its length and overwrites it through a
+(``job/memory/mod.rs``) opens it without truncating, sets its length and overwrites it through a
 mapping.
 
 Why it stays crash-safe:
