@@ -312,10 +312,11 @@ class JobHooks(Protocol):
       computed by a bounded pool of threads before its write is submitted, and reuses the arena
       for the next window only after every write of this one completed. The sources are
       released once the last window is staged.
-    * ``crc32_fields``: ``(start_bytes, len_bytes, [write_at_bytes, ...])`` per range of the
-      stream whose CRC-32 (IEEE, ``zlib.crc32``) is written little-endian at each offset while
-      the range streams through staging (the record CRCs of a zip archive). Ranges sorted and
-      disjoint, each offset after its range's end; the plan must have a single part.
+    * ``crc32_fields``: ``(start_bytes, len_bytes, [write_at_bytes, ...])`` (an
+      ``engine.Crc32Field``) per range of the stream whose CRC-32 (IEEE, ``zlib.crc32``) is
+      written little-endian at each offset while the range streams through staging (the record
+      CRCs of a zip archive). Ranges sorted and disjoint, each offset after its range's end; the
+      plan must have a single part.
     * ``write_gate``: a :class:`WriteGate` that holds the writes back until opened (with
       ``device`` only: the arena holds the snapshot meanwhile).
     """

@@ -204,7 +204,7 @@ def test_a_zip64_archive_gets_its_crc_fields_from_the_zip64_records(workdir: str
     for name, (header, size) in expected.items():
         rec = records[name]
         assert rec.len_bytes == size and header < rec.data_offset_bytes < header + 4096
-    assert (records["archive/data/0"].data_offset_bytes, 1 << 32 | 1) in [(s, n) for s, n, _ in fields]
+    assert (records["archive/data/0"].data_offset_bytes, 1 << 32 | 1) in [(f.start_bytes, f.len_bytes) for f in fields]
 
 
 # ----------------------------------------------------------------------------- what torch.save writes

@@ -6,9 +6,10 @@ engine's buffers keep between saves and loads is registered in :mod:`~fastpersis
 
 from .copies import PartFile, check_part_file
 from .reads import ReadRange, first_bad_chunk, read_file_range, read_ranges
-from .writes import Guard, JobHooks, WriteOptions, WriteRequest, start_write
+from .writes import Crc32Field, Guard, JobHooks, WriteOptions, WriteRequest, start_write
 
 __all__ = [
+    "Crc32Field",
     "Guard",
     "JobHooks",
     "PartFile",

@@ -23,13 +23,13 @@ import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, NamedTuple, Protocol
 
 import fastpersist._core as _core
 
 from ..config import Config
 
-__all__ = ["DeviceHook", "Guard", "JobHooks", "WriteOptions", "WriteRequest", "start_write"]
+__all__ = ["Crc32Field", "DeviceHook", "Guard", "JobHooks", "WriteOptions", "WriteRequest", "start_write"]
 
 log = logging.getLogger("fastpersist")
 
@@ -88,6 +88,15 @@ class Guard:
     copy_early: Sequence[int] = ()
 
 
+class Crc32Field(NamedTuple):
+    """A range of the stream whose CRC-32 the job writes into the stream (a zip record's, at each
+    of `write_at_bytes`): see ``crc32_fields`` in ``_core.pyi``. A tuple, as the binding reads it."""
+
+    start_bytes: int
+    len_bytes: int
+    write_at_bytes: Sequence[int]
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobHooks:
     """What a job calls out to or is held by (the core's ``job::JobHooks``): see ``JobHooks`` in
@@ -95,7 +104,7 @@ class JobHooks:
 
     guard: Guard | None = None
     device: DeviceHook | None = None
-    crc32_fields: Sequence[tuple[int, int, Sequence[int]]] = ()
+    crc32_fields: Sequence[Crc32Field] = ()
     write_gate: _core.WriteGate | None = None
 
 

@@ -44,7 +44,7 @@ import torch
 import fastpersist._core as _core
 
 from ..config import Config
-from ..engine import Guard, JobHooks, WriteOptions, WriteRequest, start_write
+from ..engine import Crc32Field, Guard, JobHooks, WriteOptions, WriteRequest, start_write
 from ..format.blobs import byte_view
 from ..format.layout import atomic_file
 from ..futures import SaveResult
@@ -267,10 +267,10 @@ def _skeleton_bytes(skel: Skeleton) -> ReadAt:
     return read_at
 
 
-def crc32_fields(skel: Skeleton) -> list[tuple[int, int, list[int]]]:
+def crc32_fields(skel: Skeleton) -> list[Crc32Field]:
     """The engine's ``crc32_fields`` for the archive: each non-empty record and its CRC offsets."""
     records = zip_records(_skeleton_bytes(skel), skel.total_bytes)
-    return [(r.data_offset_bytes, r.len_bytes, list(r.crc_offsets)) for r in records if r.len_bytes]
+    return [Crc32Field(r.data_offset_bytes, r.len_bytes, list(r.crc_offsets)) for r in records if r.len_bytes]
 
 
 def torch_save(
@@ -347,7 +347,7 @@ class Archive:
     skeleton: Skeleton
     extents: list[np.ndarray | torch.Tensor]
     plan: _core.Plan
-    crc32_fields: list[tuple[int, int, list[int]]]
+    crc32_fields: list[Crc32Field]
 
     @property
     def total_bytes(self) -> int:
