@@ -140,6 +140,9 @@ class Pool:
     @property
     def allocated_bytes(self) -> int:
         """Bytes allocated so far (slots are allocated on first use)."""
+    @property
+    def spare_bytes(self) -> int:
+        """Bytes of the block kept for the next job's early copies (0 if none)."""
     def call_before_free(self, callback: Callable[[], object]) -> None:
         """Calls ``callback()`` when the pool goes, before its memory is freed (an exception is
         reported as unraisable). It must not refer to the pool."""

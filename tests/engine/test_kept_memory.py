@@ -10,12 +10,14 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist.engine.kept_memory import KEPT_PER_KIND, KeptCache, kept_bytes
+from fastpersist.engine.kept_memory import KEPT_PER_KIND, KeptCache, kept_bound_bytes, kept_bytes
 
 
 def test_the_most_recently_used_are_kept_and_the_oldest_released() -> None:
     released: list[bytes] = []
-    cache: KeptCache[str, bytes] = KeptCache("test: lru", size_of=len, release=released.append)
+    cache: KeptCache[str, bytes] = KeptCache(
+        "test: lru", size_of=len, bound_of_one=lambda config: 3, release=released.append
+    )
     made = [cache.get_or_make(k, lambda k=k: k.encode() * 2) for k in "abc"]
     assert made == [b"aa", b"bb", b"cc"] and released == [b"aa"] and len(cache) == KEPT_PER_KIND
     assert cache.get_or_make("b", lambda: b"new") == b"bb"  # kept: not made again, now the newest
@@ -79,3 +81,32 @@ def test_the_bound_is_the_cache_s_own(keep: int) -> None:
     for k in range(5):
         cache.get_or_make(k, lambda k=k: k)
     assert len(cache) == keep
+
+
+def test_what_a_process_keeps_stays_within_one_bound(tmp_path: pathlib.Path) -> None:
+    """Saves of states of several sizes and loads, all with one config: every kind stays within
+    its bound, and all of them within kept_bound_bytes (the bound is the sum, said once)."""
+    from fastpersist.saving.pools import POOLS
+
+    config = fp.Config(chunk_bytes=1 << 20, pool_bytes=4 << 20).resolved_for(str(tmp_path))
+    POOLS.clear()
+    for k, nbytes in enumerate([1 << 20, 8 << 20, 3 << 20]):
+        path = str(tmp_path / f"s{k}")
+        state = {"w": torch.ones(nbytes // 4), "small": torch.ones(100)}
+        fp.save_async(state, path, config=config).wait()
+        assert torch.equal(fp.load(path, config=config)["w"], state["w"])
+    kinds = kept_bytes()
+    assert 0 < kinds["staging pools"] <= KEPT_PER_KIND * (4 << 20) + KEPT_PER_KIND * (64 << 20)
+    assert sum(v for k, v in kinds.items() if not k.startswith("test: ")) <= kept_bound_bytes(config)
+    # the bound counts what it says: two pools of 4 slots and an early-copy block each, two rings
+    # of two 64 MiB windows, and Config.pinned_bytes of arenas
+    from fastpersist.gpu.arenas import pinned_cap_bytes
+
+    expected = 2 * ((4 << 20) + (64 << 20)) + 2 * 2 * (64 << 20) + pinned_cap_bytes(config.pinned_bytes)
+    assert kept_bound_bytes(config) - sum(kind_bound for kind_bound in _test_kinds_bounds(config)) == expected
+
+
+def _test_kinds_bounds(config: fp.Config) -> list[int]:
+    from fastpersist.engine import kept_memory
+
+    return [kind.bound_bytes(config) for name, kind in kept_memory._kinds.items() if name.startswith("test: ")]

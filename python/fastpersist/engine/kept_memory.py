@@ -11,10 +11,13 @@ about a second per 4-10 GB):
 * ``"staging arenas"``: the pinned arenas device saves and the in-memory level stage into
   (``gpu/arenas.py``), with their own leasing.
 
-The bound, in one place: pools and rings are each a :class:`KeptCache`, which keeps the
-:data:`KEPT_PER_KIND` most recently used and lets go of the oldest (so at most two pools of
-``Config.pool_bytes`` and two rings); the arenas together stay within ``Config.pinned_bytes``
-(docs/gpu.md). :func:`kept_bytes` reports what each kind holds now.
+The bound, in one place: :func:`kept_bound_bytes` (a config's), the sum of what each kind
+registers with :func:`count_kept`. Pools and rings are each a :class:`KeptCache`, which keeps the
+:data:`KEPT_PER_KIND` most recently used and lets go of the oldest: two pools, each its slots
+(``Config.pool_bytes`` in whole chunks, at least two) and the block of its early copies (at
+most 64 MiB), and two rings of two windows each; the arenas together stay within
+``Config.pinned_bytes`` (docs/gpu.md). A Checkpointer holds its own pool besides, for its life.
+:func:`kept_bytes` reports what each kind holds now.
 
 Example:
     >>> cache = KeptCache("example", size_of=len)
@@ -29,9 +32,11 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
-__all__ = ["KEPT_PER_KIND", "KeptCache", "count_kept", "kept_bytes"]
+from ..config import Config
+
+__all__ = ["KEPT_PER_KIND", "KeptCache", "count_kept", "kept_bound_bytes", "kept_bytes"]
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -41,29 +46,47 @@ V = TypeVar("V")
 #: makes nothing after the first round, and one that saves states of many sizes keeps no more.
 KEPT_PER_KIND = 2
 
-#: Each kind's report of the bytes it holds now, by name (:func:`kept_bytes`).
-_kinds: dict[str, Callable[[], int]] = {}
+
+class _Kind(NamedTuple):
+    total_bytes: Callable[[], int]
+    bound_bytes: Callable[[Config], int]
+
+
+#: Each kind's report of the bytes it holds now and of its bound, by name.
+_kinds: dict[str, _Kind] = {}
 _kinds_lock = threading.Lock()
 
 
-def count_kept(kind: str, total_bytes: Callable[[], int]) -> None:
-    """Names a kind of kept memory and how to measure it, for :func:`kept_bytes`."""
+def count_kept(kind: str, total_bytes: Callable[[], int], bound_bytes: Callable[[Config], int]) -> None:
+    """Names a kind of kept memory, how to measure it (:func:`kept_bytes`) and the most it keeps
+    for saves and loads made with a (resolved) config (:func:`kept_bound_bytes`)."""
     with _kinds_lock:
-        _kinds[kind] = total_bytes
+        _kinds[kind] = _Kind(total_bytes, bound_bytes)
 
 
 def kept_bytes() -> dict[str, int]:
     """Bytes each kind of kept memory holds now, by kind (see the module docs)."""
     with _kinds_lock:
         kinds = dict(_kinds)
-    return {kind: total() for kind, total in kinds.items()}
+    return {name: kind.total_bytes() for name, kind in kinds.items()}
+
+
+def kept_bound_bytes(config: Config) -> int:
+    """The most memory a process keeps between its saves and loads made with `config` (resolved
+    for their directory; loads of checkpoints written with it), beyond the pool each live
+    Checkpointer holds: the sum of every kind's bound (see the module docs)."""
+    with _kinds_lock:
+        kinds = list(_kinds.values())
+    return sum(kind.bound_bytes(config) for kind in kinds)
 
 
 class KeptCache(Generic[K, V]):
     """Buffers of one kind by key, the :data:`KEPT_PER_KIND` most recently used kept.
 
     `size_of` measures a buffer for :func:`kept_bytes`; `release` is called on each buffer let
-    go of (outside the lock: it may wait, e.g. for copies that still read it). A buffer is
+    go of (outside the lock: it may wait, e.g. for copies that still read it). `bound_of_one`:
+    the most one buffer of the kind holds for a config; with it the cache is counted by
+    :func:`kept_bytes` and :func:`kept_bound_bytes` under `kind`. A buffer is
     either shared (:meth:`get_or_make`: stays in the cache while used) or taken for one use
     (:meth:`take` then :meth:`give_back`).
     """
@@ -73,6 +96,7 @@ class KeptCache(Generic[K, V]):
         kind: str,
         *,
         size_of: Callable[[V], int],
+        bound_of_one: Callable[[Config], int] | None = None,
         release: Callable[[V], None] | None = None,
         keep: int = KEPT_PER_KIND,
     ) -> None:
@@ -81,7 +105,8 @@ class KeptCache(Generic[K, V]):
         self._size_of = size_of
         self._release = release
         self.keep = keep
-        count_kept(kind, self.total_bytes)
+        if bound_of_one is not None:
+            count_kept(kind, self.total_bytes, lambda config: self.keep * bound_of_one(config))
 
     def get_or_make(self, key: K, make: Callable[[], V]) -> V:
         """The buffer kept for `key` (now the most recently used), else a new one from `make`,

@@ -381,4 +381,4 @@ def _below_one_chunk(cap_bytes: int, min_bytes: int) -> ValueError:
 
 #: The arenas of this process.
 ARENAS = Arenas()
-count_kept("staging arenas", ARENAS.total_bytes)
+count_kept("staging arenas", ARENAS.total_bytes, lambda config: pinned_cap_bytes(config.pinned_bytes))

@@ -112,7 +112,22 @@ class Ring:
 
 #: Rings kept between loads by buffer size (bounded, as save pools are: engine/kept_memory.py). A
 #: ring let go of is unpinned once the copies from it have run.
-RINGS: KeptCache[int, Ring] = KeptCache("device-load rings", size_of=Ring.nbytes, release=Ring.release)
+def ring_window(chunk_bytes: int) -> int:
+    """Stream bytes per window of a load of a checkpoint of `chunk_bytes` chunks."""
+    return max(chunk_bytes, DEVICE_WINDOW_BYTES // chunk_bytes * chunk_bytes)
+
+
+def ring_bytes(chunk_bytes: int) -> int:
+    """The bytes of one buffer of the ring for a checkpoint of `chunk_bytes` chunks: a window."""
+    return direct_padded(ring_window(chunk_bytes))
+
+
+RINGS: KeptCache[int, Ring] = KeptCache(
+    "device-load rings",
+    size_of=Ring.nbytes,
+    bound_of_one=lambda config: RING_SLOTS * ring_bytes(config.resolved_chunk_bytes),
+    release=Ring.release,
+)
 
 
 def device_targets(m: Manifest, location: MapLocation) -> dict[int, torch.device]:
@@ -238,9 +253,7 @@ def copy_extents(
     """Reads the windows of the stream that hold `extents` through the ring and copies each
     extent's bytes to its destination; on return every copy is ordered before the caller's
     later work on its current stream (``finish``). See the module docstring."""
-    chunk = m.chunk_bytes
-    window = max(chunk, DEVICE_WINDOW_BYTES // chunk * chunk)
-    nbytes = direct_padded(window)
+    window, nbytes = ring_window(m.chunk_bytes), ring_bytes(m.chunk_bytes)
     ring = RINGS.take(nbytes) or Ring(nbytes)
     try:
         for _, host in ring.buffers:

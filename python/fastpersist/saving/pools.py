@@ -11,14 +11,24 @@ import fastpersist._core as _core
 
 from ..config import Config
 from ..engine.kept_memory import KeptCache
+from ..gpu.early import EARLY_COPY_BUDGET_BYTES
 
 __all__ = ["POOLS", "pool_for", "prefault_in_background"]
 
 log = logging.getLogger("fastpersist")
 
+
 #: Pools kept alive between saves, by (chunk size, budget). Bounded, so a process that saves
 #: states of many sizes does not keep a pool per size (a Checkpointer holds its own).
-POOLS: KeptCache[tuple[int, int], _core.Pool] = KeptCache("staging pools", size_of=lambda pool: pool.allocated_bytes)
+def _pool_bound(config: Config) -> int:
+    """The most one pool for `config` holds: its slots and its early copies' block."""
+    slot = -(-config.resolved_chunk_bytes // _core.DIRECT_ALIGN_BYTES) * _core.DIRECT_ALIGN_BYTES
+    return max(2, config.pool_bytes // slot) * slot + EARLY_COPY_BUDGET_BYTES
+
+
+POOLS: KeptCache[tuple[int, int], _core.Pool] = KeptCache(
+    "staging pools", size_of=lambda pool: pool.allocated_bytes + pool.spare_bytes, bound_of_one=_pool_bound
+)
 
 
 def pool_for(config: Config) -> _core.Pool:

@@ -128,6 +128,12 @@ impl Pool {
         self.inner.allocated_bytes()
     }
 
+    /// Bytes of the block kept for the next job's early copies (0 if none).
+    #[getter]
+    fn spare_bytes(&self) -> usize {
+        self.inner.spare_bytes()
+    }
+
     /// Allocates every slot not allocated yet and faults its pages in, the GIL released;
     /// returns the bytes faulted in.
     fn prefault(&self, py: Python<'_>) -> usize {
