@@ -26,7 +26,7 @@ import shutil
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, Self, TypeVar
 
 import fastpersist._core as _core
 
@@ -144,6 +144,14 @@ class GroupSaveJob:
                 raise own_error
             raise GroupSaveError(f"rank 0 could not start the save of {self.path}: {message.error}")
         self.layout = self._layout(message)
+        # Rank 0 commits: the other ranks' stripes of the old tree must see it dead at once.
+        return self._start_share(state, tmp_lock, background=background, hold_replaced=not self.config.stripes)
+
+    def _start_share(
+        self, state: object, tmp_lock: DirLock | None, *, background: bool, hold_replaced: bool = True
+    ) -> Self:
+        """Starts this rank's job on `self.layout`; an error is kept for the group (reported in
+        finish(); wait_staged re-raises it), not raised."""
         try:
             self.job = SaveJob(
                 self.path,
@@ -152,11 +160,10 @@ class GroupSaveJob:
                 pool=self.pool,
                 tmp_lock=tmp_lock,
                 early_copy=self.early_copy,
-                # Rank 0 commits: the other ranks' stripes of the old tree must see it dead at once.
-                hold_replaced=not self.config.stripes,
+                hold_replaced=hold_replaced,
             )
             self.job.start(state, background=background)
-        except BaseException as e:  # reported to the group in finish(); wait_staged re-raises it
+        except BaseException as e:
             self.start_error = e
         return self
 

@@ -47,7 +47,6 @@ from ..format.layout import MANIFEST_NAME, shard_name, tmp_dir_for
 from ..format.ownership import DirLock, make_locked_dir
 from ..futures import SaveResult
 from .group import GroupSaveJob, RankStatus, StartMessage
-from .job import SaveJob
 from .share_layout import Layout
 from .target import check_name_fits, check_target
 
@@ -113,19 +112,7 @@ class PartnerSaveJob(GroupSaveJob):
                 f"{self.path}: {e}"
             )
         self.layout = self.layout_for(message.checkpoint_id, tmp, owner=self.placement.is_leader(self.rank))
-        try:
-            self.job = SaveJob(
-                self.path,
-                self.config,
-                layout=self.layout,
-                pool=self.pool,
-                tmp_lock=tmp_lock,
-                early_copy=self.early_copy,
-            )
-            self.job.start(state, background=background)
-        except BaseException as e:  # reported to the group in finish(); wait_staged re-raises it
-            self.start_error = e
-        return self
+        return self._start_share(state, tmp_lock, background=background)
 
     def layout_for(self, checkpoint_id: str, tmp: str, *, owner: bool) -> Layout:
         """The group layout; with replicated state this rank also writes the shares it keeps copies of."""

@@ -3,10 +3,10 @@
 mod common;
 
 use common::{expected_stream, pseudo_random};
-use fastpersist_core::job::{JobProgress, SourceRegion, WriteOptions, WriteTarget, write_parts};
+use fastpersist_core::job::{JobProgress, WriteOptions, WriteTarget, write_parts};
 use fastpersist_core::plan::Plan;
 use fastpersist_core::pool::Pool;
-use fastpersist_core::probe::{BackendKind, DirectMode};
+use fastpersist_core::probe::DirectMode;
 
 #[test]
 fn chunks_staged_by_several_threads_are_the_bytes_and_checksums_of_one() {
@@ -15,7 +15,7 @@ fn chunks_staged_by_several_threads_are_the_bytes_and_checksums_of_one() {
     // writes drain): every file and every chunk crc32c equal the one thread's.
     const BIG_CHUNK: u64 = 8 << 20;
     let root = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let data: Vec<Vec<u8>> = [5 << 20, 3, 13 << 20, 100]
+    let mut data: Vec<Vec<u8>> = [5 << 20, 3, 13 << 20, 100]
         .iter()
         .enumerate()
         .map(|(i, &n)| pseudo_random(n, i as u64 + 11))
@@ -27,23 +27,16 @@ fn chunks_staged_by_several_threads_are_the_bytes_and_checksums_of_one() {
         .into_iter()
         .map(|threads| {
             let options = WriteOptions {
-                backend: BackendKind::Threads,
                 direct: DirectMode::Auto,
-                queue_depth: 2,
-                checksum: true,
-                durable: false,
                 staging_threads: threads,
+                ..common::options()
             };
             let path = root.path().join(format!("threads{threads}.bin"));
             let targets = [WriteTarget {
                 part: plan.parts[0],
                 path: path.clone(),
             }];
-            // SAFETY: `data` outlives the write_parts call below, which returns after the job.
-            let sources = data
-                .iter()
-                .map(|d| unsafe { SourceRegion::from_slice(d) })
-                .collect();
+            let sources = common::regions(&mut data);
             let progress = JobProgress::default();
             let report = write_parts(&plan, &targets, sources, &pool, &options, &progress).unwrap();
             assert_eq!(
