@@ -136,11 +136,6 @@ class KeptCache(Generic[K, V]):
             dropped.insert(0, previous)
         self._let_go(dropped)
 
-    def pop(self, key: K) -> V | None:
-        """Lets go of the buffer kept for `key` without releasing it; returns it (or None)."""
-        with self._lock:
-            return self._kept.pop(key, None)
-
     def clear(self) -> None:
         """Lets go of every buffer kept (released as when dropped)."""
         with self._lock:

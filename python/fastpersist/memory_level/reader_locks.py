@@ -9,19 +9,10 @@ import fcntl
 import os
 import stat
 
-import fastpersist._core as _core
-
 from ..format.layout import MANIFEST_NAME
+from .recycle import is_memory_root
 
 __all__ = ["hold_against_recycling"]
-
-
-def _on_memory_fs(directory: str) -> bool:
-    """Whether `directory` lies on a memory filesystem (where retired files are recycled)."""
-    try:
-        return _core.is_memory_fs(directory)
-    except OSError:
-        return False
 
 
 def hold_against_recycling(dir_fd: int, at: str) -> list[int]:
@@ -32,7 +23,7 @@ def hold_against_recycling(dir_fd: int, at: str) -> list[int]:
     manifest: the step was retired and its files may be recycled, and the caller's own read of
     the manifest, which comes next, fails as it should.
     """
-    if not _on_memory_fs(at):
+    if not is_memory_root(at):
         return []
     held: list[int] = []
     try:
