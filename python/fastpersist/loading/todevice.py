@@ -110,8 +110,6 @@ class Ring:
         return sum(host.numel() for _, host in self.buffers)
 
 
-#: Rings kept between loads by buffer size (bounded, as save pools are: engine/kept_memory.py). A
-#: ring let go of is unpinned once the copies from it have run.
 def ring_window(chunk_bytes: int) -> int:
     """Stream bytes per window of a load of a checkpoint of `chunk_bytes` chunks."""
     return max(chunk_bytes, DEVICE_WINDOW_BYTES // chunk_bytes * chunk_bytes)
@@ -122,6 +120,8 @@ def ring_bytes(chunk_bytes: int) -> int:
     return direct_padded(ring_window(chunk_bytes))
 
 
+#: Rings kept between loads by buffer size (bounded, as save pools are: engine/kept_memory.py). A
+#: ring let go of is unpinned once the copies from it have run.
 RINGS: KeptCache[int, Ring] = KeptCache(
     "device-load rings",
     size_of=Ring.nbytes,

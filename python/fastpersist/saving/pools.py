@@ -18,14 +18,15 @@ __all__ = ["POOLS", "pool_for", "prefault_in_background"]
 log = logging.getLogger("fastpersist")
 
 
+def _pool_bound(config: Config) -> int:
+    """The most one pool for `config` holds: its slots and its early copies' block. The slots
+    are the engine's own rule (a pool allocates nothing until used, so asking one is free)."""
+    shape = _core.Pool(config.resolved_chunk_bytes, config.pool_bytes)
+    return shape.slot_count * shape.slot_bytes + EARLY_COPY_BUDGET_BYTES
+
+
 #: Pools kept alive between saves, by (chunk size, budget). Bounded, so a process that saves
 #: states of many sizes does not keep a pool per size (a Checkpointer holds its own).
-def _pool_bound(config: Config) -> int:
-    """The most one pool for `config` holds: its slots and its early copies' block."""
-    slot = -(-config.resolved_chunk_bytes // _core.DIRECT_ALIGN_BYTES) * _core.DIRECT_ALIGN_BYTES
-    return max(2, config.pool_bytes // slot) * slot + EARLY_COPY_BUDGET_BYTES
-
-
 POOLS: KeptCache[tuple[int, int], _core.Pool] = KeptCache(
     "staging pools", size_of=lambda pool: pool.allocated_bytes + pool.spare_bytes, bound_of_one=_pool_bound
 )
