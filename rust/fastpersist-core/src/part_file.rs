@@ -139,9 +139,7 @@ impl PartFileWriter {
         }
         self.check(data)?;
         if !self.direct {
-            self.file
-                .write_all_at(data, self.next)
-                .map_err(|e| Error::io("write", &self.path, e))?;
+            self.write_buffered(data, self.next)?;
         } else if self.held == 0 && aligned(data, self.next) {
             self.write_direct(data, self.next)?;
         } else {
@@ -253,27 +251,68 @@ impl PartFileWriter {
                 let buffer = self.buffer.take().expect("just filled");
                 let start = at - self.held as u64;
                 self.write_direct(&buffer, start)?;
-                self.buffer = Some(buffer);
                 self.held = 0;
+                if !self.direct {
+                    // The write fell back to buffered I/O: nothing is held from here on, so the
+                    // rest of this piece goes straight to its own offset.
+                    return self.write_buffered(data, at);
+                }
+                self.buffer = Some(buffer);
             }
         }
         Ok(())
     }
 
+    fn write_buffered(&mut self, data: &[u8], offset: u64) -> Result<()> {
+        debug_assert_eq!(self.held, 0, "buffered writes never leave bytes held");
+        write_all_at(&self.file, data, offset, false).map_err(|e| Error::io("write", &self.path, e))
+    }
+
     fn write_direct(&mut self, data: &[u8], offset: u64) -> Result<()> {
-        match self.file.write_all_at(data, offset) {
+        match write_all_at(&self.file, data, offset, true) {
             // Some filesystems open with O_DIRECT and then refuse the writes: nothing is written
-            // yet, so the file is opened again for buffered I/O.
+            // yet, so the file is opened again for buffered I/O (the caller stops holding bytes).
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) && offset == 0 => {
                 self.file = open(&self.path, Create::Replace, false)
                     .map_err(|e| Error::io("create", &self.path, e))?;
                 self.direct = false;
-                self.file.write_all_at(data, offset)
+                write_all_at(&self.file, data, offset, false)
             }
             written => written,
         }
         .map_err(|e| Error::io("write", &self.path, e))
     }
+}
+
+/// Writes all of `data` at `offset`, going on after short writes.
+fn write_all_at(
+    file: &File,
+    mut data: &[u8],
+    mut offset: u64,
+    direct: bool,
+) -> std::io::Result<()> {
+    while !data.is_empty() {
+        match write_once(file, data, offset, direct) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                data = &data[n..];
+                offset += n as u64;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(test))]
+fn write_once(file: &File, data: &[u8], offset: u64, _direct: bool) -> std::io::Result<usize> {
+    file.write_at(data, offset)
+}
+
+#[cfg(test)]
+fn write_once(file: &File, data: &[u8], offset: u64, direct: bool) -> std::io::Result<usize> {
+    tests::faults::write_once(file, data, offset, direct)
 }
 
 fn aligned(data: &[u8], offset: u64) -> bool {
@@ -298,6 +337,52 @@ fn open(path: &Path, create: Create, direct: bool) -> std::io::Result<File> {
 mod tests {
     use super::*;
     use crate::checksum::crc32c;
+    use proptest::prelude::*;
+
+    /// A simulated filesystem under the writer: the faults this thread's writes meet.
+    pub(super) mod faults {
+        use std::cell::Cell;
+        use std::fs::File;
+        use std::os::unix::fs::FileExt;
+
+        use crate::DIRECT_ALIGN_BYTES;
+
+        #[derive(Debug, Clone, Copy, Default)]
+        pub struct Faults {
+            /// Direct writes fail with EINVAL: O_DIRECT accepted at open, refused at write.
+            pub refuse_direct: bool,
+            /// Each write takes at most this many bytes (whole pages for a direct write, as a
+            /// block device's short write would).
+            pub max_write_bytes: Option<usize>,
+        }
+
+        thread_local! {
+            static FAULTS: Cell<Faults> = Cell::new(Faults::default());
+        }
+
+        pub fn set(faults: Faults) {
+            FAULTS.with(|c| c.set(faults));
+        }
+
+        pub fn write_once(
+            file: &File,
+            data: &[u8],
+            offset: u64,
+            direct: bool,
+        ) -> std::io::Result<usize> {
+            let faults = FAULTS.with(Cell::get);
+            if direct && faults.refuse_direct {
+                return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+            }
+            let mut n = faults
+                .max_write_bytes
+                .map_or(data.len(), |most| most.clamp(1, data.len()));
+            if direct && n < data.len() {
+                n = (n / DIRECT_ALIGN_BYTES).max(1) * DIRECT_ALIGN_BYTES;
+            }
+            file.write_at(&data[..n], offset)
+        }
+    }
 
     fn bytes(n: usize) -> Vec<u8> {
         (0..n).map(|i| (i * 31 % 251) as u8).collect()
@@ -430,5 +515,38 @@ mod tests {
         };
         let err = PartFileWriter::create(&dir.path().join("f"), 4096, bad, Create::New, true).err();
         assert!(matches!(err, Some(Error::InvalidArgument(_))));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+        /// Whatever the filesystem does to the writes (direct writes refused after the open,
+        /// short writes) and however the bytes arrive (pieces of any size, at any address), a
+        /// finished file holds exactly the bytes appended.
+        #[test]
+        fn a_finished_file_holds_its_bytes_whatever_the_writes_meet(
+            len in prop_oneof![0usize..70_000, (PART_FILE_BUFFER_BYTES - 5_000)..(2 * PART_FILE_BUFFER_BYTES + 9_000)],
+            cut_fractions in proptest::collection::vec(0.0f64..1.0, 0..6),
+            misalign in 0usize..2,
+            direct in any::<bool>(),
+            refuse_direct in any::<bool>(),
+            max_write_bytes in proptest::option::of(997usize..(3 << 20)),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("f");
+            // `misalign`: the pieces lie one byte past a page-aligned start, so none is written in place.
+            let backing = AlignedBuf::zeroed(round_up(len + 1, DIRECT_ALIGN_BYTES).max(DIRECT_ALIGN_BYTES));
+            let mut source = backing;
+            let data = bytes(len);
+            source[misalign..misalign + len].copy_from_slice(&data);
+            let source = &source[misalign..misalign + len];
+            let mut cuts: Vec<usize> = cut_fractions.iter().map(|f| (f * len as f64) as usize).collect();
+            cuts.sort_unstable();
+            faults::set(faults::Faults { refuse_direct, max_write_bytes });
+            let written = write_in_pieces(&path, source, &cuts, direct).and_then(|w| w.finish(true));
+            faults::set(faults::Faults::default());
+            prop_assert!(written.is_ok(), "{written:?}");
+            prop_assert!(std::fs::read(&path).unwrap() == data, "the file differs from its bytes");
+        }
     }
 }
