@@ -8,7 +8,7 @@
 //! goes through one aligned buffer, so the writes stay large and aligned whatever the pieces.
 
 use std::fs::{File, OpenOptions};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use crate::align::AlignedBuf;
@@ -307,7 +307,7 @@ fn write_all_at(
 
 #[cfg(not(test))]
 fn write_once(file: &File, data: &[u8], offset: u64, _direct: bool) -> std::io::Result<usize> {
-    file.write_at(data, offset)
+    std::os::unix::fs::FileExt::write_at(file, data, offset)
 }
 
 #[cfg(test)]
