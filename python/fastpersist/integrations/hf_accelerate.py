@@ -3,8 +3,8 @@ through the two hooks Accelerate offers (``register_save_state_pre_hook``,
 ``register_load_state_pre_hook``): :class:`FastPersistStateHooks`.
 
     >>> hooks = FastPersistStateHooks().install(accelerator)      # doctest: +SKIP
-    >>> accelerator.save_state("ckpt/step-100")                   # returns once the weights are staged
-    >>> hooks.wait()                                              # doctest: +SKIP
+    >>> accelerator.save_state("ckpt/step-100")  # staged: returns  # doctest: +SKIP
+    >>> hooks.wait()                             # durable          # doctest: +SKIP
     >>> accelerator.load_state("ckpt/step-100")                   # doctest: +SKIP
 
 The save hook takes each model's state dict out of the list Accelerate would write and starts
@@ -16,32 +16,51 @@ fills each model's tensors in place from its checkpoint (all or nothing, checksu
 and takes the model out of the list Accelerate would load; a folder saved without the hooks
 (no ``model_fastpersist``) is left to Accelerate's own loader.
 
+``install`` also wraps the accelerator's ``save_state`` and ``load_state``. ``save_state``
+first waits for the previous save (one in flight at a time) and removes what killed saves left
+in its folder (with ``automatic_checkpoint_naming``: in every folder of ``checkpoints/``). With
+``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=k)`` it runs Accelerate's
+with ``total_limit`` off and deletes the same oldest folders Accelerate would have deleted, but
+only once the new folder is durable (:func:`folders_past_limit`, :func:`remove_folders`): so a folder whose save is
+in flight is never deleted, the previous checkpoint stays until its successor is loadable, and
+``k + 1`` folders exist meanwhile; the deletion happens at :meth:`FastPersistStateHooks.wait`
+or at the next ``save_state``/``load_state``. ``load_state`` waits for the save in flight before
+Accelerate picks or reads its folder. To copy or remove a folder right after ``save_state``,
+call ``hooks.wait()`` first: until it returns, the weights are still being written.
+
 What the hooks cannot reach, since Accelerate writes and reads it itself after the hook: the
 optimizer state (``optimizer.bin``), schedulers, the grad scaler, the RNG states
 (``random_states_*.pkl``), dataloader samplers and ``register_for_checkpointing`` objects.
 They stay ``torch.save`` files written synchronously by ``save_state``, with no checksum and
 no fsync; :meth:`FastPersistStateHooks.wait` fsyncs them (and the directory) after the fact,
 so the directory is durable once it returns, but a crash during ``save_state`` can leave them
-partial. Nor can the hooks order a save's visibility: ``save_state`` writes into the folder in
-place, and with ``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=k)`` it
-deletes the oldest folders before the hooks run, that is, before the new one is durable, and
-``load_state()`` picks the newest folder whether it is complete or not. Models of FSDP,
-DeepSpeed or Megatron-LM runs are saved by Accelerate itself (their hook list is empty). For
-checkpoints that appear only when complete, use :class:`~fastpersist.Checkpointer` or, under
-the Trainer, :mod:`.hf_trainer`.
+partial. ``save_state`` writes into the folder in place, and ``load_state()`` with automatic
+naming picks the newest folder whether it is complete or not (a folder whose weights' save was
+killed is refused by the load hook with an error naming it; load the folder before it). Models
+of FSDP, DeepSpeed or Megatron-LM runs are saved by Accelerate itself (their hook list is
+empty). For checkpoints that appear only when complete, use :class:`~fastpersist.Checkpointer`
+or, under the Trainer, :mod:`.hf_trainer`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import re
+import shutil
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import fastpersist._core as _core
 
 from ..api import load, save_async
+from ..cleanup import clean
 from ..config import Config
+from ..format.layout import MANIFEST_NAME, parse_tmp_dir
 from ..futures import SaveFuture, SaveResult
 from ..saving.optimizer_guard import guard_optimizer
+from ..saving.target import remove_checkpoint_tree
 from .hf_checkpoint import snapshot_pool_config
 
 __all__ = ["FastPersistStateHooks", "model_dir_name"]
@@ -51,6 +70,94 @@ def model_dir_name(index: int) -> str:
     """The checkpoint directory of the `index`-th prepared model, beside Accelerate's files
     (its own names are ``model.safetensors``, ``model_1.safetensors``, ...)."""
     return "model_fastpersist" if index == 0 else f"model_{index}_fastpersist"
+
+
+_NUMBER = re.compile(r"\d+")
+
+
+def folder_number(path: str) -> int:
+    """The number Accelerate orders its checkpoint folders by: the first in the folder's name.
+
+    Example:
+        >>> folder_number("/run/checkpoints/checkpoint_12")
+        12
+    """
+    match = _NUMBER.search(os.path.basename(path))
+    if match is None:
+        raise ValueError(
+            f"{path} has no number in its name, so Accelerate's total_limit cannot order it among its "
+            "checkpoint folders; move it out of the checkpoints directory"
+        )
+    return int(match.group())
+
+
+def folders_past_limit(checkpoints_dir: str, total_limit: int) -> list[str]:
+    """The entries of `checkpoints_dir` that Accelerate's ``save_state`` would delete now to make
+    room for one more under `total_limit`, oldest first (every entry counts, as in Accelerate).
+
+    Example:
+        >>> import tempfile
+        >>> root = tempfile.mkdtemp()
+        >>> for n in (10, 2, 1):
+        ...     os.mkdir(os.path.join(root, f"checkpoint_{n}"))
+        >>> [os.path.basename(p) for p in folders_past_limit(root, total_limit=2)]
+        ['checkpoint_1', 'checkpoint_2']
+    """
+    if not os.path.isdir(checkpoints_dir):
+        return []
+    folders = [os.path.join(checkpoints_dir, name) for name in os.listdir(checkpoints_dir)]
+    excess = len(folders) + 1 - total_limit
+    if excess <= 0:
+        return []
+    folders.sort(key=folder_number)  # stable: ties keep the listing's order, as in Accelerate
+    return folders[:excess]
+
+
+def remove_folders(folders: Sequence[str], stripes: Sequence[str] | None) -> None:
+    """Deletes `folders` (and the stripe directories their fastpersist checkpoints own)."""
+    for folder in folders:
+        if stripes and os.path.isdir(folder):
+            for entry in os.scandir(folder):
+                if entry.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)):
+                    remove_checkpoint_tree(entry.path, stripes)
+        if os.path.isdir(folder) and not os.path.islink(folder):
+            shutil.rmtree(folder)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(folder)
+
+
+def clean_folders(folders: Sequence[str], stripes: Sequence[str] | None) -> None:
+    """Removes what killed saves left in each of `folders` (a save in progress is left alone)."""
+    for folder in folders:
+        if os.path.isdir(folder) and not os.path.islink(folder):
+            clean(folder, stripes=list(stripes) if stripes else None)
+
+
+def fsync_folder(folder: str, durable_already: Collection[str]) -> None:
+    """Fsyncs every file and directory under `folder` except the trees in `durable_already`,
+    then the directory holding `folder`, so that the folder survives a crash whole."""
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if os.path.join(root, d) not in durable_already]
+        for name in files:
+            path = os.path.join(root, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                _core.fsync_path(path)
+        _core.fsync_dir(root)
+    _core.fsync_dir(os.path.dirname(os.path.abspath(folder)))
+
+
+def unsaved_models(folder: str) -> list[str]:
+    """The names of the fastpersist checkpoints whose save into `folder` left only its hidden
+    temporary directory (the process died before the commit)."""
+    if not os.path.isdir(folder):
+        return []
+    names = set()
+    for name in os.listdir(folder):
+        parsed = parse_tmp_dir(name)
+        if parsed is not None and not os.path.exists(os.path.join(folder, parsed[0])):
+            names.add(parsed[0])
+    return sorted(names)
 
 
 class FastPersistStateHooks:
@@ -73,11 +180,14 @@ class FastPersistStateHooks:
         self.accelerator: Any = None
         self._in_flight: list[SaveFuture] = []
         self._last_dir: str | None = None
+        self._retire_after_commit: list[str] = []
         self._handles: list[Any] = []
+        self._wrappers: dict[str, Callable[..., Any]] = {}
         self._guarded: set[int] = set()
 
     def install(self, accelerator: Any) -> FastPersistStateHooks:
-        """Registers both hooks on `accelerator`; returns self. :meth:`remove` undoes it."""
+        """Registers both hooks on `accelerator` and wraps its ``save_state`` and ``load_state``
+        (see the module docstring); returns self. :meth:`remove` undoes it."""
         if self.accelerator is not None:
             raise RuntimeError("these hooks are installed already; make a FastPersistStateHooks per Accelerator")
         if not callable(getattr(accelerator, "register_save_state_pre_hook", None)):
@@ -89,6 +199,12 @@ class FastPersistStateHooks:
             accelerator.register_save_state_pre_hook(self._save_hook),
             accelerator.register_load_state_pre_hook(self._load_hook),
         ]
+        self._wrappers = {
+            "save_state": self._wrap_save_state(accelerator.save_state),
+            "load_state": self._wrap_load_state(accelerator.load_state),
+        }
+        for name, wrapper in self._wrappers.items():
+            setattr(accelerator, name, wrapper)  # an instance attribute: the class's method is untouched
         return self
 
     def remove(self) -> None:
@@ -96,7 +212,10 @@ class FastPersistStateHooks:
         self.wait()
         for handle in self._handles:
             handle.remove()
-        self._handles, self.accelerator = [], None
+        for name, wrapper in self._wrappers.items():
+            if vars(self.accelerator).get(name) is wrapper:
+                delattr(self.accelerator, name)
+        self._handles, self._wrappers, self.accelerator = [], {}, None
 
     @property
     def saves_in_flight(self) -> list[SaveFuture]:
@@ -110,21 +229,55 @@ class FastPersistStateHooks:
             fut.wait_staged(timeout)
 
     def wait(self) -> list[SaveResult]:
-        """Blocks until the models' checkpoints are committed, then fsyncs the files Accelerate
-        wrote into the same folder; returns the models' :class:`SaveResult`. Raises a save's error."""
+        """Blocks until the models' checkpoints are committed, fsyncs the files Accelerate wrote
+        into the same folder, then deletes the folders ``total_limit`` retired; returns the
+        models' :class:`SaveResult`. Raises a save's error (and then deletes nothing)."""
         futures, self._in_flight = self._in_flight, []
-        results = [fut.wait() for fut in futures]
         folder, self._last_dir = self._last_dir, None
+        retired, self._retire_after_commit = self._retire_after_commit, []
+        results = [fut.wait() for fut in futures]
         if folder is not None:
-            ours = {r.path for r in results}
-            for root, dirs, files in os.walk(folder):
-                dirs[:] = [d for d in dirs if os.path.join(root, d) not in ours]  # durable already
-                for name in files:
-                    path = os.path.join(root, name)
-                    if os.path.isfile(path) and not os.path.islink(path):
-                        _core.fsync_path(path)
-                _core.fsync_dir(root)
+            fsync_folder(folder, durable_already={r.path for r in results})
+        remove_folders(retired, self._stripes())
         return results
+
+    def _stripes(self) -> list[str] | None:
+        return [os.fspath(s) for s in self.config.stripes] if self.config and self.config.stripes else None
+
+    def _wrap_save_state(self, save_state: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(save_state)
+        def wrapper(output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+            self.wait()  # Accelerate lists (and may pick) folders: none may be half-written
+            project = self.accelerator.project_configuration
+            if project.automatic_checkpoint_naming:
+                checkpoints = os.path.join(self.accelerator.project_dir, "checkpoints")
+                if os.path.isdir(checkpoints):
+                    clean_folders([os.path.join(checkpoints, n) for n in os.listdir(checkpoints)], self._stripes())
+            elif output_dir is not None:
+                clean_folders([os.fspath(output_dir)], self._stripes())
+            limit = project.total_limit
+            if not project.automatic_checkpoint_naming or limit is None:
+                return save_state(output_dir, *args, **kwargs)
+            retired = folders_past_limit(checkpoints, limit) if self.accelerator.is_main_process else []
+            project.total_limit = None  # Accelerate would delete them now, before the new folder is durable
+            try:
+                location = save_state(output_dir, *args, **kwargs)
+            finally:
+                project.total_limit = limit
+            self._retire_after_commit = retired
+            if not self._in_flight:
+                self.wait()  # no weights of ours in flight (FSDP, no model): durable and rotated now
+            return location
+
+        return wrapper
+
+    def _wrap_load_state(self, load_state: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(load_state)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self.wait()  # before Accelerate picks the newest folder or reads the one named
+            return load_state(*args, **kwargs)
+
+        return wrapper
 
     def _save_hook(self, models: list[Any], weights: list[dict[str, Any]], output_dir: str) -> None:
         self.wait()  # one save_state in flight at a time
@@ -146,6 +299,12 @@ class FastPersistStateHooks:
         paths = [os.path.join(input_dir, model_dir_name(i)) for i in range(len(models))]
         found = [os.path.isdir(p) for p in paths]
         if not any(found):
+            killed = unsaved_models(input_dir)
+            if killed:
+                raise FileNotFoundError(
+                    f"load_state({input_dir!r}): the save of {killed} into this folder never committed (the process "
+                    "died while writing it); load the folder saved before it"
+                )
             return  # a folder saved without these hooks: Accelerate loads its own model files
         if not all(found):
             missing = [p for p, there in zip(paths, found, strict=True) if not there]
