@@ -10,6 +10,10 @@ the caller's stream before the call returns, so it runs before the next forward'
 host sync, no device memory); a save that goes through the arena in windows clones it on its
 device instead (:func:`clone_on_device`), as its copy may come in a later window.
 
+An inference tensor (made under ``torch.inference_mode()``) keeps no version counter, so the
+guard cannot see it modified: an overlapped save copies its bytes at the call, whatever their
+size (:func:`copy_unversioned`), on the host or on its device.
+
 Example:
     >>> import torch
     >>> from fastpersist.format.flatten import flatten
@@ -22,9 +26,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ..format.blobs import Blob
+import torch
 
-__all__ = ["EARLY_COPY_BUDGET_BYTES", "EARLY_COPY_MAX_BYTES", "choose_early_copies", "clone_on_device", "split_by_side"]
+from ..format.blobs import Blob
+from ..format.records import TensorRecord
+
+__all__ = [
+    "EARLY_COPY_BUDGET_BYTES",
+    "EARLY_COPY_MAX_BYTES",
+    "choose_early_copies",
+    "clone_on_device",
+    "copy_unversioned",
+    "split_by_side",
+]
 
 #: The largest tensor copied early.
 EARLY_COPY_MAX_BYTES = 1 << 20
@@ -63,3 +77,29 @@ def clone_on_device(blobs: Sequence[Blob], indices: Iterable[int]) -> None:
         blob = blobs[i]
         blob.source = blob.source_tensor.clone()
         blob.version, blob.members = None, ()
+
+
+def copy_unversioned(blobs: list[Blob], records: Sequence[TensorRecord], leaves: Sequence[object]) -> int:
+    """Replaces each blob that holds an inference tensor's bytes by a copy made now (a host copy,
+    or a clone on the tensor's device for a device-resident blob); returns the bytes copied.
+
+    `records` and `leaves`: the flattened state's tensor records and the objects behind them.
+    """
+    copied = 0
+    done: set[int] = set()
+    for record, leaf in zip(records, leaves, strict=True):
+        index = record.blob
+        if index in done or not (isinstance(leaf, torch.Tensor) and leaf.is_inference()):
+            continue
+        done.add(index)
+        blob = blobs[index]
+        if blob.nbytes == 0 or not isinstance(blob.source, torch.Tensor):
+            continue
+        source = blob.source.detach()
+        if blob.device_copier is not None:
+            copy = source.clone()
+        else:
+            copy = source.clone(memory_format=torch.contiguous_format) if source.is_cpu else source.cpu()
+        blobs[index] = Blob(None, copy, None, blob.nbytes, blob.device_copier)
+        copied += blob.nbytes
+    return copied

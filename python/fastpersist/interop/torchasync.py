@@ -41,7 +41,7 @@ from ..saving.verdict import Verdict
 from .torchfile import Archive, capture_skeleton, fast_path_target, lay_out_archive, save_instead, torch_save
 from .torchroutes import TORCH_DEFAULT, TorchSaveArgs, torch_save_result, torch_save_route
 
-__all__ = ["ArchiveSaveJob", "watched_storages", "torch_save_async"]
+__all__ = ["ArchiveSaveJob", "copy_unversioned_extents", "torch_save_async", "watched_storages"]
 
 #: Which tensors were pickled over the bytes of one extent, each with its version at pickling.
 Watchers = list[tuple[torch.Tensor, int]]
@@ -81,6 +81,19 @@ def watched_storages(archive: Archive) -> list[Watchers]:
         if storage.nbytes() and (where := (str(storage.device), int(storage.data_ptr()))) in by_storage
     }
     return [by_storage[a] if (a := _address(e)) in in_place else [] for e in archive.extents]
+
+
+def copy_unversioned_extents(archive: Archive) -> None:
+    """Replaces each extent read in place from an inference tensor's storage by a copy made now
+    (on the host, or on the storage's device): such a tensor keeps no version counter, so the
+    guard could not see it modified before its bytes are staged."""
+    unversioned = {where for t in archive.skeleton.unversioned if (where := _storage_address(t)) is not None}
+    if not unversioned:
+        return
+    extents = archive.extents
+    for i, extent in enumerate(extents):
+        if _address(extent) in unversioned:
+            extents[i] = extent.clone() if isinstance(extent, torch.Tensor) else extent.copy()
 
 
 def _early_copies(archive: Archive, watchers: list[Watchers]) -> list[int]:
@@ -277,9 +290,9 @@ def torch_save_async(
         return SaveFuture(_Done(torch_save(obj, f, *given, config=config)))
     target = fast_path_target(f)
     config = (config or Config()).resolved_for(target)
-    skel = capture_skeleton(obj, args.pickle_protocol, args.disable_byteorder_record)  # raises as torch.save would
     try:
-        archive = lay_out_archive(skel, config)
-    except ValueError as e:
+        archive = lay_out_archive(capture_skeleton(obj, args.pickle_protocol, args.disable_byteorder_record), config)
+    except Exception as e:  # torch's own error, if any, is raised by torch.save in save_instead
         return SaveFuture(_Done(save_instead(obj, target, args, config, started, e)))
+    copy_unversioned_extents(archive)
     return SaveFuture(ArchiveSaveJob(target, archive, config, started).start())

@@ -55,7 +55,6 @@ from .torchroutes import (
     TORCH_DEFAULT,
     TorchSaveArgs,
     save_elsewhere,
-    save_with_torch,
     torch_save_result,
     torch_save_route,
 )
@@ -89,6 +88,8 @@ class Skeleton:
     holes: list[tuple[int, int]] = field(default_factory=list)
     storages: dict[str, torch.UntypedStorage] = field(default_factory=dict)
     tensors: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    #: Tensors pickled that keep no version counter (inference tensors): nothing can watch them.
+    unversioned: list[torch.Tensor] = field(default_factory=list)
     total_bytes: int = 0
 
 
@@ -139,7 +140,9 @@ def _hook_module(skeleton: Skeleton) -> types.SimpleNamespace:
             def persistent_id(self: Any, obj: Any) -> Any:
                 if isinstance(obj, torch.Tensor):
                     version = _version_of(obj)
-                    if version is not None:
+                    if version is None:
+                        skeleton.unversioned.append(obj)
+                    else:
                         skeleton.tensors.append((obj, version))
                 pid = inner(self, obj)
                 if isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage":
@@ -319,10 +322,9 @@ def torch_save(
         return save_elsewhere(obj, f, args, config, started)
     target = fast_path_target(f)
     config = (config or Config()).resolved_for(target)
-    skel = capture_skeleton(obj, args.pickle_protocol, args.disable_byteorder_record)  # raises as torch.save would
     try:
-        archive = lay_out_archive(skel, config)
-    except ValueError as e:
+        archive = lay_out_archive(capture_skeleton(obj, args.pickle_protocol, args.disable_byteorder_record), config)
+    except Exception as e:  # torch's own error, if any, is raised by torch.save in save_instead
         return save_instead(obj, target, args, config, started, e)
     with atomic_file(target, durable=config.durable) as tmp:
         report = archive.start(config, tmp, what=target).wait()
@@ -385,10 +387,14 @@ def lay_out_archive(skel: Skeleton, config: Config) -> Archive:
 
 
 def save_instead(
-    obj: object, target: str, args: TorchSaveArgs, config: Config, started: float, why: ValueError
+    obj: object, target: str, args: TorchSaveArgs, config: Config, started: float, why: Exception
 ) -> SaveResult:
-    """Plain ``torch.save`` + fsync of `target`, with a warning saying why: torch's archive was
-    not what :func:`lay_out_archive` expects."""
-    log.warning("torch_save fell back to torch.save for %s: %s", target, why)
-    save_with_torch(obj, target, args, config.durable)
+    """Plain ``torch.save`` of `target`, into a temporary file renamed into place (fsynced when
+    ``config.durable``), with a warning saying why the fast path was left: torch refused to
+    compose the archive without its data (quantized or nested tensors under ``skip_data``), or
+    the archive was not what :func:`lay_out_archive` expects. An object that ``torch.save``
+    refuses too raises torch's own error, and `target` stays as it was."""
+    with atomic_file(target, durable=config.durable) as tmp:
+        args.save(obj, tmp)
+    log.warning("torch_save wrote %s with torch.save itself (%s: %s)", target, type(why).__name__, why)
     return torch_save_result(target, os.path.getsize(target), started, "torch.save")

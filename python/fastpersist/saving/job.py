@@ -36,7 +36,7 @@ from ..futures import SaveResult
 from ..gcpause import paused_gc
 from ..gpu.arenas import ARENAS
 from ..gpu.device_side import DeviceStaging, has_device_blobs, share_bytes, start_device_staging
-from ..gpu.early import choose_early_copies, split_by_side
+from ..gpu.early import choose_early_copies, copy_unversioned, split_by_side
 from ..logs import log_save, log_save_call
 from ..memory_level.recycle import file_to_stage_in, take_recycled
 from .pools import pool_for
@@ -164,6 +164,7 @@ class SaveJob:
         self.blob_lengths = [b.nbytes for b in flat.blobs]
         self.pool = self.pool if self.pool is not None else pool_for(self.config)
         if self.early_copy:
+            copy_unversioned(flat.blobs, flat.tensors, flat.leaves)
             self._copy_early, self._copy_early_on_device = split_by_side(flat.blobs, choose_early_copies(flat.blobs))
         self.my_parts = [p for w in self.writers for p in map(PlanPart._make, self.plan.parts) if p.writer == w]
         used = {self.stripe_dirs[part.stripe] for part in self.my_parts} if stripe_roots else set()
