@@ -64,6 +64,11 @@ def test_every_and_keep(workdir: str) -> None:
         (lambda: fp.Remote("/r", every=0), "Remote(every=0): expected an integer >= 1 or None"),
         (lambda: fp.Remote("/r", keep=0), "Remote(keep=0): expected an integer >= 1"),
         (lambda: fp.Remote("/r", bytes_per_s=0), "Remote(bytes_per_s=0): expected a positive number"),
+        # bool is an int to isinstance: True would throttle the drain to 1 byte/s (close() never returns).
+        (lambda: fp.Remote("/r", bytes_per_s=True), "Remote(bytes_per_s=True): expected a positive number"),
+        (lambda: fp.Remote("/r", bytes_per_s=float("inf")), "Remote(bytes_per_s=inf): expected a positive number"),
+        (lambda: fp.HFExport("/e", every=1, key=5), "HFExport(key=5): expected None or a str"),  # type: ignore[arg-type]
+        (lambda: fp.HFExport("/e", every=1, prefix=None), "HFExport(prefix=None): expected a str"),  # type: ignore[arg-type]
         (lambda: fp.HFExport("", every=1), "HFExport(export_dir=''): expected a directory"),
         (lambda: fp.HFExport("/e", every=0), "HFExport(every=0): expected an integer >= 1"),
         (lambda: fp.Partner(replicas=0), "Partner(replicas=0): expected an integer >= 1"),
@@ -74,6 +79,17 @@ def test_bad_level_settings_are_refused_naming_them(make: Any, named: str) -> No
     with pytest.raises((TypeError, ValueError)) as info:
         make()
     assert named in str(info.value)
+
+
+@pytest.mark.parametrize("where", ["the root", "inside the root"])
+def test_an_hf_export_into_the_root_is_refused_when_the_checkpointer_is_made(workdir: str, where: str) -> None:
+    root = os.path.join(workdir, "root")
+    export_dir = root if where == "the root" else os.path.join(root, "hf")
+    with pytest.raises(
+        ValueError, match=r"HFExport\(export_dir=.*\): it is the Checkpointer's root .* or lies inside it"
+    ):
+        fp.Checkpointer(root, levels=[fp.HFExport(export_dir, every=1)])
+    assert not os.path.exists(os.path.join(root, "model.safetensors"))
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -100,8 +101,10 @@ class Remote:
             raise ValueError(f"Remote(every={self.every!r}): expected an integer >= 1 or None")
         if type(self.keep) is not int or self.keep < 1:
             raise ValueError(f"Remote(keep={self.keep!r}): expected an integer >= 1")
-        if self.bytes_per_s is not None and not (isinstance(self.bytes_per_s, (int, float)) and self.bytes_per_s > 0):
-            raise ValueError(f"Remote(bytes_per_s={self.bytes_per_s!r}): expected a positive number or None")
+        rate = self.bytes_per_s
+        # bool is an int to isinstance: True would be a throttle of 1 byte/s, a drain that never ends.
+        if rate is not None and not (type(rate) in (int, float) and math.isfinite(rate) and rate > 0):
+            raise ValueError(f"Remote(bytes_per_s={rate!r}): expected a positive number of bytes per second or None")
 
     def attach(self, ck: Any) -> RemoteLevel:
         return RemoteLevel(ck, self.place, self.every, self.keep, self.bytes_per_s, ck.failures)
@@ -123,8 +126,23 @@ class HFExport:
         given_path(self.export_dir, "export_dir", "HFExport")
         if type(self.every) is not int or self.every < 1:
             raise ValueError(f"HFExport(every={self.every!r}): expected an integer >= 1")
+        if self.key is not None and type(self.key) is not str:
+            raise TypeError(
+                f"HFExport(key={self.key!r}): expected None or a str (the key path of the model's state, as in "
+                "fastpersist.export_hf)"
+            )
+        if type(self.prefix) is not str:
+            raise TypeError(f"HFExport(prefix={self.prefix!r}): expected a str")
 
     def attach(self, ck: Any) -> HfExports:
+        root = os.path.realpath(ck.root)
+        target = os.path.realpath(os.fspath(self.export_dir))
+        if target == root or target.startswith(root.rstrip("/") + "/"):
+            raise ValueError(
+                f"HFExport(export_dir={os.fspath(self.export_dir)!r}): it is the Checkpointer's root {ck.root} or lies "
+                "inside it, where the exports would mix with the steps the root's cleaning and retention manage; "
+                "give a directory outside the root"
+            )
         return hf_exports_for(ck, self.every, self.export_dir, self.key, self.prefix)
 
 
