@@ -9,38 +9,31 @@ Install it on an initialized engine, on every rank, with one call:
     >>> engine.save_checkpoint("ckpt")     # returns once the files are being written   # doctest: +SKIP
 
 ``engine.save_checkpoint`` and ``engine.load_checkpoint`` are used as before. Each of
-DeepSpeed's files (``mp_rank_00_model_states.pt``, ``zero_pp_rank_*_optim_states.pt``, ...)
-is written by :func:`fastpersist.torch_save` (blocking) or :func:`fastpersist.torch_save_async`
-(decoupled): large aligned O_DIRECT writes from the tensors' memory, fsynced, renamed into
-place, so a file is whole or absent, never torn.
+DeepSpeed's files is written by :func:`fastpersist.torch_save` (blocking) or
+:func:`fastpersist.torch_save_async` (decoupled) in ``torch.save``'s format, which every reader of
+DeepSpeed checkpoints (``zero_to_fp32.py``, the converters, ``torch.load``) reads: whole or absent,
+never torn (docs/integrations.md, "DeepSpeed", says why the format stays).
 
-**Why the files stay in torch.save's format.** A DeepSpeed checkpoint is read by more than the
-engine that wrote it: ``load_checkpoint`` (through the engine's ``load``, and in places by
-``torch.load`` directly), ``zero_to_fp32.py`` (copied into every checkpoint and run where no
-DeepSpeed engine exists), the universal-checkpoint converters, and users' own ``torch.load``
-calls. A fastpersist checkpoint directory per file would be faster to load but readable by none
-of them. ``fp.torch_save`` writes the zip archive ``torch.save`` writes, byte for byte, with its
-CRC-32s, at the engine's speed, so every one of those readers keeps working; what is given up
-is fastpersist's per-chunk crc32c and its O_DIRECT loads (a file's zip CRC-32s still cover it).
+**When ``latest`` moves.** Only at this engine's :meth:`~FastPersistCheckpointEngine.commit`:
+each rank waits until its files of the tag are durable, the ranks agree over a private gloo group
+(a killed rank is noticed at once), and only if every rank succeeded does rank 0 replace
+``latest`` atomically and durably (:func:`install` has DeepSpeed's own code pass ``save_latest=False``).
 
-**When ``latest`` moves.** DeepSpeed's own ``save_checkpoint`` has rank 0 write ``latest`` right
-after rank 0's own commit, without waiting for the other ranks, with a plain truncating
-``open(..., "w")``; the decoupled engine writes it after only rank 0's background process is
-done. Here ``latest`` is written by this engine's :meth:`~FastPersistCheckpointEngine.commit`
-alone: each rank waits until its files of the tag are durable, the ranks agree over a private
-gloo group (a killed rank is noticed at once), and only if every rank succeeded does rank 0
-replace ``latest`` atomically and durably. :func:`install` has DeepSpeed pass
-``save_latest=False`` to its own code, so that it never rewrites the file itself. A process
-killed at any point leaves ``latest`` naming the previous tag, whose files are all durable.
+**A tag saved again** (``save_checkpoint(dir, tag="last")`` each time) is never overwritten in
+place while ``latest`` may name it: when its directory exists at the save's start, the new files
+go to a staging directory beside it (a fastpersist temporary directory, ``flock``-held), which the
+commit, once every rank's files are durable and the ranks agreed, exchanges with the tag's
+directory atomically (``renameat2``); the old files are removed in the background. A kill or a
+full disk before leaves the old files whole; a dead staging directory is removed by the next save
+(and ``fastpersist clean``). Its maker swaps it in: rank 0, and one rank of each node that
+cannot see rank 0's (node-local storage).
 
-**Decoupled mode.** ``save`` returns once the file's write has started; DeepSpeed calls
-``commit`` at its commit point, in ``engine.step()`` before the optimizer changes the weights
-(the forward and backward passes in between overlap the writes), and this engine also commits
-an open tag when the next save begins and in ``engine.destroy()``. A tensor modified in place
-before its bytes were staged fails the save rather than tearing it (docs/overlap.md); small
-tensors (BatchNorm statistics) are copied at the call. At interpreter exit, the saves still
-running are waited for, but a tag whose ``commit`` never ran is not named by ``latest`` (that
-needs every rank): call ``engine.destroy()`` (or ``engine.step()``) before the end.
+**Decoupled mode.** ``save`` returns once the file's write has started; the tag is committed at
+DeepSpeed's commit point (``engine.step()``, before the optimizer changes the weights), when the
+next save begins, before any ``load_checkpoint`` (of any installed engine) and in
+``engine.destroy()``. A tensor modified in place before its bytes were staged fails the save
+(docs/overlap.md). At exit, saves still running are waited for, but a tag never committed is not
+named by ``latest`` (that needs every rank): call ``engine.destroy()`` before the end.
 """
 
 from __future__ import annotations
@@ -52,6 +45,8 @@ import functools
 import inspect
 import logging
 import os
+import shutil
+import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -62,13 +57,18 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("fastpersist.integrations.deepspeed needs DeepSpeed: pip install deepspeed") from e
 
+import fastpersist._core as _core
+
 from ..config import Config
 from ..distributed.control import ControlGroup, collective, control_for, describe
 from ..errors import GroupSaveError
-from ..format.layout import write_small_file
+from ..format.layout import tmp_dir_for, write_small_file
+from ..format.ownership import DirLock, cleaning, make_locked_dir, try_lock
 from ..futures import SaveFuture, SaveResult
 from ..interop.torchasync import torch_save_async
 from ..interop.torchfile import torch_save
+from ..saving.leftovers import RootView, find_dead_tmp_dirs
+from ..saving.remover import run_later
 from ..saving.target import make_parents
 
 __all__ = ["LATEST_NAME", "FastPersistCheckpointEngine", "install"]
@@ -80,15 +80,131 @@ LATEST_NAME = "latest"
 
 
 @dataclasses.dataclass
+class TagStaging:
+    """The hidden directory beside a re-saved tag's directory that its new files go to until
+    the commit; `lock` is held by the one rank of a filesystem view that made it, which swaps it in."""
+
+    tag_dir: str
+    path: str
+    lock: DirLock | None = None
+    #: Why this rank could not make the staging directory of its view: raised by the commit.
+    error: OSError | None = None
+
+    def redirect(self, path: str) -> str:
+        """`path` under the staging directory if it lies in the tag's directory, else `path`."""
+        rel = os.path.relpath(os.path.abspath(path), self.tag_dir)
+        if rel == os.curdir:
+            return self.path
+        if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+            return path
+        return os.path.join(self.path, rel)
+
+    def swap_in(self, *, durable: bool) -> None:
+        """Puts the staging directory at the tag's place in one atomic exchange (this view's swapper only)."""
+        lock, self.lock = self.lock, None
+        if lock is None:
+            return
+        try:
+            exchanged = _core.replace_atomically(self.path, self.tag_dir)
+            if durable:
+                _core.fsync_dir(os.path.dirname(self.tag_dir))
+        finally:
+            lock.release()  # it held the new tree, now at tag_dir
+        if exchanged:  # held until deleted: a cleaner elsewhere takes it for a live save's meanwhile
+            run_later(_remove_tree, self.path, try_lock(self.path))
+
+    def discard(self) -> None:
+        """Removes the staging directory (its maker only): the tag keeps its old files."""
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            _remove_tree(self.path, lock)
+
+
+def _remove_tree(path: str, lock: DirLock | None) -> None:
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def remove_dead_stagings(parent: str) -> None:
+    """Removes the staging directories in `parent` that no live process holds (a killed save's)."""
+    if not os.path.isdir(parent):
+        return
+    view = RootView(root=parent, real_root=os.path.realpath(parent))
+    try:
+        with cleaning(parent):
+            find_dead_tmp_dirs(view)
+    except OSError as e:
+        log.warning("could not look for dead staging directories in %s: %s", parent, e)
+        return
+    for path in view.dead_tmp.values():
+        log.info("removing %s, the staging directory of a DeepSpeed save that did not finish", path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def open_staging(control: ControlGroup, save_dir: str, tag: str) -> TagStaging | None:
+    """On every rank, at a save's start: a staging directory for tag `tag` if any rank sees its
+    directory in `save_dir` already (a re-save), else None. Rank 0 makes it first; a rank that
+    then cannot see it (another node's own storage) makes one for its view.
+
+    Raises:
+        ValueError: the ranks name different tags.
+        OSError (rank 0) / GroupSaveError (the others): rank 0 could not make it; nothing was written.
+    """
+    tag_dir = os.path.abspath(os.path.join(save_dir, tag))
+    parent, consequence = os.path.dirname(tag_dir), f"; tag {tag!r} was not saved"
+    if control.rank == 0:
+        remove_dead_stagings(parent)
+    mine = (uuid.uuid4().hex, tag, os.path.isdir(tag_dir))
+    what = f"agree whether tag {tag!r} is saved again"
+    seen = collective(control, what, lambda: control.all_gather(mine), GroupSaveError, consequence)
+    if len({t for _, t, _ in seen}) > 1:
+        raise ValueError(f"the ranks saved different tags at once: {[t for _, t, _ in seen]}")
+    if not any(exists for _, _, exists in seen):
+        return None
+    staging = TagStaging(tag_dir, tmp_dir_for(tag_dir, seen[0][0]))
+    error: OSError | None = None
+    if control.rank == 0:
+        try:
+            staging.lock = make_locked_dir(staging.path)
+        except OSError as e:
+            error = e
+    what = f"make tag {tag!r}'s staging directory"
+    made = collective(control, what, lambda: control.all_gather(error and describe(error)), GroupSaveError, consequence)
+    if error is not None:
+        raise error
+    if made[0] is not None:
+        raise GroupSaveError(f"rank {control.rank}: rank 0 could not make {staging.path} ({made[0]}){consequence}")
+    if control.rank != 0 and not os.path.isdir(staging.path):  # not rank 0's filesystem
+        remove_dead_stagings(parent)
+        try:
+            staging.lock = make_locked_dir(staging.path)
+        except FileExistsError:
+            pass  # made by another rank of this view, which swaps it in
+        except OSError as e:
+            staging.error = e
+    return staging
+
+
+@dataclasses.dataclass
 class OpenTag:
-    """A tag whose files are being saved: where, whether ``latest`` is to name it, and whether
-    DeepSpeed's ``save_checkpoint`` handed over all of them (it returned: the tag may be
-    committed later, at DeepSpeed's commit point)."""
+    """A tag being saved: where, whether ``latest`` is to name it, whether ``save_checkpoint``
+    handed over all its files (it returned), and its staging directory if it is re-saved."""
 
     tag: str
     save_dir: str
     save_latest: bool
     saved: bool = False
+    staging: TagStaging | None = None
+    #: Files this rank wrote into the staging directory.
+    staged_files: int = 0
+
+
+#: The engines with a tag open, in the order opened: a ``load_checkpoint`` commits them first. Held
+#: strongly: a garbage collector running on one rank only must not make the ranks disagree.
+_open_tags: list[FastPersistCheckpointEngine] = []
 
 
 class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (DeepSpeed ships no types)
@@ -99,11 +215,8 @@ class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (D
     answering at a commit (a rank killed, ``timeout_s`` passed), its group is closed and later
     commits raise :class:`~fastpersist.GroupSaveError` too: restart from the tag ``latest`` names.
 
-    Args:
-        config: the engine's knobs for every file.
-        decoupled: save in the background and make the tag durable at DeepSpeed's commit point.
-        control: the private gloo group over every rank in which the ranks agree at a commit
-            (:func:`fastpersist.distributed.control.control_for`).
+    `config`: the knobs for every file; `decoupled`: save in the background, commit at DeepSpeed's
+    commit point; `control`: the private gloo group (:func:`~fastpersist.distributed.control.control_for`).
     """
 
     def __init__(self, config: Config, *, decoupled: bool, control: ControlGroup) -> None:
@@ -122,31 +235,39 @@ class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (D
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """A tag's saves begin (on every rank). An open tag of the decoupled mode is committed
-        first (or dropped, if its ``save_checkpoint`` never returned)."""
+        first (or dropped, if its ``save_checkpoint`` never returned); a tag whose directory
+        exists gets a staging directory (:func:`open_staging`)."""
         if self._settled_open():
             self._commit_open()
         wanted, self.latest_wanted = self.latest_wanted, None
-        self._open = OpenTag(
-            str(info.tag), os.fspath(info.save_dir), bool(info.save_latest if wanted is None else wanted)
-        )
+        save_dir, tag = os.fspath(info.save_dir), str(info.tag)
+        staging = open_staging(self.control, save_dir, tag)
+        if staging is not None and staging.error is not None:
+            self._errors.append(staging.error)
+        self._open = OpenTag(tag, save_dir, bool(info.save_latest if wanted is None else wanted), staging=staging)
+        _open_tags.append(self)
 
     def makedirs(self, path: str, exist_ok: bool = False) -> None:
-        """``os.makedirs``, each new directory made durable in its parent."""
+        """``os.makedirs`` (into a re-saved tag's staging directory), each new directory made durable."""
+        path = self._staged(path)
         if os.path.isdir(path) and not exist_ok:
             raise FileExistsError(f"{path} exists (DeepSpeed asked for a new directory: exist_ok=False)")
         make_parents(os.path.join(path, "-"), durable=self.config.durable)  # makes `path`, the parent of "-"
 
     def save(self, state_dict: object, path: str) -> None:
-        """Writes `state_dict` to `path` as ``torch.save`` would (decoupled: starts the write).
-        A failure is raised by the tag's :meth:`commit`, on every rank, so that no rank is left
-        waiting in a collective for one that gave up."""
+        """Writes `state_dict` to `path` (a re-saved tag's: in its staging directory) as ``torch.save``
+        would (decoupled: starts the write). A failure is raised by the tag's :meth:`commit`, on
+        every rank, so that no rank is left waiting in a collective for one that gave up."""
+        staged = self._staged(path)
+        if staged != path and self._open is not None:  # (staged only while a tag is open)
+            self._open.staged_files += 1
         try:
             if self.decoupled:
-                self._futures.append(torch_save_async(state_dict, path, config=self.config))
+                self._futures.append(torch_save_async(state_dict, staged, config=self.config))
             else:
-                torch_save(state_dict, path, config=self.config)
+                torch_save(state_dict, staged, config=self.config)
         except Exception as e:
-            log.error("saving %s failed; the tag's commit raises it: %s", path, e)
+            log.error("saving %s failed; the tag's commit raises it: %s", staged, e)
             self._errors.append(e)
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -155,15 +276,17 @@ class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (D
         return torch.load(path, map_location=map_location, weights_only=False)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        """Makes the open tag durable on every rank, then has rank 0 name it in ``latest``.
+        """Makes the open tag durable on every rank (a re-saved one replaces its old files),
+        then has rank 0 name it in ``latest``.
 
         Raises:
             GroupSaveError: a rank failed to save its files of the tag, or stopped answering;
-                ``latest`` still names the previous tag.
+                ``latest`` still names the previous tag, and a re-saved tag keeps its old files.
             OSError and the other errors of this rank's saves.
         """
         if self._open is None:  # a commit without create (DeepSpeed always creates first)
             self._open = OpenTag(str(info.tag), os.fspath(info.save_dir), bool(info.save_latest))
+            _open_tags.append(self)
         self._commit_open()
         return True
 
@@ -179,7 +302,7 @@ class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (D
         return CheckpointCommitInfo(tag=self._open.tag, save_dir=self._open.save_dir, save_latest=False)
 
     def cleanup(self) -> None:
-        """``engine.destroy()``: commits an open tag (every rank calls it)."""
+        """``engine.destroy()``, and before a ``load_checkpoint``: commits an open tag (every rank calls it)."""
         if self._settled_open():
             self._commit_open()
 
@@ -188,48 +311,55 @@ class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (D
         if self._open is not None:
             self._open.saved = True
 
+    def _staged(self, path: str) -> str:
+        staging = self._open.staging if self._open is not None else None
+        return path if staging is None else staging.redirect(path)
+
+    def _close_open(self) -> tuple[OpenTag, list[SaveFuture], list[BaseException]]:
+        tag, futures, errors = self._open, self._futures, self._errors
+        assert tag is not None
+        self._open, self._futures, self._errors = None, [], []
+        with contextlib.suppress(ValueError):
+            _open_tags.remove(self)
+        return tag, futures, errors
+
     def _settled_open(self) -> bool:
         """Whether a tag is open and complete. One whose ``save_checkpoint`` raised before it
-        returned is dropped here (its saves cancelled or waited for): ``latest`` never names it."""
-        tag = self._open
-        if tag is None or tag.saved:
-            return tag is not None
-        self._open = None
-        futures, self._futures, self._errors = self._futures, [], []
+        returned is dropped here (its saves cancelled or waited for, its staging directory
+        removed): ``latest`` never names it, and a re-saved tag keeps its old files."""
+        if self._open is None or self._open.saved:
+            return self._open is not None
+        tag, futures, _ = self._close_open()
         for fut in futures:
             fut.cancel()
         with contextlib.suppress(Exception):
             wait_all(futures)
-        log.warning(
-            "DeepSpeed tag %r was not committed: its save_checkpoint did not return; %r in %s still names the "
-            "previous tag",
-            tag.tag,
-            LATEST_NAME,
-            tag.save_dir,
-        )
+        if tag.staging is not None:
+            tag.staging.discard()
+        msg = "DeepSpeed tag %r was not committed: its save_checkpoint did not return; %s still names the previous tag"
+        log.warning(msg, tag.tag, os.path.join(tag.save_dir, LATEST_NAME))
         return False
 
     # -- the commit ---------------------------------------------------------------------------
 
     def _commit_open(self) -> None:
-        tag, self._open = self._open, None
-        assert tag is not None
-        futures, errors = self._futures, self._errors
-        self._futures, self._errors = [], []
+        tag, futures, errors = self._close_open()
         error = errors[0] if errors else None
         try:
             wait_all(futures)
         except Exception as e:
             error = error or e
         control = self.control
-        outcomes = collective(
-            control,
-            f"agree that every rank's files of tag {tag.tag!r} are durable",
-            lambda: control.all_gather(None if error is None else describe(error)),
-            GroupSaveError,
-            f"; {LATEST_NAME!r} in {tag.save_dir} still names the previous tag",
-        )
-        failed = {rank: why for rank, why in enumerate(outcomes) if why is not None}
+        what = f"agree that every rank's files of tag {tag.tag!r} are durable"
+        mine = (error and describe(error), tag.staged_files)
+        consequence = f"; {LATEST_NAME!r} in {tag.save_dir} still names the previous tag"
+        outcomes = collective(control, what, lambda: control.all_gather(mine), GroupSaveError, consequence)
+        failed = {rank: why for rank, (why, _) in enumerate(outcomes) if why is not None}
+        if tag.staging is not None:
+            if failed or not any(staged for _, staged in outcomes):  # (nothing staged: save_16bit_model's tag)
+                tag.staging.discard()
+            else:
+                self._swap_in(tag, tag.staging)
         if not failed and tag.save_latest and control.rank == 0:
             write_small_file(os.path.join(tag.save_dir, LATEST_NAME), tag.tag.encode(), durable=self.config.durable)
         if error is not None:
@@ -241,6 +371,27 @@ class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (D
                 f"{LATEST_NAME!r} in {tag.save_dir} still names the previous tag"
             )
 
+    def _swap_in(self, tag: OpenTag, staging: TagStaging) -> None:
+        """Puts a re-saved tag's staging directory in place of its old files, on each view's
+        swapper; raises on every rank if one failed (its view keeps the old files)."""
+        error: OSError | None = None
+        try:
+            staging.swap_in(durable=self.config.durable)
+        except OSError as e:
+            error = e
+            staging.discard()
+        control = self.control
+        what = f"agree that tag {tag.tag!r}'s new files replaced its old ones (it may keep its old ones)"
+        swaps = collective(control, what, lambda: control.all_gather(error and describe(error)), GroupSaveError)
+        if error is not None:
+            raise error
+        for rank, why in enumerate(swaps):
+            if why is not None:
+                raise GroupSaveError(
+                    f"rank {control.rank}: rank {rank} could not put tag {tag.tag!r}'s new files in place ({why}); "
+                    f"its view of {staging.tag_dir} keeps the old ones"
+                )
+
     def wait_outstanding(self) -> None:
         """Waits for the saves still running (at interpreter exit): their files become durable,
         but ``latest`` moves only at a commit, which needs every rank."""
@@ -250,13 +401,8 @@ class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (D
         except Exception as e:
             log.error("a DeepSpeed checkpoint file failed to save at exit: %s", e)
         if self._open is not None and self._open.save_latest:
-            log.warning(
-                "DeepSpeed tag %r was never committed (no engine.step() or engine.destroy() after its save): its "
-                "files are written, but %r in %s still names the previous tag",
-                self._open.tag,
-                LATEST_NAME,
-                self._open.save_dir,
-            )
+            msg = "DeepSpeed tag %r was never committed (no engine.step() or destroy() after its save): %s is unchanged"
+            log.warning(msg, self._open.tag, os.path.join(self._open.save_dir, LATEST_NAME))
 
 
 def wait_all(futures: Iterable[SaveFuture]) -> list[SaveResult]:
@@ -271,6 +417,12 @@ def wait_all(futures: Iterable[SaveFuture]) -> list[SaveResult]:
     if first is not None:
         raise first
     return results
+
+
+def commit_open_tags() -> None:
+    """Commits every installed engine's open tag (on every rank, as before a ``load_checkpoint``)."""
+    for engine in list(_open_tags):
+        engine.cleanup()
 
 
 def _latest_by_us(original: Callable[..., Any], ours: FastPersistCheckpointEngine) -> Callable[..., Any]:
@@ -291,17 +443,31 @@ def _latest_by_us(original: Callable[..., Any], ours: FastPersistCheckpointEngin
     return save_checkpoint
 
 
+def _committed_first(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`original` (an engine's ``load_checkpoint``) after the open tags are committed: a
+    checkpoint read right after its decoupled save has its files and ``latest``."""
+
+    @functools.wraps(original)
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        commit_open_tags()
+        return original(*args, **kwargs)
+
+    return load_checkpoint
+
+
 def install(engine: Any, *, decoupled: bool = False, config: Config | None = None) -> FastPersistCheckpointEngine:
     """Makes `engine` (an initialized ``deepspeed.DeepSpeedEngine``) save and load its
     checkpoints through fastpersist; call it on every rank, after ``deepspeed.initialize``.
 
     `decoupled`: ``save_checkpoint`` returns once the writes have started; the tag is made
-    durable, and ``latest`` moved, at DeepSpeed's commit point (``engine.step()``). `config`:
-    fastpersist's knobs (``Config.timeout_s`` bounds the ranks' agreement at a commit).
+    durable, and ``latest`` moved, at DeepSpeed's commit point (``engine.step()``), or before a
+    ``load_checkpoint``. `config`: fastpersist's knobs (``Config.timeout_s`` bounds the ranks'
+    agreement at a commit).
 
     Replaces ``engine.checkpoint_engine`` (a decoupled engine it held is committed and shut down
-    first) and wraps ``engine.save_checkpoint`` so that DeepSpeed leaves ``latest`` to this
-    engine. At interpreter exit, saves still running are waited for. Returns the engine installed.
+    first), wraps ``engine.save_checkpoint`` so that DeepSpeed leaves ``latest`` to this engine,
+    and ``engine.load_checkpoint`` so that open tags are committed first. At interpreter exit,
+    saves still running are waited for. Returns the engine installed.
 
     Example:
         >>> ours = install(engine, decoupled=True)      # doctest: +SKIP
@@ -324,5 +490,6 @@ def install(engine: Any, *, decoupled: bool = False, config: Config | None = Non
     )
     engine.checkpoint_engine = ours
     engine.save_checkpoint = _latest_by_us(engine.save_checkpoint, ours)
+    engine.load_checkpoint = _committed_first(engine.load_checkpoint)
     atexit.register(ours.wait_outstanding)
     return ours
