@@ -29,6 +29,9 @@ python3 -m ruff check python tests benches
 python3 -m ruff format --check python tests benches
 
 python3 -m pytest tests -q -p no:cacheprovider
+# Accelerate's own checkpoint tests (from the installed release's sdist), stock and with
+# FastPersistStateHooks on every Accelerator: none may fail only with fastpersist. ~2 minutes.
+python3 scripts/host_suites.py accelerate
 # The format, API and hostile-input suites again under CPython's debug allocator (buffer
 # over/underruns, use after free, API misuse by the extension, such as the native walk's
 # slot setting, are fatal there). ~60 s.
