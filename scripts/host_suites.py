@@ -29,7 +29,7 @@ PLUGIN_DIR = os.path.join(HERE, "host_suites")
 #: The suites: what to run, relative to the tests' folder.
 SUITES = {
     "accelerate": ["test_state_checkpointing.py"],
-    "lightning": ["checkpointing", "plugins/test_checkpoint_io_plugin.py", "plugins/test_async_checkpoint.py"],
+    "lightning": ["checkpointing", "plugins"],
 }
 #: Tests that fail only with fastpersist because they assert the host's internals, by stack and
 #: node id, with the reason (docs/integrations.md lists the same).
