@@ -1,4 +1,6 @@
-"""Code each spawned rank of the NVRx local-checkpoint tests runs (gloo, CPU tensors)."""
+"""Code each spawned rank of the NVRx local-checkpoint tests runs (gloo, CPU tensors): a run
+that saves and restarts, a load after damage, and job runs that die with ranks at different
+iterations and the runs that resume after them (each state records which run wrote it)."""
 
 from __future__ import annotations
 
@@ -94,3 +96,52 @@ def load_after_damage(rank: int, root: str) -> dict[str, Any]:
 
 def run_damaged(rank: int, world: int, init_file: str, workdir: str, root: str) -> None:
     report_rank(rank, world, init_file, workdir, lambda: load_after_damage(rank, root))
+
+
+# ------------------------------------------------- runs that die with ranks at different iterations
+
+#: A leftover of a save killed in an earlier run (its hidden temporary directory).
+LEFTOVER = ".iter_0000002_{rank}_local.fp.fptmp-0123456789ab"
+
+
+def written(rank: int, iteration: int, run: str) -> dict[str, Any]:
+    """What `rank` saves at `iteration` in the job run `run`."""
+    return {**rank_state(rank, iteration), "written_by": run}
+
+
+def _resume(manager: Any) -> dict[str, Any]:
+    latest = manager.find_latest()
+    loaded, _ = manager.load()
+    return {"latest": latest, "loaded_by": loaded.state_dict["written_by"]}
+
+
+def _phase(rank: int, root: str, run: str) -> dict[str, Any]:
+    import fastpersist as fp
+    from fastpersist.integrations.nvrx import FastPersistLocalCheckpointManager
+
+    manager = FastPersistLocalCheckpointManager(root, session_id=SESSION)
+    out: dict[str, Any] = {}
+    if run == "died-ahead":  # rank 1 wrote iteration 2, the job died before rank 0 did
+        manager.save(CpuTensorAwareStateDict(written(rank, 1, run)), 1)
+        if rank == 1:
+            manager._save(CpuTensorAwareStateDict(written(rank, 2, run)), (2, 1, SESSION))
+    elif run == "died-replacing":  # rank 0 wrote iteration 2, rank 1 died before replacing its stale one
+        out = _resume(manager)
+        manager._agree_on_run()  # what save() does first, on every rank
+        if rank == 0:
+            manager._save(CpuTensorAwareStateDict(written(rank, 2, run)), (2, 0, SESSION))
+    else:  # "resumes", and then a job that restarts after it on the same nodes
+        out = _resume(manager)
+        os.makedirs(os.path.join(manager.local_ckpt_dir, LEFTOVER.format(rank=rank)))
+        manager.save(CpuTensorAwareStateDict(written(rank, out["latest"] + 1, run)), out["latest"] + 1)
+        fp.wait_removed()
+        out["listing"] = sorted(os.listdir(manager.local_ckpt_dir))
+        restarted = FastPersistLocalCheckpointManager(root, session_id=SESSION)
+        out["restarted"] = _resume(restarted)
+        loaded, _ = restarted.load()
+        out["restarted"]["exact"] = same(loaded.state_dict, written(rank, out["latest"] + 1, run))
+    return out
+
+
+def run_phase(rank: int, world: int, init_file: str, workdir: str, root: str, run: str) -> None:
+    report_rank(rank, world, init_file, workdir, lambda: _phase(rank, root, run))

@@ -11,9 +11,14 @@ rank's still loads.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip(
     "nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager",
@@ -27,8 +32,17 @@ from nvidia_resiliency_ext.checkpointing.local.ckpt_managers.base_manager import
 import fastpersist as fp
 from fastpersist.integrations.nvrx import FastPersistLocalCheckpointManager, checkpoint_name
 
-from gloo import run_ranks
-from nvrx_workers import ITERATIONS, SESSION, CpuTensorAwareStateDict, rank_state, run, run_damaged, same
+from gloo import HELPERS_DIR, run_ranks
+from nvrx_workers import (
+    ITERATIONS,
+    SESSION,
+    CpuTensorAwareStateDict,
+    rank_state,
+    run,
+    run_damaged,
+    run_phase,
+    same,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Torch distributed backend has not been initialized")
 
@@ -73,13 +87,70 @@ def test_a_flipped_byte_fails_that_rank_s_load_only(saved_by_two_ranks: tuple[st
     assert intact["raised"] is None and intact["exact"], intact
 
 
-def test_saving_an_existing_id_is_refused_as_nvrx_expects(tmp_path: Any) -> None:
+def test_saving_an_existing_id_replaces_it_as_the_stock_manager_does(tmp_path: Any) -> None:
     manager = FastPersistLocalCheckpointManager(tmp_path, session_id="s", config=fp.Config(durable=False))
-    held = CpuTensorAwareStateDict(rank_state(0, 1))
-    manager._save(held, (1, 0, "s"))
-    with pytest.raises(SameMachineReplicationException, match=r"\(1, 0, 's'\)"):
-        manager._save(held, (1, 0, "s"))
-    assert same(held.state_dict, rank_state(0, 1))  # the tensors are back in place after both calls
+    stale = CpuTensorAwareStateDict(rank_state(0, 1))
+    manager._save(stale, (1, 0, "s"))
+    fresh = CpuTensorAwareStateDict(rank_state(0, 2))
+    manager._save(fresh, (1, 0, "s"))  # a stale newer checkpoint is replaced, not refused
+    assert same(manager._load((1, 0, "s")).state_dict, rank_state(0, 2))
+    assert same(fresh.state_dict, rank_state(0, 2))  # the tensors are back in place
+    foreign = manager.local_ckpt_dir / checkpoint_name(3, 0)
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not a checkpoint: never replaced")
+    with pytest.raises(SameMachineReplicationException, match=r"\(3, 0, 's'\)"):
+        manager._save(fresh, (3, 0, "s"))
+    assert same(fresh.state_dict, rank_state(0, 2))
+
+
+def test_ranks_that_died_at_different_iterations_resume_and_never_mix_runs(tmp_path: Any) -> None:
+    root = str(tmp_path / "local")
+    runs = {}
+    for phase in ("died-ahead", "died-replacing", "resumes"):
+        workdir = tmp_path / phase
+        workdir.mkdir()
+        runs[phase] = _ok(run_ranks(run_phase, 2, (str(workdir), root, phase), str(workdir), timeout_s=240))
+    for rank in range(2):
+        # rank 1's stale iteration 2 is not complete: resume from 1
+        assert runs["died-replacing"][rank] == {"latest": 1, "loaded_by": "died-ahead"}
+        # iteration 2 is held by both ranks now, but written by two runs: still resume from 1
+        resumed = runs["resumes"][rank]
+        assert (resumed["latest"], resumed["loaded_by"]) == (1, "died-ahead")
+        # its save of 2 replaced both stale ones; the cleanup took iteration 1 and a killed save's leftover
+        assert resumed["listing"] == [checkpoint_name(2, rank)]
+        assert resumed["restarted"] == {"latest": 2, "loaded_by": "resumes", "exact": True}
+
+
+def test_a_kill_during_a_replacing_save_leaves_one_whole_checkpoint_and_cleanup_takes_the_rest(
+    tmp_path: Any,
+) -> None:
+    manager = FastPersistLocalCheckpointManager(tmp_path, session_id="s")
+    manager._save(CpuTensorAwareStateDict({"w": torch.full((4,), 1.0)}), (2, 0, "s"))  # the stale one
+    path = manager.local_ckpt_dir / checkpoint_name(2, 0)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HELPERS_DIR, os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", _REPLACING_CHILD, str(tmp_path)], stdout=subprocess.PIPE, env=env)
+    assert child.stdout is not None and child.stdout.readline() == b"saving\n"
+    while not [n for n in os.listdir(manager.local_ckpt_dir) if ".fptmp-" in n] and child.poll() is None:
+        time.sleep(0.001)  # until the replacing save's temporary directory exists
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    state = fp.load(path)  # the old checkpoint or the new one, whole and verified
+    assert [float(state["tensors"][0][0])] in ([1.0], [2.0])
+    manager._cleanup(2)  # what NVRx's finalize runs after the next save
+    fp.wait_removed()
+    assert os.listdir(manager.local_ckpt_dir) == [checkpoint_name(2, 0)]
+
+
+_REPLACING_CHILD = """
+import sys, torch
+import fastpersist as fp
+from nvrx_workers import CpuTensorAwareStateDict
+from fastpersist.integrations.nvrx import FastPersistLocalCheckpointManager
+manager = FastPersistLocalCheckpointManager(sys.argv[1], session_id="s",
+                                            config=fp.Config(pool_bytes=4 << 20, chunk_bytes=1 << 20, queue_depth=2))
+print("saving", flush=True)
+manager._save(CpuTensorAwareStateDict({"w": torch.full((32 << 20,), 2.0)}), (2, 0, "s"))  # 128 MiB
+"""
 
 
 def test_ids_cleanup_and_failed_save_cleanup(tmp_path: Any) -> None:

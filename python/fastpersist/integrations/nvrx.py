@@ -5,13 +5,17 @@ NVRx's local checkpointing (what Megatron-LM uses for its node-local level) driv
 (the newest iteration every rank holds), ``load()``. Its stock ``LocalCheckpointManager``
 writes each rank's ``TensorAwareStateDict`` with one ``torch.save``: no checksum, so a damaged
 file on a node's SSD is loaded as if it were good. :class:`FastPersistLocalCheckpointManager`
-implements the same five methods with fastpersist underneath:
+implements the same five methods with fastpersist underneath, and tags each checkpoint with
+the job run that wrote it:
 
 * ``_save``: the state dict's tensors (``pop_tensors``) go through the engine (aligned writes,
   crc32c per chunk, fsync, manifest last, atomic rename), beside the pickled hollow state
-  (its non-tensor values and tensor placeholders); the tensors are put back before returning.
-  A checkpoint appears under its name only once complete and durable, so ``find_latest``
-  never counts a half-written one (the stock manager renames a ``.dirty`` file for this).
+  (its non-tensor values and tensor placeholders) and the run's tag; the tensors are put back
+  before returning. A checkpoint appears under its name only once complete and durable, so
+  ``find_latest`` never counts a half-written one (the stock manager renames a ``.dirty`` file
+  for this). An existing checkpoint of the same id (a stale one, left by a rank that died
+  ahead of the others) is replaced atomically, as the stock manager renames over its file: a
+  kill during the save leaves the old one or the new one, whole.
 * ``_load``: every byte read is checked; a damaged checkpoint raises NVRx's
   ``CheckpointingException`` (what its ``load`` expects of a failed ``_load``) naming the
   file and byte range, with fastpersist's ``ChecksumMismatchError`` as its ``__cause__``.
@@ -19,7 +23,13 @@ implements the same five methods with fastpersist underneath:
   other ranks' included, as NVRx's replication stores them there);
 * ``_cleanup`` removes those older than the iteration just saved, ``_cleanup_failed_save``
   those of the failed iteration; both also remove what interrupted saves left
-  (``fastpersist.clean``).
+  (``fastpersist.clean``), so the next save's finalize cleans a killed save's leftovers.
+
+``save`` and ``find_latest`` are NVRx's with one addition: the ranks agree on a random run tag
+at the manager's first ``save`` (one all-gather), and ``find_latest`` counts an iteration only
+where a single run wrote every rank's checkpoint (:func:`complete_iterations`). The stock
+manager counts any iteration every rank holds, so after ranks died at different iterations
+(twice) it can load one rank's state from one run and another rank's from the next.
 
 The layout is the stock manager's, ``ROOT/SESSION_ID/RANK/iter_0000042_RANK_local.fp``, each a
 fastpersist checkpoint directory.
@@ -37,9 +47,12 @@ from __future__ import annotations
 import os
 import pickle
 import re
-from collections.abc import Iterable
+import secrets
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 try:
     from nvidia_resiliency_ext.checkpointing.local.base_state_dict import TensorAwareStateDict
@@ -49,6 +62,7 @@ try:
         CkptID,
         SameMachineReplicationException,
     )
+    from nvidia_resiliency_ext.checkpointing.local.replication.group_utils import GroupWrapper
     from nvidia_resiliency_ext.checkpointing.local.replication.strategies import ReplicationStrategy
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -60,6 +74,7 @@ from ..cleanup import clean
 from ..config import Config
 from ..errors import FastPersistError
 from ..format.layout import MANIFEST_NAME
+from ..format.manifest import read_manifest
 from ..saving.remover import remove_checkpoint_later
 
 __all__ = ["FastPersistLocalCheckpointManager"]
@@ -90,6 +105,45 @@ def parse_checkpoint_name(name: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
+def checkpoint_run(path: str | os.PathLike[str]) -> str:
+    """The run tag stored in the local checkpoint at `path`: which job run wrote it (``""`` for a
+    checkpoint written before runs were tagged, or one whose manifest cannot be read)."""
+    try:
+        root = read_manifest(os.fspath(path)).tree.get("root", {})
+    except (FastPersistError, OSError):
+        return ""
+    if root.get("t") != "dict" or "run" not in root.get("k", []):
+        return ""
+    tag = root["v"][root["k"].index("run")]
+    return tag if isinstance(tag, str) else ""
+
+
+def complete_iterations(held: Sequence[Iterable[tuple[CkptID, str]]], ranks: Iterable[int]) -> dict[int, str]:
+    """``{iteration: run}`` for each iteration whose checkpoints written by one run cover every
+    rank in `ranks`; `held` lists, per rank, the ``(checkpoint id, run)`` pairs it holds.
+
+    Shards of one iteration written by different runs (a rank that died ahead of the others
+    left a stale one) never make it complete. If several runs cover every rank (replicas), the
+    same one is picked on every rank.
+
+    Example:
+        >>> rank0 = [((1, 0, "s"), "run-a"), ((2, 0, "s"), "run-b")]
+        >>> rank1 = [((1, 1, "s"), "run-a"), ((2, 1, "s"), "run-a")]   # its iteration 2: stale
+        >>> complete_iterations([rank0, rank1], ranks=[0, 1])
+        {1: 'run-a'}
+    """
+    covered: dict[tuple[int, str], set[int]] = {}
+    for ids in held:
+        for (iteration, rank, _), run in ids:
+            covered.setdefault((iteration, run), set()).add(rank)
+    everyone = set(ranks)
+    complete: dict[int, str] = {}
+    for (iteration, run), have in sorted(covered.items()):
+        if have == everyone and iteration not in complete:
+            complete[iteration] = run
+    return complete
+
+
 class FastPersistLocalCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]  # (NVRx ships no types)
     """NVRx's ``BaseCheckpointManager`` storing each rank's local checkpoint with fastpersist.
 
@@ -115,6 +169,9 @@ class FastPersistLocalCheckpointManager(BaseCheckpointManager):  # type: ignore[
         ('doc', True)
     """
 
+    latest_iteration: int  # NVRx's cache of find_latest (-1: unknown), set by its __init__ and save
+    globally_available_ids: list[list[CkptID]]  # per rank, what load may fetch; set by find_latest
+
     def __init__(
         self,
         root_local_ckpt_dir: str | os.PathLike[str],
@@ -130,6 +187,7 @@ class FastPersistLocalCheckpointManager(BaseCheckpointManager):  # type: ignore[
         super().__init__(session_id, repl_strategy)
         self.root_local_ckpt_dir = os.fspath(root_local_ckpt_dir)
         self.config = config if config is not None else Config()
+        self._run: str | None = None  # agreed by every rank at the first save (see _agree_on_run)
 
     @property
     def local_ckpt_dir(self) -> Path:
@@ -145,29 +203,68 @@ class FastPersistLocalCheckpointManager(BaseCheckpointManager):  # type: ignore[
             )
         return self.local_ckpt_dir / checkpoint_name(iteration, rank)
 
-    def _my_ckpt_ids(self) -> Iterable[CkptID]:
-        """The committed checkpoints in this rank's directory (its own and replicas)."""
+    def save(self, state_dict: TensorAwareStateDict, iteration: int, is_async: bool = False) -> Any:
+        """NVRx's ``save`` (every rank at once), its checkpoints tagged with this job run's tag."""
+        self._agree_on_run()
+        return super().save(state_dict, iteration, is_async)
+
+    def find_latest(self) -> int:
+        """NVRx's ``find_latest`` (every rank at once), counting an iteration only where one run
+        wrote every rank's checkpoint: a stale shard left by a rank that died ahead of the others
+        is never combined with another run's (:func:`complete_iterations`)."""
+        if self.latest_iteration != -1:
+            return self.latest_iteration  # NVRx's cache, valid until the next save
+        held = self._my_ckpt_runs()
+        if self.repl_strategy is None:  # other ranks' shards cannot be sent without replication
+            held = [(ckpt_id, run) for ckpt_id, run in held if ckpt_id[1] == self.rank]
+        group = GroupWrapper()
+        gathered = group.all_gather_object(held)
+        complete = complete_iterations(gathered, group.ranks)
+        self.globally_available_ids = [
+            [ckpt_id for ckpt_id, run in ids if complete.get(ckpt_id[0]) == run] for ids in gathered
+        ]
+        self.latest_iteration = max(complete, default=-1)
+        return self.latest_iteration
+
+    def _agree_on_run(self) -> None:
+        """Every rank takes rank 0's fresh random tag, once per manager (a collective)."""
+        if self._run is None:
+            proposal = secrets.token_hex(8)
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            self._run = GroupWrapper().all_gather_object(proposal)[0] if distributed else proposal
+
+    def _my_ckpt_runs(self) -> list[tuple[CkptID, str]]:
+        """The committed checkpoints in this rank's directory (its own and replicas), each with
+        the run that wrote it."""
         os.makedirs(self.local_ckpt_dir, exist_ok=True)
-        ids = []
+        held = []
         for entry in os.scandir(self.local_ckpt_dir):
             parsed = parse_checkpoint_name(entry.name)
             if parsed is not None and os.path.exists(os.path.join(entry.path, MANIFEST_NAME)):
-                ids.append((parsed[0], parsed[1], self.session_id))
-        return ids
+                held.append(((parsed[0], parsed[1], self.session_id), checkpoint_run(entry.path)))
+        return held
+
+    def _my_ckpt_ids(self) -> Iterable[CkptID]:
+        """The committed checkpoints in this rank's directory (its own and replicas)."""
+        return [ckpt_id for ckpt_id, _ in self._my_ckpt_runs()]
 
     def _save(self, state_dict: TensorAwareStateDict, ckpt_id: CkptID) -> None:
         """Writes `state_dict` as the checkpoint `ckpt_id`; durable when this returns.
 
-        Raises ``SameMachineReplicationException`` if that checkpoint already exists here.
+        An existing checkpoint of that id (a stale one, left by a rank that died ahead of the
+        others) is replaced atomically, as the stock manager renames over its file: a kill
+        during the save leaves the old one or the new one, whole. Raises
+        ``SameMachineReplicationException`` only if something that is not a checkpoint holds
+        its name.
         """
         path = self._path(ckpt_id)
         os.makedirs(path.parent, exist_ok=True)
-        if os.path.exists(path):
-            raise SameMachineReplicationException(ckpt_id)
         tensors = list(state_dict.pop_tensors())
         try:
             hollow = pickle.dumps(state_dict, protocol=pickle.HIGHEST_PROTOCOL)
-            save({"tensors": tensors, "hollow": hollow}, path, config=self.config)
+            save({"tensors": tensors, "hollow": hollow, "run": self._run or ""}, path, config=self.config)
+        except FileExistsError as e:  # fastpersist replaces only a checkpoint of its own
+            raise SameMachineReplicationException(ckpt_id) from e
         finally:
             state_dict.insert_tensors(tensors)
 
