@@ -1,25 +1,13 @@
-"""A tiny Lightning fit shared by tests/integrations/test_lightning.py and the child it kills.
-
-Run as a script (``python lightning_workers.py ROOT HOLD``), it fits with overlapped saves and
-holds the HOLD-th save (counting from 1) before its manifest is written: its data files are
-whole in the hidden temporary directory, nothing is at its path yet. It prints ``holding`` then,
-and the test kills it with SIGKILL.
-"""
+"""A tiny Lightning fit shared by the Lightning tests (tests/integrations/test_lightning*.py):
+the model, its data, a Trainer and the top-k rotation they use."""
 
 from __future__ import annotations
 
-import functools
-import os
-import sys
-import time
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-
-from fastpersist.integrations.lightning import FastPersistAsyncCheckpointIO
-from fastpersist.saving import job
 
 #: Batches per epoch of loader().
 STEPS_PER_EPOCH = 4
@@ -74,27 +62,3 @@ def rotation(dirpath: str, **kwargs: Any) -> Any:
     return pl.callbacks.ModelCheckpoint(
         dirpath=dirpath, save_top_k=2, save_last=True, monitor="step", mode="max", **kwargs
     )
-
-
-def fit_and_hold(root: str, hold: int) -> None:
-    """Fits 4 epochs with overlapped saves; the `hold`-th save stops before its manifest forever."""
-    write_manifest = job.write_manifest
-    calls = 0
-
-    @functools.wraps(write_manifest)
-    def held(directory: str, manifest: bytes, *, durable: bool) -> None:
-        nonlocal calls
-        calls += 1
-        if calls == hold:
-            print("holding", directory, flush=True)
-            time.sleep(600)
-        write_manifest(directory, manifest, durable=durable)
-
-    job.write_manifest = held
-    ckdir = os.path.join(root, "ck")
-    trainer(root, 4, FastPersistAsyncCheckpointIO(), callbacks=[rotation(ckdir)]).fit(seeded_model(), loader())
-    print("finished", flush=True)
-
-
-if __name__ == "__main__":
-    fit_and_hold(sys.argv[1], int(sys.argv[2]))
