@@ -163,11 +163,22 @@ class SaveFuture(concurrent.futures.Future[SaveResult]):
         finally:
             if self.done():
                 self._error_seen = True
+                self._join_commit_thread()
+
+    def _join_commit_thread(self) -> None:
+        """Once the outcome is set, the commit thread only runs the done callbacks and ends: a
+        caller of :meth:`wait` returns after it is gone, so that no thread of the save outlives
+        the wait (a host's test harness may count leftover threads). Not from the thread itself
+        (a done callback calling ``result()``)."""
+        thread = self._thread
+        if thread is not threading.current_thread():
+            thread.join()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error, or None if it committed. Waits like :meth:`wait`."""
         error = super().exception(given_timeout(timeout, "SaveFuture.exception"))
         self._error_seen = True
+        self._join_commit_thread()
         return error
 
     def cancel(self) -> bool:

@@ -30,9 +30,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fastpersist")
     group.addoption(
         "--fastpersist-stack",
-        choices=["stock", "accelerate", "lightning", "lightning-sync"],
+        choices=["stock", "accelerate", "lightning", "lightning-sync", "lightning-torch-async"],
         required=True,
-        help="stock: change nothing, only report each test's outcome",
+        help="stock: change nothing, only report each test's outcome; lightning-torch-async: Lightning's own "
+        "AsyncCheckpointIO(TorchCheckpointIO()) as the default, the peer an async writer is compared with",
     )
     group.addoption("--fastpersist-report", default=None, help="JSON lines: one per test, its outcome and counts")
 
@@ -66,28 +67,32 @@ def _install_accelerate() -> None:
     _counting(hf_accelerate, "save_async", "fastpersist saves")
 
 
-def _install_lightning(sync: bool) -> None:
-    from lightning.pytorch.plugins.io import TorchCheckpointIO
+def _install_lightning(stack: str) -> None:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
     from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
     from lightning.pytorch.strategies.strategy import Strategy
 
     from fastpersist.integrations.lightning import FastPersistAsyncCheckpointIO, FastPersistCheckpointIO
 
-    ours = FastPersistCheckpointIO if sync else FastPersistAsyncCheckpointIO
+    ours: Any = {"lightning": FastPersistAsyncCheckpointIO, "lightning-sync": FastPersistCheckpointIO}.get(stack)
     stock = Strategy.checkpoint_io
 
     def get(self: Strategy) -> Any:
         io = self._checkpoint_io
-        if io is None:
+        if io is None and ours is None:
+            self._checkpoint_io = AsyncCheckpointIO(TorchCheckpointIO())
+            _counts["hosts"] += 1
+        elif io is None:
             self._checkpoint_io = ours()
             _counts["hosts"] += 1
         elif isinstance(io, _WrappingCheckpointIO) and io.checkpoint_io is None:
-            io.checkpoint_io = ours()
+            io.checkpoint_io = ours() if ours is not None else TorchCheckpointIO()
             _counts["hosts"] += 1
         return self._checkpoint_io
 
     Strategy.checkpoint_io = property(get, stock.fset)  # type: ignore[method-assign,assignment]
-    _counting(ours, "save_checkpoint", "fastpersist saves")
+    if ours is not None:
+        _counting(ours, "save_checkpoint", "fastpersist saves")
     _counting(TorchCheckpointIO, "save_checkpoint", "torch saves")
 
 
@@ -96,7 +101,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if stack == "accelerate":
         _install_accelerate()
     elif stack != "stock":
-        _install_lightning(sync=stack == "lightning-sync")
+        _install_lightning(stack)
 
 
 @pytest.hookimpl(hookwrapper=True)

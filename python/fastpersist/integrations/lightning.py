@@ -302,6 +302,7 @@ class FastPersistAsyncCheckpointIO(CheckpointIO):
         if save is None or not (block or save.settled.is_set()):
             return
         save.settled.wait()
+        save.future.exception()  # returns once the save's commit thread has ended, too
         with self._lock:
             if self._save is save:
                 self._save = None
@@ -315,17 +316,23 @@ def _run_by_lightning_async_wrapper() -> bool:
     """Whether the save in progress was called by Lightning's ``AsyncCheckpointIO`` (on its thread).
 
     The wrapper's teardown waits for its thread, not for the plug-in it wraps, so a save it
-    runs must be durable before it returns. Its saving function holds the wrapper as ``self``,
-    two or three frames above the plug-in's ``save_checkpoint``.
+    runs must be durable before it returns. Its saving function holds the wrapper as ``self``
+    somewhere above the plug-in's ``save_checkpoint`` on the wrapper's worker thread, whose
+    stack is short; anything between (a ``Mock(wraps=...)``, a decorator) may add frames, so
+    the whole stack is searched.
     """
     frame: FrameType | None = sys._getframe(2)
-    for _ in range(3):
+    for _ in range(_STACK_SEARCHED):
         if frame is None:
             return False
         if isinstance(frame.f_locals.get("self"), AsyncCheckpointIO):
             return True
         frame = frame.f_back
     return False
+
+
+#: Frames searched for the wrapper: a worker thread's whole stack, with room for wrappers.
+_STACK_SEARCHED = 64
 
 
 def _target(io: CheckpointIO, path: Any, storage_options: Any | None, config: Config) -> str:
