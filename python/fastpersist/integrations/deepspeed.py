@@ -21,7 +21,7 @@ each rank waits until its files of the tag are durable, the ranks agree over a p
 
 **A tag saved again** (``save_checkpoint(dir, tag="last")`` each time) is never overwritten in
 place while ``latest`` may name it: when its directory exists at the save's start, the new files
-go to a staging directory beside it (a fastpersist temporary directory, ``flock``-held), which the
+go to a staging directory beside it (in a fastpersist temporary directory, ``flock``-held), which the
 commit, once every rank's files are durable and the ranks agreed, exchanges with the tag's
 directory atomically (``renameat2``); the old files are removed in the background. A kill or a
 full disk before leaves the old files whole; a dead staging directory is removed by the next save
@@ -63,7 +63,7 @@ from ..config import Config
 from ..distributed.control import ControlGroup, collective, control_for, describe
 from ..errors import GroupSaveError
 from ..format.layout import tmp_dir_for, write_small_file
-from ..format.ownership import DirLock, cleaning, make_locked_dir, try_lock
+from ..format.ownership import DirLock, cleaning, make_locked_dir
 from ..futures import SaveFuture, SaveResult
 from ..interop.torchasync import torch_save_async
 from ..interop.torchfile import torch_save
@@ -81,14 +81,28 @@ LATEST_NAME = "latest"
 
 @dataclasses.dataclass
 class TagStaging:
-    """The hidden directory beside a re-saved tag's directory that its new files go to until
-    the commit; `lock` is held by the one rank of a filesystem view that made it, which swaps it in."""
+    """Where a re-saved tag's new files go until the commit: `path`, named as the tag, inside
+    `holder`, a hidden temporary directory beside the tag's, whose `lock` (not `path`'s: a file
+    written in `path` takes a shared lock on it) the rank of a filesystem view that made it holds."""
 
     tag_dir: str
-    path: str
+    holder: str
     lock: DirLock | None = None
     #: Why this rank could not make the staging directory of its view: raised by the commit.
     error: OSError | None = None
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.holder, os.path.basename(self.tag_dir))
+
+    def make(self) -> None:
+        """Makes `holder`, locked, and `path` in it; FileExistsError if another rank of this view did."""
+        self.lock = make_locked_dir(self.holder)
+        try:
+            os.mkdir(self.path)
+        except OSError:
+            self.discard()
+            raise
 
     def redirect(self, path: str) -> str:
         """`path` under the staging directory if it lies in the tag's directory, else `path`."""
@@ -105,19 +119,19 @@ class TagStaging:
         if lock is None:
             return
         try:
-            exchanged = _core.replace_atomically(self.path, self.tag_dir)
+            _core.replace_atomically(self.path, self.tag_dir)  # the old tree, if any, is now at `path`
             if durable:
                 _core.fsync_dir(os.path.dirname(self.tag_dir))
-        finally:
-            lock.release()  # it held the new tree, now at tag_dir
-        if exchanged:  # held until deleted: a cleaner elsewhere takes it for a live save's meanwhile
-            run_later(_remove_tree, self.path, try_lock(self.path))
+        except BaseException:
+            _remove_tree(self.holder, lock)
+            raise
+        run_later(_remove_tree, self.holder, lock)  # held until deleted: a cleaner elsewhere sees a live save
 
     def discard(self) -> None:
         """Removes the staging directory (its maker only): the tag keeps its old files."""
         lock, self.lock = self.lock, None
         if lock is not None:
-            _remove_tree(self.path, lock)
+            _remove_tree(self.holder, lock)
 
 
 def _remove_tree(path: str, lock: DirLock | None) -> None:
@@ -147,12 +161,8 @@ def remove_dead_stagings(parent: str) -> None:
 def open_staging(control: ControlGroup, save_dir: str, tag: str) -> TagStaging | None:
     """On every rank, at a save's start: a staging directory for tag `tag` if any rank sees its
     directory in `save_dir` already (a re-save), else None. Rank 0 makes it first; a rank that
-    then cannot see it (another node's own storage) makes one for its view.
-
-    Raises:
-        ValueError: the ranks name different tags.
-        OSError (rank 0) / GroupSaveError (the others): rank 0 could not make it; nothing was written.
-    """
+    then cannot see it (another node's own storage) makes one for its view. Raises ValueError if
+    the ranks name different tags, and an error on every rank if rank 0 could not make it."""
     tag_dir = os.path.abspath(os.path.join(save_dir, tag))
     parent, consequence = os.path.dirname(tag_dir), f"; tag {tag!r} was not saved"
     if control.rank == 0:
@@ -168,7 +178,7 @@ def open_staging(control: ControlGroup, save_dir: str, tag: str) -> TagStaging |
     error: OSError | None = None
     if control.rank == 0:
         try:
-            staging.lock = make_locked_dir(staging.path)
+            staging.make()
         except OSError as e:
             error = e
     what = f"make tag {tag!r}'s staging directory"
@@ -176,11 +186,11 @@ def open_staging(control: ControlGroup, save_dir: str, tag: str) -> TagStaging |
     if error is not None:
         raise error
     if made[0] is not None:
-        raise GroupSaveError(f"rank {control.rank}: rank 0 could not make {staging.path} ({made[0]}){consequence}")
-    if control.rank != 0 and not os.path.isdir(staging.path):  # not rank 0's filesystem
+        raise GroupSaveError(f"rank {control.rank}: rank 0 could not make {staging.holder} ({made[0]}){consequence}")
+    if control.rank != 0 and not os.path.isdir(staging.holder):  # not rank 0's filesystem
         remove_dead_stagings(parent)
         try:
-            staging.lock = make_locked_dir(staging.path)
+            staging.make()
         except FileExistsError:
             pass  # made by another rank of this view, which swaps it in
         except OSError as e:
@@ -378,8 +388,7 @@ class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (D
         try:
             staging.swap_in(durable=self.config.durable)
         except OSError as e:
-            error = e
-            staging.discard()
+            error = e  # (the staging directory is gone with it)
         control = self.control
         what = f"agree that tag {tag.tag!r}'s new files replaced its old ones (it may keep its old ones)"
         swaps = collective(control, what, lambda: control.all_gather(error and describe(error)), GroupSaveError)
@@ -467,12 +476,7 @@ def install(engine: Any, *, decoupled: bool = False, config: Config | None = Non
     Replaces ``engine.checkpoint_engine`` (a decoupled engine it held is committed and shut down
     first), wraps ``engine.save_checkpoint`` so that DeepSpeed leaves ``latest`` to this engine,
     and ``engine.load_checkpoint`` so that open tags are committed first. At interpreter exit,
-    saves still running are waited for. Returns the engine installed.
-
-    Example:
-        >>> ours = install(engine, decoupled=True)      # doctest: +SKIP
-        >>> engine.save_checkpoint("ckpt")               # doctest: +SKIP
-        >>> engine.step()                                 # doctest: +SKIP
+    saves still running are waited for. Returns the engine installed (the module docstring has an example).
     """
     config = config or Config()
     if not hasattr(engine, "save_checkpoint") or not hasattr(engine, "checkpoint_engine"):
