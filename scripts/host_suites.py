@@ -31,11 +31,33 @@ SUITES = {
     "accelerate": ["test_state_checkpointing.py"],
     "lightning": ["checkpointing", "plugins"],
 }
-#: Tests that fail only with fastpersist because they assert the host's internals, by stack and
-#: node id, with the reason (docs/integrations.md lists the same).
+#: Tests that fail only with fastpersist because they assert the host's internals (or, for an
+#: overlapped writer, a save that is done when the call returns), by suite variant and node id
+#: (a parametrized test by its name before "["), with the reason. docs/integrations.md lists them.
+_MOCKS_TORCH_SAVE = "mocks torch.save and counts its calls; the plug-in writes through fp.torch_save"
+_LISTS_IN_FLIGHT = (
+    "lists or reads the directory right after a save returned, while the overlapped save is in flight "
+    "(Lightning's own AsyncCheckpointIO fails it too; FastPersistCheckpointIO passes it)"
+)
+_LIGHTNING_INTERNALS = {
+    "checkpointing/test_checkpoint_callback_frequency.py::test_default_checkpoint_freq": _MOCKS_TORCH_SAVE,
+    "checkpointing/test_checkpoint_callback_frequency.py::test_top_k": _MOCKS_TORCH_SAVE,
+    "checkpointing/test_trainer_checkpoint.py::test_trainer_save_checkpoint_storage_options": (
+        "mocks TorchCheckpointIO.save_checkpoint and expects it called"
+    ),
+    "plugins/test_checkpoint_io_plugin.py::test_multi_wrapped_checkpoint_io_initialization": (
+        "asserts the IO inside AsyncCheckpointIO is a TorchCheckpointIO"
+    ),
+}
 KNOWN: dict[str, dict[str, str]] = {
     "accelerate": {},
-    "lightning": {},
+    "lightning": {
+        **_LIGHTNING_INTERNALS,
+        "checkpointing/test_model_checkpoint.py::test_none_monitor_not_alternating": _LISTS_IN_FLIGHT,
+        "checkpointing/test_model_checkpoint.py::test_none_monitor_saves_correct_best_model_path": _LISTS_IN_FLIGHT,
+        "checkpointing/test_model_checkpoint.py::test_save_last_saves_correct_last_model_path": _LISTS_IN_FLIGHT,
+    },
+    "lightning-sync": _LIGHTNING_INTERNALS,
 }
 
 
@@ -113,7 +135,7 @@ def main() -> int:
         stack = "lightning-sync" if args.stack == "lightning" and args.sync else args.stack
         stock = run(tests, targets, "stock", os.path.join(work, "stock.jsonl"))
         ours = run(tests, targets, stack, os.path.join(work, "ours.jsonl"))
-    known = KNOWN[args.stack]
+    known = KNOWN[stack]
     only_ours, documented = [], []
     for node, row in sorted(ours.items()):
         before = stock.get(node, {}).get("outcome", "-")
@@ -122,7 +144,7 @@ def main() -> int:
             f"fastpersist={row.get('fastpersist saves', 0)} torch={row.get('torch saves', 0)}  {node}"
         )
         if row["outcome"] == "failed" and before != "failed":
-            (documented if node in known else only_ours).append(node)
+            (documented if node.split("[")[0] in known else only_ours).append(node)
     saved = sum(1 for row in ours.values() if row.get("fastpersist saves"))
     failed = {
         name: sum(r["outcome"] == "failed" for r in rows.values()) for name, rows in (("stock", stock), ("ours", ours))
@@ -132,6 +154,8 @@ def main() -> int:
         f"only with fastpersist: {len(only_ours)} unexplained, {len(documented)} documented (host internals); "
         f"{saved} tests saved through fastpersist"
     )
+    for node in documented:
+        print(f"failed only with fastpersist, as documented: {node}: {known[node.split('[')[0]]}")
     for node in only_ours:
         print(f"FAILED only with fastpersist: {node}")
     if not saved:
