@@ -53,8 +53,16 @@ def test_callable_like_torch_idioms(workdir: str) -> None:
     assert torch.equal(same["big"], state["big"])
     default = fp.load(path, map_location=lambda storage, loc: None)  # None: the default placement
     assert torch.equal(default["w"], state["w"])
-    with pytest.warns(UserWarning, match="TypedStorage is deprecated"):
-        typed = fp.load(path, map_location=lambda s, loc: torch.TypedStorage(wrap_storage=s.clone(), dtype=torch.uint8))
+    # torch warns of TypedStorage once per process unless told to always: an earlier test may have had it.
+    always = torch.storage._get_always_warn_typed_storage_removal()
+    torch.storage._set_always_warn_typed_storage_removal(True)
+    try:
+        with pytest.warns(UserWarning, match="TypedStorage is deprecated"):
+            typed = fp.load(
+                path, map_location=lambda s, loc: torch.TypedStorage(wrap_storage=s.clone(), dtype=torch.uint8)
+            )
+    finally:
+        torch.storage._set_always_warn_typed_storage_removal(always)
     assert torch.equal(typed["view"], state["big"][10:20])
     with pytest.raises(TypeError, match="returned int"):
         fp.load(path, map_location=lambda storage, loc: 1)

@@ -396,5 +396,5 @@ def save_instead(
     refuses too raises torch's own error, and `target` stays as it was."""
     with atomic_file(target, durable=config.durable) as tmp:
         args.save(obj, tmp)
-    log.warning("torch_save wrote %s with torch.save itself (%s: %s)", target, type(why).__name__, why)
+    log.warning("torch_save fell back to torch.save for %s (%s: %s)", target, type(why).__name__, why)
     return torch_save_result(target, os.path.getsize(target), started, "torch.save")
