@@ -360,7 +360,9 @@ def save_with_uneven_drains(rank: int, world: int, init_file: str, workdir: str)
         ck = fp.Checkpointer(
             node_root(workdir, rank),
             keep=2,
-            config=fp.Config(chunk_bytes=64 << 10, timeout_s=8),
+            # A rank waiting for a step the others skipped would wait timeout_s and fail; 8 s was
+            # once not enough for 4 ranks' drains on 2 busy cores (the full suite), so 20.
+            config=fp.Config(chunk_bytes=64 << 10, timeout_s=20),
             group=dist.group.WORLD,
             levels=[
                 fp.Partner(replicas=1),
