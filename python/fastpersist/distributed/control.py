@@ -29,15 +29,16 @@ from typing import Any, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from ..errors import FastPersistError
+from ..errors import FastPersistError, GroupSaveError
 from .placement import node_name
 from .watch import Address, PeerWatch
 
 __all__ = [
-    "GONE_GRACE_S",
-    "WAIT_SLICE",
     "ControlGroup",
+    "GONE_GRACE_S",
     "PeerGoneError",
+    "WAIT_SLICE",
+    "agree",
     "collective",
     "control_for",
     "describe",
@@ -237,6 +238,28 @@ def collective(
             f"rank {control.rank}: the process group stopped answering while trying to {what} "
             f"(a rank failed, was killed, or took longer than timeout_s={control.timeout_s}): {e}{consequence}"
         ) from e
+
+
+def agree(control: ControlGroup | None, what: str, error: BaseException | None, consequence: str = "") -> None:
+    """Every rank tells the others whether its part of `what` went well: raises this rank's
+    `error`, else a :class:`~fastpersist.GroupSaveError` naming the first rank that failed, with
+    `consequence` appended (one process, `control` None: raises `error`)."""
+    if control is None:
+        if error is not None:
+            raise error
+        return
+    outcomes = collective(
+        control,
+        what,
+        lambda: control.all_gather(None if error is None else describe(error)),
+        GroupSaveError,
+        consequence,
+    )
+    if error is not None:
+        raise error
+    for rank, why in enumerate(outcomes):
+        if why is not None:
+            raise GroupSaveError(f"rank {control.rank}: rank {rank} failed to {what} ({why}){consequence}")
 
 
 def describe(error: BaseException) -> str:

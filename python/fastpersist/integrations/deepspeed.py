@@ -60,7 +60,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 import fastpersist._core as _core
 
 from ..config import Config
-from ..distributed.control import ControlGroup, collective, control_for, describe
+from ..distributed.control import ControlGroup, agree, collective, control_for, describe
 from ..errors import GroupSaveError
 from ..format.layout import tmp_dir_for, write_small_file
 from ..format.ownership import DirLock, cleaning, make_locked_dir
@@ -181,12 +181,7 @@ def open_staging(control: ControlGroup, save_dir: str, tag: str) -> TagStaging |
             staging.make()
         except OSError as e:
             error = e
-    what = f"make tag {tag!r}'s staging directory"
-    made = collective(control, what, lambda: control.all_gather(error and describe(error)), GroupSaveError, consequence)
-    if error is not None:
-        raise error
-    if made[0] is not None:
-        raise GroupSaveError(f"rank {control.rank}: rank 0 could not make {staging.holder} ({made[0]}){consequence}")
+    agree(control, f"make tag {tag!r}'s staging directory {staging.holder}", error, consequence)
     if control.rank != 0 and not os.path.isdir(staging.holder):  # not rank 0's filesystem
         remove_dead_stagings(parent)
         try:
@@ -389,17 +384,8 @@ class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (D
             staging.swap_in(durable=self.config.durable)
         except OSError as e:
             error = e  # (the staging directory is gone with it)
-        control = self.control
-        what = f"agree that tag {tag.tag!r}'s new files replaced its old ones (it may keep its old ones)"
-        swaps = collective(control, what, lambda: control.all_gather(error and describe(error)), GroupSaveError)
-        if error is not None:
-            raise error
-        for rank, why in enumerate(swaps):
-            if why is not None:
-                raise GroupSaveError(
-                    f"rank {control.rank}: rank {rank} could not put tag {tag.tag!r}'s new files in place ({why}); "
-                    f"its view of {staging.tag_dir} keeps the old ones"
-                )
+        what = f"put tag {tag.tag!r}'s new files in place"
+        agree(self.control, what, error, f"; its view of {staging.tag_dir} keeps the old ones")
 
     def wait_outstanding(self) -> None:
         """Waits for the saves still running (at interpreter exit): their files become durable,

@@ -22,8 +22,8 @@ import torch
 import fastpersist._core as _core
 
 from ..config import Config, snapshot_pool_bytes
-from ..distributed.control import ControlGroup, collective, describe
-from ..errors import GroupSaveError
+from ..distributed.control import ControlGroup
+from ..distributed.control import agree as agree_in_group
 from ..format.layout import write_small_file
 from ..futures import SaveFuture
 
@@ -97,25 +97,9 @@ def _fsync_tree(path: str) -> None:
 
 
 def agree(control: ControlGroup | None, what: str, error: BaseException | None, final: str) -> None:
-    """Every rank tells the others whether its part of `what` went well; raises this rank's
-    `error`, else a :class:`GroupSaveError` naming a rank that failed. One process: raises `error`."""
-    if control is None:
-        if error is not None:
-            raise error
-        return
-    consequence = f"; {final} was not committed and the previous checkpoints stay as they were"
-    outcomes = collective(
-        control,
-        what,
-        lambda: control.all_gather(None if error is None else describe(error)),
-        GroupSaveError,
-        consequence,
-    )
-    if error is not None:
-        raise error
-    for rank, why in enumerate(outcomes):
-        if why is not None:
-            raise GroupSaveError(f"rank {control.rank}: rank {rank} failed to {what} ({why}){consequence}")
+    """:func:`~fastpersist.distributed.control.agree` on `what`, for the checkpoint `final`: a
+    failure on any rank leaves the previous checkpoints as they were."""
+    agree_in_group(control, what, error, f"; {final} was not committed and the previous checkpoints stay as they were")
 
 
 @dataclasses.dataclass
