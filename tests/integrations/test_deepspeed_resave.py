@@ -17,11 +17,8 @@ import errno
 import hashlib
 import importlib.util
 import json
-import multiprocessing
 import os
 import signal
-import sys
-import time
 from typing import Any
 
 import pytest
@@ -29,21 +26,15 @@ import pytest
 if importlib.util.find_spec("deepspeed") is None:  # CI installs it: pip install '.[test]'
     pytest.skip("DeepSpeed is not installed (pip install '.[test]' installs it)", allow_module_level=True)
 
+from test_deepspeed import RANK_TIMEOUT_S, _ok, _run_until_killed
+
 import deepspeed_workers as workers
 from deepspeed_workers import SAVE_AFTER, STEPS
-from gloo import HELPERS_DIR, report_rank, run_ranks
+from gloo import report_rank, run_ranks
 
 pytestmark = pytest.mark.slow  # each case starts 2 DeepSpeed processes, some twice
 
-#: Spawned ranks import DeepSpeed (several seconds) and, the first time, compile its comm op.
-RANK_TIMEOUT_S = 400
 TAG = "last"
-
-
-def _ok(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    for rank, res in enumerate(results):
-        assert "traceback" not in res, f"rank {rank} failed:\n{res['traceback']}"
-    return results
 
 
 def _digests(tag_dir: str) -> dict[str, str]:
@@ -138,34 +129,12 @@ def resume_and_resave(rank: int, world: int, init_file: str, workdir: str, stage
     report_rank(rank, world, init_file, workdir, resume)
 
 
-def _run_until_killed(target: Any, args: tuple[Any, ...], workdir: str, grace_s: float = 20) -> list[int]:
-    """Runs `target` on 2 ranks until one is killed; kills those still alive `grace_s` later."""
-    ctx = multiprocessing.get_context("spawn")
-    if HELPERS_DIR not in sys.path:
-        sys.path.insert(0, HELPERS_DIR)
-    init_file = os.path.join(workdir, "init-store-kill")
-    procs = [ctx.Process(target=target, args=(r, 2, init_file, *args)) for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    while not any(p.exitcode == -signal.SIGKILL for p in procs):
-        assert time.monotonic() < deadline, "no rank was killed during the re-save"
-        assert not all(p.exitcode is not None for p in procs), [p.exitcode for p in procs]
-        time.sleep(0.05)
-    for p in procs:
-        p.join(grace_s)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    return [p.exitcode for p in procs]
-
-
 @pytest.mark.parametrize(("stage", "mode"), [(2, "sync"), (1, "decoupled")])
 def test_a_resave_killed_part_way_leaves_the_tag_whole_and_the_next_save_clears_its_staging(
     tmp_path: Any, stage: int, mode: str
 ) -> None:
     workdir = str(tmp_path)
-    codes = _run_until_killed(resave_then_die, (workdir, stage, mode), workdir)
+    codes = _run_until_killed(resave_then_die, 2, (workdir, stage, mode), workdir)
     assert -signal.SIGKILL in codes
     save_dir = tmp_path / "ckpt"
     assert (save_dir / "latest").read_text() == TAG

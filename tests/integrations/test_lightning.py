@@ -70,6 +70,19 @@ def _hold_commits(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     return gate
 
 
+def _release_on_cancel(monkeypatch: pytest.MonkeyPatch, gate: threading.Event) -> None:
+    """A save cancelled from now on releases `gate` (of :func:`_hold_commits`) once cancelled, so
+    that its held commit sees the cancellation."""
+    cancel = SaveFuture.cancel
+
+    def cancel_then_release(self: SaveFuture) -> bool:
+        stopped = cancel(self)
+        gate.set()
+        return stopped
+
+    monkeypatch.setattr(SaveFuture, "cancel", cancel_then_release)
+
+
 def _fail_commit(monkeypatch: pytest.MonkeyPatch, nth: int = 1) -> threading.Event:
     """The `nth` overlapped save from now fails with ENOSPC at its commit's fsync, once the
     returned event is set; the others pass. The save's own error path runs (its temporary
@@ -290,14 +303,7 @@ def test_removing_the_path_being_saved_cancels_that_save(tmp_path: Any, monkeypa
     io.save_checkpoint(_checkpoint(1), path)
     io.wait()
     gate = _hold_commits(monkeypatch)
-    cancel = SaveFuture.cancel
-
-    def cancel_then_release(self: SaveFuture) -> bool:
-        stopped = cancel(self)
-        gate.set()
-        return stopped
-
-    monkeypatch.setattr(SaveFuture, "cancel", cancel_then_release)
+    _release_on_cancel(monkeypatch, gate)
     io.save_checkpoint(_checkpoint(2), path)
     io.remove_checkpoint(path)
     assert gate.is_set() and not os.path.exists(path)  # neither the new checkpoint nor the old one
@@ -313,14 +319,7 @@ def test_removing_a_new_path_being_saved_removes_its_placeholder(
     gate = _hold_commits(monkeypatch)
     io.save_checkpoint(_checkpoint(1), path)
     assert os.path.isfile(path)  # reserved
-    cancel = SaveFuture.cancel
-
-    def cancel_then_release(self: SaveFuture) -> bool:
-        stopped = cancel(self)
-        gate.set()
-        return stopped
-
-    monkeypatch.setattr(SaveFuture, "cancel", cancel_then_release)
+    _release_on_cancel(monkeypatch, gate)
     io.remove_checkpoint(path)
     io.teardown()
     assert os.listdir(tmp_path) == []
