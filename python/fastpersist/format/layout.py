@@ -68,6 +68,7 @@ __all__ = [
     "STRIPE_SUFFIX",
     "TMP_MARKER",
     "atomic_file",
+    "create_locked_file",
     "dead_tmp_files",
     "is_checkpointer_root",
     "is_dcp_checkpoint",
@@ -242,6 +243,23 @@ def is_dcp_checkpoint(path: str) -> bool:
     return not has(os.path.join(path, MANIFEST_NAME)) and has(os.path.join(path, DCP_METADATA_NAME))
 
 
+def create_locked_file(path: str) -> int:
+    """Creates the file `path` (FileExistsError if something is there) holding an exclusive
+    ``flock`` until its descriptor, returned, is closed: a cleaner sees it live, and once its
+    writer is gone, dead (:func:`~fastpersist.format.flocks.lock_state`). Created under a shared
+    lock of its directory, as a cleaner decides under an exclusive one: never between the two."""
+    parent = os.path.dirname(os.path.abspath(path))
+    with locked_dir(parent, fcntl.LOCK_SH):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, path)
+        except BaseException:
+            os.close(fd)
+            os.remove(path)
+            raise
+    return fd
+
+
 @contextlib.contextmanager
 def atomic_file(path: str, *, durable: bool) -> Iterator[str]:
     """Yields a temporary path beside `path` to write; on success it replaces `path` atomically.
@@ -256,14 +274,7 @@ def atomic_file(path: str, *, durable: bool) -> Iterator[str]:
     parent, name = os.path.split(os.path.abspath(path))
     remove_dead_tmp_files(parent, name)
     tmp = tmp_file_for(path)
-    with locked_dir(parent, fcntl.LOCK_SH):  # a cleaner decides under LOCK_EX: never between these two
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        try:
-            flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, tmp)
-        except BaseException:
-            os.close(fd)
-            os.remove(tmp)
-            raise
+    fd = create_locked_file(tmp)
     try:
         yield tmp
         if durable:

@@ -54,8 +54,8 @@ from ..api import load
 from ..cleanup import clean
 from ..config import Config
 from ..errors import SaveCancelledError
-from ..format.flocks import flock, lock_state, locked_dir
-from ..format.layout import MANIFEST_NAME
+from ..format.flocks import lock_state, locked_dir
+from ..format.layout import MANIFEST_NAME, create_locked_file
 from ..format.quote import shown
 from ..futures import SaveFuture
 from ..interop.torchasync import torch_save_async
@@ -397,19 +397,16 @@ def _holds_reservation(path: str) -> bool:
 
 def _reserve(target: str) -> _Reservation | None:
     """Creates `target` as a locked placeholder, or returns None if something is there already."""
-    parent = os.path.dirname(target)
-    with locked_dir(parent, fcntl.LOCK_SH):  # a cleaner decides under LOCK_EX: never between create and lock
-        try:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
-        except FileExistsError:
-            return None
-        try:
-            flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, target)
-            os.write(fd, RESERVED)
-        except BaseException:
-            os.close(fd)
-            os.remove(target)
-            raise
+    try:
+        fd = create_locked_file(target)
+    except FileExistsError:
+        return None
+    try:
+        os.write(fd, RESERVED)  # (a cleaner looks only at files of RESERVED's size, and this one is live)
+    except BaseException:
+        os.close(fd)
+        os.remove(target)
+        raise
     return _Reservation(target, fd)
 
 
