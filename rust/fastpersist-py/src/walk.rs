@@ -10,6 +10,9 @@
 //! `walker.node(x, path, depth)`, the Python walk itself, which appends to the same lists: the
 //! result is the Python walk's by construction. Errors the walk raises (cycles, depth) come
 //! from the walker's own `enter` and `encode_key`, so their types and messages are the same too.
+//!
+//! `slots`: the walk's two hot Python calls made cheap (a slots-class instance built slot by slot, a
+//! tensor's attributes read through their descriptors); `tensor`: the plain tensor's record.
 
 mod slots;
 mod tensor;

@@ -19,6 +19,13 @@ It also measures the peak RSS that a bounded-pool save adds (in a fresh subproce
 time to flatten and plan a 10,000-tensor state, prints a table with ratios to the drive limit
 and to each peer, and writes everything as JSON (and, with ``--plot``, a PNG chart).
 
+Its modules: state (the synthetic states), harness (``Bench``: the methods and the interleaved
+loop that times them), measure (``Method`` and ``Row``), saves and loads (the timed methods),
+fio (the reference write limit), fixed (a small save's fixed costs), nullsink (a save into the
+null sink against memcpy), probes (flatten+plan and peak RSS), settings (the chunk size and
+depths, and where they came from), system (what the run asks of the OS), report (the statistics,
+the table and the chart).
+
 Example:
     $ fastpersist bench --size 1GiB --reps 3 --dir /mnt/nvme0 --plot bench.png
     $ python -m fastpersist.tools.bench --size 64MiB --reps 1 --json /tmp/bench.json

@@ -1,10 +1,14 @@
-//! Moving chunks between memory and files: the shared driver loop and the two backends.
+//! Moving chunks between memory and files: the shared driver loop, two backends and a null sink.
 //!
 //! A job describes its work as an [`OpSource`]: it hands out [`IoOp`]s (staging a pool slot for a
 //! write, carving a destination slice for a read) and is told when each completes. [`drive`]
 //! keeps up to `queue_depth` ops in flight on the chosen backend until the source is exhausted,
 //! then drains. On the first error it stops taking new ops, drains what is in flight (buffers
 //! stay owned by the in-flight table until their completion arrives) and returns that error.
+//!
+//! The backends: `uring` (io_uring, one ring per job), `threads` (the fallback: a pool of threads
+//! doing blocking `pwrite`/`pread`) and `null` (a sink that completes every write at once without
+//! a system call, for benchmarks; never a user's choice).
 
 mod null;
 mod threads;

@@ -5,7 +5,8 @@
 //! * [`progress`](JobProgress): counters, cancellation and the moments callers wait for;
 //! * [`guard`](Guard): the mutation guard's early copies and staging reports;
 //! * [`crc32_fields`](Crc32Field): CRC-32s of stream ranges written into the stream (zip records);
-//! * `staging`: the [`OpSource`](crate::backend::OpSource) that fills slots and makes writes;
+//! * `from_pool`: the [`OpSource`](crate::backend::OpSource) of a save with host sources: it
+//!   copies the stream's bytes into pool slots and hands them to the backend as writes;
 //! * `from_arena`: the job of a save with device sources, staged into its arena and written
 //!   straight from there (`arena_writes`: a window's writes and their checksum threads);
 //! * [`memory`](is_memory_fs), the in-memory level in one folder: targets on tmpfs/ramfs,
@@ -123,7 +124,7 @@ impl std::fmt::Debug for JobHooks {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StagingMode {
     /// Host sources are copied chunk by chunk into pool slots, each slot written by the
-    /// backend (`staging`).
+    /// backend (`from_pool`).
     Pool,
     /// Host sources are copied straight into mappings of the files' pages: every target is a
     /// regular file on a memory filesystem and O_DIRECT was not required (`memory`).
@@ -264,7 +265,7 @@ pub fn write_parts_with(
     })
 }
 
-/// The job of host sources: staged chunk by chunk into pool slots (`staging`), or straight
+/// The job of host sources: staged chunk by chunk into pool slots (`from_pool`), or straight
 /// into the files' pages on a memory filesystem (`in_memory`: `memory`). Returns the chunk
 /// checksums per file and whether each file was written with O_DIRECT.
 fn write_from_pool(

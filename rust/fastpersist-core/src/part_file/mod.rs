@@ -6,6 +6,8 @@
 //! written), writes with O_DIRECT where the filesystem takes it, and fsyncs at the end. A piece
 //! that is page-aligned in memory and in the file is written from where it lies; anything else
 //! goes through one aligned buffer, so the writes stay large and aligned whatever the pieces.
+//!
+//! Its tests, and the simulated filesystem their writes meet, are in `tests`.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;

@@ -1,4 +1,5 @@
-//! What the job-hook tests share: a small plan over temporary files and its source regions.
+//! What the job-hook tests share: a small plan over temporary files and its source regions, and
+//! (`device`) a fake device for the arena job's tests.
 
 #![allow(dead_code)] // each test crate uses its own part of this
 

@@ -13,6 +13,9 @@
 //! of a recycled file (one that existed with data) is kept after the job
 //! ([`mapped`]): the next save that overwrites the same file writes through it
 //! with no mapping work at all. A new file's mapping is not kept.
+//!
+//! A device job whose arena is its one file here is finished in place (`in_place`): staging put
+//! every byte into the file's pages already, so its chunks are only checksummed.
 
 mod in_place;
 mod mapped;
