@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fastpersist as fp
-import fastpersist.checkpointer as checkpointer
+import fastpersist.levels.local_level as local_level
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -93,7 +93,7 @@ def test_a_step_retired_before_it_is_opened_loads_the_newer_one(
     trainer = Trainer(workdir)
     reader = fp.Checkpointer(workdir, keep=1)
     assert reader.latest() == 1
-    monkeypatch.setattr(checkpointer, "load", _once(trainer.save_next, checkpointer.load))
+    monkeypatch.setattr(local_level, "load_checkpoint", _once(trainer.save_next, local_level.load_checkpoint))
     with caplog.at_level(logging.WARNING, logger="fastpersist"):
         assert reader.load()["step"] == 2
     _no_false_damage(caplog)

@@ -449,3 +449,75 @@ def test_no_two_modules_share_a_name() -> None:
         if path.stem not in ("lib", "mod", "main"):
             seen.setdefault(f"{path.parts[len(rust.parts)]}:{path.stem}", []).append(str(path.relative_to(rust)))
     assert {name: paths for name, paths in seen.items() if len(paths) > 1} == {}
+
+
+def _checkpointer_privates() -> set[str]:
+    """The private attributes and methods a Checkpointer defines (``self._x = ...``, ``def _x``)."""
+    tree = ast.parse((PACKAGE / "checkpointer.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Checkpointer"]
+    names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_")}
+    for node in ast.walk(cls):
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        for t in (
+            [target] if target is not None else getattr(node, "targets", []) if isinstance(node, ast.Assign) else []
+        ):
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                names.add(t.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_module_reads_a_checkpointer_private_and_the_levels_see_a_typed_host() -> None:
+    privates = _checkpointer_privates()
+    assert {"_root", "_copies", "_lock"} <= privates  # the scan sees them
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "checkpointer.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            # Another object's attribute of a Checkpointer-private name, read from outside it.
+            if isinstance(node, ast.Attribute) and node.attr in privates:
+                base = node.value
+                if not (isinstance(base, ast.Name) and base.id in ("self", "cls")):
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: .{node.attr}")
+    assert found == [], "reads of a Checkpointer private outside checkpointer.py (add to levels/host.py's LevelHost)"
+    untyped = []
+    for path in sorted((PACKAGE / "levels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.arg) and node.arg in ("ck", "host", "checkpointer"):
+                if node.annotation is None or ast.unparse(node.annotation) != "LevelHost":
+                    untyped.append(
+                        f"levels/{path.name}:{node.lineno}: {node.arg}: {ast.unparse(node.annotation or node)}"
+                    )
+    assert untyped == [], "the levels take the Checkpointer as a LevelHost (levels/host.py), never Any"
+
+
+_RUST_MOD = re.compile(r"^\s*(?:#\[cfg\(test\)\]\s*)?(?:pub(?:\([^)]*\))?\s+)?mod\s+(\w+)\s*;", re.MULTILINE)
+
+
+def _unnamed(doc: str, modules: list[str]) -> list[str]:
+    """The modules that `doc` does not name as a whole word."""
+    return sorted(m for m in modules if not re.search(rf"\b{re.escape(m)}\b", doc))
+
+
+def test_each_folder_doc_names_its_modules() -> None:
+    """A folder's docstring (Python) or ``//!`` doc of its ``mod.rs`` (Rust) is a map of it: it names every module."""
+    missing = {}
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        folder = init.parent
+        if folder == PACKAGE:
+            continue  # the package's docstring is its public summary; docs/architecture.md maps the top modules
+        modules = [p.stem for p in folder.glob("*.py") if p.stem not in ("__init__", "__main__")]
+        modules += [p.parent.name for p in folder.glob("*/__init__.py")]
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        if unnamed := _unnamed(doc, modules):
+            missing[str(init.relative_to(REPO))] = unnamed
+    for mod_rs in sorted(RUST.rglob("mod.rs")):
+        if "target" in mod_rs.relative_to(RUST).parts:
+            continue
+        text = mod_rs.read_text()
+        here = mod_rs.parent
+        declared = [m for m in _RUST_MOD.findall(text) if (here / f"{m}.rs").is_file() or (here / m).is_dir()]
+        doc = "\n".join(line for line in text.splitlines() if line.startswith("//!"))
+        if unnamed := _unnamed(doc, declared):
+            missing[str(mod_rs.relative_to(REPO))] = unnamed
+    assert missing == {}, f"these folder docs do not name these modules of their folder: {missing}"

@@ -28,21 +28,17 @@ import fastpersist._core as _core
 
 from .advisor.history import DEFAULT_MAX_EVERY, SaveHistory
 from .advisor.multilevel import Failures, local_mtbf_s
-from .api import load
 from .arguments import given_path, given_timeout
-from .cleanup import clean, stripe_leftovers
 from .config import Config, given_config, snapshot_pool_bytes
 from .distributed.control import control_for, group_rank_and_size
-from .errors import CheckpointNotFoundError
 from .format.layout import INDEX_NAME, write_small_file
 from .futures import SaveFuture, SaveResult
-from .levels.level_objects import CommittedStepCopies, Level, Partner, levels_given, moved_keywords_error
-from .levels.local_steps import RESTORE_ATTEMPTS, LocalSteps
-from .levels.partner_holdings import local_levels
-from .levels.partner_level import PartnerLevel
-from .levels.remote_level import RemoteLevel
+from .levels.host import CommittedStepCopies, RestoringCopies, RootLevel
+from .levels.level_objects import Level, levels_given, moved_keywords_error, root_and_copies
+from .levels.local_level import LocalLevel
+from .levels.local_steps import LocalSteps
 from .levels.resume import bring_in, restore_point, run_id
-from .retention import retire, retire_in_group, retired_steps
+from .retention import retired_steps
 from .saving.in_flight import InFlight
 from .saving.optimizer_guard import guard_optimizer
 from .saving.pools import pool_for
@@ -130,8 +126,7 @@ class Checkpointer:
             raise ValueError("sharded=True needs group=")
         if config is not None:
             given_config(config)
-        chosen = levels_given(levels, group)
-        partner = next((level for level in chosen if isinstance(level, Partner)), None)
+        partner, copies = root_and_copies(levels_given(levels, group))
         #: Copies of each rank's share kept on other nodes (the partner level; 0: none).
         self.replicas = partner.replicas if partner is not None else 0
         self.failures = failures
@@ -147,8 +142,9 @@ class Checkpointer:
             self.rank = group_rank_and_size(group)[0]
             # Made now, while every rank is here: a rank lost during a later save or restore is then
             # noticed through the group's watch (docs/distributed.md), not after timeout_s.
-            control_for(group, self._timeout_s())
-        self._saves = InFlight()
+            control_for(group, self.timeout_s)
+        #: The saves started and not yet seen through (its newest: ``in_flight.newest()``).
+        self.in_flight = InFlight()
         self._from_device = False
         self._pool: _core.Pool | None = None
         self._lock = threading.Lock()
@@ -159,23 +155,21 @@ class Checkpointer:
         self.removed_leftovers: list[str] = []
         self._cleaned = False
         self.history.persist = self.rank == 0
-        self._last: SaveResult | None = None
-        self._run: str | None = None  # this root's run id (levels/run_identity.py), set at the first commit
-        self._partner: PartnerLevel | None = None
-        self._remote: RemoteLevel | None = None
+        #: The result of the newest committed save (None before one).
+        self.last_result: SaveResult | None = None
+        #: This root's run id (levels/run_identity.py), set at the first commit.
+        self.run: str | None = None
         #: The levels that copy committed steps elsewhere, in the order given (the commit sequence's order).
-        self._copies: list[CommittedStepCopies] = []
-        for level in chosen:
-            if isinstance(level, Partner):
-                continue  # attached last, as before: its first use is collective
-            attached = level.attach(self)
-            if isinstance(attached, RemoteLevel):
-                self._remote = attached
-            self._copies.append(attached)
-        if partner is not None:
-            self._partner = partner.attach(self)
+        self._copies: list[CommittedStepCopies] = [level.attach(self) for level in copies]
+        #: The one of them a restore may take a step from (the remote level), if any.
+        self._far: RestoringCopies | None = next((c for c in self._copies if isinstance(c, RestoringCopies)), None)
+        #: The level that keeps the root's steps: the partner level (attached last, as before: its
+        #: first use is collective), or the local level alone.
+        self._root: RootLevel = partner.attach(self) if partner is not None else LocalLevel(self)
 
-    def _timeout_s(self) -> float:
+    @property
+    def timeout_s(self) -> float:
+        """How long a rank of the group waits for the others (the config's ``timeout_s``)."""
         return float(self.config.timeout_s) if self.config is not None else Config().timeout_s
 
     @property
@@ -201,13 +195,7 @@ class Checkpointer:
         stripe roots, and committed steps are left alone. In a group, rank 0 cleans `root` and
         every rank its own stripe roots.
         """
-        stripes = list(self.config.stripes or []) if self.config is not None else []
-        if self._partner is not None:
-            removed = clean(self.root) if self._partner.is_leader() else []
-        elif self.rank == 0:
-            removed = clean(self.root, stripes=stripes)
-        else:
-            removed = stripe_leftovers(self.root, stripes) if stripes else []
+        removed = self._root.clean()
         self.removed_leftovers.extend(removed)
         self._cleaned = True
         return removed
@@ -262,14 +250,14 @@ class Checkpointer:
             return None
         for copies in self._copies:
             copies.before_save()
-        ahead = self._from_device and self.group is None and not self.sharded and self._saves.disk_busy()
+        ahead = self._from_device and self.group is None and not self.sharded and self.in_flight.disk_busy()
         with self.history.waiting("commit"):
-            if self.group is not None and self._saves.skip_in_group(
-                self.group, self._timeout_s(), from_device=self._from_device, step=step
+            if self.group is not None and self.in_flight.skip_in_group(
+                self.group, self.timeout_s, from_device=self._from_device, step=step
             ):
                 log.debug("step %d skipped: a rank's previous save still writes", step)
                 return None
-            self._saves.raise_unseen() if ahead else self._saves.finish_all()
+            self.in_flight.raise_unseen() if ahead else self.in_flight.finish_all()
         with self.history.waiting("start"), self._lock:
             config, state = self._config_for(state)
             if not self._cleaned:
@@ -288,46 +276,33 @@ class Checkpointer:
                 write_gate=gate,
             )
             future = SaveFuture(job, on_commit=functools.partial(self._after_commit, step))
-            self._saves.started(future, gate)
+            self.in_flight.started(future, gate)
             self._from_device = getattr(job, "from_device", False)  # a GPU state's next steps may go ahead
             return future
-
-    @property
-    def _future(self) -> SaveFuture | None:
-        """The save started last (the levels ask whether it stages or writes)."""
-        return self._saves.newest()
 
     def _after_commit(self, step: int, result: SaveResult) -> None:
         """On every rank, once `step` committed: the index (rank 0), then retention, then the costs."""
         stripes = self.config.stripes if self.config else None
         pinned = set().union(*(copies.pinned() for copies in self._copies))
         candidates = [self.path(s) for s in retired_steps(self.steps(), step, self.keep) if s not in pinned]
-        if self._run is None:
-            self._run = run_id(self)
-        if self._partner is not None:
-            self._partner.after_commit(step, result, candidates)  # per node: index and retention
-        else:
-            if self.rank == 0:
-                self._write_index(step)
-            if self.group is None:
-                retire(self.root, self.path(step), candidates, stripes, rank=0)
-            else:
-                assert self.config is not None
-                retire_in_group(self.root, self.path(step), candidates, self.config, self.group, self.rank)
-        self._last = result
+        if self.run is None:
+            self.run = run_id(self)
+        self._root.after_commit(step, result, candidates)  # the index, then retention
+        self.last_result = result
         if self.rank == 0:
             self.history.committed(result, stripes=stripes, group=self.group is not None)  # costs and wear
         for copies in self._copies:
             copies.after_commit(step)
 
-    def _write_index(self, step: int) -> None:
+    def write_index(self, step: int) -> None:
+        """Replaces the root's index (``latest.json``) with one naming `step`, durably (the root level calls it)."""
         doc: dict[str, Any] = {
             "step": step,
             "path": os.path.basename(self.path(step)),
             "updated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
-        if self._run is not None:
-            doc["run"] = self._run
+        if self.run is not None:
+            doc["run"] = self.run
         write_small_file(os.path.join(self.root, INDEX_NAME), (json.dumps(doc, indent=2) + "\n").encode(), durable=True)
 
     def wait_staged(self, timeout: float | None = None) -> None:
@@ -335,12 +310,12 @@ class Checkpointer:
         seconds, as for :meth:`SaveFuture.wait_staged`)."""
         timeout = given_timeout(timeout, "Checkpointer.wait_staged")
         with self.history.waiting("staged"):
-            self._saves.wait_staged(timeout)
+            self.in_flight.wait_staged(timeout)
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Blocks until every save in flight commits; returns the newest's result or raises an
         error (``TimeoutError`` once `timeout` seconds passed; None waits without a limit)."""
-        return self._saves.wait(given_timeout(timeout, "Checkpointer.wait"))
+        return self.in_flight.wait(given_timeout(timeout, "Checkpointer.wait"))
 
     # -- resuming ----------------------------------------------------------------------------
 
@@ -365,7 +340,7 @@ class Checkpointer:
         it is not damage (nothing is logged); the index and the steps are read again, up to
         :data:`RESTORE_ATTEMPTS` times, then ``CheckpointNotFoundError`` says to try again.
         """
-        return restore_point(self)[0]
+        return restore_point(self, self._root, self._far)[0]
 
     def load(
         self,
@@ -393,57 +368,27 @@ class Checkpointer:
         """
         if step is not None and (type(step) is not int or step < 0):
             raise TypeError(f"step={step!r}: expected a step number (a non-negative integer) or None (the latest)")
-        if self._remote is not None:
-            step = bring_in(self, step)
+        if self._far is not None:
+            step = bring_in(self, self._root, self._far, step)
             if step is None:
                 raise FileNotFoundError(errno.ENOENT, "no committed, verified checkpoint on any level", self.root)
-        if self._partner is not None:
-            with self.history.loading():
-                return self._partner.load(step, map_location, namedtuple_types, out)
-        namedtuple_types = tuple(namedtuple_types)  # read again by each attempt
-        if step is not None:
-            return self._load_step(step, out, map_location, namedtuple_types)
-        retries = RESTORE_ATTEMPTS - 1 if self.group is None else 0  # a group's load is collective
-        for _ in range(retries):
-            step = self._latest_or_raise()
-            try:
-                return self._load_step(step, out, map_location, namedtuple_types)
-            except CheckpointNotFoundError:
-                if not self.local.retired(step):
-                    raise
-                log.info("step %d was retired before it could be read; loading the newest step again", step)
-        return self._load_step(self._latest_or_raise(), out, map_location, namedtuple_types)
-
-    def _latest_or_raise(self) -> int:
-        step = self.latest()
-        if step is None:
-            raise FileNotFoundError(errno.ENOENT, "no committed, verified checkpoint", self.root)
-        return step
-
-    def _load_step(self, step: int, out: object, map_location: Any, namedtuple_types: Iterable[type]) -> Any:
         with self.history.loading():
-            return load(
-                self.path(step),
-                out=out,
-                map_location=map_location,
-                group=self.group,
-                namedtuple_types=namedtuple_types,
-            )
+            return self._root.load(step, out, map_location, namedtuple_types)
 
     def levels(self) -> dict[str, Any]:
         """What this rank's node holds on each level: ``{"local": {...}, "partner": {...}}``, each
         with the ``steps`` held, their ``bytes`` and ``last_seconds`` (the last copy's time)."""
 
-        found = self._partner.levels() if self._partner is not None else local_levels(self)
-        if self._remote is not None:
-            found["remote"] = self._remote.levels()
+        found = self._root.levels()
+        for copies in self._copies:
+            found.update(copies.levels())
         return found
 
     def close(self) -> None:
         """Waits for every pending copy, the remote drain and Hugging Face export included (raising
         a failure nobody has seen yet, or the newest drain's or export's), and for the removal of
         retired steps; the Checkpointer can still be used afterwards."""
-        self._saves.finish_all()
+        self.in_flight.finish_all()
         for copies in self._copies:
             copies.close()
         wait_removed()

@@ -337,7 +337,7 @@ def device_group_skips(rank: int, world: int, workdir: str, backend: str) -> dic
         on_device = kind == "device"
         with use_copier(lambda t, on_device=on_device: on_device, LaterCopier):
             futures = [ck.save(0, make_state(0))]
-            while rank == 0 and ck._saves.disk_busy():
+            while rank == 0 and ck.in_flight.disk_busy():
                 time.sleep(0.01)  # rank 0's own save of step 0 ends; rank 1's is held
             dist.barrier()
             if kind == "host" and rank == 1:

@@ -258,8 +258,8 @@ def test_remote_every_none_with_failures_follows_the_advisor(tmp_path: Any, capl
             time.sleep(0.02)  # a training step
             ck.save(step, state(step))
             ck.wait()
-            ck._remote.drainer.wait()
-        level = ck._remote
+            ck._far.drainer.wait()
+        level = ck._far
         assert level.advised_costs is not None and level.every is not None
         assert level.every == best_remote_every(0, 1, level.advised_costs, failures)
         assert any("remote_every None ->" in r.getMessage() for r in caplog.records)
@@ -267,7 +267,7 @@ def test_remote_every_none_with_failures_follows_the_advisor(tmp_path: Any, capl
         for step in range(4, 4 + 2 * level.every):
             ck.save(step, state(step))
             ck.wait()
-            ck._remote.drainer.wait()
+            ck._far.drainer.wait()
         after = [s for s in ck.levels()["remote"]["steps"] if s > max(drained)]
     # Fewer drains than saves once the advice spaces them (it may move with each drain's cost).
     assert level.every >= 2 and 0 < len(after) < 2 * level.every, (level.every, after)

@@ -133,7 +133,7 @@ def test_a_restore_never_waits_for_a_throttled_drain(tmp_path: Any) -> None:
     assert ck.latest() == 1
     assert ck.load()["step"] == 1
     took = time.monotonic() - started
-    assert ck._remote.drainer.pinned() == {1}, "the drain had already finished: the test proves nothing"
+    assert ck._far.drainer.pinned() == {1}, "the drain had already finished: the test proves nothing"
     assert took < 1.0, took
     ck.close()
     assert ck.levels()["remote"]["steps"] == [1]

@@ -240,9 +240,16 @@ def collective(
         ) from e
 
 
-def agree(control: ControlGroup | None, what: str, error: BaseException | None, consequence: str = "") -> None:
+def agree(
+    control: ControlGroup | None,
+    what: str,
+    error: BaseException | None,
+    consequence: str = "",
+    raises: type[FastPersistError] = GroupSaveError,
+) -> None:
     """Every rank tells the others whether its part of `what` went well: raises this rank's
-    `error`, else a :class:`~fastpersist.GroupSaveError` naming the first rank that failed, with
+    `error`, else `raises` (a :class:`~fastpersist.GroupSaveError`, or a
+    :class:`~fastpersist.GroupLoadError` for a restore) naming the first rank that failed, with
     `consequence` appended (one process, `control` None: raises `error`)."""
     if control is None:
         if error is not None:
@@ -252,14 +259,14 @@ def agree(control: ControlGroup | None, what: str, error: BaseException | None, 
         control,
         what,
         lambda: control.all_gather(None if error is None else describe(error)),
-        GroupSaveError,
+        raises,
         consequence,
     )
     if error is not None:
         raise error
     for rank, why in enumerate(outcomes):
         if why is not None:
-            raise GroupSaveError(f"rank {control.rank}: rank {rank} failed to {what} ({why}){consequence}")
+            raise raises(f"rank {control.rank}: rank {rank} failed to {what} ({why}){consequence}")
 
 
 def describe(error: BaseException) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import FastPersistError
 from ..interop.hfexport import ExportResult, export_checkpoint
+from .host import LevelHost
 
 __all__ = ["STAGING_WAIT_MAX_S", "HfExports", "hf_exports_for"]
 
@@ -40,15 +41,17 @@ log = logging.getLogger("fastpersist")
 STAGING_WAIT_MAX_S = 60.0
 
 
-def hf_exports_for(ck: Any, every: int, export_dir: str | os.PathLike[str], key: str | None, prefix: str) -> HfExports:
-    """The exports of the Checkpointer `ck` (its :class:`~fastpersist.HFExport` level, which
+def hf_exports_for(
+    host: LevelHost, every: int, export_dir: str | os.PathLike[str], key: str | None, prefix: str
+) -> HfExports:
+    """The exports of the Checkpointer `host` (its :class:`~fastpersist.HFExport` level, which
     checked the settings); in a group, only rank 0's export anything."""
 
     def staging() -> bool:
-        future = ck._future
+        future = host.in_flight.newest()
         return future is not None and not future.staged()
 
-    return HfExports(ck.path, every, export_dir, key=key, prefix=prefix, staging=staging, exporting=ck.rank == 0)
+    return HfExports(host.path, every, export_dir, key=key, prefix=prefix, staging=staging, exporting=host.rank == 0)
 
 
 class HfExports:
@@ -102,6 +105,10 @@ class HfExports:
         """Steps waiting for or in the export: retention must leave them alone."""
         with self._cond:
             return {s for s in (self._pending, self._exporting) if s is not None}
+
+    def levels(self) -> dict[str, Any]:
+        """Nothing: an export is not a level a restore reads (``Checkpointer.levels()`` leaves it out)."""
+        return {}
 
     def pause(self) -> None:
         """Waits while a save is staging, at most :data:`STAGING_WAIT_MAX_S`."""

@@ -4,8 +4,10 @@
 each object holds one level's settings, checks them when it is made, and is attached to the
 Checkpointer that is given it (:meth:`attach`), which makes the level's running part (its
 copies, its drain, its export thread). A level that copies committed steps elsewhere in the
-background (the remote level, the Hugging Face export) is a :class:`CommittedStepCopies`, which
-the Checkpointer's commit sequence calls in the order the levels were given. The local level is
+background (the remote level, the Hugging Face export) is a
+:class:`~fastpersist.levels.host.CommittedStepCopies`, which the Checkpointer's commit sequence
+calls in the order the levels were given; the partner level becomes the root level
+(:class:`~fastpersist.levels.host.RootLevel`), in place of the local level alone. The local level is
 the root itself (a directory under ``/dev/shm`` makes it an in-memory level, docs/levels.md).
 
 Example:
@@ -22,33 +24,15 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from ..arguments import given_path
 from .background_exports import HfExports, hf_exports_for
+from .host import LevelHost
 from .partner_level import PartnerLevel
 from .remote_level import RemoteLevel
 
-__all__ = ["CommittedStepCopies", "HFExport", "Level", "Partner", "Remote", "levels_given"]
-
-
-class CommittedStepCopies(Protocol):
-    """A level that copies committed steps elsewhere in the background; the Checkpointer calls
-    these in this order: :meth:`before_save` as a due step's save starts, :meth:`pinned` when
-    retention chooses what to retire, :meth:`after_commit` once a step committed (after the local
-    and partner levels hold it), :meth:`close` from ``Checkpointer.close()``."""
-
-    def before_save(self) -> None: ...
-
-    def pinned(self) -> set[int]:
-        """Local steps this level still reads (retention keeps them)."""
-        ...
-
-    def after_commit(self, step: int) -> None: ...
-
-    def close(self) -> None:
-        """Waits for the copy in flight; raises the newest failure nobody has seen."""
-        ...
+__all__ = ["HFExport", "Level", "Partner", "Remote", "levels_given", "root_and_copies"]
 
 
 @dataclass(frozen=True)
@@ -66,8 +50,8 @@ class Partner:
                 "other nodes)"
             )
 
-    def attach(self, ck: Any) -> PartnerLevel:
-        return PartnerLevel(ck, self.replicas)
+    def attach(self, host: LevelHost) -> PartnerLevel:
+        return PartnerLevel(host, self.replicas)
 
 
 @dataclass(frozen=True)
@@ -106,8 +90,8 @@ class Remote:
         if rate is not None and not (type(rate) in (int, float) and math.isfinite(rate) and rate > 0):
             raise ValueError(f"Remote(bytes_per_s={rate!r}): expected a positive number of bytes per second or None")
 
-    def attach(self, ck: Any) -> RemoteLevel:
-        return RemoteLevel(ck, self.place, self.every, self.keep, self.bytes_per_s, ck.failures)
+    def attach(self, host: LevelHost) -> RemoteLevel:
+        return RemoteLevel(host, self.place, self.every, self.keep, self.bytes_per_s, host.failures)
 
 
 @dataclass(frozen=True)
@@ -134,16 +118,16 @@ class HFExport:
         if type(self.prefix) is not str:
             raise TypeError(f"HFExport(prefix={self.prefix!r}): expected a str")
 
-    def attach(self, ck: Any) -> HfExports:
-        root = os.path.realpath(ck.root)
+    def attach(self, host: LevelHost) -> HfExports:
+        root = os.path.realpath(host.root)
         target = os.path.realpath(os.fspath(self.export_dir))
         if target == root or target.startswith(root.rstrip("/") + "/"):
             raise ValueError(
-                f"HFExport(export_dir={os.fspath(self.export_dir)!r}): it is the Checkpointer's root {ck.root} or lies "
-                "inside it, where the exports would mix with the steps the root's cleaning and retention manage; "
+                f"HFExport(export_dir={os.fspath(self.export_dir)!r}): it is the Checkpointer's root {host.root} or "
+                "lies inside it, where the exports would mix with the steps the root's cleaning and retention manage; "
                 "give a directory outside the root"
             )
-        return hf_exports_for(ck, self.every, self.export_dir, self.key, self.prefix)
+        return hf_exports_for(host, self.every, self.export_dir, self.key, self.prefix)
 
 
 #: What ``Checkpointer(levels=...)`` takes.
@@ -176,6 +160,14 @@ def levels_given(levels: object, group: object) -> list[Level]:
         if isinstance(level, HFExport) and any(isinstance(other, Partner) for other in given):
             raise ValueError(f"{level}: not supported with the Partner level yet")
     return given
+
+
+def root_and_copies(levels: list[Level]) -> tuple[Partner | None, list[Remote | HFExport]]:
+    """`levels` (as :func:`levels_given` returned them) split into the one that takes over the
+    root level (a :class:`Partner`, or None: the local level alone) and the levels of copies,
+    in the order given."""
+    partner = next((level for level in levels if isinstance(level, Partner)), None)
+    return partner, [level for level in levels if not isinstance(level, Partner)]
 
 
 def moved_keywords_error(old: dict[str, Any]) -> TypeError:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
 
 from ..distributed.placement import Placement
 from ..errors import FastPersistError
@@ -27,7 +26,7 @@ from ..format.manifest import Manifest, read_manifest
 from ..memory_level.recycle import recycle_checkpoint
 from ..saving.remover import remove_checkpoint_later
 
-__all__ = ["Share", "held_shares", "local_levels", "retire_on_node", "share_problem", "shares_of"]
+__all__ = ["Share", "held_shares", "retire_on_node", "share_problem", "shares_of"]
 
 log = logging.getLogger("fastpersist")
 
@@ -117,21 +116,3 @@ def retire_on_node(step_dir: str, candidates: list[str], node: str) -> list[str]
     for path in candidates[:-1] if recycled else candidates:
         remove_checkpoint_later(path, None)
     return list(candidates)
-
-
-def local_levels(ck: Any) -> dict[str, Any]:
-    """:meth:`Checkpointer.levels` without replicas: the steps under `root` and their bytes."""
-    steps = ck.steps()
-    nbytes = 0
-    for step in steps:
-        try:
-            m = read_manifest(ck.path(step))
-            nbytes += sum(f.len_bytes for f in m.files)
-            for shard in m.shards:
-                nbytes += sum(f.len_bytes for f in read_manifest(os.path.join(ck.path(step), shard)).files)
-        except (FastPersistError, OSError):
-            continue
-    local: dict[str, Any] = {"root": ck.root, "steps": steps, "bytes": nbytes}
-    if ck._last is not None:
-        local["last_seconds"] = ck._last.seconds
-    return {"local": local}

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from typing import Any
 
+from ..cleanup import clean
 from ..config import Config
 from ..distributed.control import ControlGroup, control_for
 from ..distributed.placement import Placement, node_name
@@ -22,6 +24,7 @@ from ..format.manifest import read_manifest
 from ..futures import SaveResult
 from ..loading.phases import PhaseClock
 from ..loading.pipeline import LoadOptions
+from .host import LevelHost
 from .partner_holdings import retire_on_node, share_problem, shares_of
 from .partner_restore import candidates, node_report, restore_step, verified_step
 
@@ -31,10 +34,13 @@ log = logging.getLogger("fastpersist")
 
 
 class PartnerLevel:
-    """The partner level of one Checkpointer (one per rank)."""
+    """The partner level of one Checkpointer (one per rank): its root level
+    (:class:`~fastpersist.levels.host.RootLevel`)."""
 
-    def __init__(self, ck: Any, replicas: int) -> None:
-        self.ck = ck  # the Checkpointer (not imported: it imports this module)
+    per_rank_shares = True
+
+    def __init__(self, host: LevelHost, replicas: int) -> None:
+        self.host = host
         self.replicas = replicas
         self.node = node_name()
         self.last: SaveResult | None = None
@@ -42,70 +48,76 @@ class PartnerLevel:
         self.verified: dict[tuple[str, int], tuple[Any, ...]] = {}
 
     def control(self) -> ControlGroup:
-        timeout = self.ck.config.timeout_s if self.ck.config is not None else 600.0
-        return control_for(self.ck.group, timeout)
+        return control_for(self.host.group, self.host.timeout_s)
 
     def placement(self) -> Placement:
         return Placement(self.control().nodes)
 
     def is_leader(self) -> bool:
         """Whether this rank is its node's lowest (collective on first use: every rank must call)."""
-        return self.placement().is_leader(self.ck.rank)
+        return self.placement().is_leader(self.host.rank)
+
+    def committer(self) -> bool:
+        return self.is_leader()
+
+    def clean(self) -> list[str]:
+        """The node leader cleans its node's root (collective on first use)."""
+        return clean(self.host.root) if self.is_leader() else []
 
     def after_commit(self, step: int, result: SaveResult, candidates: list[str]) -> None:
         """The node leader's index and retention once `step` committed on every node."""
         self.last = result
         if not self.is_leader():
             return
-        self.ck._write_index(step)
+        self.host.write_index(step)
         placement = self.placement()
-        here = placement.node_ranks[placement.node_of(self.ck.rank)]
+        here = placement.node_ranks[placement.node_of(self.host.rank)]
         kept = sorted({s for r in here for s in placement.sources(r, self.replicas)})
         log.info(
             "step %d is on node %s under %s: local level, the shares of ranks %s; partner level, copies of "
             "the shares of ranks %s (local write %.3f s, copies %.3f s)",
             step,
             self.node,
-            self.ck.root,
+            self.host.root,
             here,
             kept,
             result.seconds - result.phases.get("replicate", 0.0),
             result.phases.get("replicate", 0.0),
         )
-        removed = retire_on_node(self.ck.path(step), candidates, self.node)
+        removed = retire_on_node(self.host.path(step), candidates, self.node)
         if removed:
-            log.info("node %s retired %s under %s", self.node, [os.path.basename(p) for p in removed], self.ck.root)
+            log.info("node %s retired %s under %s", self.node, [os.path.basename(p) for p in removed], self.host.root)
 
     def _reports(self) -> list[Any]:
         control = self.control()
-        mine = node_report(control.rank, self.ck.root, self.ck.local.index_step())
+        mine = node_report(control.rank, self.host.root, self.host.local.index_step())
         return control.all_gather(mine)
 
     def latest(self) -> int | None:
-        self.ck._saves.finish_all()  # the save in flight uses the same control group
+        self.host.in_flight.finish_all()  # the save in flight uses the same control group
         control = self.control()
-        return verified_step(control, self.ck.root, self.ck.path, self._reports(), self.verified)
+        return verified_step(control, self.host.root, self.host.path, self._reports(), self.verified)
 
     def holds(self, step: int) -> bool:
         """Whether the nodes, between them, hold every share of `step` (copies not yet read:
         the restore verifies them). Collective."""
-        self.ck._saves.finish_all()
+        self.host.in_flight.finish_all()
         return any(c.step == step for c in candidates(self._reports()))
 
-    def load(self, step: int | None, map_location: Any, namedtuple_types: Any, out: object = None) -> Any:
-        self.ck._saves.finish_all()
-        config = self.ck.config or Config()
+    def load(self, step: int | None, out: object, map_location: Any, namedtuple_types: Iterable[type]) -> Any:
+        self.host.in_flight.finish_all()
+        config = self.host.config or Config()
         options = LoadOptions(map_location, True, config, namedtuple_types, PhaseClock(None))
-        found, state = restore_step(self.control(), self.ck.root, self.ck.path, self._reports(), options, step, out)
-        log.info("rank %d restored step %d (node %s)", self.ck.rank, found, self.node)
+        found, state = restore_step(self.control(), self.host.root, self.host.path, self._reports(), options, step, out)
+        log.info("rank %d restored step %d (node %s)", self.host.rank, found, self.node)
         return state
 
     def levels(self) -> dict[str, Any]:
         """What this node holds on each level: steps, bytes, seconds of the last copy."""
-        local: dict[str, Any] = {"root": self.ck.root, "node": self.node, "steps": [], "bytes": 0}
+        local: dict[str, Any] = {"root": self.host.root, "node": self.node, "steps": [], "bytes": 0}
         partner: dict[str, Any] = {"replicas": self.replicas, "steps": [], "bytes": 0}
-        for step in self.ck.steps():
-            path = self.ck.path(step)
+        for step in self.host.steps():
+            path = self.host.path(step)
             try:
                 m = read_manifest(path)
             except (FastPersistError, OSError):

@@ -25,6 +25,8 @@ import threading
 import weakref
 from typing import Any
 
+from .host import LevelHost
+
 __all__ = ["RemoteClaim", "claim_remote", "overlap", "remote_key"]
 
 _holders: dict[str, tuple[str, weakref.ReferenceType[Any]]] = {}
@@ -49,9 +51,9 @@ def overlap(a: str, b: str) -> bool:
 class RemoteClaim:
     """One Checkpointer's hold on its remote (see the module docstring)."""
 
-    def __init__(self, ck: Any, key: str, target: str) -> None:
-        self.root, self.key, self.target = ck.root, key, target
-        self._ck = weakref.ref(ck)
+    def __init__(self, host: LevelHost, key: str, target: str) -> None:
+        self.root, self.key, self.target = host.root, key, target
+        self._host = weakref.ref(host)
 
     def hold(self) -> None:
         """Takes the remote for this root (idempotent).
@@ -62,8 +64,8 @@ class RemoteClaim:
         """
         with _lock:
             for key, (root, ref) in list(_holders.items()):
-                ck = ref()
-                if ck is None:
+                holder = ref()
+                if holder is None:
                     del _holders[key]
                 elif overlap(key, self.key) and root != self.root:
                     raise ValueError(
@@ -72,7 +74,7 @@ class RemoteClaim:
                         "and restore from each other's index. Give each root its own remote prefix, or close() "
                         "the other Checkpointer first"
                     )
-            _holders[self.key] = (self.root, self._ck)
+            _holders[self.key] = (self.root, self._host)
 
     def release(self) -> None:
         """Lets go of the remote (at close(); a later save takes it again)."""
@@ -82,8 +84,8 @@ class RemoteClaim:
                 del _holders[self.key]
 
 
-def claim_remote(ck: Any, target: str | os.PathLike[str]) -> RemoteClaim:
-    """Refuses a remote that overlaps `ck`'s root, or that another root holds; returns the held claim.
+def claim_remote(host: LevelHost, target: str | os.PathLike[str]) -> RemoteClaim:
+    """Refuses a remote that overlaps `host`'s root, or that another root holds; returns the held claim.
 
     Raises:
         ValueError: naming both places and what to do instead.
@@ -91,14 +93,14 @@ def claim_remote(ck: Any, target: str | os.PathLike[str]) -> RemoteClaim:
     text = os.fspath(target)
     key = remote_key(text)
     if "://" not in text:
-        root = os.path.realpath(ck.root)
+        root = os.path.realpath(host.root)
         if overlap(key, root):
             where = "is" if key == root else "lies inside" if key.startswith(root) else "holds"
             raise ValueError(
-                f"Remote({text!r}) {where} the root {ck.root!r}: the remote level must be a place of its own (another "
-                "filesystem, or at least a directory beside the root), or its drains would read and write the "
+                f"Remote({text!r}) {where} the root {host.root!r}: the remote level must be a place of its own "
+                "(another filesystem, or at least a directory beside the root), or its drains would read and write the "
                 "root's own step directories"
             )
-    claim = RemoteClaim(ck, key, text)
+    claim = RemoteClaim(host, key, text)
     claim.hold()
     return claim

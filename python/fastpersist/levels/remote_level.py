@@ -15,6 +15,7 @@ from typing import Any
 from ..advisor.multilevel import Failures, LevelCosts, best_remote_every
 from ..distributed.control import ControlGroup, control_for, group_rank_and_size
 from ..errors import FastPersistError
+from .host import LevelHost, RootLevel
 from .remote_claims import claim_remote
 from .remote_drain import Drainer, DrainResult
 from .remote_drain_peers import DrainPeers
@@ -37,19 +38,20 @@ log = logging.getLogger("fastpersist")
 
 
 class RemoteLevel:
-    """The remote level of one Checkpointer (one per rank)."""
+    """The remote level of one Checkpointer (one per rank): a
+    :class:`~fastpersist.levels.host.RestoringCopies`."""
 
     def __init__(
         self,
-        ck: Any,
+        host: LevelHost,
         target: str | os.PathLike[str],
         every: int | None,
         keep: int,
         bytes_per_s: float | None,
         failures: Failures | None = None,
     ) -> None:
-        self.ck = ck  # the Checkpointer (not imported: it imports this module)
-        self.claim = claim_remote(ck, target)  # refuses a remote that overlaps a root (ValueError)
+        self.host = host
+        self.claim = claim_remote(host, target)  # refuses a remote that overlaps a root (ValueError)
         self.remote = RemoteSteps(target)
         #: None: every committed step is handed over and the drain takes the newest whenever it is
         #: free, i.e. as often as one drain at a time allows; with `failures`, each drain's
@@ -66,13 +68,10 @@ class RemoteLevel:
         self.last: DrainResult | None = None
         self.last_submitted = -1
         self._peers: DrainPeers | None = None
-        if ck.group is not None:  # collective: every rank makes its Checkpointer
-            self._peers = DrainPeers(ControlGroup(ck.group, self._timeout()), self.remote.root)
+        if host.group is not None:  # collective: every rank makes its Checkpointer
+            self._peers = DrainPeers(ControlGroup(host.group, host.timeout_s), self.remote.root)
         self._verified: dict[int, tuple[Any, ...]] = {}
         self._unreachable_warned = False
-
-    def _timeout(self) -> float:
-        return float(self.ck.config.timeout_s) if self.ck.config is not None else 600.0
 
     def before_save(self) -> None:
         """Holds the claim on the store again: given up at close(), another root may have taken it since."""
@@ -84,19 +83,19 @@ class RemoteLevel:
             return
         self.last_submitted = step
         if self.drainer is None:
-            size = group_rank_and_size(self.ck.group)[1] if self.ck.group is not None else 1
+            size = group_rank_and_size(self.host.group)[1] if self.host.group is not None else 1
             self.drainer = Drainer(
                 self.remote,
-                self.ck.path,
-                rank=self.ck.rank,
+                self.host.path,
+                rank=self.host.rank,
                 size=size,
                 keep=self.keep,
-                timeout_s=self._timeout(),
+                timeout_s=self.host.timeout_s,
                 bytes_per_s=self.bytes_per_s,
                 staging=self._staging,
                 writing=self._writing,
                 peers=self._peers,
-                run=lambda: self.ck._run,
+                run=lambda: self.host.run,
                 on_drained=self._advise if self.failures is not None else None,
             )
             self.claim.hold()
@@ -107,10 +106,10 @@ class RemoteLevel:
         None until a save and a drain were measured. A drain's cost to training is taken as the
         CPU time of its thread; a restart from the remote as one drain's time plus the local
         restart."""
-        local = self.ck.history.costs()
+        local = self.host.history.costs()
         if local is None or not self._drain_s:
             return None
-        last = self.ck._last
+        last = self.host.last_result
         replicate = last.phases.get("replicate", 0.0) if last is not None else 0.0
         drain = statistics.median(self._drain_s)
         return LevelCosts(
@@ -132,7 +131,7 @@ class RemoteLevel:
         costs = self.costs()
         if costs is None or self.failures is None:
             return
-        new = best_remote_every(self.ck.replicas, self.ck.every, costs, self.failures)
+        new = best_remote_every(self.host.replicas, self.host.every, costs, self.failures)
         if new != self.every:
             log.info(
                 "remote level %s: remote_every %s -> %d steps (drain %.2f s, drain CPU %.2f s, step %.3f s, every %d)",
@@ -142,7 +141,7 @@ class RemoteLevel:
                 costs.drain_s,
                 costs.drain_overhead_s,
                 costs.step_s,
-                self.ck.every,
+                self.host.every,
             )
         self.advised_costs, self.every = costs, new
 
@@ -151,11 +150,11 @@ class RemoteLevel:
         return self.drainer.pinned() if self.drainer is not None else set()
 
     def _staging(self) -> bool:
-        future = self.ck._future
+        future = self.host.in_flight.newest()
         return future is not None and not future.staged()
 
     def _writing(self) -> bool:
-        future = self.ck._future
+        future = self.host.in_flight.newest()
         return future is not None and future.staged() and not future.done()
 
     def close(self) -> None:
@@ -233,7 +232,7 @@ class RemoteLevel:
                     log.warning(
                         "no node holds an index under %s: restoring step %d of run %s from the remote level %s (if "
                         "this is a new run on a prefix another run used, give it a new remote prefix)",
-                        self.ck.root,
+                        self.host.root,
                         step,
                         verdict.adopted_run,
                         self.remote.root,
@@ -247,30 +246,30 @@ class RemoteLevel:
         It never waits for the drain: a restore from the local level does not wait for a slower
         level's copy."""
         found = None
-        if self.ck.rank == 0 or self.ck.group is None:
+        if self.host.rank == 0 or self.host.group is None:
             found = self._choose_here(local, above)
-        if self.ck.group is not None:
-            found = control_for(self.ck.group, self._timeout()).broadcast(found)
+        if self.host.group is not None:
+            found = control_for(self.host.group, self.host.timeout_s).broadcast(found)
         return found
 
     def holds(self, step: int) -> bool:
         """Whether `step` is committed on the remote (rank 0 looks, within the probe's bound;
         the others follow)."""
         there = False
-        if self.ck.rank == 0 or self.ck.group is None:
+        if self.host.rank == 0 or self.host.group is None:
             try:
                 there = self.remote.committed_id(step, self.remote.probe) is not None
             except Exception as e:
                 log.warning("the remote level %s did not answer: %s", self.remote.root, e)
-        if self.ck.group is not None:
-            there = control_for(self.ck.group, self._timeout()).broadcast(there)
+        if self.host.group is not None:
+            there = control_for(self.host.group, self.host.timeout_s).broadcast(there)
         return there
 
-    def refill(self, step: int) -> None:
-        """Downloads `step` from the remote into the local level (every rank its shares), so it
+    def refill(self, step: int, root: RootLevel) -> None:
+        """Downloads `step` from the remote into the root level (every rank its shares), so it
         loads as a local step (:mod:`fastpersist.levels.remote_refill`)."""
-        log.info("rank %d refills step %d from the remote level %s", self.ck.rank, step, self.remote.root)
-        refill_step(self.ck, self.remote, step, self._timeout())
+        log.info("rank %d refills step %d from the remote level %s", self.host.rank, step, self.remote.root)
+        refill_step(self.host, root, self.remote, step)
 
     def levels(self) -> dict[str, Any]:
         last = self.drainer.last if self.drainer is not None else self.last
@@ -278,4 +277,4 @@ class RemoteLevel:
         if last is not None:
             found["last_seconds"] = last.seconds
             found["last_error"] = None if last.error is None else str(last.error)
-        return found
+        return {"remote": found}

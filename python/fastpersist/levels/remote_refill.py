@@ -22,43 +22,47 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
 
 import fastpersist._core as _core
 
 from ..cleanup import clean
-from ..distributed.control import collective, control_for, describe
+from ..distributed.control import agree, control_for
 from ..errors import FastPersistError, GroupLoadError
 from ..format.layout import MANIFEST_NAME, tmp_dir_for, write_new_file
 from ..format.ownership import make_locked_dir
 from ..saving.target import replace_as_last_writer
+from .host import LevelHost, RootLevel
 from .remote_steps import RemoteSteps, of_writers, owned_shares
 from .run_identity import read_local_index
 
 __all__ = ["refill_step"]
 
 
-def refill_step(ck: Any, remote: RemoteSteps, step: int, timeout_s: float) -> None:
-    """Every rank of `ck`'s group (or the one process): brings `step` from `remote` into the local roots."""
+def refill_step(host: LevelHost, root: RootLevel, remote: RemoteSteps, step: int) -> None:
+    """Every rank of `host`'s group (or the one process): brings `step` from `remote` into the
+    roots of its root level `root`."""
     found = remote.manifest(step)
     if found is None:
         raise FileNotFoundError(f"{remote.path(step)} is not committed")
     raw, m = found
     control = None
-    if ck.group is not None:
-        control = control_for(ck.group, timeout_s)
-    committer = ck._partner.is_leader() if ck._partner is not None else ck.rank == 0
-    downloads = owned_shares(m, ck.rank) if ck._partner is not None else (None if ck.rank == 0 else [])
-    tmp = tmp_dir_for(ck.path(step), m.checkpoint_id)  # the same on every rank of a node
+    if host.group is not None:
+        control = control_for(host.group, host.timeout_s)
+    committer = root.committer()
+    if root.per_rank_shares:
+        downloads: list[int] | None = owned_shares(m, host.rank)
+    else:
+        downloads = None if committer else []
+    tmp = tmp_dir_for(host.path(step), m.checkpoint_id)  # the same on every rank of a node
     lock = None
     error: BaseException | None = None
     try:
         if committer:
-            ck.removed_leftovers.extend(clean(ck.root))  # a killed refill's temporary directory among them
+            host.removed_leftovers.extend(clean(host.root))  # a killed refill's temporary directory among them
             lock = make_locked_dir(tmp)
     except OSError as e:
         error = e
-    _agree(control, "make the temporary directories", error)
+    agree(control, "make the temporary directories of a refill from the remote", error, raises=GroupLoadError)
     try:
         if downloads is None or downloads:
             files = remote.files(step, m, downloads if m.shards else None)
@@ -68,37 +72,20 @@ def refill_step(ck: Any, remote: RemoteSteps, step: int, timeout_s: float) -> No
     except (FastPersistError, OSError) as e:
         error = e
     try:
-        _agree(control, "download every share", error)
+        agree(control, "download every share of a refill from the remote", error, raises=GroupLoadError)
         error = None
         if committer:
             try:
                 write_new_file(os.path.join(tmp, MANIFEST_NAME), raw, durable=True)
                 _core.fsync_dir(tmp)
-                replace_as_last_writer(tmp, ck.path(step))  # a copy there before is now at `tmp`
-                _core.fsync_dir(ck.root)
-                if read_local_index(ck.root).step is None:
-                    ck._write_index(step)
+                replace_as_last_writer(tmp, host.path(step))  # a copy there before is now at `tmp`
+                _core.fsync_dir(host.root)
+                if read_local_index(host.root).step is None:
+                    host.write_index(step)
             except OSError as e:
                 error = e
-        _agree(control, "commit the refilled step", error)
+        agree(control, "commit a step refilled from the remote", error, raises=GroupLoadError)
     finally:
         if lock is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             lock.release()
-
-
-def _agree(control: Any, what: str, error: BaseException | None) -> None:
-    """Raises on every rank if any rank failed `what` (its own error on that rank)."""
-    if control is None:
-        if error is not None:
-            raise error
-        return
-
-    errors = collective(
-        control, f"{what} of a refill", lambda: control.all_gather(describe(error) if error else ""), GroupLoadError
-    )
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if error is not None:
-        raise error
-    if failed:
-        raise GroupLoadError(f"rank {failed[0][0]} could not {what} of a refill from the remote: {failed[0][1]}")

@@ -6,73 +6,57 @@ is refilled into the local roots before the load), and the run id the root's ind
 
 from __future__ import annotations
 
-import os
 import secrets
 from typing import Any
 
-from ..distributed.control import control_for
-from ..format.layout import MANIFEST_NAME
+from .host import LevelHost, RestoringCopies, RootLevel, gathered
 from .remote_level import RemoteChoice
 from .run_identity import LocalIdentity, read_local_index
 
-__all__ = ["bring_in", "held_locally", "local_identity", "restore_point", "run_id"]
+__all__ = ["bring_in", "local_identity", "restore_point", "run_id"]
 
 
-def _gathered(ck: Any, mine: Any) -> list[Any]:
-    if ck.group is None:
-        return [mine]
-
-    return control_for(ck.group, ck._timeout_s()).all_gather(mine)
-
-
-def run_id(ck: Any) -> str:
-    """The run id of `ck`'s root: the one an index names (the lowest rank's that has one), else
-    a new one (drawn by rank 0)."""
-    found = _gathered(ck, (read_local_index(ck.root).run, secrets.token_hex(8)))
+def run_id(host: LevelHost) -> str:
+    """The run id of `host`'s root: the one an index names (the lowest rank's that has one),
+    else a new one (drawn by rank 0)."""
+    found = gathered(host, (read_local_index(host.root).run, secrets.token_hex(8)))
     named = [run for run, _ in found if run]
     return str(named[0] if named else found[0][1])
 
 
-def local_identity(ck: Any) -> LocalIdentity:
+def local_identity(host: LevelHost) -> LocalIdentity:
     """The local level's identity over every rank's root."""
-    return LocalIdentity.of(_gathered(ck, read_local_index(ck.root)))
+    return LocalIdentity.of(gathered(host, read_local_index(host.root)))
 
 
-def restore_point(ck: Any) -> tuple[int | None, Any]:
+def restore_point(host: LevelHost, root: RootLevel, far: RestoringCopies | None) -> tuple[int | None, Any]:
     """(the step to restore, the :class:`~fastpersist.levels.remote_level.RemoteChoice` when it
-    comes from the remote level, else None). The remote is not asked while the local (or partner)
-    level holds the step its index names: no remote step may be newer."""
-    if ck.group is not None:
-        ck._saves.finish_all()  # its commit thread's collectives (retention, the run id) come first
-    local = ck._partner.latest() if ck._partner is not None else ck.local.latest()
-    if ck._remote is None:
+    comes from the level of copies `far`, else None). `far` is not asked while the root level
+    holds the step its index names: no remote step may be newer."""
+    if host.group is not None:
+        host.in_flight.finish_all()  # its commit thread's collectives (retention, the run id) come first
+    local = root.latest()
+    if far is None:
         return local, None
-    identity = local_identity(ck)
+    identity = local_identity(host)
     if local is not None and identity.cap is not None and local >= identity.cap:
         return local, None
-    chosen = ck._remote.choose(identity, above=local)
+    chosen = far.choose(identity, above=local)
     return (local, None) if chosen is None else (chosen.step, chosen)
 
 
-def held_locally(ck: Any, step: int) -> bool:
-    """Whether the local (and partner) level can restore `step`."""
-    if ck.group is not None:
-        ck._saves.finish_all()
-    if ck._partner is not None:
-        return bool(ck._partner.holds(step))
-    return all(_gathered(ck, os.path.exists(os.path.join(ck.path(step), MANIFEST_NAME))))
-
-
-def bring_in(ck: Any, step: int | None) -> int | None:
+def bring_in(host: LevelHost, root: RootLevel, far: RestoringCopies, step: int | None) -> int | None:
     """The step :meth:`~fastpersist.Checkpointer.load` loads (`step`, or the restore point),
-    refilled from the remote level first when no local copy holds it. An explicit `step` is an
-    explicit choice: taken from the remote whatever run drained it."""
+    refilled from `far` first when the root level cannot restore it. An explicit `step` is an
+    explicit choice: taken from `far` whatever run drained it."""
     if step is None:
-        step, chosen = restore_point(ck)
+        step, chosen = restore_point(host, root, far)
     else:
-        chosen = None if held_locally(ck, step) or not ck._remote.holds(step) else RemoteChoice(step)
+        if host.group is not None:
+            host.in_flight.finish_all()
+        chosen = None if root.holds(step) or not far.holds(step) else RemoteChoice(step)
     if chosen is not None:
-        if ck._run is None and chosen.adopted_run is not None:
-            ck._run = chosen.adopted_run  # a root with no index takes over the remote's run
-        ck._remote.refill(chosen.step)  # then loaded as a local step
+        if host.run is None and chosen.adopted_run is not None:
+            host.run = chosen.adopted_run  # a root with no index takes over the remote's run
+        far.refill(chosen.step, root)  # then loaded as a local step
     return step
