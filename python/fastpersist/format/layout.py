@@ -260,6 +260,24 @@ def create_locked_file(path: str) -> int:
     return fd
 
 
+def fsync_tree(path: str, *, durable_already: Iterable[str] = ()) -> None:
+    """Fsyncs every regular file under the directory `path`, then every directory, deepest first
+    (an entry is durable once the directory naming it is synced after it), leaving out the trees
+    in `durable_already`. Links are not followed. The directory holding `path` is the caller's:
+    it syncs it after the rename that publishes `path`, or right away."""
+    skip = {os.path.abspath(p) for p in durable_already}
+    walked = []
+    for root, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if os.path.abspath(os.path.join(root, d)) not in skip]
+        for name in files:
+            full = os.path.join(root, name)
+            if os.path.isfile(full) and not os.path.islink(full):
+                _core.fsync_path(full)
+        walked.append(root)
+    for root in reversed(walked):
+        _core.fsync_dir(root)
+
+
 @contextlib.contextmanager
 def atomic_file(path: str, *, durable: bool) -> Iterator[str]:
     """Yields a temporary path beside `path` to write; on success it replaces `path` atomically.

@@ -57,7 +57,7 @@ import fastpersist._core as _core
 from ..api import load, save_async
 from ..cleanup import clean
 from ..config import Config
-from ..format.layout import MANIFEST_NAME, parse_tmp_dir
+from ..format.layout import MANIFEST_NAME, fsync_tree, parse_tmp_dir
 from ..futures import SaveFuture, SaveResult
 from ..saving.optimizer_guard import guard_optimizer
 from ..saving.target import remove_checkpoint_tree
@@ -137,13 +137,7 @@ def clean_folders(folders: Sequence[str], stripes: Sequence[str] | None) -> None
 def fsync_folder(folder: str, durable_already: Collection[str]) -> None:
     """Fsyncs every file and directory under `folder` except the trees in `durable_already`,
     then the directory holding `folder`, so that the folder survives a crash whole."""
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = [d for d in dirs if os.path.join(root, d) not in durable_already]
-        for name in files:
-            path = os.path.join(root, name)
-            if os.path.isfile(path) and not os.path.islink(path):
-                _core.fsync_path(path)
-        _core.fsync_dir(root)
+    fsync_tree(folder, durable_already=durable_already)
     _core.fsync_dir(os.path.dirname(os.path.abspath(folder)))
 
 

@@ -24,7 +24,7 @@ import fastpersist._core as _core
 from ..config import Config, snapshot_pool_bytes
 from ..distributed.control import ControlGroup
 from ..distributed.control import agree as agree_in_group
-from ..format.layout import write_small_file
+from ..format.layout import fsync_tree, write_small_file
 from ..futures import SaveFuture
 
 __all__ = [
@@ -86,16 +86,6 @@ def snapshot_state_dict(
     return out
 
 
-def _fsync_tree(path: str) -> None:
-    """fsyncs every regular file under `path`, then each directory (deepest first)."""
-    for root, _dirs, files in os.walk(path, topdown=False):
-        for name in files:
-            full = os.path.join(root, name)
-            if os.path.isfile(full) and not os.path.islink(full):
-                _core.fsync_path(full)
-        _core.fsync_dir(root)
-
-
 def agree(control: ControlGroup | None, what: str, error: BaseException | None, final: str) -> None:
     """:func:`~fastpersist.distributed.control.agree` on `what`, for the checkpoint `final`: a
     failure on any rank leaves the previous checkpoints as they were."""
@@ -139,7 +129,7 @@ class HFCheckpoint:
             for fut in self.futures:
                 fut.wait()
             if self.renames:
-                _fsync_tree(self.staging)  # what Trainer._save wrote without fsync (weights, config, args)
+                fsync_tree(self.staging)  # what Trainer._save wrote without fsync (weights, config, args)
         except BaseException as e:
             error = e
             for fut in self.futures:
