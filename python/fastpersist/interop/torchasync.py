@@ -37,6 +37,7 @@ from ..format.blobs import Blob
 from ..format.layout import atomic_file
 from ..futures import SaveFuture, SaveResult
 from ..gpu.early import choose_early_copies
+from ..saving.engine_save import EngineSave
 from ..saving.verdict import Verdict
 from .torchfile import Archive, capture_skeleton, fast_path_target, lay_out_archive, save_instead, torch_save
 from .torchroutes import TORCH_DEFAULT, TorchSaveArgs, torch_save_result, torch_save_route
@@ -105,9 +106,11 @@ def _early_copies(archive: Archive, watchers: list[Watchers]) -> list[int]:
     return choose_early_copies(blobs)
 
 
-class ArchiveSaveJob:
+class ArchiveSaveJob(EngineSave):
     """One ``torch_save_async`` on the fast path: the engine's write into a temporary file, and
     the commit (fsync, rename) that :class:`SaveFuture`'s thread runs through :meth:`finish`."""
+
+    cancelled_leaves = "nothing was written"
 
     def __init__(self, target: str, archive: Archive, config: Config, started: float) -> None:
         self.path = target
@@ -165,31 +168,9 @@ class ArchiveSaveJob:
                     return False
         return True
 
-    def _drop_sources_if_staged(self) -> None:
-        """Lets go of the caller's tensors once the engine no longer reads them."""
-        if self.handle is None or self.handle.staged():
-            self.archive = None
-            self.watchers = None
-
-    def staged(self) -> bool:
-        """Whether the engine no longer reads the object's storages (never blocks)."""
-        return self.handle is None or bool(self.handle.staged())
-
-    def wait_staged(self, timeout: float | None = None) -> None:
-        """Returns once the storages may be modified; raises the save's SaveCancelledError."""
-        if self.handle is not None:
-            self.handle.wait_staged(timeout)
-        self._drop_sources_if_staged()
-        if isinstance(self.verdict.error, SaveCancelledError):
-            raise self.verdict.error
-
-    def cancel(self) -> bool:
-        """Stops the save unless it already committed or failed; returns whether it did."""
-        if not self.verdict.cancel(SaveCancelledError(f"the save of {self.path} was cancelled; nothing was written")):
-            return False
-        if self.handle is not None:
-            self.handle.cancel()
-        return True
+    def drop_sources(self) -> None:
+        self.archive = None
+        self.watchers = None
 
     def finish(self, timeout: float | None = None) -> SaveResult:
         """Waits for the write, then fsyncs and renames the file into place (unless the save
@@ -207,7 +188,7 @@ class ArchiveSaveJob:
                 raise
             raise error from None
         finally:
-            self._drop_sources_if_staged()
+            self.drop_sources_if_staged()
         staged = report.get("staged_seconds")
         return torch_save_result(
             self.path, self.total_bytes, self.started, str(report["backend"]), None if staged is None else float(staged)
@@ -215,11 +196,7 @@ class ArchiveSaveJob:
 
     def _discard(self, error: BaseException) -> None:
         """Removes the temporary file (the target stays as it was)."""
-        handle = self.handle
-        if handle is not None and not handle.done():
-            handle.cancel()
-            with contextlib.suppress(Exception):  # its error is the verdict already
-                handle.wait()
+        self.stop_engine()
         self._file.__exit__(type(error), error, error.__traceback__)
 
 

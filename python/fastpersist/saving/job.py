@@ -39,6 +39,7 @@ from ..gpu.device_side import DeviceStaging, has_device_blobs, share_bytes, star
 from ..gpu.early import choose_early_copies, copy_unversioned, split_by_side
 from ..logs import log_save, log_save_call
 from ..memory_level.recycle import file_to_stage_in, take_recycled
+from .engine_save import EngineSave
 from .pools import pool_for
 from .remover import held_for_removal, make_room
 from .share_layout import Layout, PlanPart, flatten_to_save, single_layout
@@ -66,7 +67,7 @@ class Written:
     report: dict[str, Any]
 
 
-class SaveJob:
+class SaveJob(EngineSave):
     """This process's share of a save. Not public: :class:`SaveFuture`, :func:`save` and the
     group protocol drive it.
 
@@ -296,33 +297,9 @@ class SaveJob:
         )
         return False
 
-    def _drop_sources_if_staged(self) -> None:
-        """Drops this job's references to the user's tensors once the save is staged (the engine
-        no longer reads them)."""
-        if self.handle is None or self.handle.staged():
-            self._flat = None
-            self._device = None
-
-    def staged(self) -> bool:
-        """Whether the engine no longer reads the sources (never blocks)."""
-        return self.handle is None or bool(self.handle.staged())
-
-    def wait_staged(self, timeout: float | None = None) -> None:
-        """Returns when the sources may be modified; raises if the save was cancelled (a source
-        changed before it was staged, or someone cancelled it)."""
-        if self.handle is not None:
-            self.handle.wait_staged(timeout)
-        self._drop_sources_if_staged()
-        if isinstance(self.verdict.error, SaveCancelledError):
-            raise self.verdict.error
-
-    def cancel(self) -> bool:
-        """Stops the save unless it already committed or failed; returns whether it did."""
-        if not self.verdict.cancel(SaveCancelledError(f"the save of {self.path} was cancelled; nothing was committed")):
-            return False
-        if self.handle is not None:
-            self.handle.cancel()
-        return True
+    def drop_sources(self) -> None:
+        self._flat = None
+        self._device = None
 
     # -- the pieces of a commit --------------------------------------------------------------
 
@@ -344,7 +321,7 @@ class SaveJob:
         except BaseException as e:
             raise self.verdict.fail(e) or e from None
         finally:
-            self._drop_sources_if_staged()
+            self.drop_sources_if_staged()
         if self.verdict.error is not None:
             raise self.verdict.error
         entries = [
@@ -441,7 +418,7 @@ class SaveJob:
 
     def discard(self) -> None:
         """Removes what this process created for a save that did not commit."""
-        self.cancel_quietly()
+        self.stop_engine()
         if self.verdict.committed:  # the new checkpoint is in place; the old tree is at tmp_dir
             remove_checkpoint_tree(self.layout.tmp_dir, self.config.stripes, owner_path=self.path)
         else:
@@ -455,13 +432,3 @@ class SaveJob:
     def _release_tmp_lock(self) -> None:
         if self.tmp_lock is not None:
             self.tmp_lock.release()
-
-    def cancel_quietly(self) -> None:
-        """Stops the engine's job and waits for it (its error, if any, is already the verdict)."""
-        handle = self.handle
-        if handle is not None and not handle.done():
-            handle.cancel()
-            try:
-                handle.wait()
-            except Exception:
-                pass
