@@ -357,7 +357,44 @@ def device_group_skips(rank: int, world: int, workdir: str, backend: str) -> dic
     return out
 
 
+def commit_with_a_failing_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
+    """A Commit over the group where `backend` says which part fails on the last rank
+    ("save": its save; "publish": rank 0's publish); returns what ran here and what was raised."""
+    from fastpersist.distributed.control import control_for
+    from fastpersist.saving.commit import Commit
+
+    ran: list[str] = []
+    path = os.path.join(workdir, f"r{rank}")
+    state = {"w": torch.arange(1024, dtype=torch.float32)}
+    futures = [fp.save_async(state, path)]
+    if backend == "save" and rank == world - 1:
+        futures[0].cancel()
+
+    def publish() -> None:
+        ran.append("publish")
+        if backend == "publish":
+            raise OSError(28, "No space left on device", path)
+
+    commit = Commit(
+        f"step-1 of rank {rank}",
+        futures,
+        control_for(None, 30.0),
+        publishes=rank == 0,
+        durable=lambda results: ran.append(f"durable {len(results)}"),
+        publish=publish,
+        retire=lambda: ran.append("retire"),
+        abandon=lambda: ran.append("abandon"),
+    )
+    try:
+        commit.run()
+        raised = ""
+    except Exception as e:
+        raised = f"{type(e).__name__}: {e}"
+    return {"ran": ran, "raised": raised, "done": all(f.done() for f in futures)}
+
+
 SCENARIOS: dict[str, Callable[[int, int, str, str], dict[str, Any]]] = {
+    "commit_with_a_failing_rank": commit_with_a_failing_rank,
     "device_group_skips": device_group_skips,
     "killed_at_agreement": killed_at_agreement,
     "device_group": device_group,

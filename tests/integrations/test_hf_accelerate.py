@@ -98,6 +98,9 @@ class _FailedSave:
     def wait(self, timeout: float | None = None) -> Any:
         raise OSError(28, "No space left on device", self.path)
 
+    def cancel(self) -> bool:
+        return False  # failed already: a SaveFuture's verdict is final
+
 
 def test_a_failed_save_deletes_nothing_and_the_next_one_catches_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

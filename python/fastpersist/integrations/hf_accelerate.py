@@ -59,6 +59,7 @@ from ..cleanup import clean
 from ..config import Config
 from ..format.layout import MANIFEST_NAME, fsync_tree, parse_tmp_dir
 from ..futures import SaveFuture, SaveResult
+from ..saving.commit import Commit
 from ..saving.optimizer_guard import guard_optimizer
 from ..saving.target import remove_checkpoint_tree
 from .hf_checkpoint import snapshot_pool_config
@@ -229,11 +230,18 @@ class FastPersistStateHooks:
         futures, self._in_flight = self._in_flight, []
         folder, self._last_dir = self._last_dir, None
         retired, self._retire_after_commit = self._retire_after_commit, []
-        results = [fut.wait() for fut in futures]
-        if folder is not None:
-            fsync_folder(folder, durable_already={r.path for r in results})
-        remove_folders(retired, self._stripes())
-        return results
+
+        def durable(results: list[SaveResult]) -> None:
+            if folder is not None:
+                fsync_folder(folder, durable_already={r.path for r in results})
+
+        return Commit(
+            folder or "the models' checkpoints",
+            futures,
+            kept="no folder was retired",
+            durable=durable,
+            retire=lambda: remove_folders(retired, self._stripes()),
+        ).run()
 
     def _stripes(self) -> list[str] | None:
         return [os.fspath(s) for s in self.config.stripes] if self.config and self.config.stripes else None

@@ -26,6 +26,7 @@ from ..distributed.control import ControlGroup
 from ..distributed.control import agree as agree_in_group
 from ..format.layout import fsync_tree, write_small_file
 from ..futures import SaveFuture
+from ..saving.commit import Commit
 
 __all__ = [
     "OLD_MARK",
@@ -120,33 +121,25 @@ class HFCheckpoint:
 
     def commit(self) -> str:
         """Writes the weights and waits for every file of every rank, then trainer_state.json,
-        the rename and the rotation; returns `final`. A failure on any rank leaves `final`
-        untouched and raises on every rank."""
-        error: BaseException | None = None
-        try:
-            if self.save_weights is not None:
-                self.save_weights()
-            for fut in self.futures:
-                fut.wait()
-            if self.renames:
-                fsync_tree(self.staging)  # what Trainer._save wrote without fsync (weights, config, args)
-        except BaseException as e:
-            error = e
-            for fut in self.futures:
-                fut.cancel()
-        agree(self.control, f"make its files of {self.final} durable", error, self.final)
-        try:
-            if self.renames:
-                path = os.path.join(self.staging, TRAINER_STATE_NAME)
-                write_small_file(path, self.trainer_state_json.encode(), durable=True)
-                self._rename_into_place()
-        except BaseException as e:
-            error = e
-        # No rank goes on (to a load of it, say) before the checkpoint is in place.
-        agree(self.control, f"rename {self.staging} into place", error, self.final)
-        if self.renames:
-            self.rotate()
+        the rename and the rotation (:class:`~fastpersist.saving.commit.Commit`); returns
+        `final`. A failure on any rank leaves `final` untouched and raises on every rank."""
+        Commit(
+            self.final,
+            self.futures,
+            self.control,
+            kept="the previous checkpoints stay as they were",
+            publishes=self.renames,
+            prepare=self.save_weights,
+            # what Trainer._save wrote without fsync (weights, config, args)
+            durable=(lambda _: fsync_tree(self.staging)) if self.renames else None,
+            publish=self._publish,
+            retire=self.rotate,
+        ).run()
         return self.final
+
+    def _publish(self) -> None:
+        write_small_file(os.path.join(self.staging, TRAINER_STATE_NAME), self.trainer_state_json.encode(), durable=True)
+        self._rename_into_place()
 
     def _rename_into_place(self) -> None:
         parent = os.path.dirname(self.final)

@@ -7,6 +7,7 @@
   save whose every node commits its own copy, with copies of its partners' shares;
 * :mod:`.target`: what a save may replace, and the manifest write; :mod:`.verdict`: one outcome per save;
   :mod:`.engine_save`: staged, wait and cancel of a save the engine writes (a job here, ``torch_save_async``'s);
+* :mod:`.commit`: the one commit sequence of every host's checkpoint: wait for its saves, agree, publish, retire;
 * :mod:`.pools`: the staging pools kept between saves; :mod:`.optimizer_guard`: the hook that makes
   ``optimizer.step()`` wait;
 * :mod:`.in_flight`: a Checkpointer's saves in flight, one writing and one snapshot waiting behind a write gate;
