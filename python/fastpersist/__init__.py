@@ -8,7 +8,7 @@ drives and data-parallel ranks, overlapped with training. See ``fastpersist.save
 """
 
 from . import _core
-from .advisor import Failures, advise, advise_levels
+from .advisor import CostOverrides, Endurance, Failures, Wear, advise, advise_levels
 from .api import inspect, load, prepare, save, save_async, verify
 from .checkpointer import Checkpointer
 from .cleanup import clean
@@ -40,6 +40,8 @@ __all__ = [
     "ChecksumMismatchError",
     "Config",
     "CorruptCheckpointError",
+    "CostOverrides",
+    "Endurance",
     "Failures",
     "FastPersistError",
     "GroupLoadError",
@@ -51,6 +53,7 @@ __all__ = [
     "SaveFuture",
     "SaveResult",
     "UnsupportedValueError",
+    "Wear",
     "__version__",
     "advise",
     "advise_levels",

@@ -83,7 +83,7 @@ def test_advise_from_a_checkpointer_and_its_root(tmp_path: Path) -> None:
         ck.wait_staged()
         ck.save(step, state)
     ck.wait()
-    live = fp.advise(ck, mtbf_s=3600.0, restart_overhead_s=30.0)
+    live = fp.advise(ck, failures=fp.Failures(process_mtbf_s=3600.0), costs=fp.CostOverrides(restart_overhead_s=30.0))
     assert live.current is not None and live.current.every == 2
     assert live.costs.nbytes == 1 << 18 and live.costs.restart_s == pytest.approx(30.0)
     assert "Checkpointer(" in live.where["stall_s"]

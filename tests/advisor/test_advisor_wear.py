@@ -61,8 +61,10 @@ def test_advise_shows_the_interval_whose_wear_fits() -> None:
     # 100 GB per save over 10 drives, every step of 10 s: 86.4 TB per drive per day.
     endurance = Endurance.from_tbw(7000.0)
     today, until = datetime.date(2026, 12, 1), datetime.date(2031, 12, 1)
-    kwargs = dict(mtbf_s=1e4, step_s=10.0, stall_s=1e-4, write_s=1.0, nbytes=10**11, drives=10)
-    a = fp.advise(endurance=endurance, until=until, today=today, every=1, probe_devices=False, **kwargs)  # type: ignore[arg-type]
+    failures = fp.Failures(process_mtbf_s=1e4)
+    costs = fp.CostOverrides(step_s=10.0, stall_s=1e-4, write_s=1.0, nbytes=10**11)
+    wear = fp.Wear(drives=10, endurance=endurance, until=until, today=today)
+    a = fp.advise(failures=failures, costs=costs, wear=wear, every=1, probe_devices=False)
     allowed = bytes_per_day_allowed(endurance, until, today)
     assert a.bytes_per_drive_day(a.best) > allowed
     assert a.wear_fit is not None
@@ -73,6 +75,6 @@ def test_advise_shows_the_interval_whose_wear_fits() -> None:
     assert len(runs_out) == 2 and "recommended every=1" in runs_out[0] and "current every=1" in runs_out[1]
     assert "lasts to 2031-12-01" in str(a)
     # Without a date: no fit needed, the endurance is shown in days.
-    b = fp.advise(endurance=endurance, probe_devices=False, **kwargs)  # type: ignore[arg-type]
+    b = fp.advise(failures=failures, costs=costs, wear=fp.Wear(drives=10, endurance=endurance), probe_devices=False)
     assert b.wear_fit is None
     assert b.endurance_days(b.every_step) == pytest.approx(7000e12 / (86_400 / 10.0001 * 1e10))

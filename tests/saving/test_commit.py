@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import fastpersist as fp
-from dist_workers import run
 from fastpersist.errors import SaveCancelledError
 from fastpersist.saving.commit import Commit
+
+from dist_workers import run
 from gloo import run_ranks
 
 

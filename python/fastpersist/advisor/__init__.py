@@ -6,8 +6,9 @@
 * :mod:`.devinfo`: the filesystem, write cache and FUA under a directory;
 * :mod:`.sources`: reading measurements from a ``Checkpointer``, its root, or a bench JSON;
 * :mod:`.multilevel`: :func:`advise_levels`, ``every``, ``replicas`` and ``remote_every`` together;
-* :mod:`.interval`: :func:`advise` puts them together into the interval advice; :mod:`.report`
-  prints it; :mod:`fastpersist.tools.advise` is ``fastpersist advise``.
+* :mod:`.interval`: :func:`advise` puts them together into the interval advice, from its nouns
+  (:class:`Failures`, :class:`CostOverrides`, :class:`Wear`); :mod:`.advice` is what it returns
+  and prints; :mod:`fastpersist.tools.advise` is ``fastpersist advise``.
 
 See docs/advisor.md.
 """
@@ -16,12 +17,13 @@ from .advice import Advice
 from .devinfo import DeviceInfo, device_info
 from .history import SaveHistory
 from .interval import advise
-from .model import Costs, Outcome, best_every, daly_interval_s, job_mtbf_s, outcome, young_interval_s
+from .model import CostOverrides, Costs, Outcome, best_every, daly_interval_s, job_mtbf_s, outcome, young_interval_s
 from .multilevel import Failures, LevelAdvice, LevelCosts, LevelPlan, advise_levels
-from .wear import Endurance, WearLog
+from .wear import Endurance, Wear, WearLog
 
 __all__ = [
     "Advice",
+    "CostOverrides",
     "Costs",
     "DeviceInfo",
     "Endurance",
@@ -31,6 +33,7 @@ __all__ = [
     "LevelPlan",
     "Outcome",
     "SaveHistory",
+    "Wear",
     "WearLog",
     "advise",
     "advise_levels",

@@ -5,12 +5,14 @@ from __future__ import annotations
 import datetime
 import math
 import os
+from typing import Any
 
 from .advice import Advice
 from .devinfo import DeviceInfo, device_info
-from .model import Costs, Outcome, best_every, daly_interval_s, job_mtbf_s, outcome, young_interval_s
+from .model import CostOverrides, Costs, Outcome, best_every, daly_interval_s, outcome, young_interval_s
+from .multilevel import Failures
 from .sources import Measured, from_bench, from_history, from_root
-from .wear import Endurance, bytes_per_day_allowed
+from .wear import Wear, bytes_per_day_allowed
 
 __all__ = ["advise"]
 
@@ -30,13 +32,55 @@ def _measured(source: object) -> Measured:
     raise TypeError(f"advise(source={source!r}): expected a Checkpointer, a checkpoint root or a bench JSON path")
 
 
-def _pick(name: str, given: float | None, measured: Measured, where: dict[str, str], hint: str) -> float:
+#: The keywords advise took before its nouns: keyword -> (parameter, noun, field).
+_MOVED = {
+    "mtbf_s": ("failures", "Failures", "process_mtbf_s"),
+    "node_mtbf_s": ("failures", "Failures", "node_mtbf_s"),
+    "nodes": ("failures", "Failures", "nodes"),
+    **{k: ("costs", "CostOverrides", k) for k in ("step_s", "stall_s", "write_s", "restart_s", "restart_overhead_s")},
+    "nbytes": ("costs", "CostOverrides", "nbytes"),
+    **{k: ("wear", "Wear", k) for k in ("drives", "endurance", "until", "today")},
+}
+_FLAGS = {
+    "step_s": "--step-seconds",
+    "stall_s": "--stall-seconds",
+    "write_s": "--write-seconds",
+    "nbytes": "--bytes",
+}
+
+
+def _moved_keywords_error(old: dict[str, Any]) -> TypeError:
+    """The error for advise keywords that moved into nouns, showing the call's new form; any other
+    unknown keyword is named as Python names it."""
+    unknown = [k for k in old if k not in _MOVED]
+    if unknown:
+        return TypeError(f"advise() got an unexpected keyword argument {unknown[0]!r}")
+    nouns: dict[str, tuple[str, list[str]]] = {}
+    for param in ("failures", "costs", "wear"):
+        for k, v in old.items():
+            if _MOVED[k][0] == param:
+                nouns.setdefault(param, (_MOVED[k][1], []))[1].append(f"{_MOVED[k][2]}={v!r}")
+    new = ", ".join(f"{param}=fastpersist.{noun}({', '.join(args)})" for param, (noun, args) in nouns.items())
+    given = ", ".join(f"{k}={v!r}" for k, v in old.items())
+    return TypeError(f"advise({given}): these keywords became objects; write fastpersist.advise(..., {new})")
+
+
+def _check_nouns(**nouns: tuple[object, type]) -> None:
+    for name, (value, noun) in nouns.items():
+        if value is not None and not isinstance(value, noun):
+            raise TypeError(f"advise({name}={value!r}): expected a fastpersist.{noun.__name__} or None")
+
+
+def _pick(name: str, given: float | None, measured: Measured, where: dict[str, str]) -> float:
     if given is not None:
         where[name] = "given"
         return float(given)
     value = getattr(measured, name)
     if value is None:
-        raise ValueError(f"advise: no {name} measured in the source; pass {hint}")
+        raise ValueError(
+            f"advise: no {name} measured in the source; pass costs=fastpersist.CostOverrides({name}=...) "
+            f"({_FLAGS[name]})"
+        )
     where[name] = measured.where.get(name, "measured")
     return float(value)
 
@@ -52,21 +96,36 @@ def _restart(restart_s: float | None, overhead_s: float | None, measured: Measur
     return (measured.load_s or 0.0) + overhead
 
 
-def _failure_model(
-    mtbf_s: float | None, node_mtbf_s: float | None, nodes: int, measured: Measured, where: dict[str, str]
-) -> float:
-    if mtbf_s is not None and node_mtbf_s is not None:
-        raise ValueError("advise: pass mtbf_s= (the job's) or node_mtbf_s= with nodes=, not both")
-    if node_mtbf_s is not None:
-        where["mtbf_s"] = f"given: node MTBF {node_mtbf_s / 3600:g} h / {nodes} node(s), failing independently"
-        return job_mtbf_s(node_mtbf_s, nodes)
-    if mtbf_s is None and measured.mtbf_s is not None:
+def _costs(given: CostOverrides, measured: Measured, where: dict[str, str]) -> Costs:
+    step = _pick("step_s", given.step_s, measured, where)
+    stall = _pick("stall_s", given.stall_s, measured, where)
+    write = _pick("write_s", given.write_s, measured, where)
+    size = int(_pick("nbytes", given.nbytes, measured, where))
+    return Costs(stall, write, step, _restart(given.restart_s, given.restart_overhead_s, measured, where), size)
+
+
+def _failure_model(failures: Failures | None, measured: Measured, where: dict[str, str]) -> float:
+    """The job's MTBF: from `failures` (every class of failure stops the job), else the Checkpointer's."""
+    if failures is None and measured.mtbf_s is not None:
         where["mtbf_s"] = "the Checkpointer's mtbf_s"
         return measured.mtbf_s
-    if mtbf_s is None:
-        raise ValueError("advise: needs a failure model: mtbf_s= (the job's MTBF) or node_mtbf_s= and nodes=")
-    where["mtbf_s"] = "given: the job's MTBF"
-    return job_mtbf_s(mtbf_s, 1)
+    job_mtbf = failures.job_mtbf_s() if failures is not None else None
+    if failures is None or job_mtbf is None:
+        raise ValueError(
+            f"advise{f'(failures={failures})' if failures is not None else ''}: needs a failure model: failures="
+            "fastpersist.Failures(process_mtbf_s=...) (the job's MTBF) or Failures(node_mtbf_s=..., nodes=...)"
+        )
+    process, node, cluster = failures.process_mtbf_s, failures.node_mtbf_s, failures.cluster_mtbf_s
+    parts = [f"process MTBF {process / 3600:g} h"] if process is not None else []
+    parts += [f"node MTBF {node / 3600:g} h / {failures.nodes} node(s)"] if node is not None else []
+    parts += [f"cluster MTBF {cluster / 3600:g} h"] if cluster is not None else []
+    if node is None and cluster is None:  # process_mtbf_s alone: what was advise(mtbf_s=)
+        where["mtbf_s"] = "given: the job's MTBF"
+    elif process is None and cluster is None:
+        where["mtbf_s"] = f"given: {parts[0]}, failing independently"
+    else:
+        where["mtbf_s"] = f"given: {', '.join(parts)}{', any of them stops the job' if len(parts) > 1 else ''}"
+    return job_mtbf
 
 
 def _wear_fit(costs: Costs, mtbf_s: float, drives: int, allowed_per_drive_day: float) -> Outcome:
@@ -116,53 +175,46 @@ def _warnings(advice: Advice) -> list[str]:
 def advise(
     source: object = None,
     *,
-    mtbf_s: float | None = None,
-    node_mtbf_s: float | None = None,
-    nodes: int = 1,
-    step_s: float | None = None,
-    stall_s: float | None = None,
-    write_s: float | None = None,
-    restart_s: float | None = None,
-    restart_overhead_s: float | None = None,
-    nbytes: int | None = None,
+    failures: Failures | None = None,
+    costs: CostOverrides | None = None,
+    wear: Wear | None = None,
     every: int | None = None,
-    drives: int | None = None,
-    endurance: Endurance | None = None,
-    until: datetime.date | None = None,
-    today: datetime.date | None = None,
     probe_devices: bool = True,
+    **moved: Any,
 ) -> Advice:
     """Recommends how many steps to leave between checkpoints, and says what it costs.
 
     Numbers come from `source` (a :class:`~fastpersist.Checkpointer`, a checkpoint root holding
-    ``history.json``, or a ``fastpersist bench`` JSON file); a keyword given here overrides the
-    measured value. The failure model is ``mtbf_s`` (the job's) or ``node_mtbf_s`` and ``nodes``.
-    ``restart_s`` is the whole restart; otherwise it is the measured load plus ``restart_overhead_s``.
-    Wear is per drive: one checkpoint's bytes are spread over ``drives`` drives (default: the
-    source's directories). See docs/advisor.md for the model and its assumptions.
+    ``history.json``, or a ``fastpersist bench`` JSON file); a field given in `costs` overrides
+    the measured value. The failure model is `failures`, else the one the Checkpointer was given;
+    every class of failure it names stops the job (``process_mtbf_s`` alone: the job's MTBF;
+    ``node_mtbf_s`` with ``nodes``: node MTBF / nodes). `wear` says how many drives one
+    checkpoint is spread over (default: the source's directories), their endurance and the day
+    they must last to. `every` is the current interval, shown for comparison (default: the
+    source's). See docs/advisor.md for the model and its assumptions.
 
     Example:
-        >>> a = fp.advise("bench.json", node_mtbf_s=6000 * 3600, nodes=16, step_s=6.0)   # doctest: +SKIP
+        >>> a = fp.advise("bench.json", failures=fp.Failures(node_mtbf_s=6000 * 3600, nodes=16),  # doctest: +SKIP
+        ...               costs=fp.CostOverrides(step_s=6.0))
         >>> a.best.every, f"{a.best.lost_fraction:.2%}", f"{a.every_step.lost_fraction:.2%}"   # doctest: +SKIP
         >>> print(a)                                                                       # doctest: +SKIP
     """
+    if moved:
+        raise _moved_keywords_error(moved)
+    _check_nouns(failures=(failures, Failures), costs=(costs, CostOverrides), wear=(wear, Wear))
+    wear = wear if wear is not None else Wear()
     measured = _measured(source)
     where: dict[str, str] = {}
-    job_mtbf = _failure_model(mtbf_s, node_mtbf_s, nodes, measured, where)
-    hint = {"step_s": "step_s= (--step-seconds)", "stall_s": "stall_s= (--stall-seconds)"}
-    step = _pick("step_s", step_s, measured, where, hint["step_s"])
-    stall = _pick("stall_s", stall_s, measured, where, hint["stall_s"])
-    write = _pick("write_s", write_s, measured, where, "write_s= (--write-seconds)")
-    size = int(_pick("nbytes", nbytes, measured, where, "nbytes= (--bytes)"))
-    costs = Costs(stall, write, step, _restart(restart_s, restart_overhead_s, measured, where), size)
+    job_mtbf = _failure_model(failures, measured, where)
+    resolved = _costs(costs if costs is not None else CostOverrides(), measured, where)
     current_every = every if every is not None else measured.every
-    drive_count = drives if drives is not None else max(1, len(measured.dirs))
-    where["drives"] = "given" if drives is not None else f"the source's directories ({drive_count})"
-    best = outcome(best_every(costs, job_mtbf), costs, job_mtbf)
+    drive_count = wear.drives if wear.drives is not None else max(1, len(measured.dirs))
+    where["drives"] = "given" if wear.drives is not None else f"the source's directories ({drive_count})"
+    best = outcome(best_every(resolved, job_mtbf), resolved, job_mtbf)
     wear_fit = None
-    if endurance is not None and until is not None:
-        allowed = bytes_per_day_allowed(endurance, until, today or datetime.date.today())
-        wear_fit = _wear_fit(costs, job_mtbf, drive_count, allowed)
+    if wear.endurance is not None and wear.until is not None:
+        allowed = bytes_per_day_allowed(wear.endurance, wear.until, wear.today or datetime.date.today())
+        wear_fit = _wear_fit(resolved, job_mtbf, drive_count, allowed)
     devices: list[DeviceInfo] = []
     if probe_devices:
         for d in measured.dirs:
@@ -170,17 +222,17 @@ def advise(
                 devices.append(device_info(d))
     observed = measured.wear.bytes_per_day() if measured.wear and measured.wear.total_bytes() else None
     advice = Advice(
-        costs=costs,
+        costs=resolved,
         mtbf_s=job_mtbf,
         where=where,
-        young_s=young_interval_s(stall, job_mtbf),
-        daly_s=daly_interval_s(stall, job_mtbf),
-        every_step=outcome(1, costs, job_mtbf),
+        young_s=young_interval_s(resolved.stall_s, job_mtbf),
+        daly_s=daly_interval_s(resolved.stall_s, job_mtbf),
+        every_step=outcome(1, resolved, job_mtbf),
         best=best,
-        current=outcome(current_every, costs, job_mtbf) if current_every else None,
+        current=outcome(current_every, resolved, job_mtbf) if current_every else None,
         drives=drive_count,
-        endurance=endurance,
-        until=until,
+        endurance=wear.endurance,
+        until=wear.until,
         wear_fit=wear_fit,
         observed_bytes_per_day=observed,
         observed_daily=measured.wear.daily() if measured.wear else {},

@@ -26,9 +26,10 @@ commit, and pick the whole number of steps around it with the smaller ``lost(k)`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 __all__ = [
+    "CostOverrides",
     "Costs",
     "Outcome",
     "best_every",
@@ -64,14 +65,61 @@ class Costs:
     nbytes: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("stall_s", "write_s", "restart_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"Costs.{name}={value!r}: expected a finite number of seconds >= 0")
-        if not (isinstance(self.step_s, (int, float)) and math.isfinite(self.step_s) and self.step_s > 0):
-            raise ValueError(f"Costs.step_s={self.step_s!r}: expected a positive number of seconds (one training step)")
-        if type(self.nbytes) is not int or self.nbytes < 0:
-            raise ValueError(f"Costs.nbytes={self.nbytes!r}: expected a non-negative integer")
+        for f in fields(self):
+            _check_cost("Costs", f.name, getattr(self, f.name))
+
+
+@dataclass(frozen=True)
+class CostOverrides:
+    """Costs you know, given to :func:`~fastpersist.advise` over what its source measured.
+
+    Each field left None takes the source's measured value (a bench report measures no training
+    step: give ``step_s``); the values follow the rules of :class:`Costs`, checked here.
+
+    Attributes:
+        step_s: ``T``, seconds of one training step without checkpoint waits.
+        stall_s: ``δ``, seconds the loop waits per save, excluding the wait for the previous commit.
+        write_s: ``W``, seconds from a save's start until it is committed (durable).
+        restart_s: ``R``, the whole restart, from a failure until training runs again; when None,
+            the measured load plus `restart_overhead_s`.
+        restart_overhead_s: seconds of relaunch added to the measured load (None: the source's,
+            else 0); not used when `restart_s` is given.
+        nbytes: bytes one checkpoint writes, all drives together.
+
+    Example:
+        >>> CostOverrides(step_s=6.0, restart_overhead_s=120.0).step_s
+        6.0
+        >>> CostOverrides(step_s=0.0)
+        Traceback (most recent call last):
+        ValueError: CostOverrides.step_s=0.0: expected a positive number of seconds (one training step)
+    """
+
+    step_s: float | None = None
+    stall_s: float | None = None
+    write_s: float | None = None
+    restart_s: float | None = None
+    restart_overhead_s: float | None = None
+    nbytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if (value := getattr(self, f.name)) is not None:
+                _check_cost("CostOverrides", f.name, value)
+
+
+def _check_cost(owner: str, name: str, value: object) -> None:
+    """Raises ValueError, naming ``owner.name``, unless `value` is a valid `name` (a field of
+    :class:`Costs` or :class:`CostOverrides`): seconds finite and >= 0, a step > 0, bytes a whole number >= 0."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    seconds = float(value) if isinstance(value, (int, float)) and number else math.nan
+    if name == "nbytes":
+        ok, expected = type(value) is int and value >= 0, "a non-negative integer"
+    elif name == "step_s":
+        ok, expected = math.isfinite(seconds) and seconds > 0, "a positive number of seconds (one training step)"
+    else:
+        ok, expected = math.isfinite(seconds) and seconds >= 0, "a finite number of seconds >= 0"
+    if not ok:
+        raise ValueError(f"{owner}.{name}={value!r}: expected {expected}")
 
 
 @dataclass(frozen=True)

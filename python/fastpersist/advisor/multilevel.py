@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .model import daly_interval_s
+from .model import daly_interval_s, job_mtbf_s
 
 __all__ = [
     "Failures",
@@ -75,9 +75,9 @@ class Failures:
         for name in ("process_mtbf_s", "node_mtbf_s", "cluster_mtbf_s"):
             value = getattr(self, name)
             if value is not None:
-                _positive(name, value, zero=False)
+                _positive(f"Failures.{name}", value, zero=False)
         if type(self.nodes) is not int or self.nodes < 1:
-            raise ValueError(f"nodes={self.nodes!r}: expected an integer >= 1")
+            raise ValueError(f"Failures.nodes={self.nodes!r}: expected an integer >= 1")
 
     def rates(self) -> tuple[float, float, float]:
         """Failures per second: (process crashes, node losses of the job, cluster losses)."""
@@ -86,6 +86,17 @@ class Failures:
             return count / mtbf if mtbf else 0.0
 
         return rate(self.process_mtbf_s), rate(self.node_mtbf_s, self.nodes), rate(self.cluster_mtbf_s)
+
+    def job_mtbf_s(self) -> float | None:
+        """The mean time between failures of any class (None: no class given), as
+        :func:`~fastpersist.advise` takes it: every failure stops a job with one level. With one
+        class given, its MTBF (node losses: ``node_mtbf_s / nodes``); with several, one over the
+        sum of their rates."""
+        classes = ((self.process_mtbf_s, 1), (self.node_mtbf_s, self.nodes), (self.cluster_mtbf_s, 1))
+        given = [(mtbf, count) for mtbf, count in classes if mtbf is not None]
+        if len(given) == 1:
+            return job_mtbf_s(*given[0])
+        return 1.0 / sum(self.rates()) if given else None
 
     def split(self, replicas: int) -> tuple[float, float]:
         """Failures per second that the local (and partner) level survives, and those only the

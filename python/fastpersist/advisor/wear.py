@@ -4,7 +4,8 @@ endurance lasts at a given write rate.
 A :class:`WearLog` keeps bytes in hourly buckets per target directory (the checkpoint root, or
 a stripe directory), bounded to the last :data:`KEEP_DAYS` days; ``Checkpointer`` persists it in
 ``ROOT/history.json``. :class:`Endurance` is one drive's rating: TBW, or DWPD x capacity x
-warranty years, less the share already used where the drive reports it.
+warranty years, less the share already used where the drive reports it. :class:`Wear` is what
+``advise`` is told about the drives: how many, their endurance, and the date they must last to.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Endurance", "WearLog", "bytes_per_day_allowed", "days_of_endurance"]
+__all__ = ["Endurance", "Wear", "WearLog", "bytes_per_day_allowed", "days_of_endurance"]
 
 HOUR_S = 3600
 DAY_S = 86_400.0
@@ -67,6 +68,46 @@ class Endurance:
     def remaining_bytes(self) -> float:
         """Bytes left before the rating is used up."""
         return self.tbw_bytes * (1.0 - self.used_fraction)
+
+
+def _day(owner: str, value: object) -> None:
+    if value is not None and (not isinstance(value, datetime.date) or isinstance(value, datetime.datetime)):
+        raise TypeError(f"{owner}={value!r}: expected a datetime.date (a day, not a datetime) or None")
+
+
+@dataclass(frozen=True)
+class Wear:
+    """The drives under the checkpoints, for :func:`~fastpersist.advise`'s wear projection.
+
+    Attributes:
+        drives: drives one checkpoint is spread over (wear is per drive); None: the source's
+            target directories, at least 1.
+        endurance: one drive's rated endurance (None: the days until it is used up are not shown).
+        until: the day the drives must last to: with `endurance`, ``advise`` finds the shortest
+            interval whose writes leave endurance until then, and warns about the shorter ones.
+        today: the day the wear starts counting from (None: the clock's date).
+
+    Example:
+        >>> w = Wear(drives=64, endurance=Endurance.from_tbw(7008.0), until=datetime.date(2027, 12, 31))
+        >>> w.drives, round(w.endurance.tbw_bytes / 1e15, 3)
+        (64, 7.008)
+    """
+
+    drives: int | None = None
+    endurance: Endurance | None = None
+    until: datetime.date | None = None
+    today: datetime.date | None = None
+
+    def __post_init__(self) -> None:
+        if self.drives is not None and (type(self.drives) is not int or self.drives < 1):
+            raise ValueError(f"Wear.drives={self.drives!r}: expected an integer >= 1 (drives one checkpoint spans)")
+        if self.endurance is not None and not isinstance(self.endurance, Endurance):
+            raise TypeError(
+                f"Wear.endurance={self.endurance!r}: expected a fastpersist.Endurance "
+                "(e.g. Endurance.from_tbw(7008) or Endurance.from_dwpd(1, capacity_bytes=3.84e12))"
+            )
+        _day("Wear.until", self.until)
+        _day("Wear.today", self.today)
 
 
 def days_of_endurance(endurance: Endurance, bytes_per_day: float) -> float:

@@ -12,9 +12,10 @@ import sys
 from ..advisor.advice import Advice
 from ..advisor.devinfo import device_info
 from ..advisor.interval import advise
+from ..advisor.model import CostOverrides
 from ..advisor.multilevel import Failures, LevelAdvice, LevelCosts, advise_levels
 from ..advisor.sources import Measured, from_bench, from_root
-from ..advisor.wear import Endurance
+from ..advisor.wear import Endurance, Wear
 from ..format.layout import HISTORY_NAME
 
 __all__ = ["add_arguments", "register", "run_cli"]
@@ -102,6 +103,28 @@ def _endurance(args: argparse.Namespace, dirs: list[str]) -> Endurance | None:
     return endurance
 
 
+def _failures(args: argparse.Namespace) -> Failures:
+    """The failure model of the single-level advice: --job-mtbf-hours is the job's MTBF, --mtbf-hours one node's."""
+    if args.job_mtbf_hours is not None:
+        return Failures(process_mtbf_s=args.job_mtbf_hours * 3600)
+    return Failures(node_mtbf_s=args.mtbf_hours * 3600, nodes=args.nodes)
+
+
+def _costs(args: argparse.Namespace) -> CostOverrides:
+    return CostOverrides(
+        step_s=args.step_seconds,
+        stall_s=args.stall_seconds,
+        write_s=args.write_seconds,
+        restart_s=args.restart_seconds,
+        restart_overhead_s=args.restart_overhead_seconds,
+        nbytes=int(args.nbytes) if args.nbytes is not None else None,
+    )
+
+
+def _wear(args: argparse.Namespace, dirs: list[str]) -> Wear:
+    return Wear(drives=args.drives, endurance=_endurance(args, dirs), until=args.until)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """Runs ``fastpersist advise`` as parsed by :func:`add_arguments`; returns the exit status."""
     if (args.mtbf_hours is None) == (args.job_mtbf_hours is None):
@@ -114,20 +137,7 @@ def run_cli(args: argparse.Namespace) -> int:
         else:
             measured = Measured()
         advice = advise(
-            measured,
-            mtbf_s=args.job_mtbf_hours * 3600 if args.job_mtbf_hours is not None else None,
-            node_mtbf_s=args.mtbf_hours * 3600 if args.mtbf_hours is not None else None,
-            nodes=args.nodes,
-            step_s=args.step_seconds,
-            stall_s=args.stall_seconds,
-            write_s=args.write_seconds,
-            restart_s=args.restart_seconds,
-            restart_overhead_s=args.restart_overhead_seconds,
-            nbytes=int(args.nbytes) if args.nbytes is not None else None,
-            every=args.every,
-            drives=args.drives,
-            endurance=_endurance(args, measured.dirs),
-            until=args.until,
+            measured, failures=_failures(args), costs=_costs(args), wear=_wear(args, measured.dirs), every=args.every
         )
     except (ValueError, OSError) as e:
         print(f"fastpersist advise: {e}", file=sys.stderr)
