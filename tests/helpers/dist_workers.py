@@ -357,6 +357,23 @@ def device_group_skips(rank: int, world: int, workdir: str, backend: str) -> dic
     return out
 
 
+class FailedSave:
+    """A save whose commit failed (a full disk), as its SaveFuture shows it: wait raises, and
+    cancel is too late (its verdict is final)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def wait(self, timeout: float | None = None) -> Any:
+        raise OSError(28, "No space left on device", self.path)
+
+    def cancel(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return True
+
+
 def commit_with_a_failing_rank(rank: int, world: int, workdir: str, backend: str) -> dict[str, Any]:
     """A Commit over the group where `backend` says which part fails on the last rank
     ("save": its save; "publish": rank 0's publish); returns what ran here and what was raised."""
@@ -366,9 +383,9 @@ def commit_with_a_failing_rank(rank: int, world: int, workdir: str, backend: str
     ran: list[str] = []
     path = os.path.join(workdir, f"r{rank}")
     state = {"w": torch.arange(1024, dtype=torch.float32)}
-    futures = [fp.save_async(state, path)]
+    futures: list[Any] = [fp.save_async(state, path)]
     if backend == "save" and rank == world - 1:
-        futures[0].cancel()
+        futures.append(FailedSave(path + "-full"))
 
     def publish() -> None:
         ran.append("publish")
