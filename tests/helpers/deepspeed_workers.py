@@ -37,9 +37,10 @@ def ds_config(stage: int) -> dict[str, Any]:
     }
 
 
-def make_engine(stage: int, seed: int) -> Any:
+def make_engine(stage: int, seed: int, **config: Any) -> Any:
     """A fresh engine over a few Linear layers and a BatchNorm (whose statistics the forward
-    pass updates in place: what a decoupled save must have copied before it returns)."""
+    pass updates in place: what a decoupled save must have copied before it returns);
+    `config`: sections added to :func:`ds_config`'s."""
     import deepspeed
 
     torch.manual_seed(seed)
@@ -47,7 +48,8 @@ def make_engine(stage: int, seed: int) -> Any:
         torch.nn.Linear(16, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
         torch.nn.Linear(64, 4),
     )  # fmt: skip
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage))
+    config = {**ds_config(stage), **config}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
 
@@ -216,3 +218,33 @@ def resume_from_latest(rank: int, world: int, init_file: str, workdir: str, stag
         return result
 
     report_rank(rank, world, init_file, workdir, resume)
+
+
+# -------------------------------------------------------------------- a tag of its own on each rank
+
+
+def different_tags(rank: int, world: int, init_file: str, workdir: str) -> None:
+    """Each rank saves a tag of its own (``tag-{rank}``) under DeepSpeed's ``tag_validation``
+    "FAIL" and "WARN", blocking and decoupled: DeepSpeed's setting decides, as with its own engines."""
+
+    def cases() -> dict[str, Any]:
+        _setup(rank, world)
+        result = {}
+        for validation in ("FAIL", "WARN"):
+            for decoupled in (False, True):
+                save_dir = os.path.join(workdir, f"ckpt-{validation}-{decoupled}")
+                engine = make_engine(1, seed=0, checkpoint={"tag_validation": validation})
+                install(engine, decoupled)
+                train_step(engine, 0)
+                try:
+                    engine.save_checkpoint(save_dir, tag=f"tag-{rank}")
+                    error = None
+                except Exception as e:
+                    error = type(e).__name__
+                engine.destroy()  # decoupled: the commit (every rank)
+                tag_dir = os.path.join(save_dir, f"tag-{rank}")
+                files = sorted(os.listdir(tag_dir)) if os.path.isdir(tag_dir) else []
+                result[f"{validation}-{decoupled}"] = {"error": error, "latest": latest(save_dir), "files": files}
+        return result
+
+    report_rank(rank, world, init_file, workdir, cases)

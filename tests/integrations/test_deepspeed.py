@@ -129,6 +129,20 @@ def test_a_kill_during_a_save_leaves_latest_at_the_previous_tag_which_resumes(
         assert res["loss"] == killed_losses[rank][SAVE_AFTER]  # the step after tag A, as first trained
 
 
+def test_ranks_saving_different_tags_follow_deepspeeds_tag_validation(tmp_path: Any) -> None:
+    """DeepSpeed's own suite saves ``tag-{rank}`` under each ``checkpoint.tag_validation``: "FAIL"
+    raises its AssertionError on every rank, "WARN" (its default) saves each rank's files in its
+    own tag's directory and ``latest`` names rank 0's, as DeepSpeed's engines do."""
+    results = _ok(run_ranks(workers.different_tags, 2, (str(tmp_path),), str(tmp_path), RANK_TIMEOUT_S))
+    for rank, res in enumerate(results):
+        for decoupled in (False, True):
+            failed, warned = res[f"FAIL-{decoupled}"], res[f"WARN-{decoupled}"]
+            assert failed == {"error": "AssertionError", "latest": None, "files": []}, (rank, failed)
+            assert warned["error"] is None and warned["latest"] == "tag-0", (rank, warned)
+            assert f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in warned["files"], (rank, warned)
+            assert not [n for n in warned["files"] if ".fptmp-" in n], warned
+
+
 def test_fastpersist_imports_no_deepspeed_and_the_integration_says_what_is_missing() -> None:
     code = (
         "import sys, fastpersist, fastpersist.integrations\n"

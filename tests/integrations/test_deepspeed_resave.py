@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import signal
+import time
 from typing import Any
 
 import pytest
@@ -243,12 +244,47 @@ def read_own_decoupled_saves(stage: int, save_dir: str) -> dict[str, Any]:
     return result
 
 
+def read_latest_while_rank_0_is_slow(save_dir: str) -> dict[str, Any]:
+    """Decoupled, ZeRO-1: a fresh engine loads ``latest`` right after a save, while rank 0 is
+    slow to write ``latest`` (a loaded disk): every rank must read the new tag. (Before the
+    commit's last agreement, rank 1 returned as soon as the files were agreed durable, found no
+    ``latest``, skipped the load and went on from step 0; under ZeRO-3 the ranks then hang in
+    the load's collectives.)"""
+    import torch.distributed as dist
+
+    import fastpersist.integrations.deepspeed as fp_deepspeed
+
+    saver = workers.make_engine(1, seed=0)
+    workers.install(saver, decoupled=True)
+    for step in range(SAVE_AFTER):
+        workers.train_step(saver, step)
+    saver.save_checkpoint(save_dir)  # open: no commit point yet
+    original = fp_deepspeed.write_small_file
+
+    def slow_write(path: str, data: bytes, **kwargs: Any) -> None:
+        time.sleep(1.0 if dist.get_rank() == 0 else 0.0)
+        original(path, data, **kwargs)
+
+    fp_deepspeed.write_small_file = slow_write
+    try:
+        fresh = workers.make_engine(1, seed=1)
+        workers.install(fresh, decoupled=True)
+        load_path, _ = fresh.load_checkpoint(save_dir)
+    finally:
+        fp_deepspeed.write_small_file = original
+    result = {"tag": load_path and os.path.basename(os.path.dirname(load_path)), "global_steps": fresh.global_steps}
+    fresh.destroy()
+    saver.destroy()
+    return result
+
+
 def failed_and_own_reads(rank: int, world: int, init_file: str, workdir: str, stage: int) -> None:
     def cases() -> dict[str, Any]:
         workers._setup(rank, world)
         return {
             "failed": failed_resave(stage, os.path.join(workdir, "ckpt-failed")),
             "own": read_own_decoupled_saves(stage, os.path.join(workdir, "ckpt-own")),
+            "slow_latest": read_latest_while_rank_0_is_slow(os.path.join(workdir, "ckpt-slow-latest")),
         }
 
     report_rank(rank, world, init_file, workdir, cases)
@@ -269,3 +305,4 @@ def test_a_failed_resave_keeps_the_old_tag_and_a_decoupled_save_reads_back_at_on
         assert own["latest_while_another_is_open"] == "other", own
         assert own["latest"] == "another", own
         assert own["hidden"] == [], own["hidden"]
+        assert res["slow_latest"] == {"tag": f"global_step{SAVE_AFTER}", "global_steps": SAVE_AFTER}, (rank, res)

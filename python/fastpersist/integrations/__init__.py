@@ -11,6 +11,7 @@
 * :mod:`.hf_accelerate`: Accelerate's ``save_state``/``load_state`` through its hooks;
 * :mod:`.lightning`: PyTorch Lightning ``CheckpointIO`` plug-ins;
 * :mod:`.deepspeed`: DeepSpeed's ``CheckpointEngine``: torch.save-format files, ``latest`` once every rank is durable;
+  :mod:`.deepspeed_staging`: a re-saved tag's staging directory, swapped in at the commit;
 * :mod:`.nvrx`: NVRx's local checkpoint manager, each rank's checkpoint stored by fastpersist.
 
 :mod:`.torchtitan`, :mod:`.hf_trainer`, :mod:`.lightning`, :mod:`.deepspeed` and :mod:`.nvrx` import their framework:

@@ -17,7 +17,8 @@ never torn (docs/integrations.md, "DeepSpeed", says why the format stays).
 **When ``latest`` moves.** Only at this engine's :meth:`~FastPersistCheckpointEngine.commit`:
 each rank waits until its files of the tag are durable, the ranks agree over a private gloo group
 (a killed rank is noticed at once), and only if every rank succeeded does rank 0 replace
-``latest`` atomically and durably (:func:`install` has DeepSpeed's own code pass ``save_latest=False``).
+``latest`` atomically and durably, before the commit returns on any rank (:func:`install` has
+DeepSpeed's own code pass ``save_latest=False``).
 
 **A tag saved again** (``save_checkpoint(dir, tag="last")`` each time) is never overwritten in
 place while ``latest`` may name it: when its directory exists at the save's start, the new files
@@ -26,7 +27,7 @@ commit, once every rank's files are durable and the ranks agreed, exchanges with
 directory atomically (``renameat2``); the old files are removed in the background. A kill or a
 full disk before leaves the old files whole; a dead staging directory is removed by the next save
 (and ``fastpersist clean``). Its maker swaps it in: rank 0, and one rank of each node that
-cannot see rank 0's (node-local storage).
+cannot see rank 0's (node-local storage). :mod:`.deepspeed_staging` holds that part.
 
 **Decoupled mode.** ``save`` returns once the file's write has started; the tag is committed at
 DeepSpeed's commit point (``engine.step()``, before the optimizer changes the weights), when the
@@ -45,8 +46,6 @@ import functools
 import inspect
 import logging
 import os
-import shutil
-import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -57,19 +56,15 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("fastpersist.integrations.deepspeed needs DeepSpeed: pip install deepspeed") from e
 
-import fastpersist._core as _core
-
 from ..config import Config
 from ..distributed.control import ControlGroup, agree, collective, control_for, describe
 from ..errors import GroupSaveError
-from ..format.layout import tmp_dir_for, write_small_file
-from ..format.ownership import DirLock, cleaning, make_locked_dir
+from ..format.layout import write_small_file
 from ..futures import SaveFuture, SaveResult
 from ..interop.torchasync import torch_save_async
 from ..interop.torchfile import torch_save
-from ..saving.leftovers import RootView, find_dead_tmp_dirs
-from ..saving.remover import run_later
 from ..saving.target import make_parents
+from .deepspeed_staging import TagStaging, open_staging
 
 __all__ = ["LATEST_NAME", "FastPersistCheckpointEngine", "install"]
 
@@ -77,120 +72,6 @@ log = logging.getLogger("fastpersist")
 
 #: DeepSpeed's tag file: the name of the newest tag, read by ``load_checkpoint(tag=None)`` and ``zero_to_fp32.py``.
 LATEST_NAME = "latest"
-
-
-@dataclasses.dataclass
-class TagStaging:
-    """Where a re-saved tag's new files go until the commit: `path`, named as the tag, inside
-    `holder`, a hidden temporary directory beside the tag's, whose `lock` (not `path`'s: a file
-    written in `path` takes a shared lock on it) the rank of a filesystem view that made it holds."""
-
-    tag_dir: str
-    holder: str
-    lock: DirLock | None = None
-    #: Why this rank could not make the staging directory of its view: raised by the commit.
-    error: OSError | None = None
-
-    @property
-    def path(self) -> str:
-        return os.path.join(self.holder, os.path.basename(self.tag_dir))
-
-    def make(self) -> None:
-        """Makes `holder`, locked, and `path` in it; FileExistsError if another rank of this view did."""
-        self.lock = make_locked_dir(self.holder)
-        try:
-            os.mkdir(self.path)
-        except OSError:
-            self.discard()
-            raise
-
-    def redirect(self, path: str) -> str:
-        """`path` under the staging directory if it lies in the tag's directory, else `path`."""
-        rel = os.path.relpath(os.path.abspath(path), self.tag_dir)
-        if rel == os.curdir:
-            return self.path
-        if rel == os.pardir or rel.startswith(os.pardir + os.sep):
-            return path
-        return os.path.join(self.path, rel)
-
-    def swap_in(self, *, durable: bool) -> None:
-        """Puts the staging directory at the tag's place in one atomic exchange (this view's swapper only)."""
-        lock, self.lock = self.lock, None
-        if lock is None:
-            return
-        try:
-            _core.replace_atomically(self.path, self.tag_dir)  # the old tree, if any, is now at `path`
-            if durable:
-                _core.fsync_dir(os.path.dirname(self.tag_dir))
-        except BaseException:
-            _remove_tree(self.holder, lock)
-            raise
-        run_later(_remove_tree, self.holder, lock)  # held until deleted: a cleaner elsewhere sees a live save
-
-    def discard(self) -> None:
-        """Removes the staging directory (its maker only): the tag keeps its old files."""
-        lock, self.lock = self.lock, None
-        if lock is not None:
-            _remove_tree(self.holder, lock)
-
-
-def _remove_tree(path: str, lock: DirLock | None) -> None:
-    try:
-        shutil.rmtree(path, ignore_errors=True)
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def remove_dead_stagings(parent: str) -> None:
-    """Removes the staging directories in `parent` that no live process holds (a killed save's)."""
-    if not os.path.isdir(parent):
-        return
-    view = RootView(root=parent, real_root=os.path.realpath(parent))
-    try:
-        with cleaning(parent):
-            find_dead_tmp_dirs(view)
-    except OSError as e:
-        log.warning("could not look for dead staging directories in %s: %s", parent, e)
-        return
-    for path in view.dead_tmp.values():
-        log.info("removing %s, the staging directory of a DeepSpeed save that did not finish", path)
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def open_staging(control: ControlGroup, save_dir: str, tag: str) -> TagStaging | None:
-    """On every rank, at a save's start: a staging directory for tag `tag` if any rank sees its
-    directory in `save_dir` already (a re-save), else None. Rank 0 makes it first; a rank that
-    then cannot see it (another node's own storage) makes one for its view. Raises ValueError if
-    the ranks name different tags, and an error on every rank if rank 0 could not make it."""
-    tag_dir = os.path.abspath(os.path.join(save_dir, tag))
-    parent, consequence = os.path.dirname(tag_dir), f"; tag {tag!r} was not saved"
-    if control.rank == 0:
-        remove_dead_stagings(parent)
-    mine = (uuid.uuid4().hex, tag, os.path.isdir(tag_dir))
-    what = f"agree whether tag {tag!r} is saved again"
-    seen = collective(control, what, lambda: control.all_gather(mine), GroupSaveError, consequence)
-    if len({t for _, t, _ in seen}) > 1:
-        raise ValueError(f"the ranks saved different tags at once: {[t for _, t, _ in seen]}")
-    if not any(exists for _, _, exists in seen):
-        return None
-    staging = TagStaging(tag_dir, tmp_dir_for(tag_dir, seen[0][0]))
-    error: OSError | None = None
-    if control.rank == 0:
-        try:
-            staging.make()
-        except OSError as e:
-            error = e
-    agree(control, f"make tag {tag!r}'s staging directory {staging.holder}", error, consequence)
-    if control.rank != 0 and not os.path.isdir(staging.holder):  # not rank 0's filesystem
-        remove_dead_stagings(parent)
-        try:
-            staging.make()
-        except FileExistsError:
-            pass  # made by another rank of this view, which swaps it in
-        except OSError as e:
-            staging.error = e
-    return staging
 
 
 @dataclasses.dataclass
@@ -365,8 +246,8 @@ class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (D
                 tag.staging.discard()
             else:
                 self._swap_in(tag, tag.staging)
-        if not failed and tag.save_latest and control.rank == 0:
-            write_small_file(os.path.join(tag.save_dir, LATEST_NAME), tag.tag.encode(), durable=self.config.durable)
+        if not failed and tag.save_latest:
+            self._name_latest(tag)
         if error is not None:
             raise error
         if failed:
@@ -375,6 +256,17 @@ class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (D
                 f"rank {control.rank}: rank {rank} failed to save its files of tag {tag.tag!r} ({why}); "
                 f"{LATEST_NAME!r} in {tag.save_dir} still names the previous tag"
             )
+
+    def _name_latest(self, tag: OpenTag) -> None:
+        """Rank 0 names `tag` in ``latest``; every rank returns once it did (a load right after
+        reads it on every rank, not only on rank 0), or raises if it could not."""
+        error: OSError | None = None
+        if self.control.rank == 0:
+            try:
+                write_small_file(os.path.join(tag.save_dir, LATEST_NAME), tag.tag.encode(), durable=self.config.durable)
+            except OSError as e:
+                error = e
+        agree(self.control, f"name tag {tag.tag!r} in {LATEST_NAME!r}", error, f"; in {tag.save_dir}")
 
     def _swap_in(self, tag: OpenTag, staging: TagStaging) -> None:
         """Puts a re-saved tag's staging directory in place of its old files, on each view's
