@@ -4,9 +4,17 @@ as asserting the host's internals: KNOWN below, each with its reason).
 
     python3 scripts/host_suites.py accelerate             # tests from the installed release's sdist (PyPI)
     python3 scripts/host_suites.py lightning --tests DIR  # DIR: a Lightning checkout's tests/tests_pytorch
+    python3 scripts/host_suites.py deepspeed --tests DIR [--decoupled]  # DIR: a DeepSpeed checkout's tests
 
 Accelerate ships its tests in its sdist, so scripts/test.sh runs that suite (~2 minutes).
 Lightning's sdist has none: give a checkout of its repository at the installed release.
+DeepSpeed's has none either; its tests/unit/checkpoint runs on the CPU accelerator over gloo
+(``DS_ACCELERATOR=cpu``, set here; ``ninja`` and a C++ compiler must be installed), each test's
+ranks in new processes, where ``scripts/host_suites/sitecustomize.py`` makes the swap
+(``install(engine)``, or ``install(engine, decoupled=True)`` with ``--decoupled``). E.g.
+
+    git -C DEEPSPEED_REPO archive HEAD tests | tar x -C /tmp/ds
+    python3 scripts/host_suites.py deepspeed --tests /tmp/ds/tests --decoupled
 Prints, per test, the outcome stock and with fastpersist and how many saves went through each
 writer (scripts/host_suites/fastpersist_as_default.py counts them, so a test that never reached
 fastpersist is seen), then one summary line.
@@ -15,6 +23,7 @@ fastpersist is seen), then one summary line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -22,6 +31,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PLUGIN_DIR = os.path.join(HERE, "host_suites")
@@ -30,7 +40,15 @@ PLUGIN_DIR = os.path.join(HERE, "host_suites")
 SUITES = {
     "accelerate": ["test_state_checkpointing.py"],
     "lightning": ["checkpointing", "plugins"],
+    "deepspeed": ["unit/checkpoint"],
 }
+#: The suites whose own pytest ``addopts`` are kept (DeepSpeed's deselect its nightly, sequential
+#: and inference tests); the others' are dropped (coverage and the like).
+KEEP_ADDOPTS = {"deepspeed"}
+#: The first pytest release each suite's tests do not run under (major, minor).
+PYTEST_BELOW = {"deepspeed": (8, 4)}
+#: Environment each suite's runs need.
+SUITE_ENV = {"deepspeed": {"DS_ACCELERATOR": "cpu", "LOCAL_SIZE": "4", "FASTPERSIST_HOST_COMPAT": "deepspeed"}}
 #: Tests that fail only with fastpersist because they assert the host's internals (or, for an
 #: overlapped writer, a save that is done when the call returns), by suite variant and node id
 #: (a parametrized test by its name before "["), with the reason. docs/integrations.md lists them.
@@ -58,6 +76,8 @@ KNOWN: dict[str, dict[str, str]] = {
         "checkpointing/test_model_checkpoint.py::test_save_last_saves_correct_last_model_path": _LISTS_IN_FLIGHT,
     },
     "lightning-sync": _LIGHTNING_INTERNALS,
+    "deepspeed": {},
+    "deepspeed-decoupled": {},
 }
 
 
@@ -87,31 +107,35 @@ def accelerate_tests(workdir: str) -> str:
     return os.path.join(workdir, f"accelerate-{version}", "tests")
 
 
-def run(tests: str, targets: list[str], stack: str, report: str) -> dict[str, dict[str, object]]:
+def pytest_version() -> tuple[int, int]:
+    major, minor = importlib.metadata.version("pytest").split(".")[:2]
+    return int(major), int(minor)
+
+
+def run(tests: str, targets: list[str], suite: str, stack: str, work: str) -> dict[str, dict[str, object]]:
     """Runs pytest on `targets` under `tests` with the plugin for `stack` ("stock": nothing
-    swapped); returns each test's outcome and counts, by node id."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([PLUGIN_DIR, os.environ.get("PYTHONPATH", "")]))
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-o",
-            "addopts=",
-            "-p",
-            "fastpersist_as_default",
-            f"--fastpersist-stack={stack}",
-            f"--fastpersist-report={report}",
-            *targets,
-        ],
-        cwd=tests,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        check=False,
+    swapped), in `work` (its output in ``work/STACK.log``); returns each test's outcome and
+    counts, by node id."""
+    report = os.path.join(work, f"{stack}.jsonl")
+    env = dict(
+        os.environ,
+        **SUITE_ENV.get(suite, {}),
+        PYTHONPATH=os.pathsep.join([PLUGIN_DIR, os.environ.get("PYTHONPATH", "")]),
+        FASTPERSIST_HOST_COUNTS=os.path.join(work, f"{stack}-counts.jsonl"),
     )
+    for old in (report, env["FASTPERSIST_HOST_COUNTS"]):  # a kept work folder's, from an earlier run
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(old)
+    env.pop("FASTPERSIST_HOST_STACK", None)
+    if stack.startswith("deepspeed"):
+        env["FASTPERSIST_HOST_STACK"] = stack  # sitecustomize.py's switch, in every process
+    with open(os.path.join(work, f"{stack}.log"), "w") as log:
+        _pytest(tests, targets, suite, stack, work, env, report, log)
+    return read_report(report)
+
+
+def read_report(report: str) -> dict[str, dict[str, object]]:
+    """A run's outcome and counts per test, by node id (the plugin's JSON lines)."""
     rows: dict[str, dict[str, object]] = {}
     if os.path.exists(report):
         with open(report) as f:
@@ -121,20 +145,65 @@ def run(tests: str, targets: list[str], stack: str, report: str) -> dict[str, di
     return rows
 
 
+def _pytest(
+    tests: str, targets: list[str], suite: str, stack: str, work: str, env: dict[str, str], report: str, log: Any
+) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            *([] if suite in KEEP_ADDOPTS else ["-o", "addopts="]),
+            f"--basetemp={os.path.join(work, stack + '-tmp')}",
+            "-p",
+            "fastpersist_as_default",
+            f"--fastpersist-stack={stack}",
+            f"--fastpersist-report={report}",
+            *targets,
+        ],
+        cwd=tests,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        check=False,
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("stack", choices=sorted(SUITES))
     parser.add_argument("--tests", help="the stack's tests folder (default for accelerate: its sdist's)")
     parser.add_argument("--sync", action="store_true", help="lightning: FastPersistCheckpointIO, not the async one")
+    parser.add_argument("--decoupled", action="store_true", help="deepspeed: install(engine, decoupled=True)")
+    parser.add_argument("--only", nargs="+", metavar="PATH", help="run these (under --tests), not the whole suite")
+    parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (each run's pytest output, tmp dirs)")
+    parser.add_argument("--stock", metavar="FILE", help="an earlier stock run's stock.jsonl (--keep): not run again")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="fp-host-suite-") as work:
+    with contextlib.ExitStack() as dirs:
+        if args.keep:
+            os.makedirs(args.keep, exist_ok=True)
+            work = args.keep
+        else:
+            work = dirs.enter_context(tempfile.TemporaryDirectory(prefix="fp-host-suite-"))
         tests = args.tests or (accelerate_tests(work) if args.stack == "accelerate" else None)
         if tests is None:
             parser.error(f"{args.stack}: give --tests, the folder of its tests at the installed release")
-        targets = SUITES[args.stack]
-        stack = "lightning-sync" if args.stack == "lightning" and args.sync else args.stack
-        stock = run(tests, targets, "stock", os.path.join(work, "stock.jsonl"))
-        ours = run(tests, targets, stack, os.path.join(work, "ours.jsonl"))
+        if args.stack == "deepspeed" and PYTEST_BELOW["deepspeed"] <= pytest_version():
+            parser.error(
+                "deepspeed: its tests need pytest<8.4 (later ones do not find their DistributedFixture fixtures): "
+                "run this script with a Python that has it, e.g. a venv made with --system-site-packages"
+            )
+        stack = args.stack
+        if args.stack == "lightning" and args.sync:
+            stack = "lightning-sync"
+        elif args.stack == "deepspeed" and args.decoupled:
+            stack = "deepspeed-decoupled"
+        targets = args.only or SUITES[args.stack]
+        stock = read_report(args.stock) if args.stock else run(tests, targets, args.stack, "stock", work)
+        ours = run(tests, targets, args.stack, stack, work)
     known = KNOWN[stack]
     only_ours, documented = [], []
     for node, row in sorted(ours.items()):
@@ -149,8 +218,10 @@ def main() -> int:
     failed = {
         name: sum(r["outcome"] == "failed" for r in rows.values()) for name, rows in (("stock", stock), ("ours", ours))
     }
+    skipped = sum(r["outcome"] == "skipped" for r in ours.values())
     print(
-        f"{args.stack}: {len(ours)} tests; failed stock {failed['stock']}, with fastpersist {failed['ours']}; "
+        f"{stack}: {len(ours)} tests ({len(ours) - skipped} run, {skipped} skipped); "
+        f"failed stock {failed['stock']}, with fastpersist {failed['ours']}; "
         f"only with fastpersist: {len(only_ours)} unexplained, {len(documented)} documented (host internals); "
         f"{saved} tests saved through fastpersist"
     )

@@ -7,10 +7,16 @@ folder on ``PYTHONPATH``; scripts/host_suites.py does it):
 * ``lightning`` / ``lightning-sync``: every strategy without a checkpoint IO of the test's own
   gets ``FastPersistAsyncCheckpointIO`` (``FastPersistCheckpointIO``), also inside Lightning's
   ``AsyncCheckpointIO`` wrapper; a test that passes its own IO keeps it.
+* ``deepspeed`` / ``deepspeed-decoupled``: every engine ``deepspeed.initialize`` makes gets
+  ``fastpersist.integrations.deepspeed.install(engine, decoupled=...)``. DeepSpeed's tests run
+  their ranks in new interpreters, so the swap is made by this folder's ``sitecustomize.py`` in
+  every process, when ``FASTPERSIST_HOST_STACK`` names the stack (the runner sets it, and
+  ``FASTPERSIST_HOST_COUNTS``, the file where each process appends its counts).
 
 The swap is checked per test, not assumed: each test's report line counts the hosts made and
 the saves that went through fastpersist and, for Lightning, through ``TorchCheckpointIO``
-(a test that saved only through torch did not exercise the swap). The counts are written as
+(a test that saved only through torch did not exercise the swap); for DeepSpeed, the hosts are
+the engines made and the counts are summed over every process the test ran. They are written as
 JSON lines to ``--fastpersist-report`` for the runner to read.
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from collections import Counter
 from typing import Any
 
@@ -30,7 +37,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fastpersist")
     group.addoption(
         "--fastpersist-stack",
-        choices=["stock", "accelerate", "lightning", "lightning-sync", "lightning-torch-async"],
+        choices=[
+            "stock",
+            "accelerate",
+            "lightning",
+            "lightning-sync",
+            "lightning-torch-async",
+            "deepspeed",
+            "deepspeed-decoupled",
+        ],
         required=True,
         help="stock: change nothing, only report each test's outcome; lightning-torch-async: Lightning's own "
         "AsyncCheckpointIO(TorchCheckpointIO()) as the default, the peer an async writer is compared with",
@@ -96,9 +111,32 @@ def _install_lightning(stack: str) -> None:
     _counting(TorchCheckpointIO, "save_checkpoint", "torch saves")
 
 
+def _counts_file() -> str | None:
+    """The file where every process of a DeepSpeed run appends its counts (sitecustomize.py)."""
+    return os.environ.get("FASTPERSIST_HOST_COUNTS")
+
+
+def _counted_since(offset: int) -> Counter[str]:
+    """The events the processes appended to the counts file after byte `offset`."""
+    path = _counts_file()
+    if path is None or not os.path.exists(path):
+        return Counter()
+    with open(path) as f:
+        f.seek(offset)
+        return Counter(json.loads(line)["event"] for line in f if line.endswith("\n"))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     stack = config.getoption("--fastpersist-stack")
-    if stack == "accelerate":
+    if stack.startswith("deepspeed"):
+        import sitecustomize  # this folder's: the swap, made in every process at its start
+
+        if os.environ.get("FASTPERSIST_HOST_STACK") != stack or stack not in getattr(sitecustomize, "STACKS", {}):
+            raise pytest.UsageError(
+                f"--fastpersist-stack={stack} needs FASTPERSIST_HOST_STACK={stack} and this folder on PYTHONPATH "
+                "(scripts/host_suites.py sets both)"
+            )
+    elif stack == "accelerate":
         _install_accelerate()
     elif stack != "stock":
         _install_lightning(stack)
@@ -109,7 +147,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     _counts.clear()
     outcomes: list[str] = []
     item.stash[_OUTCOMES] = outcomes
+    counts_file = _counts_file()
+    offset = os.path.getsize(counts_file) if counts_file and os.path.exists(counts_file) else 0
     yield
+    _counts.update(_counted_since(offset))
     path = item.config.getoption("--fastpersist-report")
     if path:
         failed = "failed" in outcomes
