@@ -8,13 +8,22 @@ as asserting the host's internals: KNOWN below, each with its reason).
 
 Accelerate ships its tests in its sdist, so scripts/test.sh runs that suite (~2 minutes).
 Lightning's sdist has none: give a checkout of its repository at the installed release.
-DeepSpeed's has none either; its tests/unit/checkpoint runs on the CPU accelerator over gloo
-(``DS_ACCELERATOR=cpu``, set here; ``ninja`` and a C++ compiler must be installed), each test's
-ranks in new processes, where ``scripts/host_suites/sitecustomize.py`` makes the swap
-(``install(engine)``, or ``install(engine, decoupled=True)`` with ``--decoupled``). E.g.
+DeepSpeed's has none either: give its repository's tests/ (``git archive``, below). Its
+tests/unit/checkpoint runs on the CPU accelerator over gloo (set here: ``DS_ACCELERATOR=cpu``, and
+``LOCAL_SIZE=4``, the CPU "device count" that admits its 4-rank tests); ``ninja``, a C++ compiler,
+pytest-timeout and pytest<8.4 must be installed (DeepSpeed pins pytest<8.4: later ones do not find
+its DistributedFixture fixtures), e.g. in a venv over this environment. Each test's ranks start in
+new interpreters (forkserver), where ``scripts/host_suites/sitecustomize.py`` makes the swap
+(``install(engine)``, or ``install(engine, decoupled=True)`` with ``--decoupled``) and, in both
+runs, drops the tests' one assertion on an engine attribute that DeepSpeed 0.19.8 removed. Not in
+CI: each run of the folder takes hours on 2 cores (docs/integrations.md has the figures).
 
     git -C DEEPSPEED_REPO archive HEAD tests | tar x -C /tmp/ds
-    python3 scripts/host_suites.py deepspeed --tests /tmp/ds/tests --decoupled
+    python3 -m venv --system-site-packages /tmp/ds-venv && /tmp/ds-venv/bin/pip install 'pytest<8.4'
+    /tmp/ds-venv/bin/python scripts/host_suites.py deepspeed --tests /tmp/ds/tests --keep /tmp/ds-run
+    /tmp/ds-venv/bin/python scripts/host_suites.py deepspeed --tests /tmp/ds/tests --decoupled \
+        --stock /tmp/ds-run/stock.jsonl  # the stock run's outcomes, not run again
+
 Prints, per test, the outcome stock and with fastpersist and how many saves went through each
 writer (scripts/host_suites/fastpersist_as_default.py counts them, so a test that never reached
 fastpersist is seen), then one summary line.
@@ -45,6 +54,10 @@ SUITES = {
 #: The suites whose own pytest ``addopts`` are kept (DeepSpeed's deselect its nightly, sequential
 #: and inference tests); the others' are dropped (coverage and the like).
 KEEP_ADDOPTS = {"deepspeed"}
+#: pytest options each suite's runs need. DeepSpeed's: a rank that fails with pytest's own
+#: exception (``pytest.raises`` not raised: a BaseException) kills its pool worker, and its pool
+#: then waits forever; pytest-timeout (which must be installed) fails that test, not the whole run.
+SUITE_ARGS = {"deepspeed": ["--timeout=900"]}
 #: The first pytest release each suite's tests do not run under (major, minor).
 PYTEST_BELOW = {"deepspeed": (8, 4)}
 #: Environment each suite's runs need.
@@ -67,6 +80,29 @@ _LIGHTNING_INTERNALS = {
         "asserts the IO inside AsyncCheckpointIO is a TorchCheckpointIO"
     ),
 }
+_DS_IN_FLIGHT = (
+    "right after save_checkpoint returned, with no commit point between (engine.step(), destroy(), "
+    "load_checkpoint, another save), reads the tag's files outside the engine, while the decoupled save "
+    "is still writing them and before `latest` moved (DeepSpeed's own decoupled engine also moves `latest` "
+    "only at step()'s commit): "
+)
+_DEEPSPEED_DECOUPLED_IN = {
+    "test_autotp_uc_checkpoint.py::TestRealCheckpointUniversalConversionTPxPP::test": (
+        _DS_IN_FLIGHT + "globs and torch.loads mp_rank_*_model_states.pt, then converts the tag"
+    ),
+    "test_convert_checkpoint.py::TestCheckpointConvert::test_convert_zero_checkpoint_to_fp32_state_dict": (
+        _DS_IN_FLIGHT + "zero_to_fp32's convert_zero_checkpoint_to_fp32_state_dict of `latest`"
+    ),
+    "test_shared_weights.py::TestCheckpointSharedWeights::test_checkpoint_shared_weights": (
+        _DS_IN_FLIGHT + "zero_to_fp32's get_fp32_state_dict_from_zero_checkpoint of the tag"
+    ),
+    "test_zero_optimizer.py::TestZeROElasticCheckpoint::test_elastic_checkpoint_change_dp": (
+        "its fixture's 4 ranks save and end with no commit point (no step(), destroy(), load or save after "
+        "save_checkpoint), so `latest` is never written (docs/integrations.md, Limits); the test's new group "
+        "then loads `latest`, finds none, and so raises no ZeRORuntimeException"
+    ),
+}
+_DEEPSPEED_DECOUPLED = {f"unit/checkpoint/{node}": why for node, why in _DEEPSPEED_DECOUPLED_IN.items()}
 KNOWN: dict[str, dict[str, str]] = {
     "accelerate": {},
     "lightning": {
@@ -77,7 +113,7 @@ KNOWN: dict[str, dict[str, str]] = {
     },
     "lightning-sync": _LIGHTNING_INTERNALS,
     "deepspeed": {},
-    "deepspeed-decoupled": {},
+    "deepspeed-decoupled": _DEEPSPEED_DECOUPLED,
 }
 
 
@@ -157,6 +193,7 @@ def _pytest(
             "-p",
             "no:cacheprovider",
             *([] if suite in KEEP_ADDOPTS else ["-o", "addopts="]),
+            *SUITE_ARGS.get(suite, []),
             f"--basetemp={os.path.join(work, stack + '-tmp')}",
             "-p",
             "fastpersist_as_default",
