@@ -29,6 +29,7 @@ from .hfapi import export_hf
 from .interop.torchasync import torch_save_async
 from .interop.torchfile import torch_save
 from .levels.level_objects import HFExport, Partner, Remote
+from .saving.incremental import Incremental
 from .saving.remover import wait_removed
 
 __version__: str = _core.__version__
@@ -47,6 +48,7 @@ __all__ = [
     "GroupLoadError",
     "GroupSaveError",
     "HFExport",
+    "Incremental",
     "Partner",
     "Remote",
     "SaveCancelledError",

@@ -20,6 +20,7 @@ from .loading.fill import check_out
 from .loading.maplocation import MapLocation, check_load_flags
 from .loading.phases import PhaseClock
 from .loading.pipeline import LoadOptions, load_checkpoint
+from .saving.incremental import Incremental
 from .saving.pools import pool_for, prefault_in_background
 from .saving.start import save_blocking, start_save
 
@@ -54,6 +55,7 @@ def save(
     config: Config | None = None,
     group: object = None,
     sharded: bool = False,
+    incremental: Incremental | None = None,
 ) -> SaveResult:
     """Writes `state` to the checkpoint directory `path` and returns once it is durable and committed.
 
@@ -75,6 +77,10 @@ def save(
     result is one checkpoint. ``sharded=True``: each rank's own state becomes one shard;
     ``load(path, group=...)`` gives each rank its shard back. See docs/distributed.md.
 
+    With ``incremental=fp.Incremental(base=OLDER)`` only the blocks whose bytes differ from the
+    checkpoint `OLDER` are written; the others are `OLDER`'s files, hard-linked, so the new
+    checkpoint loads, verifies and survives `OLDER`'s deletion on its own (docs/incremental.md).
+
     Example:
         >>> import fastpersist as fp, torch
         >>> model = torch.nn.Linear(4, 2)
@@ -83,7 +89,7 @@ def save(
         True
     """
     path = given_path(path, "path", "fastpersist.save", _CHECKPOINT_PATH)
-    return save_blocking(state, path, given_config(config), group=group, sharded=sharded)
+    return save_blocking(state, path, given_config(config), group=group, sharded=sharded, incremental=incremental)
 
 
 def save_async(
@@ -93,6 +99,7 @@ def save_async(
     config: Config | None = None,
     group: object = None,
     sharded: bool = False,
+    incremental: Incremental | None = None,
 ) -> SaveFuture:
     """Starts saving `state` to `path` in the background and returns a :class:`SaveFuture` at once.
 
@@ -110,7 +117,9 @@ def save_async(
         True
     """
     path = given_path(path, "path", "fastpersist.save_async", _CHECKPOINT_PATH)
-    return SaveFuture(start_save(state, path, given_config(config), group=group, sharded=sharded))
+    return SaveFuture(
+        start_save(state, path, given_config(config), group=group, sharded=sharded, incremental=incremental)
+    )
 
 
 def load(

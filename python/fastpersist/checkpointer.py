@@ -14,6 +14,7 @@ backward.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import errno
 import functools
@@ -40,6 +41,7 @@ from .levels.local_steps import LocalSteps
 from .levels.resume import bring_in, restore_point, run_id
 from .retention import retired_steps
 from .saving.in_flight import InFlight
+from .saving.incremental import Incremental
 from .saving.optimizer_guard import guard_optimizer
 from .saving.pools import pool_for
 from .saving.remover import wait_removed
@@ -82,6 +84,9 @@ class Checkpointer:
             multi-level advisor's choice against the failures only the remote level survives
             (docs/advisor.md, "Several levels").
         max_every: the largest interval ``every="auto"`` may choose.
+        incremental: an :class:`~fastpersist.Incremental` without a base: each step writes only the
+            blocks that differ from the newest committed step and links the rest (one process,
+            no `group`, no stripes yet; docs/incremental.md).
 
     The keywords of earlier versions (``replicas=``, ``remote*=``, ``export_hf*=``, ``mtbf_s=``)
     are refused with a TypeError that shows the call's new form.
@@ -114,10 +119,18 @@ class Checkpointer:
         levels: Iterable[Level] = (),
         failures: Failures | None = None,
         max_every: int = DEFAULT_MAX_EVERY,
+        incremental: Incremental | None = None,
         **moved: Any,
     ) -> None:
         if moved:
             raise moved_keywords_error(moved)
+        if incremental is not None and (incremental.base is not None or group is not None):
+            raise ValueError(
+                "Checkpointer(incremental=...): each step builds on the newest committed step, so give no base; "
+                "one process only (not yet with group=)"
+            )
+        #: Each step written as an increment of the newest committed one (None: in full).
+        self.incremental = incremental
         if every == "auto" and group is not None:
             raise ValueError('every="auto" is not supported with group= yet: every rank must save the same steps')
         if type(keep) is not int or keep < 1:
@@ -274,11 +287,19 @@ class Checkpointer:
                 pool=self._pool,
                 replicas=self.replicas,
                 write_gate=gate,
+                incremental=self._increment_on(step),
             )
             future = SaveFuture(job, on_commit=functools.partial(self._after_commit, step))
             self.in_flight.started(future, gate)
             self._from_device = getattr(job, "from_device", False)  # a GPU state's next steps may go ahead
             return future
+
+    def _increment_on(self, step: int) -> Incremental | None:
+        """This Checkpointer's Incremental with the newest committed step up to `step` as its base."""
+        if self.incremental is None:
+            return None
+        older = [s for s in self.steps() if s <= step]
+        return dataclasses.replace(self.incremental, base=self.path(older[-1]) if older else None)
 
     def _after_commit(self, step: int, result: SaveResult) -> None:
         """On every rank, once `step` committed: the index (rank 0), then retention, then the costs."""

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist.format.manifest import seal
 from fastpersist.format.quote import shown
+from fastpersist.format.seal import seal
 
 #: The bound test_hostile.py puts on every message.
 MESSAGE_BOUND = 2000

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import fastpersist as fp
 from fastpersist import _core
-from fastpersist.format.manifest import seal
+from fastpersist.format.seal import seal
 
 from budget import examples
 
@@ -184,9 +184,12 @@ def test_hand_written_hostile_manifests(base: tuple[str, dict[str, Any]], case: 
 
 def test_a_future_minor_version_loads_a_future_major_does_not(base: tuple[str, dict[str, Any]]) -> None:
     path, doc = base
-    TRIED["hand_written"] += 2
+    TRIED["hand_written"] += 3
     assert "w" in load_with(path, seal(json.dumps(dict(doc, format_version=[1, 99])).encode()), [])  # type: ignore[operator]
     with pytest.raises(fp.CorruptCheckpointError, match="upgrade fastpersist"):
+        load_with(path, seal(json.dumps(dict(doc, format_version=[3, 0])).encode()), [])
+    # 2.0 places the stream by each file's stream_chunks: a 1.x file list is not read as one
+    with pytest.raises(fp.CorruptCheckpointError, match="stream_chunks"):
         load_with(path, seal(json.dumps(dict(doc, format_version=[2, 0])).encode()), [])
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist.format.manifest import seal
+from fastpersist.format.seal import seal
 
 from budget import iterations
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from fastpersist.format.manifest import FileEntry, build, seal, stream_text
+from fastpersist.format.manifest import FileEntry, build, stream_text
+from fastpersist.format.seal import seal
 
 
 def _doc_bytes(manifest: bytes) -> bytes:

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 import fastpersist as fp
 from fastpersist.format.flatten import flatten
-from fastpersist.format.manifest import seal
 from fastpersist.format.records import BYTES_INLINE_MAX_BYTES
+from fastpersist.format.seal import seal
 from fastpersist.interop.convert import convert
 
 from budget import examples

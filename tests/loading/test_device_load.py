@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist.format.manifest import seal, unseal
+from fastpersist.format.seal import seal, unseal
 from fastpersist.gpu import copiers, loaders, pinned
 from fastpersist.gpu.loaders import DeviceLoader, use_loader
 from fastpersist.loading import pipeline, todevice

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist.format.manifest import seal
+from fastpersist.format.seal import seal
 
 
 def _saved(workdir: str) -> tuple[str, dict[str, Any]]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fastpersist as fp
-from fastpersist.format.manifest import seal, unseal
+from fastpersist.format.seal import seal, unseal
 from fastpersist.loading import reading
 
 

@@ -8,7 +8,9 @@
   (:mod:`.records`, :mod:`.blobs`, :mod:`.values` for plain leaves, :mod:`.kinds` for sparse tensors,
   tensor attributes, sets, bytearrays and meta tensors);
 * :mod:`.nativewalk`: what flatten's native walk in ``_core`` reads; :mod:`.refusals`: why a value cannot be saved;
-* :mod:`.manifest`: writing and strictly validating the manifest, within :mod:`.limits`;
+* :mod:`.manifest`: writing and strictly validating the manifest, within :mod:`.limits`; :mod:`.seal`:
+  its checksum of its own bytes; :mod:`.chunkmap`: which file chunks hold which chunks of the stream
+  (format 2.0) and each chunk's content hash;
 * :mod:`.confine`: what a manifest may make a reader open or a remover delete;
 * :mod:`.quote`: bounded quoting of untrusted values in messages.
 """

@@ -75,6 +75,8 @@ __all__ = [
     "drained_marker_name",
     "check_stripe_dirs",
     "data_file_name",
+    "data_file_origin",
+    "linked_data_file_name",
     "dcp_data_file_name",
     "parse_step_dir",
     "parse_stripe_dir",
@@ -136,6 +138,33 @@ def recycle_entry_name(name: str, checkpoint_id: str) -> str:
 def data_file_name(*, writer: int, stripe: int) -> str:
     """The data file of writer `writer` on stripe `stripe`."""
     return f"data-w{writer}-s{stripe}.bin"
+
+
+_LINKED_DATA_FILE = re.compile(r"^(.+)\.from-([0-9a-f]{12})\.bin$")
+
+
+def linked_data_file_name(name: str, checkpoint_id: str) -> str:
+    """The name an incremental save gives a data file `name` of checkpoint `checkpoint_id` that it
+    hard-links into its own directory: the name says which save wrote the bytes (kept as is when
+    `name` was linked from an earlier save already).
+
+    Example:
+        >>> linked_data_file_name("data-w0-s0.bin", "0123456789abcdef")
+        'data-w0-s0.from-0123456789ab.bin'
+        >>> linked_data_file_name('data-w0-s0.from-0123456789ab.bin', "ffff")
+        'data-w0-s0.from-0123456789ab.bin'
+    """
+    if _LINKED_DATA_FILE.match(name):
+        return name
+    stem = name[: -len(".bin")] if name.endswith(".bin") else name
+    return f"{stem}.from-{checkpoint_id[:12]}.bin"
+
+
+def data_file_origin(name: str, checkpoint_id: str) -> str:
+    """The first 12 hex digits of the id of the save that wrote the data file `name` of checkpoint
+    `checkpoint_id`: the checkpoint's own, or the one its linked name records."""
+    linked = _LINKED_DATA_FILE.match(name)
+    return linked.group(2) if linked else checkpoint_id[:12]
 
 
 def shard_name(rank: int) -> str:

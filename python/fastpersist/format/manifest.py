@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import datetime
 import errno
-import hashlib
 import json
 import os
-import re
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,10 +22,12 @@ import fastpersist._core as _core
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from . import limits
+from .chunkmap import CHUNK_HASH_FIELD, Run, check_coverage, hashes_from_json, hashes_to_json, parse_runs, runs_in_bytes
 from .layout import DATA_FILE, MANIFEST_NAME, SHARD_DIR, check_stripe_dirs
 from .limits import MAX_BYTES, check_manifest_size
 from .quote import shown
 from .records import TensorRecord, dtype_itemsize, records_from_json
+from .seal import SEAL_FIELD, seal, unseal
 
 __all__ = [
     "FORMAT_NAME",
@@ -38,7 +38,6 @@ __all__ = [
     "build",
     "read_manifest",
     "read_manifest_bytes",
-    "seal",
     "stream_text",
 ]
 
@@ -48,12 +47,19 @@ FORMAT_NAME = "fastpersist"
 #: 1.2 added ``bytes_blob`` tree nodes (tree spec_version 2): bytes values over 4 KiB in the data
 #: stream. A 1.1 reader loads 1.2 checkpoints without them and refuses the others by their
 #: spec_version ("upgrade fastpersist").
+#: 1.3 added ``chunk_xxh3_128`` and ``incremental`` (a step an incremental save may build on; older
+#: 1.x readers ignore both). 2.0 is an incremental step that refers to earlier bytes: its files hold
+#: chunks of the stream in runs (``stream_chunks``, format/chunkmap.py), which a 1.x reader cannot
+#: place, so it refuses the major ("upgrade fastpersist"). A save writes the lowest that describes it.
 FORMAT_VERSION = (1, 2)
+#: Majors this reader accepts.
+READ_MAJORS = (1, 2)
 
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One data file: a contiguous range of the logical byte stream."""
+    """One data file: a contiguous range of the logical byte stream (from `stream_offset_bytes`),
+    or, in format 2.0, chunks of it in runs (`stream_chunks`, format/chunkmap.py)."""
 
     name: str
     stripe: int | None
@@ -61,16 +67,32 @@ class FileEntry:
     stream_offset_bytes: int
     len_bytes: int
     chunk_crc32c: list[int]
+    stream_chunks: tuple[Run, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
+        where: dict[str, Any] = (
+            {"stream_offset_bytes": self.stream_offset_bytes}
+            if self.stream_chunks is None
+            else {"stream_chunks": [list(run) for run in self.stream_chunks]}
+        )
         return {
             "name": self.name,
             "stripe": self.stripe,
             "writer": self.writer,
-            "stream_offset_bytes": self.stream_offset_bytes,
+            **where,
             "len_bytes": self.len_bytes,
             "chunk_crc32c": self.chunk_crc32c,
         }
+
+    def runs(self, chunk_bytes: int, total_bytes: int) -> list[tuple[int, int, int]]:
+        """``(file offset, stream offset, length)`` of each range of the stream the file holds."""
+        return runs_in_bytes(
+            self.stream_chunks,
+            self.stream_offset_bytes,
+            self.len_bytes,
+            chunk_bytes=chunk_bytes,
+            total_bytes=total_bytes,
+        )
 
 
 @dataclass(frozen=True)
@@ -92,6 +114,15 @@ class Manifest:
     extra: dict[str, Any]
     #: Sub-directories holding one shard each (a sharded save); empty otherwise.
     shards: list[str] = field(default_factory=list)
+    #: XXH3-128 of each chunk of the stream, 16 bytes each (format 1.3+), else None.
+    chunk_hashes: bytes | None = None
+    #: Saves since the last full one that wrote this step's bytes (0: it holds only its own).
+    incremental_depth: int = 0
+
+    @property
+    def refers(self) -> bool:
+        """Whether some of the step's bytes were written by an earlier save (format 2.0)."""
+        return any(f.stream_chunks is not None for f in self.files) and self.format_version[0] >= 2
 
     def file_path(self, root: str, entry: FileEntry) -> str:
         """Where `entry` lives, for a checkpoint directory `root`."""
@@ -141,9 +172,12 @@ def build(
     tree: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
     shards: list[str] | None = None,
+    chunk_hashes: bytes | None = None,
+    incremental_depth: int = 0,
 ) -> bytes:
     """Serialises a manifest (the inverse of :func:`parse`): from `stream`, or from `blobs`,
-    `tensors` and `tree` (the same bytes either way).
+    `tensors` and `tree` (the same bytes either way). `chunk_hashes` (``_core.chunk_hashes``)
+    makes it 1.3; files with ``stream_chunks`` make it 2.0.
 
     Raises:
         UnsupportedValueError: the manifest would be larger than a reader accepts
@@ -152,9 +186,11 @@ def build(
     if stream is None:
         assert blobs is not None and tensors is not None and tree is not None
         stream = stream_text([o for o, _ in blobs], [n for _, n in blobs], tensors, tree)
+    mapped = any(f.stream_chunks is not None for f in files)
+    version = (2, 0) if mapped else (1, 3) if chunk_hashes is not None else FORMAT_VERSION
     head = {
         "format": FORMAT_NAME,
-        "format_version": list(FORMAT_VERSION),
+        "format_version": list(version),
         "checkpoint_id": checkpoint_id,
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "library_version": _core.__version__,
@@ -166,6 +202,9 @@ def build(
     tail: dict[str, Any] = {"extra": extra or {}}
     if shards:
         tail["shards"] = shards
+    if chunk_hashes is not None:
+        tail["incremental"] = {"depth": incremental_depth}
+        tail[CHUNK_HASH_FIELD] = hashes_to_json(chunk_hashes)
     # The members in the order json.dumps of one dict would give them.
     text = (
         f'{_dumps(head)[:-1]},"blobs":{stream.blobs},"files":{_dumps([f.to_json() for f in files])},'
@@ -174,51 +213,6 @@ def build(
     manifest = seal(text.encode())
     check_manifest_size(manifest, stream.tree, stream.tensors)
     return manifest
-
-
-#: The seal is the last member of the manifest's JSON object, byte for byte.
-SEAL_FIELD = "manifest_sha256"
-_SEAL_TAIL = re.compile(rb',"' + SEAL_FIELD.encode() + rb'":"([0-9a-f]{64})"\}\n?\Z')
-
-
-def seal(body: bytes) -> bytes:
-    """Appends ``"manifest_sha256": sha256(body)`` as the last member of the JSON object `body`.
-
-    The digest covers the exact bytes of the object as written without that member, so
-    checking it needs no re-serialisation: strip the member, restore the closing brace, hash.
-    The result is still plain JSON that any tool reads.
-
-    Example:
-        >>> seal(b'{"a":1}')[:25]
-        b'{"a":1,"manifest_sha256":'
-    """
-    if not (body.startswith(b"{") and body.endswith(b"}")) or body == b"{}":
-        raise ValueError("seal() needs a non-empty JSON object")
-    digest = hashlib.sha256(body).hexdigest().encode()
-    return body[:-1] + b',"' + SEAL_FIELD.encode() + b'":"' + digest + b'"}'
-
-
-def unseal(raw: bytes, where: str) -> tuple[bytes, bool]:
-    """Checks the seal of manifest bytes; returns ``(body, sealed)``.
-
-    A manifest without a seal is returned as is with ``sealed=False``; :func:`parse` then
-    accepts it only as format 1.0 (written before the seal existed).
-
-    Raises:
-        CorruptCheckpointError: the seal is present and does not match the content.
-    """
-    match = _SEAL_TAIL.search(raw)
-    if match is None:
-        return raw, False
-    body = raw[: match.start()] + b"}"
-    found = hashlib.sha256(body).hexdigest()
-    if found != match.group(1).decode():
-        raise CorruptCheckpointError(
-            f"{where}: the manifest's content does not match its {SEAL_FIELD} seal (expected "
-            f"{match.group(1).decode()[:16]}..., found {found[:16]}...): the file was damaged or edited after "
-            "the save; nothing in it is used"
-        )
-    return body, True
 
 
 def read_manifest(root: str) -> Manifest:
@@ -292,10 +286,10 @@ def parse(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
     version = doc.get("format_version")
     if not isinstance(version, list) or len(version) != 2 or not all(type(v) is int and v >= 0 for v in version):
         raise CorruptCheckpointError(f"{where}: bad format_version {shown(version)}")
-    if version[0] != FORMAT_VERSION[0]:
+    if version[0] not in READ_MAJORS:
         raise CorruptCheckpointError(
             f"{where}: format version {version[0]}.{version[1]} is not supported by this fastpersist "
-            f"(reads {FORMAT_VERSION[0]}.x); upgrade fastpersist to load it"
+            f"(reads {' and '.join(f'{m}.x' for m in READ_MAJORS)}); upgrade fastpersist to load it"
         )
     if not sealed and version != [1, 0]:
         raise CorruptCheckpointError(
@@ -316,7 +310,8 @@ def parse(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
         raise CorruptCheckpointError(f"{where}: stripes must be a list of absolute directory paths")
     checkpoint_id = doc.get("checkpoint_id", "")
     check_stripe_dirs(stripes, checkpoint_id if isinstance(checkpoint_id, str) else "", where)
-    files = _parse_files(doc.get("files"), where, chunk_bytes, total_bytes, checksum, len(stripes))
+    files = _parse_files(doc.get("files"), where, chunk_bytes, total_bytes, checksum, len(stripes), version[0] >= 2)
+    chunk_hashes = hashes_from_json(doc.get(CHUNK_HASH_FIELD), where, chunk_bytes=chunk_bytes, total_bytes=total_bytes)
     blobs = _parse_blobs(doc.get("blobs"), where, total_bytes)
     try:
         tensors = records_from_json(doc.get("tensors"))
@@ -352,11 +347,20 @@ def parse(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
         tree=tree,
         extra=extra,
         shards=shards,
+        chunk_hashes=chunk_hashes,
+        incremental_depth=_incremental_depth(doc, where),
     )
 
 
+def _incremental_depth(doc: dict[str, Any], where: str) -> int:
+    incremental = doc.get("incremental", {"depth": 0})
+    if not isinstance(incremental, dict) or type(incremental.get("depth")) is not int or incremental["depth"] < 0:
+        raise CorruptCheckpointError(f"{where}: incremental must be an object with a non-negative depth")
+    return int(incremental["depth"])
+
+
 def _parse_files(
-    items: object, where: str, chunk_bytes: int, total_bytes: int, checksum: str, stripe_count: int
+    items: object, where: str, chunk_bytes: int, total_bytes: int, checksum: str, stripe_count: int, mapped: bool
 ) -> list[FileEntry]:
     if not isinstance(items, list):
         raise CorruptCheckpointError(f"{where}: files must be a list")
@@ -377,8 +381,18 @@ def _parse_files(
         if (stripe, name) in seen:
             raise CorruptCheckpointError(f"{at}: file {shown(name)} listed twice")
         seen.add((stripe, name))
-        offset = _int(item, "stream_offset_bytes", at)
         length = _int(item, "len_bytes", at, minimum=1)
+        if mapped:
+            offset = 0
+            runs: tuple[Run, ...] | None = parse_runs(
+                item.get("stream_chunks"),
+                f"{at} ({shown(name)})",
+                len_bytes=length,
+                chunk_bytes=chunk_bytes,
+                total_bytes=total_bytes,
+            )
+        else:
+            offset, runs = _int(item, "stream_offset_bytes", at), None
         writer = _int(item, "writer", at)
         crcs = item.get("chunk_crc32c")
         if not isinstance(crcs, list) or not all(type(c) is int and 0 <= c < 1 << 32 for c in crcs):
@@ -388,7 +402,15 @@ def _parse_files(
             raise CorruptCheckpointError(f"{at} ({shown(name)}): {len(crcs)} chunk checksums for {chunks} chunks")
         if offset % chunk_bytes:
             raise CorruptCheckpointError(f"{at} ({shown(name)}): stream offset {offset} is not chunk-aligned")
-        files.append(FileEntry(name, stripe, writer, offset, length, crcs))
+        files.append(FileEntry(name, stripe, writer, offset, length, crcs, runs))
+    if mapped:
+        check_coverage(
+            [(f.name, f.stream_chunks or ()) for f in files],
+            chunk_bytes=chunk_bytes,
+            total_bytes=total_bytes,
+            where=where,
+        )
+        return files
     cursor = 0
     for entry in sorted(files, key=lambda f: f.stream_offset_bytes):
         if entry.stream_offset_bytes != cursor:

@@ -118,7 +118,7 @@ def blob_buffers(stream: _core.PagedBuffer, m: Manifest) -> list[torch.Tensor]:
 def windowable(m: Manifest) -> bool:
     """Whether every file starts on a chunk boundary of the stream (as the writer lays them out),
     so that a chunk-aligned window of the stream maps to whole chunks of each file."""
-    return all(f.stream_offset_bytes % m.chunk_bytes == 0 for f in m.files)
+    return all(f.stream_offset_bytes % m.chunk_bytes == 0 for f in m.files)  # 2.0's runs are whole chunks
 
 
 def stream_windows(m: Manifest, window_bytes: int = WINDOW_BYTES) -> Iterator[tuple[int, int, list[int]]]:
@@ -162,13 +162,13 @@ def read_window(
     chunk = m.chunk_bytes
     ranges = []
     for f in m.files:
-        start, end = f.stream_offset_bytes, f.stream_offset_bytes + f.len_bytes
-        a, b = max(lo, start), min(hi, end)
-        if a >= b:
-            continue
-        first = (a - start) // chunk
-        crcs = f.chunk_crc32c[first : first + _core.chunk_count(b - a, chunk)] if verify else []
-        ranges.append(ReadRange(m.file_path(root, f), f.len_bytes, a - start, b - a, a - lo, crcs))
+        for at, start, nbytes in f.runs(chunk, m.total_bytes):
+            a, b = max(lo, start), min(hi, start + nbytes)
+            if a >= b:
+                continue
+            first = (at + a - start) // chunk
+            crcs = f.chunk_crc32c[first : first + _core.chunk_count(b - a, chunk)] if verify else []
+            ranges.append(ReadRange(m.file_path(root, f), f.len_bytes, at + a - start, b - a, a - lo, crcs))
     _naming_tensors(
         root,
         m,
@@ -191,9 +191,12 @@ def checksum_error(
     """A ChecksumMismatchError naming the file, the byte range and the tensors stored there."""
     lo = hi = -1
     for f in m.files:
-        if m.file_path(root, f) == file_path:
-            lo, hi = offset + f.stream_offset_bytes, offset + length + f.stream_offset_bytes
-            break
+        if m.file_path(root, f) != file_path:
+            continue
+        for at, start, nbytes in f.runs(m.chunk_bytes, m.total_bytes):
+            if at <= offset < at + nbytes:
+                lo, hi = start + offset - at, start + min(offset + length, at + nbytes) - at
+        break
     hit = []
     for t in m.tensors:
         start = m.blobs[t.blob][0] + t.offset_bytes

@@ -7,6 +7,8 @@
   save whose every node commits its own copy, with copies of its partners' shares;
 * :mod:`.target`: what a save may replace, and the manifest write; :mod:`.verdict`: one outcome per save;
   :mod:`.engine_save`: staged, wait and cancel of a save the engine writes (a job here, ``torch_save_async``'s);
+* :mod:`.incremental`: ``fp.Incremental``: which chunks changed since the base step, the packed stream of them
+  that the engine writes, and the base's files linked for the rest;
 * :mod:`.commit`: the one commit sequence of every host's checkpoint: wait for its saves, agree, publish, retire;
 * :mod:`.pools`: the staging pools kept between saves; :mod:`.optimizer_guard`: the hook that makes
   ``optimizer.step()`` wait;

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -40,6 +41,7 @@ from ..gpu.early import choose_early_copies, copy_unversioned, split_by_side
 from ..logs import log_save, log_save_call
 from ..memory_level.recycle import file_to_stage_in, take_recycled
 from .engine_save import EngineSave
+from .incremental import Incremental, IncrementalPlan, link_into, plan_incremental
 from .pools import pool_for
 from .remover import held_for_removal, make_room
 from .share_layout import Layout, PlanPart, flatten_to_save, single_layout
@@ -81,7 +83,9 @@ class SaveJob(EngineSave):
     ranks must see it dead). `engine_backend`: the config's backend unless given (the null sink
     of ``fastpersist bench``, tools/bench/nullsink.py). `write_gate`: holds the writes back until
     opened (a Checkpointer's snapshot waiting for the disk): the state is staged into an arena
-    at once, host tensors included.
+    at once, host tensors included. `incremental`: write only the chunks that differ from its
+    base (:mod:`fastpersist.saving.incremental`); a state with device tensors, or a save held
+    back by a write gate, is written in full.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class SaveJob(EngineSave):
         hold_replaced: bool = True,
         engine_backend: Literal["null"] | None = None,
         write_gate: _core.WriteGate | None = None,
+        incremental: Incremental | None = None,
     ) -> None:
         self.started = self._laid_out = self._written = time.perf_counter()
         self.path = os.path.abspath(os.fspath(path))
@@ -124,6 +129,9 @@ class SaveJob(EngineSave):
         self.part_names: list[tuple[int | None, str]] = []
         self.records: list[TensorRecord] = []
         self.blob_lengths: list[int] = []
+        self.incremental = incremental
+        #: What an incremental save writes and links (None: a plain save).
+        self.increment: IncrementalPlan | None = None
 
     def start(self, state: object, *, background: bool = True) -> SaveJob:
         """Flattens `state`, lays out the stream, creates the directories and starts the engine."""
@@ -157,9 +165,16 @@ class SaveJob(EngineSave):
         stripe_roots = list(config.stripes or [])
         stripe_name = stripe_dir_name(name, layout.checkpoint_id, layout.tag)
         self.stripe_dirs = [os.path.join(r, stripe_name) for r in stripe_roots]
-        self.plan = _core.Plan(
-            [b.nbytes for b in flat.blobs], layout.writer_count, max(1, len(stripe_roots)), config.resolved_chunk_bytes
-        )
+        self.increment = self._plan_increment(flat)
+        if self.increment is not None:
+            self.plan = self.increment.own
+        else:
+            self.plan = _core.Plan(
+                [b.nbytes for b in flat.blobs],
+                layout.writer_count,
+                max(1, len(stripe_roots)),
+                config.resolved_chunk_bytes,
+            )
         self.records = flat.tensors  # hold no tensors: kept after the save is staged
         self.tree = flat.spec
         self.blob_lengths = [b.nbytes for b in flat.blobs]
@@ -173,6 +188,32 @@ class SaveJob(EngineSave):
         for part in self.my_parts:
             fname = data_file_name(writer=part.writer, stripe=part.stripe)
             self.part_names.append((part.stripe if stripe_roots else None, fname))
+
+    def _plan_increment(self, flat: FlatState) -> IncrementalPlan | None:
+        """An incremental save's plan, or None: not asked for, or a state it writes in full."""
+        if self.incremental is None:
+            return None
+        if self.config.stripes or self.layout.writer_count != 1 or not self.layout.owner:
+            raise ValueError(
+                f"incremental save of {self.path}: one process's save without stripes only (not yet in a group or "
+                "striped)"
+            )
+        if has_device_blobs(flat.blobs) or self.write_gate is not None:
+            log.info("incremental save of %s: device tensors (or a snapshot): a full write", self.path)
+            return None
+        return plan_incremental(
+            flat.blobs,
+            self.incremental,
+            path=self.path,
+            checksum=self.config.checksum,
+            threads=self.config.resolved_staging_threads,
+        )
+
+    @property
+    def stream_plan(self) -> _core.Plan:
+        """The plan of the state's stream (the manifest's): an incremental save's engine writes
+        only the changed chunks of it."""
+        return self.increment.stream if self.increment is not None else self.plan
 
     def _make_directories(self) -> list[str]:
         """Creates the temporary checkpoint and stripe directories; returns the data file paths."""
@@ -194,6 +235,8 @@ class SaveJob(EngineSave):
             for stripe, fname in self.part_names
         ]
         take_recycled(os.path.dirname(self.path), layout.tmp_dir, paths)  # a memory root's retired files
+        for link in self.increment.links if self.increment is not None else ():
+            link_into(link, layout.data_dir)
         return paths
 
     @property
@@ -225,22 +268,32 @@ class SaveJob(EngineSave):
             )
         if self._device is None or not self._device.lease.arena.over_a_file:
             ARENAS.let_go_of_files(paths)  # written another way: their pinned pages must not outlive it
+        on_staged: Callable[[list[int]], bool] = self._check_staged
+        if self.increment is not None:
+            segments = self.increment.segments
+            sources = self.increment.sources(flat.blobs)
+            watched = [flat.blobs[s.blob].version is not None for s in segments]
+            early = set(self._copy_early)
+            copy_early = [i for i, s in enumerate(segments) if s.blob in early]
+
+            def on_staged(staged: list[int]) -> bool:
+                return self._check_staged(sorted({segments[i].blob for i in staged}))
+        else:
+            sources = [None if b.device_copier is not None else b.data for b in flat.blobs]
+            watched = [b.version is not None for b in flat.blobs]
+            copy_early = self._copy_early
         self.handle = start_write(
             WriteRequest(
                 plan=self.plan,
                 writer=self.writers[0],
                 also_writers=self.writers[1:],
                 paths=paths,
-                sources=[None if b.device_copier is not None else b.data for b in flat.blobs],
+                sources=sources,
                 pool=pool,
                 background=background,
                 options=WriteOptions.of(config, backend=self.engine_backend),
                 hooks=JobHooks(
-                    guard=Guard(
-                        watched=[b.version is not None for b in flat.blobs],
-                        on_staged=self._check_staged,
-                        copy_early=self._copy_early,
-                    ),
+                    guard=Guard(watched=watched, on_staged=on_staged, copy_early=copy_early),
                     device=self._device,
                     write_gate=self.write_gate,
                 ),
@@ -250,7 +303,8 @@ class SaveJob(EngineSave):
     @functools.cached_property
     def manifest_stream(self) -> StreamText:
         """The manifest's blobs, tensors and tree as JSON: serialised while the data is written."""
-        return stream_text(self.plan.extent_offsets, self.blob_lengths, records_to_json(self.records), self.tree)
+        offsets = self.stream_plan.extent_offsets
+        return stream_text(offsets, self.blob_lengths, records_to_json(self.records), self.tree)
 
     def blob_owner(self, index: int) -> str:
         """The key path of the first tensor stored in blob `index`, for messages."""
@@ -335,6 +389,8 @@ class SaveJob(EngineSave):
             )
             for (stripe, fname), part, written in zip(self.part_names, self.my_parts, report["parts"], strict=True)
         ]
+        if self.increment is not None:
+            entries = [self.increment.own_entry(e) for e in entries] + [link.entry for link in self.increment.links]
         if self.config.durable:
             for d in self.stripe_dirs_used:
                 _core.fsync_dir(d)
@@ -346,15 +402,18 @@ class SaveJob(EngineSave):
 
     def manifest(self, entries: list[FileEntry], stripes: list[str], extra: dict[str, Any] | None = None) -> bytes:
         """This job's manifest, listing `entries` (from every writer, stripes indexing `stripes`)."""
+        increment = self.increment
         return build(
             checkpoint_id=self.layout.checkpoint_id,
-            chunk_bytes=self.config.resolved_chunk_bytes,
+            chunk_bytes=self.stream_plan.chunk_bytes,
             checksum=self.config.checksum,
-            total_bytes=self.plan.total_bytes,
+            total_bytes=self.stream_plan.total_bytes,
             files=entries,
             stripes=stripes,
             stream=self.manifest_stream,
             extra=extra,
+            chunk_hashes=increment.hashes if increment is not None else None,
+            incremental_depth=increment.depth if increment is not None else 0,
         )
 
     def publish(self, manifest: bytes) -> None:

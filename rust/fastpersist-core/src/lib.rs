@@ -9,6 +9,7 @@
 //! * [`job`] stages source bytes into the pool (checksumming while the bytes are hot) and drives
 //!   a backend; [`read`] is the mirror for loads; [`part_file`] writes a part file from bytes
 //!   that arrive from elsewhere (a level's copy, a download, a peer's share), checked as they pass.
+//! * [`content_hash`] gives the XXH3-128 of each chunk's logical bytes, for incremental saves.
 //! * [`durable`] holds fsync / rename helpers; [`probe`] decides which backend and whether
 //!   O_DIRECT can be used.
 
@@ -18,6 +19,7 @@ pub mod align;
 pub mod arena;
 pub mod backend;
 pub mod checksum;
+pub mod content_hash;
 pub mod durable;
 pub mod error;
 pub mod job;

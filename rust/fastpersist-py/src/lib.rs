@@ -15,9 +15,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use fastpersist_core::probe::{self, BackendChoice, DirectMode};
-use fastpersist_core::{checksum, durable, plan, pool};
+use fastpersist_core::{checksum, content_hash, durable, plan, pool};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
 
 use before_free::BeforeFree;
 use buffers::{HeldBuffer, PagedBuffer};
@@ -186,6 +187,32 @@ fn chunk_runs(
     Ok(plan::chunk_runs(start_bytes, end_bytes, chunk_bytes, count).collect())
 }
 
+/// The XXH3-128 of each chunk of `plan`'s logical stream (`sources`: a C-contiguous buffer per
+/// extent, as `start_write` takes them), hashed on `threads` threads with the GIL released:
+/// 16 little-endian bytes per chunk, concatenated.
+#[pyfunction]
+#[pyo3(signature = (plan, sources, threads=1))]
+fn chunk_hashes<'py>(
+    py: Python<'py>,
+    plan: PyRef<'py, Plan>,
+    sources: Vec<Option<Bound<'py, PyAny>>>,
+    threads: usize,
+) -> PyResult<Bound<'py, PyBytes>> {
+    if let Some(i) = sources.iter().position(Option::is_none) {
+        return Err(PyValueError::new_err(format!(
+            "source {i} is device-resident: chunk_hashes reads host memory"
+        )));
+    }
+    let plan = &plan.inner;
+    let (held, regions) = write::source_regions(&sources, &plan.extent_bytes)?;
+    let hashes = py
+        .detach(|| content_hash::chunk_hashes(plan, &regions, threads))
+        .into_py_result(py)?;
+    drop(held);
+    let digests: Vec<u8> = hashes.iter().flat_map(|h| h.to_le_bytes()).collect();
+    Ok(PyBytes::new(py, &digests))
+}
+
 /// `(backend, fallback_reason)` that `choice` resolves to here (honours FASTPERSIST_BACKEND).
 #[pyfunction]
 #[pyo3(signature = (choice="auto"))]
@@ -298,6 +325,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(chunk_count, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_spans, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_runs, m)?)?;
+    m.add_function(wrap_pyfunction!(chunk_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(select_backend, m)?)?;
     m.add_function(wrap_pyfunction!(probe_uring, m)?)?;
     m.add_function(wrap_pyfunction!(direct_io_supported, m)?)?;

@@ -216,9 +216,10 @@ fn writer_targets(
         .collect())
 }
 
-/// The exported buffers of `sources` (held until the job releases them) and a region per
-/// extent; None stands for a device-resident extent.
-fn source_regions(
+/// The exported buffers of `sources` (to hold for as long as the regions are read: by a job,
+/// until it releases its sources) and a region per extent; None stands for a device-resident
+/// extent.
+pub(crate) fn source_regions(
     sources: &[Option<Bound<'_, PyAny>>],
     extents: &[u64],
 ) -> PyResult<(Vec<HeldBuffer>, Vec<SourceRegion>)> {

@@ -21,7 +21,7 @@ mod from_pool;
 mod guard;
 mod memory;
 mod progress;
-mod source;
+pub(crate) mod source;
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;

@@ -9,10 +9,10 @@ use crate::plan::Plan;
 /// background thread can stage it while the caller keeps the owner alive.
 #[derive(Debug, Clone, Copy)]
 pub struct SourceRegion {
-    pub(super) ptr: *const u8,
-    pub(super) len_bytes: usize,
+    pub(crate) ptr: *const u8,
+    pub(crate) len_bytes: usize,
     /// The bytes live in device memory: a [`DeviceCopier`] puts them into the arena.
-    pub(super) device: bool,
+    pub(crate) device: bool,
 }
 
 // SAFETY: a SourceRegion is only a promise (made in `new`) that the memory stays readable until
@@ -98,7 +98,7 @@ pub trait DeviceCopier: Send {
 }
 
 /// Checks that there is one source per plan extent, each of its extent's length.
-pub(super) fn check_against_plan(plan: &Plan, sources: &[SourceRegion]) -> Result<()> {
+pub(crate) fn check_against_plan(plan: &Plan, sources: &[SourceRegion]) -> Result<()> {
     if sources.len() != plan.extent_bytes.len()
         || sources
             .iter()
@@ -114,14 +114,14 @@ pub(super) fn check_against_plan(plan: &Plan, sources: &[SourceRegion]) -> Resul
 
 /// Where each plan extent sits in the stream, for finding the extents under a byte range.
 #[derive(Debug)]
-pub(super) struct ExtentMap {
+pub(crate) struct ExtentMap {
     starts: Vec<u64>,
     ends: Vec<u64>,
 }
 
 /// The part of one extent inside a byte range of the stream.
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Overlap {
+pub(crate) struct Overlap {
     /// The extent's index in the plan.
     pub index: usize,
     /// The extent's first byte in the stream.
