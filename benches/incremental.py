@@ -4,6 +4,11 @@ Cases (each a training-like loop on the CPU, the state saved after every step):
 
 * ``lora``: a frozen bf16 base of ``--gib`` GiB plus trainable adapters of 1% of its parameters
   in fp32, with their AdamW state (exp_avg, exp_avg_sq): every step changes every adapter byte.
+* ``half-frozen``: fp32 layers, the first half frozen, the second trained with AdamW.
+* ``embedding``: an fp32 table whose steps touch 5% of its rows, Zipf-distributed.
+
+Each case's step says how many bytes it changed (the touched rows' own bytes for the table): the
+least any save could write, printed beside what the incremental save wrote.
 * ``everything``: the same bytes, all changed every step (full training): the content check's
   cost against a plain ``fp.save`` (target: at most 5% slower).
 
@@ -31,7 +36,7 @@ import torch
 import fastpersist as fp
 
 
-def lora_state(gib: float) -> tuple[dict[str, Any], Callable[[], None]]:
+def lora_state(gib: float) -> tuple[dict[str, Any], Callable[[], int]]:
     """A frozen bf16 base (gib GiB), 1% of its parameter count as fp32 adapters with AdamW state, and
     a step that changes every adapter value and moment."""
     width = 4096
@@ -41,23 +46,65 @@ def lora_state(gib: float) -> tuple[dict[str, Any], Callable[[], None]]:
     adapters = torch.nn.Parameter(torch.randn(adapter_params // width, width) * 0.01)
     opt = torch.optim.AdamW([adapters], lr=1e-3)
 
-    def step() -> None:
+    def step() -> int:
         adapters.grad = torch.randn_like(adapters)
         opt.step()
+        return adapters.nbytes * 3  # the adapters and their two moments
 
     step()
     state = {"model": {**base, "adapters": adapters}, "optimizer": opt.state_dict()}
     return state, step
 
 
-def everything_state(gib: float) -> tuple[dict[str, Any], Callable[[], None]]:
+def half_frozen_state(gib: float) -> tuple[dict[str, Any], Callable[[], int]]:
+    """fp32 layers of gib GiB in all with AdamW state for the trainable half: the first half of the
+    layers frozen (weights only), the second half trained (weights and both moments change)."""
+    width, layers = 4096, 16
+    rows = max(1, int(gib * (1 << 30)) // 4 // width // (layers // 2 + layers // 2 * 3))
+    frozen = [torch.randn(rows, width) for _ in range(layers // 2)]
+    trained = [torch.nn.Parameter(torch.randn(rows, width)) for _ in range(layers // 2)]
+    opt = torch.optim.AdamW(trained, lr=1e-3)
+
+    def step() -> int:
+        for p in trained:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        return sum(p.nbytes for p in trained) * 3
+
+    step()
+    model = {f"layer{i}": t for i, t in enumerate([*frozen, *trained])}
+    return {"model": model, "optimizer": opt.state_dict()}, step
+
+
+def embedding_state(gib: float) -> tuple[dict[str, Any], Callable[[], int]]:
+    """An fp32 embedding table of gib GiB whose every step adds to 5% of its rows, drawn from a
+    Zipf distribution (a few hot rows, a long tail), the ranks spread over the table by a fixed
+    permutation, as hashed ids are."""
+    width = 128
+    rows = max(1, int(gib * (1 << 30)) // 4 // width)
+    table = torch.randn(rows, width)
+    gen = torch.Generator().manual_seed(0)
+    spread = torch.randperm(rows, generator=gen)
+    touched = max(1, rows // 20)
+    ranks = torch.distributions.Categorical(probs=1.0 / torch.arange(1, rows + 1, dtype=torch.float64))
+
+    def step() -> int:
+        ids = spread[ranks.sample((touched,)).clamp_(max=rows - 1)].unique()
+        table[ids] += 0.01
+        return len(ids) * width * 4
+
+    return {"embedding": table}, step
+
+
+def everything_state(gib: float) -> tuple[dict[str, Any], Callable[[], int]]:
     """fp32 tensors of gib GiB in all, every byte changed by each step."""
     n = int(gib * (1 << 30)) // 4 // 16
     tensors = [torch.randn(n) for _ in range(16)]
 
-    def step() -> None:
+    def step() -> int:
         for t in tensors:
             t.add_(1.0)
+        return sum(t.nbytes for t in tensors)
 
     return {f"t{i}": t for i, t in enumerate(tensors)}, step
 
@@ -79,12 +126,12 @@ def torch_save(state: Any, path: str) -> int:
 def run_case(name: str, make: Callable[..., Any], gib: float, steps: int, work: str, block: int) -> None:
     state, step = make(gib)
     inc = fp.Incremental(block_bytes=block)
-    rows: dict[str, list[float]] = {"inc_s": [], "inc_bytes": [], "full_s": [], "full_bytes": [], "torch_s": []}
+    rows: dict[str, list[float]] = {k: [] for k in ("inc_s", "inc_bytes", "full_s", "full_bytes", "torch_s", "changed")}
     previous = os.path.join(work, f"{name}-inc-0")
     fp.save(state, previous, incremental=inc)  # the first, full step
     fp.save(state, os.path.join(work, f"{name}-full"))  # warm-up of the plain path
     for i in range(1, steps + 1):
-        step()
+        rows["changed"].append(step())
         path = os.path.join(work, f"{name}-inc-{i}")
         increment = fp.Incremental(base=previous, block_bytes=block)
         seconds, result = timed(lambda path=path, increment=increment: fp.save(state, path, incremental=increment))
@@ -102,7 +149,8 @@ def run_case(name: str, make: Callable[..., Any], gib: float, steps: int, work: 
     med = {k: statistics.median(v) for k, v in rows.items() if v}
     mib = 1 << 20
     print(
-        f"{name}: per step, median of {steps} (torch.save of 3): incremental {med['inc_bytes'] / mib:.1f} MiB in "
+        f"{name}: per step, median of {steps} (torch.save of 3): changed {med['changed'] / mib:.1f} MiB, written / "
+        f"changed {med['inc_bytes'] / med['changed']:.2f}x; incremental {med['inc_bytes'] / mib:.1f} MiB in "
         f"{med['inc_s']:.3f} s; full fp.save {med['full_bytes'] / mib:.1f} MiB in {med['full_s']:.3f} s; torch.save "
         f"{med['torch_s']:.3f} s. Bytes full / incremental {med['full_bytes'] / max(1, med['inc_bytes']):.1f}x; "
         f"time full / incremental {med['full_s'] / med['inc_s']:.2f}x, torch.save / incremental "
@@ -119,18 +167,25 @@ def run_case(name: str, make: Callable[..., Any], gib: float, steps: int, work: 
     )
 
 
+CASES: dict[str, Callable[[float], tuple[dict[str, Any], Callable[[], int]]]] = {
+    "lora": lora_state,
+    "half-frozen": half_frozen_state,
+    "embedding": embedding_state,
+    "everything": everything_state,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--block-bytes", type=int, default=fp.Incremental().block_bytes)
-    parser.add_argument("--case", choices=["lora", "everything"], nargs="+", default=["lora", "everything"])
+    parser.add_argument("--case", choices=sorted(CASES), nargs="+", default=list(CASES))
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     args = parser.parse_args()
-    cases = {"lora": lora_state, "everything": everything_state}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="fp-bench-incremental-") as work:
         for name in args.case:
-            run_case(name, cases[name], args.gib, args.steps, work, args.block_bytes)
+            run_case(name, CASES[name], args.gib, args.steps, work, args.block_bytes)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,11 @@ def expected_state(step: int) -> dict[str, object]:
     }
 
 
+def incremental_state(step: int) -> dict[str, object]:
+    """What step `step` of the incremental worker saves: expected_state's, plus 2 MiB that never change."""
+    return {**expected_state(step), "frozen": torch.arange(512 << 10, dtype=torch.float32)}
+
+
 def config(stripes: list[str] | None = None) -> fp.Config:
     return fp.Config(chunk_bytes=64 << 10, pool_bytes=1 << 20, queue_depth=4, stripes=stripes)
 
@@ -67,19 +72,22 @@ def _wrap(owner: Any, name: str, before: Callable[[], None], after: Callable[[],
     setattr(owner, name, wrapper)
 
 
-def run_checkpointer(root: str, marker: str) -> None:
-    """Resume from the newest good step and save every step until killed."""
+def run_checkpointer(root: str, marker: str, incremental: bool = False) -> None:
+    """Resume from the newest good step and save every step until killed (`incremental`: each step
+    with fp.Incremental, 64 KiB blocks, the frozen part linked from the step before)."""
     mark = _marker(marker)
     _wrap(saving.SaveJob, "start", lambda: mark(STAGING))
     _wrap(saving, "write_manifest", lambda: mark(MANIFEST))
     _wrap(_core, "replace_atomically", lambda: mark(RENAME))
     _wrap(checkpointer.Checkpointer, "_after_commit", lambda: mark(RETENTION), lambda: mark(IDLE))
-    ck = fp.Checkpointer(root, keep=2, config=config())
+    increment = fp.Incremental(block_bytes=64 << 10) if incremental else None
+    ck = fp.Checkpointer(root, keep=2, config=config(), incremental=increment)
+    state_of = incremental_state if incremental else expected_state
     latest = ck.latest()
     step = 0 if latest is None else latest + 1
     mark(IDLE)
     while True:
-        ck.save(step, expected_state(step))
+        ck.save(step, state_of(step))
         ck.wait_staged()
         mark(WRITING, only_from=STAGING)
         step += 1
@@ -109,7 +117,8 @@ def run_plain_saves(path: str, stripes: list[str], marker: str) -> None:
 def serve() -> None:
     """A minimal fork server on stdin/stdout: children start in milliseconds, torch already imported.
 
-    ``run_checkpointer ROOT MARKER`` / ``run_device_checkpointer ROOT MARKER`` /
+    ``run_checkpointer ROOT MARKER`` / ``run_incremental_checkpointer ROOT MARKER`` /
+    ``run_device_checkpointer ROOT MARKER`` /
     ``run_plain_saves PATH MARKER STRIPE...`` forks a child
     running that function and answers its pid; ``wait PID`` reaps it and answers its status.
     """
@@ -126,6 +135,8 @@ def serve() -> None:
             try:
                 if command == "run_checkpointer":
                     run_checkpointer(args[0], args[1])
+                elif command == "run_incremental_checkpointer":
+                    run_checkpointer(args[0], args[1], incremental=True)
                 elif command == "run_device_checkpointer":
                     run_device_checkpointer(args[0], args[1])
                 else:

@@ -138,7 +138,7 @@ def _leftovers(root: str) -> list[str]:
     return sorted(n for n in os.listdir(root) if ".fptmp-" in n or ".tmp-" in n)
 
 
-@pytest.mark.parametrize("worker", ["run_checkpointer", "run_device_checkpointer"])
+@pytest.mark.parametrize("worker", ["run_checkpointer", "run_incremental_checkpointer", "run_device_checkpointer"])
 def test_kill_9_at_random_moments_never_loses_the_newest_committed_step(
     workdir: str, forkserver: ForkServer, worker: str
 ) -> None:
@@ -147,9 +147,12 @@ def test_kill_9_at_random_moments_never_loses_the_newest_committed_step(
     open(marker, "wb").write(b"\0")
     rng = random.Random(SEED)
     kills = KILLS if worker == "run_checkpointer" else max(8, KILLS // 3)
+    expected = (
+        crash_worker.incremental_state if worker == "run_incremental_checkpointer" else crash_worker.expected_state
+    )
     died_in: collections.Counter[str] = collections.Counter()
     newest = -1
-    cleaned = 0
+    cleaned = linked = 0
     for kill in range(kills):
         # Half aimed at each phase in turn (plus a random 0-2 ms), half at a random moment.
         aimed = kill % 2 == 0
@@ -171,14 +174,16 @@ def test_kill_9_at_random_moments_never_loses_the_newest_committed_step(
         assert step >= newest, f"{context}: latest() went back from {newest} to {step}"
         newest = step
         fp.verify(ck.path(step))
-        assert_same(ck.load(step), crash_worker.expected_state(step))
+        assert_same(ck.load(step), expected(step))
+        linked += read_manifest(ck.path(step)).format_version[0] == 2  # an incremental step
     print(
         f"\nkill -9 campaign {worker} (seed {SEED}): {kills} kills survived, died in {dict(died_in)}, "
         f"{cleaned} leftovers cleaned, newest step {newest}"
     )
     assert newest > 0
+    assert linked > 0 or worker != "run_incremental_checkpointer"
     phases = {p for p, n in died_in.items() if n and p not in ("starting", "idle")}
-    if worker == "run_checkpointer":
+    if worker != "run_device_checkpointer":
         assert len(phases) >= 4, died_in
     else:
         # A GPU state's Checkpointer stages each step while the disk writes the one before

@@ -21,7 +21,9 @@ import fastpersist._core as _core
 from fastpersist.errors import ChecksumMismatchError, CorruptCheckpointError
 from fastpersist.format.manifest import read_manifest
 from fastpersist.format.seal import seal
+from fastpersist.saving import incremental as incremental_module
 from fastpersist.saving.incremental import check_packed, segments_of
+from fastpersist.tools import cli
 
 BLOCK = 4096
 
@@ -337,3 +339,48 @@ def test_a_checkpointer_drains_incremental_steps_to_a_remote_that_restores_them(
 def test_a_checkpointer_refuses_a_base_or_a_group() -> None:
     with pytest.raises(ValueError, match="no base"):
         fp.Checkpointer("/tmp/unused", incremental=fp.Incremental(base="/tmp/x"))
+
+
+def test_inspect_shows_what_a_step_wrote_and_what_it_refers_to(tmp_path: Any, capsys: Any) -> None:
+    state = lora_like()
+    fp.save(state, tmp_path / "s0", incremental=inc())
+    state["lora_b"] += 1
+    fp.save(state, tmp_path / "s1", incremental=inc(tmp_path / "s0"))
+    info = fp.inspect(tmp_path / "s1")
+    s0_id = read_manifest(str(tmp_path / "s0")).checkpoint_id[:12]
+    total = read_manifest(str(tmp_path / "s1")).total_bytes
+    inc_info = info["incremental"]
+    assert inc_info["depth"] == 1 and list(inc_info["refers_to"]) == [s0_id]
+    assert inc_info["wrote_bytes"] + inc_info["refers_to"][s0_id] == total
+    assert state["lora_b"].nbytes <= inc_info["wrote_bytes"] <= state["lora_b"].nbytes + 2 * BLOCK
+    assert fp.inspect(tmp_path / "s0")["incremental"]["refers_to"] == {}
+    assert cli.main(["inspect", str(tmp_path / "s1")]) == 0
+    assert f"written by save {s0_id}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("old_tree", ["kept", "deleted"])
+def test_a_base_replaced_while_the_step_is_planned_still_gives_the_step_its_bytes(
+    tmp_path: Any, monkeypatch: Any, old_tree: str
+) -> None:
+    state = lora_like()
+    fp.save(state, tmp_path / "base", incremental=inc())
+    state["lora_a"] += 1
+    original = incremental_module.link_into
+    replaced = []
+
+    def replace_base_first(link: Any, directory: str) -> None:
+        if not replaced:
+            other = {k: v + 7 if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            fp.save(other, tmp_path / "base", incremental=inc())  # same names, other bytes
+            if old_tree == "deleted":
+                fp.wait_removed()  # the base's files are gone: they cannot be linked
+            replaced.append(True)
+        original(link, directory)
+
+    monkeypatch.setattr(incremental_module, "link_into", replace_base_first)
+    result = fp.save(state, tmp_path / "s1", incremental=inc(tmp_path / "base"))
+    monkeypatch.undo()
+    assert same(fp.load(tmp_path / "s1"), state)  # the base it read, or a full write: never the new base's bytes
+    fp.verify(tmp_path / "s1")
+    if old_tree == "deleted":
+        assert result.nbytes >= state["base"].nbytes

@@ -23,6 +23,7 @@ from typing import Any
 from ..engine import check_part_file
 from ..errors import ChecksumMismatchError, CorruptCheckpointError
 from ..format.confine import check_data_files
+from ..format.layout import data_file_origin
 from ..format.manifest import FileEntry, Manifest
 from ..format.quote import shown
 from ..format.records import dtype_itemsize
@@ -84,9 +85,39 @@ def describe(ck: OpenedCheckpoint, stripe_roots: StripeRoots = None) -> dict[str
         tensors=len(m.tensors),
         bytes=sum(t["bytes"] for t in tensor_list),
         total_bytes=m.total_bytes,
-        files=[{"path": m.file_path(ck.root, f), "bytes": f.len_bytes, "chunks": len(f.chunk_crc32c)} for f in m.files],
+        files=[_file(ck, m, f) for f in m.files],
         tensor_list=tensor_list,
+        **_incremental(m),
     )
+
+
+def _file(ck: OpenedCheckpoint, m: Manifest, f: FileEntry) -> dict[str, Any]:
+    """A data file as inspect shows it: with hashes (an Incremental save's step), which save wrote
+    its bytes and how many of the stream's bytes the step reads from it."""
+    out: dict[str, Any] = {"path": m.file_path(ck.root, f), "bytes": f.len_bytes, "chunks": len(f.chunk_crc32c)}
+    if m.chunk_hashes is not None:
+        out["written_by"] = data_file_origin(f.name, m.checkpoint_id)
+        out["stream_bytes"] = sum(n for _, _, n in f.runs(m.chunk_bytes, m.total_bytes))
+    return out
+
+
+def _incremental(m: Manifest) -> dict[str, Any]:
+    """An Incremental save's step: the stream bytes it wrote itself and those it links from the
+    saves that wrote them (by the first 12 hex digits of their ids); nothing for another step."""
+    if m.chunk_hashes is None:
+        return {}
+    own = m.checkpoint_id[:12]
+    held: dict[str, int] = {}
+    for f in m.files:
+        origin = data_file_origin(f.name, m.checkpoint_id)
+        held[origin] = held.get(origin, 0) + sum(n for _, _, n in f.runs(m.chunk_bytes, m.total_bytes))
+    return {
+        "incremental": {
+            "depth": m.incremental_depth,
+            "wrote_bytes": held.pop(own, 0),
+            "refers_to": dict(sorted(held.items())),
+        }
+    }
 
 
 def _description(

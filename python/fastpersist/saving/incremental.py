@@ -24,19 +24,23 @@ from __future__ import annotations
 import logging
 import os
 import stat
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
 import fastpersist._core as _core
 
-from ..errors import CorruptCheckpointError, FastPersistError
+from ..config import Config
+from ..engine import Guard
+from ..errors import FastPersistError
 from ..format.blobs import Blob
 from ..format.chunkmap import HASH_BYTES, Run
+from ..format.flatten import FlatState
 from ..format.layout import data_file_origin, linked_data_file_name
 from ..format.manifest import FileEntry, Manifest, read_manifest
+from ..gpu.device_side import has_device_blobs
 
 __all__ = [
     "Incremental",
@@ -46,6 +50,7 @@ __all__ = [
     "check_packed",
     "chunk_ranges",
     "link_into",
+    "plan_for_save",
     "plan_incremental",
     "segments_of",
 ]
@@ -100,13 +105,16 @@ class Segment(NamedTuple):
 
 
 class Link(NamedTuple):
-    """A base data file this step links (`source`, a path) as `entry` (named for its origin)."""
+    """A base data file this step links as `entry` (named for its origin): open at `fd` since the
+    base's manifest was read through the same directory handle, so the file linked is the one
+    that manifest describes even if the base is replaced meanwhile; `source` names it in messages."""
 
     source: str
+    fd: int
     entry: FileEntry
 
 
-@dataclass(frozen=True)
+@dataclass
 class IncrementalPlan:
     """What an incremental save writes (`changed` chunks of the stream, as `segments` of the
     state's blobs laid out by `own`) and links (`links`), for the stream laid out by `stream`."""
@@ -118,14 +126,62 @@ class IncrementalPlan:
     segments: list[Segment]
     own: _core.Plan
     links: list[Link]
+    #: Every blob whole: the segments of :meth:`in_full`.
+    whole: list[Segment] = field(default_factory=list)
+    #: The links' handles are closed (:meth:`close`).
+    closed: bool = False
+
+    def in_full(self) -> IncrementalPlan:
+        """This plan as a full write (its base vanished before it was linked); closes the links."""
+        self.close()
+        chunks = list(range(_core.chunk_count(self.stream.total_bytes, self.stream.chunk_bytes)))
+        return IncrementalPlan(self.stream, self.hashes, 0, chunks, self.whole, self.stream, [], whole=self.whole)
 
     @property
     def full(self) -> bool:
         return not self.links
 
-    def sources(self, blobs: Sequence[Blob]) -> list[object]:
-        """The engine's sources of `own`: a view of each segment's bytes."""
-        return [blobs[s.blob].data[s.lo : s.hi] for s in self.segments]
+    def close(self) -> None:
+        """Closes the base files' handles (once linked, or when the save is discarded); idempotent."""
+        if not self.closed:
+            self.closed = True
+            for link in self.links:
+                os.close(link.fd)
+
+    def engine_sources(
+        self, blobs: Sequence[Blob], copy_early: Sequence[int], check_staged: Callable[[list[int]], bool]
+    ) -> tuple[list[object], Guard]:
+        """The engine's sources of `own` (a view of each segment's bytes) and its mutation guard:
+        the blobs' (`copy_early`, `check_staged`: by blob index) turned to the segments'."""
+        segments = self.segments
+        early = set(copy_early)
+
+        def on_staged(staged: list[int]) -> bool:
+            return check_staged(sorted({segments[i].blob for i in staged}))
+
+        guard = Guard(
+            watched=[blobs[s.blob].version is not None for s in segments],
+            on_staged=on_staged,
+            copy_early=[i for i, s in enumerate(segments) if s.blob in early],
+        )
+        return [blobs[s.blob].data[s.lo : s.hi] for s in segments], guard
+
+    def link_into(self, directory: str) -> bool:
+        """Hard-links the base files into `directory` (under their entries' names) and closes their
+        handles; False, with none left in `directory`, when the base was deleted since it was read
+        (a deleted file cannot be linked again)."""
+        made: list[str] = []
+        try:
+            for link in self.links:
+                link_into(link, directory)
+                made.append(link.entry.name)
+        except FileNotFoundError:
+            for name in made:
+                os.unlink(os.path.join(directory, name))
+            return False
+        finally:
+            self.close()
+        return True
 
     def own_entry(self, entry: FileEntry) -> FileEntry:
         """`entry` (the engine's file of the packed stream) as a format 2.0 file of the stream."""
@@ -205,6 +261,29 @@ def check_packed(
         raise RuntimeError(f"incremental save: the packed stream is {own.total_bytes} bytes, not {expected_total}")
 
 
+def plan_for_save(
+    flat: FlatState, incremental: Incremental | None, *, path: str, config: Config, alone: bool, gated: bool
+) -> IncrementalPlan | None:
+    """A save's incremental plan, or None: not asked for, or a state written in full (device
+    tensors: their bytes are not on the host to hash; `gated`: a snapshot staged at once).
+
+    Raises:
+        ValueError: `incremental` for a save that is not one process's alone (`alone`), unstriped.
+    """
+    if incremental is None:
+        return None
+    if not alone:
+        raise ValueError(
+            f"incremental save of {path}: one process's save without stripes only (not yet in a group or striped)"
+        )
+    if has_device_blobs(flat.blobs) or gated:
+        log.info("incremental save of %s: device tensors (or a snapshot): a full write", path)
+        return None
+    return plan_incremental(
+        flat.blobs, incremental, path=path, checksum=config.checksum, threads=config.resolved_staging_threads
+    )
+
+
 def plan_incremental(
     blobs: Sequence[Blob], incremental: Incremental, *, path: str, checksum: str, threads: int
 ) -> IncrementalPlan:
@@ -222,10 +301,29 @@ def plan_incremental(
     chunks = _core.chunk_count(stream.total_bytes, chunk)
     base = _usable_base(incremental, path, chunk, checksum)
     whole = [Segment(i, 0, n) for i, n in enumerate(lengths)]
-    full = IncrementalPlan(stream, hashes, 0, list(range(chunks)), whole, stream, [])
+    full = IncrementalPlan(stream, hashes, 0, list(range(chunks)), whole, stream, [], whole=whole)
     if base is None or chunks == 0:
         return full
-    base_dir, m = base
+    base_fd, base_dir, m = base
+    try:
+        return _plan_on(base_fd, base_dir, m, stream, lengths, hashes, incremental, path, full)
+    finally:
+        os.close(base_fd)
+
+
+def _plan_on(
+    base_fd: int,
+    base_dir: str,
+    m: Manifest,
+    stream: _core.Plan,
+    lengths: list[int],
+    hashes: bytes,
+    incremental: Incremental,
+    path: str,
+    full: IncrementalPlan,
+) -> IncrementalPlan:
+    """:func:`plan_incremental` on the base `m`, read through the directory handle `base_fd`."""
+    chunk = stream.chunk_bytes
     if incremental.full_every is not None and m.incremental_depth + 1 >= incremental.full_every:
         log.info("incremental save of %s: a full write (full_every=%d)", path, incremental.full_every)
         return full
@@ -239,30 +337,39 @@ def plan_incremental(
             "incremental save of %s: a full write (its bytes would span more than %d saves)", path, incremental.max_span
         )
         return full
-    links = _links(base_dir, m, holders, [int(c) for c in np.flatnonzero(same)])
-    if links is None or not links:
+    links = _links(base_fd, base_dir, m, holders, [int(c) for c in np.flatnonzero(same)])
+    if not links:
         return full
     if not changed:
-        return IncrementalPlan(stream, hashes, m.incremental_depth + 1, [], [], _core.Plan([], 1, 1, chunk), links)
+        empty = _core.Plan([], 1, 1, chunk)
+        return IncrementalPlan(stream, hashes, m.incremental_depth + 1, [], [], empty, links, whole=full.whole)
     offsets = stream.extent_offsets
     segments = segments_of(offsets, lengths, stream.total_bytes, chunk, changed)
     own = _core.Plan([s.hi - s.lo for s in segments], 1, 1, chunk)
     check_packed(own, segments, offsets, changed, stream.total_bytes)
-    return IncrementalPlan(stream, hashes, m.incremental_depth + 1, changed, segments, own, links)
+    return IncrementalPlan(stream, hashes, m.incremental_depth + 1, changed, segments, own, links, whole=full.whole)
 
 
-def _usable_base(incremental: Incremental, path: str, chunk: int, checksum: str) -> tuple[str, Manifest] | None:
-    """The base's directory and manifest, or None (logged) when a save cannot build on it."""
+def _usable_base(incremental: Incremental, path: str, chunk: int, checksum: str) -> tuple[int, str, Manifest] | None:
+    """A handle on the base's directory (the caller closes it), its path and its manifest read
+    through that handle; or None (logged) when a save cannot build on it."""
     if incremental.base is None:
         return None
     base_dir = os.path.abspath(os.fspath(incremental.base))
     try:
-        m = read_manifest(base_dir)
+        fd = os.open(base_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
         log.info("incremental save of %s: no base at %s, a full write", path, base_dir)
         return None
-    except (FastPersistError, OSError) as e:
+    except OSError as e:
         log.warning("incremental save of %s: base %s unreadable (%s), a full write", path, base_dir, e)
+        return None
+    try:
+        m = read_manifest(f"/proc/self/fd/{fd}")
+    except (FastPersistError, OSError) as e:
+        os.close(fd)
+        level = logging.INFO if isinstance(e, FileNotFoundError) else logging.WARNING
+        log.log(level, "incremental save of %s: base %s unreadable (%s), a full write", path, base_dir, e)
         return None
     why = None
     if m.chunk_hashes is None:
@@ -273,12 +380,13 @@ def _usable_base(incremental: Incremental, path: str, chunk: int, checksum: str)
         why = f"its checksum is {m.checksum!r}, this save's {checksum!r}"
     elif m.stripes or m.shards:
         why = "it is striped or sharded"
-    elif os.stat(base_dir).st_dev != os.stat(os.path.dirname(path)).st_dev:
+    elif os.fstat(fd).st_dev != os.stat(os.path.dirname(path)).st_dev:
         why = "it is on another filesystem (its files cannot be linked)"
     if why:
         log.info("incremental save of %s: base %s not used, %s: a full write", path, base_dir, why)
+        os.close(fd)
         return None
-    return base_dir, m
+    return fd, base_dir, m
 
 
 def _same_chunks(new: bytes, old: bytes, new_total: int, old_total: int, chunk: int) -> np.ndarray:
@@ -305,55 +413,50 @@ def _holders(m: Manifest) -> dict[int, tuple[FileEntry, int]]:
     return held
 
 
-def _links(base_dir: str, m: Manifest, holders: dict[int, tuple[FileEntry, int]], same: list[int]) -> list[Link] | None:
-    """The base files holding the `same` chunks, each as this step will name and map it; None
-    (logged) when one of them is not the plain file of its length that the base's manifest says."""
+def _links(
+    base_fd: int, base_dir: str, m: Manifest, holders: dict[int, tuple[FileEntry, int]], same: list[int]
+) -> list[Link] | None:
+    """The base files holding the `same` chunks, opened through the base's directory handle, each
+    as this step will name and map it; None (logged) when one of them is not the plain file of its
+    length that the base's manifest says (a link, missing, resized)."""
     used: dict[str, list[tuple[int, int]]] = {}
     files: dict[str, FileEntry] = {}
     for c in same:
         f, fc = holders[c]
         used.setdefault(f.name, []).append((fc, c))
         files[f.name] = f
-    links = []
+    links: list[Link] = []
     for name, pairs in used.items():
         f = files[name]
+        source = m.file_path(base_dir, f)
+        why = ""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=base_fd)
+        except OSError as e:
+            fd, why = -1, e.strerror or str(e)
+        if fd >= 0:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != f.len_bytes:
+                os.close(fd)
+                fd, why = -1, f"not a plain file of {f.len_bytes} bytes"
+        if fd < 0:
+            log.warning("incremental save: base file %s unusable (%s), a full write", source, why)
+            for link in links:
+                os.close(link.fd)
+            return None
         entry = FileEntry(
             linked_data_file_name(name, m.checkpoint_id), None, 0, 0, f.len_bytes, f.chunk_crc32c, _runs(sorted(pairs))
         )
-        source = m.file_path(base_dir, f)
-        try:
-            st = os.lstat(source)
-        except OSError as e:
-            st, why = None, str(e)
-        if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != f.len_bytes:
-            why = why if st is None else f"not a plain file of {f.len_bytes} bytes"
-            log.warning("incremental save: base file %s unusable (%s), a full write", source, why)
-            return None
-        links.append(Link(source, entry))
+        links.append(Link(source, fd, entry))
     return links
 
 
 def link_into(link: Link, directory: str) -> None:
-    """Hard-links the base file `link.source` into `directory` as ``link.entry.name``: the inode
-    opened (never through a symbolic link) and checked, so the name made is that file's.
-
-    Raises:
-        CorruptCheckpointError: the base file is no longer the plain file of its manifest's length.
-    """
-    fd = os.open(link.source, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    """Hard-links the base file open at `link.fd` into `directory` as ``link.entry.name``."""
+    # A directory fd makes os.link call linkat(AT_SYMLINK_FOLLOW), which links the opened inode
+    # (link() would link /proc's symbolic link itself).
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != link.entry.len_bytes:
-            raise CorruptCheckpointError(
-                f"incremental save: base file {link.source} changed since the save began (not a plain file of "
-                f"{link.entry.len_bytes} bytes); nothing was committed"
-            )
-        # A directory fd makes os.link call linkat(AT_SYMLINK_FOLLOW), which links the opened inode
-        # (link() would link /proc's symbolic link itself).
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.link(f"/proc/self/fd/{fd}", link.entry.name, dst_dir_fd=dir_fd, follow_symlinks=True)
-        finally:
-            os.close(dir_fd)
+        os.link(f"/proc/self/fd/{link.fd}", link.entry.name, dst_dir_fd=dir_fd, follow_symlinks=True)
     finally:
-        os.close(fd)
+        os.close(dir_fd)

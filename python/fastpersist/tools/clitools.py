@@ -137,6 +137,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     for f in info["files"]:
         print(f"  file {f['path']}: {f['bytes']:,} bytes, {f['chunks']} chunk(s)")
+    if "incremental" in info:
+        inc = info["incremental"]
+        refers = ", ".join(f"{n:,} bytes written by save {who}" for who, n in inc["refers_to"].items()) or "nothing"
+        print(f"  incremental (depth {inc['depth']}): wrote {inc['wrote_bytes']:,} bytes of its stream; links {refers}")
     width = max([len(g["key"]) for g in info["groups"]] + [9])
     print(f"\n  {'top-level':{width}} {'tensors':>8} {'bytes':>16}")
     for g in info["groups"]:
