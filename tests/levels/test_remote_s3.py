@@ -5,6 +5,7 @@ restore while the store is down or never answers."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -174,3 +175,23 @@ def test_a_store_that_never_answers_costs_a_restore_a_bounded_time(
         assert any("did not answer" in r.getMessage() for r in caplog.records)
     finally:
         hole.close()
+
+
+def test_incremental_steps_send_only_their_own_bytes_to_s3_and_restore_whole(tmp_path: Any, s3_bucket: str) -> None:
+    url = f"s3://{s3_bucket}/incremental"
+    frozen = torch.arange(256 << 10, dtype=torch.float32)  # 1 MiB that never changes
+    inc = fp.Incremental(block_bytes=64 << 10)
+    remote = [fp.Remote(url, every=1, keep=3)]
+    with fp.Checkpointer(tmp_path / "local", keep=2, config=CONFIG, incremental=inc, levels=remote) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {**state(step), "frozen": frozen})
+            ck.close()  # each drained before the next
+    assert ck.levels()["remote"]["steps"] == [1, 2, 3]
+    store = remote_stores.open_store(url)
+    sent = [json.loads(store.get_bytes(f"step-{s:08d}/.fpdrained-00000.json") or b"{}")["bytes"] for s in (1, 2, 3)]
+    assert sent[0] > frozen.nbytes and max(sent[1:]) < frozen.nbytes // 2, sent  # the frozen MiB went once
+    shutil.rmtree(tmp_path / "local")
+    again = fp.Checkpointer(tmp_path / "local", config=CONFIG, levels=[fp.Remote(url)])
+    loaded = again.load()
+    assert torch.equal(loaded["w"], state(3)["w"]) and torch.equal(loaded["frozen"], frozen)
+    assert fp.verify(f"{url}/step-00000003")["bytes"] > frozen.nbytes

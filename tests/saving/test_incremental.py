@@ -384,3 +384,22 @@ def test_a_base_replaced_while_the_step_is_planned_still_gives_the_step_its_byte
     fp.verify(tmp_path / "s1")
     if old_tree == "deleted":
         assert result.nbytes >= state["base"].nbytes
+
+
+def test_the_remote_level_receives_only_the_bytes_a_step_wrote(tmp_path: Any) -> None:
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    state = lora_like()
+    with fp.Checkpointer(local, every=1, keep=3, incremental=inc(), levels=[fp.Remote(remote, every=1, keep=3)]) as ck:
+        for step in range(1, 4):
+            last = lora_step(state, step)
+            ck.save(step, state)
+            ck.close()  # each drained before the next
+    drained = [json.loads((remote / f"step-{s:08d}" / ".fpdrained-00000.json").read_bytes())["bytes"] for s in (2, 3)]
+    assert all(n <= 2 * (state["lora_a"].nbytes + state["lora_b"].nbytes) + 4 * BLOCK for n in drained), drained
+    base_file = next(p for p in (remote / "step-00000001").iterdir() if p.suffix == ".bin")
+    assert base_file.stat().st_nlink == 3  # one inode for the frozen bytes of the three remote steps
+    shutil.rmtree(local)
+    shutil.rmtree(remote / "step-00000001")
+    again = fp.Checkpointer(local, levels=[fp.Remote(remote, every=1)])
+    assert same(again.load(), last)
+    again.close()

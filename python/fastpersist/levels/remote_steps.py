@@ -24,7 +24,15 @@ import time
 from collections.abc import Callable
 
 from ..errors import CorruptCheckpointError, FastPersistError
-from ..format.layout import INDEX_NAME, MANIFEST_NAME, drained_marker_name, parse_step_dir, shard_name, step_dir_name
+from ..format.layout import (
+    INDEX_NAME,
+    MANIFEST_NAME,
+    drained_marker_name,
+    linked_data_file_name,
+    parse_step_dir,
+    shard_name,
+    step_dir_name,
+)
 from ..format.manifest import Manifest, parse, read_manifest, read_manifest_bytes
 from .partner_holdings import shares_of
 from .remote_stores import FileCopy, Store, open_store
@@ -171,13 +179,34 @@ class RemoteSteps:
         if committed is not None:
             raise FileExistsError(f"{self.path(step)} is committed already; a committed remote step is never rewritten")
         nbytes = 0
+        held = self._held_files(m)
         for f in owned_files(local_dir, m, rank):
+            there = held.get((linked_data_file_name(f.name, m.checkpoint_id), f.len_bytes, tuple(f.chunk_crc32c)))
+            if there is not None:  # an incremental step's linked file: the store has its bytes
+                self.store.copy(there, self._key(step, f.name), f, throttle)
+                continue
             self.store.upload(self._key(step, f.name), os.path.join(local_dir, f.name), f, throttle)
             nbytes += f.len_bytes
         marker = json.dumps({"rank": rank, "checkpoint_id": m.checkpoint_id, "bytes": nbytes}).encode()
         # Not forced to disk: the files above are (upload fsyncs them), and the manifest commits.
         self.store.put_bytes(self._key(step, drained_marker_name(rank)), marker, durable=False)
         return nbytes
+
+    def _held_files(self, m: Manifest) -> dict[tuple[str, int, tuple[int, ...]], str]:
+        """The data files that committed remote steps hold, by the save that wrote them and its name
+        for them (:func:`linked_data_file_name`), length and chunk checksums: where a file that step
+        `m` links from an earlier step already is. Only for a step that links (format 2.0)."""
+        if not m.refers:
+            return {}
+        held = {}
+        for step in self.steps():
+            found = self.manifest(step)
+            if found is None or found[1].shards:
+                continue
+            for f in found[1].files:
+                written_as = linked_data_file_name(f.name, found[1].checkpoint_id)  # the save that wrote it, its name
+                held[(written_as, f.len_bytes, tuple(f.chunk_crc32c))] = self._key(step, f.name)
+        return held
 
     def _drained(self, step: int, rank: int, checkpoint_id: str) -> bool:
         raw = self.store.get_bytes(self._key(step, drained_marker_name(rank)))

@@ -16,7 +16,9 @@ environment, the client asks the cloud's instance metadata service (169.254.169.
 from __future__ import annotations
 
 import abc
+import contextlib
 import datetime
+import errno
 import os
 import shutil
 from collections.abc import Callable, Generator, Iterator
@@ -138,6 +140,12 @@ class Store(abc.ABC):
     def upload(self, key: str, local: str, f: FileCopy, throttle: Callable[[int], None]) -> None: ...
 
     @abc.abstractmethod
+    def copy(self, src: str, dst: str, f: FileCopy, throttle: Callable[[int], None]) -> None:
+        """Makes `dst` the object `src` (the file `f`) holds, inside the store (no byte through
+        this process): an incremental step's file that an earlier remote step holds already."""
+        ...
+
+    @abc.abstractmethod
     def put_bytes(self, key: str, data: bytes, *, durable: bool = True) -> None:
         """Writes the object whole. ``durable=False``: visible to every reader but not forced to
         stable storage (a drain's marker: the data it vouches for is durable already, and only the
@@ -199,12 +207,30 @@ class DirStore(Store):
     def upload(self, key: str, local: str, f: FileCopy, throttle: Callable[[int], None]) -> None:
         dst = self.where(key)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):  # a new inode: an old one may be another step's too
+            os.unlink(dst)
         # The pieces were checked as they were read: not again. Page-aligned ones go out with
         # O_DIRECT from where they lie.
         with PartFile(dst, f.len_bytes, [], f.chunk_bytes, replace=True) as out:
             for data in _local_pieces(local, f, throttle):
                 out.append(data)
         _core.fsync_dir(os.path.dirname(dst))
+
+    def copy(self, src: str, dst: str, f: FileCopy, throttle: Callable[[int], None]) -> None:
+        """A hard link (one inode for both steps; nothing writes into a stored file, :meth:`upload`
+        makes a new one), or an upload of the stored file where the filesystem links none."""
+        target = self.where(dst)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(target)
+        try:
+            os.link(self.where(src), target, follow_symlinks=False)
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+            self.upload(dst, self.where(src), f, throttle)
+            return
+        _core.fsync_dir(os.path.dirname(target))
 
     def put_bytes(self, key: str, data: bytes, *, durable: bool = True) -> None:
         os.makedirs(os.path.dirname(self.where(key)), exist_ok=True)
@@ -301,6 +327,11 @@ class S3Store(Store):
         # obstore may hold a piece after asking for the next: each is its own bytes
         pieces = (bytes(data) for data in _local_pieces(local, f, throttle))
         obstore.put(self.store, key, pieces, chunk_size=COPY_PIECE_BYTES)
+
+    def copy(self, src: str, dst: str, f: FileCopy, throttle: Callable[[int], None]) -> None:
+        import obstore  # S3 CopyObject: the bytes move inside the store
+
+        obstore.copy(self.store, src, dst, overwrite=True)
 
     def put_bytes(self, key: str, data: bytes, *, durable: bool = True) -> None:
         import obstore  # a completed PUT is durable: nothing to choose
