@@ -181,3 +181,24 @@ def test_errors_name_the_argument_and_the_fix(tmp_path: Any) -> None:
         manager._load((1, 0, "other"))
     with pytest.raises(CheckpointingException, match=r"iter_0000004_0_local\.fp does not exist"):
         manager._load((4, 0, "s"))
+
+
+def test_incremental_checkpoints_write_what_changed_and_outlive_the_cleanup(tmp_path: Any) -> None:
+    config = fp.Config(durable=False)
+    manager = FastPersistLocalCheckpointManager(
+        tmp_path, session_id="s", config=config, incremental=fp.Incremental(block_bytes=4096)
+    )
+    frozen = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB that never changes
+    states = {}
+    for iteration in (1, 2, 3):
+        state = {"frozen": frozen, **rank_state(0, iteration)}
+        states[iteration] = state
+        manager._save(CpuTensorAwareStateDict(state), (iteration, 0, "s"))
+    info = fp.inspect(manager._path((3, 0, "s")))["incremental"]
+    assert info["depth"] == 2 and sum(info["refers_to"].values()) >= frozen.nbytes
+    manager._cleanup(3)  # iterations 1 and 2 go; 3 keeps the frozen bytes it links
+    fp.wait_removed()
+    assert sorted(os.listdir(manager.local_ckpt_dir)) == [checkpoint_name(3, 0)]
+    assert same(manager._load((3, 0, "s")).state_dict, states[3])
+    with pytest.raises(ValueError, match="no base"):
+        FastPersistLocalCheckpointManager(tmp_path, session_id="s", incremental=fp.Incremental(base=str(tmp_path)))

@@ -44,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import re
@@ -75,6 +76,7 @@ from ..config import Config
 from ..errors import FastPersistError
 from ..format.layout import MANIFEST_NAME
 from ..format.manifest import read_manifest
+from ..saving.incremental import Incremental
 from ..saving.remover import remove_checkpoint_later
 
 __all__ = ["FastPersistLocalCheckpointManager"]
@@ -156,6 +158,9 @@ class FastPersistLocalCheckpointManager(BaseCheckpointManager):  # type: ignore[
         repl_strategy: NVRx's ``ReplicationStrategy`` (``None``: no replication).
         config: fastpersist's engine knobs for every save and load (``None``: the defaults);
             ``durable=False`` skips the fsyncs (a RAM disk).
+        incremental: a :class:`fastpersist.Incremental` without a base: each checkpoint writes
+            only the blocks that differ from the newest older one of the same rank id here, and
+            links the rest (docs/incremental.md); the cleanup's removals never break a kept one.
 
     All ranks call ``save``, ``find_latest`` and ``load`` together, as with any NVRx manager.
     ``save(..., is_async=True)`` is NVRx's own machinery (it forks a process that calls
@@ -178,7 +183,13 @@ class FastPersistLocalCheckpointManager(BaseCheckpointManager):  # type: ignore[
         session_id: str = "",
         repl_strategy: ReplicationStrategy | None = None,
         config: Config | None = None,
+        incremental: Incremental | None = None,
     ) -> None:
+        if incremental is not None and incremental.base is not None:
+            raise ValueError(
+                "FastPersistLocalCheckpointManager(incremental=...): each checkpoint builds on the previous one of its "
+                "rank id here, so give no base"
+            )
         if config is not None and not isinstance(config, Config):
             raise TypeError(
                 f"config must be a fastpersist.Config, got {type(config).__name__}; "
@@ -188,6 +199,7 @@ class FastPersistLocalCheckpointManager(BaseCheckpointManager):  # type: ignore[
         self.root_local_ckpt_dir = os.fspath(root_local_ckpt_dir)
         self.config = config if config is not None else Config()
         self._run: str | None = None  # agreed by every rank at the first save (see _agree_on_run)
+        self.incremental = incremental
 
     @property
     def local_ckpt_dir(self) -> Path:
@@ -262,11 +274,20 @@ class FastPersistLocalCheckpointManager(BaseCheckpointManager):  # type: ignore[
         tensors = list(state_dict.pop_tensors())
         try:
             hollow = pickle.dumps(state_dict, protocol=pickle.HIGHEST_PROTOCOL)
-            save({"tensors": tensors, "hollow": hollow, "run": self._run or ""}, path, config=self.config)
+            state = {"tensors": tensors, "hollow": hollow, "run": self._run or ""}
+            save(state, path, config=self.config, incremental=self._increment_on(ckpt_id))
         except FileExistsError as e:  # fastpersist replaces only a checkpoint of its own
             raise SameMachineReplicationException(ckpt_id) from e
         finally:
             state_dict.insert_tensors(tensors)
+
+    def _increment_on(self, ckpt_id: CkptID) -> Incremental | None:
+        """The Incremental of `ckpt_id`'s save: built on the newest older checkpoint of its rank here."""
+        if self.incremental is None:
+            return None
+        older = [held for held in self._my_ckpt_ids() if held[1] == ckpt_id[1] and held[0] < ckpt_id[0]]
+        base = str(self._path(max(older))) if older else None
+        return dataclasses.replace(self.incremental, base=base)
 
     def _load(self, ckpt_id: CkptID) -> TensorAwareStateDict:
         """Reads the checkpoint `ckpt_id`, every byte checked against its crc32c.
