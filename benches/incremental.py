@@ -4,6 +4,8 @@ Cases (each a training-like loop on the CPU, the state saved after every step):
 
 * ``lora``: a frozen bf16 base of ``--gib`` GiB plus trainable adapters of 1% of its parameters
   in fp32, with their AdamW state (exp_avg, exp_avg_sq): every step changes every adapter byte.
+* ``lora-interleaved``: the same, each layer's adapters beside its frozen weight (as a LoRA
+  model's state_dict has them).
 * ``half-frozen``: fp32 layers, the first half frozen, the second trained with AdamW.
 * ``embedding``: an fp32 table whose steps touch 5% of its rows, Zipf-distributed.
 
@@ -54,6 +56,29 @@ def lora_state(gib: float) -> tuple[dict[str, Any], Callable[[], int]]:
     step()
     state = {"model": {**base, "adapters": adapters}, "optimizer": opt.state_dict()}
     return state, step
+
+
+def lora_interleaved_state(gib: float) -> tuple[dict[str, Any], Callable[[], int]]:
+    """``lora`` as a LoRA model's state_dict lays it out: each layer's frozen weight followed by its
+    own small adapters (rank 8), so the changing bytes are scattered through the stream."""
+    width, rank = 4096, 8
+    layers = max(1, int(gib * (1 << 30)) // 2 // (width * width))
+    base = [torch.randn(width, width).to(torch.bfloat16) for _ in range(layers)]
+    lora = [torch.nn.Parameter(torch.randn(rank, width) * 0.01) for _ in range(2 * layers)]
+    opt = torch.optim.AdamW(lora, lr=1e-3)
+
+    def step() -> int:
+        for p in lora:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        return sum(p.nbytes for p in lora) * 3
+
+    step()
+    model: dict[str, Any] = {}
+    for i, weight in enumerate(base):
+        model[f"layer{i}.weight"] = weight
+        model[f"layer{i}.lora_A"], model[f"layer{i}.lora_B"] = lora[2 * i], lora[2 * i + 1]
+    return {"model": model, "optimizer": opt.state_dict()}, step
 
 
 def half_frozen_state(gib: float) -> tuple[dict[str, Any], Callable[[], int]]:
@@ -169,6 +194,7 @@ def run_case(name: str, make: Callable[..., Any], gib: float, steps: int, work: 
 
 CASES: dict[str, Callable[[float], tuple[dict[str, Any], Callable[[], int]]]] = {
     "lora": lora_state,
+    "lora-interleaved": lora_interleaved_state,
     "half-frozen": half_frozen_state,
     "embedding": embedding_state,
     "everything": everything_state,

@@ -365,7 +365,7 @@ def _usable_base(incremental: Incremental, path: str, chunk: int, checksum: str)
         log.warning("incremental save of %s: base %s unreadable (%s), a full write", path, base_dir, e)
         return None
     try:
-        m = read_manifest(f"/proc/self/fd/{fd}")
+        m = read_manifest(f"/proc/self/fd/{fd}", layout_only=True)
     except (FastPersistError, OSError) as e:
         os.close(fd)
         level = logging.INFO if isinstance(e, FileNotFoundError) else logging.WARNING
