@@ -289,6 +289,24 @@ def test_every_step_of_a_random_series_loads_exactly(tmp_path_factory: Any, size
             del kept[gone]
         for where, expected in kept.items():
             assert same(fp.load(where), expected), where
+    # Damage: one byte of one kept step's file. Every step naming that inode reports it, no other.
+    victim_step = sorted(kept)[len(steps) % len(kept)]
+    m = read_manifest(victim_step)
+    if not m.files:
+        return
+    victim = os.path.join(victim_step, m.files[len(sizes) % len(m.files)].name)
+    with open(victim, "r+b") as f:
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0x55]))
+    damaged = os.stat(victim).st_ino
+    for where, expected in kept.items():
+        inodes = {os.stat(os.path.join(where, f.name)).st_ino for f in read_manifest(where).files}
+        if damaged in inodes:
+            with pytest.raises(ChecksumMismatchError):
+                fp.verify(where)
+        else:
+            assert same(fp.load(where), expected), where
 
 
 def lora_step(state: dict[str, Any], step: int) -> dict[str, Any]:
