@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 
 import fastpersist as fp
 import fastpersist._core as _core
@@ -421,3 +422,19 @@ def test_the_remote_level_receives_only_the_bytes_a_step_wrote(tmp_path: Any) ->
     again = fp.Checkpointer(local, levels=[fp.Remote(remote, every=1)])
     assert same(again.load(), last)
     again.close()
+
+
+def test_an_incremental_step_reads_as_any_step(tmp_path: Any) -> None:
+    """load(out=...), windowed; fastpersist convert to torch.save; fp.export_hf."""
+    state = lora_like()
+    fp.save(state, tmp_path / "s0", incremental=inc())
+    state["lora_a"] *= -1
+    fp.save(state, tmp_path / "s1", incremental=inc(tmp_path / "s0"))
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    loaded = fp.load(tmp_path / "s1", out=out)
+    assert loaded["base"] is out["base"] and same(loaded, state)
+    assert cli.main(["convert", str(tmp_path / "s1"), str(tmp_path / "s1.pt"), "--to", "torch"]) == 0
+    assert same(torch.load(tmp_path / "s1.pt", weights_only=True), state)
+    fp.export_hf(tmp_path / "s1", tmp_path / "hf")
+    exported = load_file(str(next((tmp_path / "hf").glob("*.safetensors"))))
+    assert torch.equal(exported["lora_a"], state["lora_a"]) and torch.equal(exported["base"], state["base"])
