@@ -16,7 +16,7 @@ Example:
     >>> _ = fp.save(state, "/tmp/fp-doc-inc-0", incremental=fp.Incremental())
     >>> state["lora"] += 1
     >>> fp.save(state, "/tmp/fp-doc-inc-1", incremental=fp.Incremental(base="/tmp/fp-doc-inc-0")).nbytes
-    4096
+    64
 """
 
 from __future__ import annotations
