@@ -331,6 +331,7 @@ def test_a_checkpointer_builds_each_step_on_the_newest_and_retires_freely(tmp_pa
                 ck.wait_staged()
                 written.append(fut.wait().nbytes)
         assert ck.steps() == [5, 6]  # the full step 1 retired: 5 and 6 keep its bytes by their links
+        assert written[0] <= ck.levels()["local"]["bytes"] <= written[0] + 3 * max(written[1:])  # shared once
         assert max(written[1:]) * 10 < written[0]  # the 64 KiB of adapters, not the 1 MiB base
         for step in (5, 6):
             assert same(fp.load(ck.path(step)), expected[step])

@@ -99,12 +99,18 @@ class LocalLevel:
         host = self.host
         steps = host.steps()
         nbytes = 0
+        counted: set[tuple[int, int]] = set()  # an incremental step's linked files count once
         for step in steps:
             try:
                 m = read_manifest(host.path(step))
-                nbytes += sum(f.len_bytes for f in m.files)
-                for shard in m.shards:
-                    nbytes += sum(f.len_bytes for f in read_manifest(os.path.join(host.path(step), shard)).files)
+                held = [(host.path(step), m)]
+                held += [(d, read_manifest(d)) for d in (os.path.join(host.path(step), s) for s in m.shards)]
+                for where, manifest in held:
+                    for f in manifest.files:
+                        st = os.stat(manifest.file_path(where, f))
+                        if (st.st_dev, st.st_ino) not in counted:
+                            counted.add((st.st_dev, st.st_ino))
+                            nbytes += f.len_bytes
             except (FastPersistError, OSError):
                 continue
         local: dict[str, Any] = {"root": host.root, "steps": steps, "bytes": nbytes}
