@@ -154,13 +154,17 @@ def test_damage_to_a_shared_block_is_reported_by_every_step_that_uses_it(tmp_pat
             fp.verify(tmp_path / step)
 
 
-def test_a_base_file_that_is_not_its_own_makes_a_full_write(tmp_path: Any, caplog: Any) -> None:
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_base_file_that_is_not_its_own_makes_a_full_write(tmp_path: Any, caplog: Any, planted: str) -> None:
     state = lora_like()
     fp.save(state, tmp_path / "s0", incremental=inc())
     data = tmp_path / "s0" / read_manifest(str(tmp_path / "s0")).files[0].name
     (tmp_path / "elsewhere.bin").write_bytes(data.read_bytes())
     data.unlink()
-    data.symlink_to(tmp_path / "elsewhere.bin")
+    if planted == "symlink":
+        data.symlink_to(tmp_path / "elsewhere.bin")
+    else:
+        os.mkfifo(data)  # never opened for reading without O_NONBLOCK: no hang
     with caplog.at_level(logging.WARNING, logger="fastpersist"):
         result = fp.save(state, tmp_path / "s1", incremental=inc(tmp_path / "s0"))
     assert "unusable" in caplog.text and result.nbytes >= state["base"].nbytes
