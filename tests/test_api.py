@@ -255,7 +255,7 @@ def test_damaged_checkpoints_raise_clear_errors(workdir: str) -> None:
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda d: d.update(format_version=[2, 0]), "upgrade fastpersist"),
+        (lambda d: d.update(format_version=[3, 0]), "upgrade fastpersist"),
         (lambda d: d["files"][0].update(name="../../etc/passwd"), "plain file name"),
         (lambda d: d["files"][0].update(len_bytes=10**12), "chunk checksums|total_bytes"),
         (lambda d: d.update(total_bytes=d["total_bytes"] + 1), "total_bytes"),

@@ -315,12 +315,7 @@ def parse(raw: bytes, *, where: str = MANIFEST_NAME, layout_only: bool = False) 
     files = _parse_files(doc.get("files"), where, chunk_bytes, total_bytes, checksum, len(stripes), version[0] >= 2)
     chunk_hashes = hashes_from_json(doc.get(CHUNK_HASH_FIELD), where, chunk_bytes=chunk_bytes, total_bytes=total_bytes)
     blobs = _parse_blobs(doc.get("blobs"), where, total_bytes)
-    try:
-        tensors = [] if layout_only else records_from_json(doc.get("tensors"))
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{where}: bad tensor record: {e}") from None
-    _check_tensors_fit(tensors, blobs, where)
-    tree = {} if layout_only else doc.get("tree")
+    tensors, tree = ([], {}) if layout_only else (_records(doc, blobs, where), doc.get("tree"))
     if not isinstance(tree, dict):
         raise CorruptCheckpointError(f"{where}: missing tree")
     extra = doc.get("extra", {})
@@ -352,6 +347,16 @@ def parse(raw: bytes, *, where: str = MANIFEST_NAME, layout_only: bool = False) 
         chunk_hashes=chunk_hashes,
         incremental_depth=_incremental_depth(doc, where),
     )
+
+
+def _records(doc: dict[str, Any], blobs: list[tuple[int, int]], where: str) -> list[TensorRecord]:
+    """The manifest's tensor records, each checked to fit its blob."""
+    try:
+        tensors = records_from_json(doc.get("tensors"))
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{where}: bad tensor record: {e}") from None
+    _check_tensors_fit(tensors, blobs, where)
+    return tensors
 
 
 def _incremental_depth(doc: dict[str, Any], where: str) -> int:
