@@ -38,6 +38,21 @@ import torch
 import fastpersist as fp
 
 
+def adamw_steps(params: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, Callable[[], int]]:
+    """An AdamW over `params`, stepped once (its moments exist), and a step with random gradients
+    that returns the bytes it changed: the parameters and their two moments."""
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def step() -> int:
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        return sum(p.nbytes for p in params) * 3
+
+    step()
+    return opt, step
+
+
 def lora_state(gib: float) -> tuple[dict[str, Any], Callable[[], int]]:
     """A frozen bf16 base (gib GiB), 1% of its parameter count as fp32 adapters with AdamW state, and
     a step that changes every adapter value and moment."""
@@ -46,14 +61,7 @@ def lora_state(gib: float) -> tuple[dict[str, Any], Callable[[], int]]:
     base = {f"layer{i}.weight": torch.randn(64, width).to(torch.bfloat16) for i in range(rows // 64)}
     adapter_params = max(width, rows * width // 100)
     adapters = torch.nn.Parameter(torch.randn(adapter_params // width, width) * 0.01)
-    opt = torch.optim.AdamW([adapters], lr=1e-3)
-
-    def step() -> int:
-        adapters.grad = torch.randn_like(adapters)
-        opt.step()
-        return adapters.nbytes * 3  # the adapters and their two moments
-
-    step()
+    opt, step = adamw_steps([adapters])
     state = {"model": {**base, "adapters": adapters}, "optimizer": opt.state_dict()}
     return state, step
 
@@ -65,15 +73,7 @@ def lora_interleaved_state(gib: float) -> tuple[dict[str, Any], Callable[[], int
     layers = max(1, int(gib * (1 << 30)) // 2 // (width * width))
     base = [torch.randn(width, width).to(torch.bfloat16) for _ in range(layers)]
     lora = [torch.nn.Parameter(torch.randn(rank, width) * 0.01) for _ in range(2 * layers)]
-    opt = torch.optim.AdamW(lora, lr=1e-3)
-
-    def step() -> int:
-        for p in lora:
-            p.grad = torch.randn_like(p)
-        opt.step()
-        return sum(p.nbytes for p in lora) * 3
-
-    step()
+    opt, step = adamw_steps(lora)
     model: dict[str, Any] = {}
     for i, weight in enumerate(base):
         model[f"layer{i}.weight"] = weight
@@ -88,15 +88,7 @@ def half_frozen_state(gib: float) -> tuple[dict[str, Any], Callable[[], int]]:
     rows = max(1, int(gib * (1 << 30)) // 4 // width // (layers // 2 + layers // 2 * 3))
     frozen = [torch.randn(rows, width) for _ in range(layers // 2)]
     trained = [torch.nn.Parameter(torch.randn(rows, width)) for _ in range(layers // 2)]
-    opt = torch.optim.AdamW(trained, lr=1e-3)
-
-    def step() -> int:
-        for p in trained:
-            p.grad = torch.randn_like(p)
-        opt.step()
-        return sum(p.nbytes for p in trained) * 3
-
-    step()
+    opt, step = adamw_steps(trained)
     model = {f"layer{i}": t for i, t in enumerate([*frozen, *trained])}
     return {"model": model, "optimizer": opt.state_dict()}, step
 

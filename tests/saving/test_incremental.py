@@ -26,15 +26,9 @@ from fastpersist.saving import incremental as incremental_module
 from fastpersist.saving.incremental import check_packed, segments_of
 from fastpersist.tools import cli
 
+from dist_workers import same
+
 BLOCK = 4096
-
-
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
-    return bool(a == b)
 
 
 def lora_like() -> dict[str, Any]:
