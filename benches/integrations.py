@@ -39,6 +39,8 @@ Stacks (``--stacks``):
   becomes a plain-torch byte view of each tensor.
 * ``hf``: the stock ``transformers.Trainer`` against ``FastPersistTrainer``, a GPT-2 of about
   ``--params`` parameters built from a config (nothing downloaded), ``save_steps=--every``.
+* ``accelerate``: ``save_state`` stock against ``FastPersistStateHooks`` as installed and with
+  ``background=True`` (benches/integrations_accelerate.py), the same MLP, every folder kept.
 * ``lightning``: the stock ``TorchCheckpointIO``, Lightning's ``AsyncCheckpointIO`` around it,
   and ``FastPersistAsyncCheckpointIO`` (its pool sized to the checkpoint), ``ModelCheckpoint``
   every ``--every`` steps keeping all, the same MLP as DeepSpeed's.
@@ -71,9 +73,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before anything imports DeepSp
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import integrations_accelerate
 import integrations_workers as workers
 
-STACKS = ("deepspeed", "hf", "lightning")
+STACKS = ("deepspeed", "hf", "lightning", "accelerate")
 
 
 def machine(root: str) -> list[str]:
@@ -207,7 +210,7 @@ def run_deepspeed(o: dict[str, Any], root: str) -> list[dict[str, Any]] | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--stacks", default=",".join(STACKS), help="comma-separated: deepspeed,hf,lightning")
+    parser.add_argument("--stacks", default=",".join(STACKS), help="comma-separated: deepspeed,hf,lightning,accelerate")
     parser.add_argument("--params", type=float, default=100e6, help="model parameters (default 100e6)")
     parser.add_argument("--steps", type=int, default=12, help="training steps per loop (default 12)")
     parser.add_argument("--every", type=int, default=4, help="a checkpoint every N steps (default 4)")
@@ -264,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
                 for note in sorted({n for r in runs for n in r.get("notes", [])}):
                     print(f"deepspeed: {note}")
             else:
-                make = workers.HFStack if stack == "hf" else workers.LightningStack
+                make: Callable[[dict[str, Any], str], workers.Stack] = {
+                    "hf": workers.HFStack,
+                    "lightning": workers.LightningStack,
+                    "accelerate": integrations_accelerate.AccelerateStack,
+                }[stack]
                 runs, bench = run_in_process(stack, o, root, make)
                 title, names = bench.title, bench.writers
             result["stacks"][stack] = {"runs": runs, "rows": report(stack, title, runs, names)}

@@ -1,10 +1,12 @@
 """Accelerate's ``total_limit`` rotation and folder life cycle with FastPersistStateHooks
 (fastpersist.integrations.hf_accelerate): a real ``Accelerator(cpu=True)``.
 
-The rotation must delete the folders Accelerate's own would, in its order, but only once the
-new folder is durable: a folder whose save is in flight, or the last loadable one, is never
-deleted; a failed save deletes nothing; ``load_state`` waits for the save in flight; what a
-killed save left inside a folder is refused by ``load_state`` and cleaned by the next save.
+By default ``save_state`` keeps Accelerate's contract: its folder is complete on return, so it
+can be copied or removed at once. The rotation must delete the folders Accelerate's own would,
+in its order, but only once the new folder is durable: with ``background=True`` a folder whose
+save is in flight, or the last loadable one, is never deleted; a failed save deletes nothing;
+``load_state`` waits for the save in flight; what a killed save left inside a folder is refused
+by ``load_state`` and cleaned by the next save.
 """
 
 from __future__ import annotations
@@ -53,6 +55,35 @@ def _loadable(folder: Path) -> bool:
     return True
 
 
+def test_save_state_returns_with_its_folder_complete_so_it_can_be_copied_or_removed_at_once(tmp_path: Path) -> None:
+    """Accelerate's own suite removes its project directory right after the last ``save_state``
+    (test_checkpoint_deletion): a write still in flight then made that removal fail, or lost the
+    weights of a copy taken at once."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    stock = _accelerator(theirs, total_limit=2)
+    accelerator = _accelerator(ours, total_limit=2)
+    hooks = FastPersistStateHooks().install(accelerator)
+    for n in range(4):
+        accelerator.save_state()
+        stock.save_state()
+        assert hooks.saves_in_flight == []
+        assert _folders(ours) == _folders(theirs)  # rotated on return, as Accelerate's own
+        copy = tmp_path / f"copy_{n}"
+        shutil.copytree(ours / "checkpoints" / f"checkpoint_{n}", copy)
+        assert _loadable(copy)
+        weights = _weights(accelerator)
+        _step(accelerator)
+        accelerator.load_state(str(copy))
+        assert all(torch.equal(v, weights[k]) for k, v in _weights(accelerator).items())
+    shutil.rmtree(ours)  # nothing of ours writes into it any more
+    assert not ours.exists()
+
+
+def test_background_true_is_validated(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="background='yes'"):
+        FastPersistStateHooks(background="yes")  # type: ignore[arg-type]
+
+
 def test_rotation_deletes_what_accelerate_would_but_only_behind_a_durable_successor(tmp_path: Path) -> None:
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
     for project in (ours, theirs):
@@ -60,7 +91,7 @@ def test_rotation_deletes_what_accelerate_would_but_only_behind_a_durable_succes
             (project / "checkpoints" / f"checkpoint_{n}").mkdir(parents=True)
     stock = _accelerator(theirs, total_limit=2, iteration=11)
     accelerator = _accelerator(ours, total_limit=2, iteration=11)
-    hooks = FastPersistStateHooks().install(accelerator)
+    hooks = FastPersistStateHooks(background=True).install(accelerator)
     for _ in range(3):
         before = _folders(ours)
         accelerator.save_state()
@@ -77,7 +108,7 @@ def test_rotation_deletes_what_accelerate_would_but_only_behind_a_durable_succes
 
 def test_total_limit_one_back_to_back_keeps_a_loadable_checkpoint(tmp_path: Path) -> None:
     accelerator = _accelerator(tmp_path, total_limit=1)
-    hooks = FastPersistStateHooks().install(accelerator)
+    hooks = FastPersistStateHooks(background=True).install(accelerator)
     accelerator.save_state()
     accelerator.save_state()  # the first save may still be in flight: it is waited for, not deleted
     assert _folders(tmp_path) == ["checkpoint_0", "checkpoint_1"]
@@ -106,7 +137,7 @@ def test_a_failed_save_deletes_nothing_and_the_next_one_catches_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     accelerator = _accelerator(tmp_path, total_limit=1)
-    hooks = FastPersistStateHooks().install(accelerator)
+    hooks = FastPersistStateHooks(background=True).install(accelerator)
     accelerator.save_state()
     hooks.wait()
     monkeypatch.setattr(hf_accelerate, "save_async", lambda state, path, config: _FailedSave(path))
@@ -135,7 +166,7 @@ def _weights(accelerator: Any) -> dict[str, torch.Tensor]:
 
 def test_load_state_waits_for_the_save_in_flight_and_loads_the_newest(tmp_path: Path) -> None:
     accelerator = _accelerator(tmp_path, total_limit=1)
-    FastPersistStateHooks().install(accelerator)
+    FastPersistStateHooks(background=True).install(accelerator)
     accelerator.save_state()
     _step(accelerator)
     accelerator.save_state()

@@ -287,7 +287,7 @@ def _prepared(seed: int) -> Any:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.8)
     prepared = accelerator.prepare(model, optimizer, scheduler)
-    return accelerator, FastPersistStateHooks().install(accelerator), *prepared
+    return accelerator, FastPersistStateHooks(background=True).install(accelerator), *prepared
 
 
 def test_accelerate_save_state_and_load_state_go_through_the_hooks_and_resume_exactly(tmp_path: Path) -> None:

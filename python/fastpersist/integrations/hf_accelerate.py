@@ -3,43 +3,47 @@ through the two hooks Accelerate offers (``register_save_state_pre_hook``,
 ``register_load_state_pre_hook``): :class:`FastPersistStateHooks`.
 
     >>> hooks = FastPersistStateHooks().install(accelerator)      # doctest: +SKIP
-    >>> accelerator.save_state("ckpt/step-100")  # staged: returns  # doctest: +SKIP
-    >>> hooks.wait()                             # durable          # doctest: +SKIP
+    >>> accelerator.save_state("ckpt/step-100")  # complete and durable on return  # doctest: +SKIP
     >>> accelerator.load_state("ckpt/step-100")                   # doctest: +SKIP
 
 The save hook takes each model's state dict out of the list Accelerate would write and starts
 :func:`fastpersist.save_async` of it into ``model_fastpersist`` (``model_{i}_fastpersist``)
 beside Accelerate's files: a fastpersist checkpoint (aligned O_DIRECT writes, crc32c on every
-chunk, atomic rename), written during the next steps. Each prepared optimizer's ``step()``
-first waits until those weights are staged. The load hook waits for the saves in flight, then
-fills each model's tensors in place from its checkpoint (all or nothing, checksums verified)
-and takes the model out of the list Accelerate would load; a folder saved without the hooks
-(no ``model_fastpersist``) is left to Accelerate's own loader.
+chunk, atomic rename), written while Accelerate writes its own files (the optimizer state, the
+RNG states). The load hook waits for the saves in flight, then fills each model's tensors in
+place from its checkpoint (all or nothing, checksums verified) and takes the model out of the
+list Accelerate would load; a folder saved without the hooks (no ``model_fastpersist``) is left
+to Accelerate's own loader.
 
 ``install`` also wraps the accelerator's ``save_state`` and ``load_state``. ``save_state``
-first waits for the previous save (one in flight at a time) and removes what killed saves left
-in its folder (with ``automatic_checkpoint_naming``: in every folder of ``checkpoints/``). With
+returns, as Accelerate's own does, with its folder complete: the weights committed, every file
+of the folder fsynced. So a folder may be read, copied or removed right after it. With
+``FastPersistStateHooks(background=True)`` it returns once the weights are staged instead and
+the write commits during the next steps (each prepared optimizer's ``step()`` first waits until
+the weights are staged): the folder lacks the weights until :meth:`FastPersistStateHooks.wait`,
+the next ``save_state`` or ``load_state``, so copying or removing it before then races the write.
+
+``save_state`` also removes what killed saves left in its folder (with
+``automatic_checkpoint_naming``: in every folder of ``checkpoints/``). With
 ``ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=k)`` it runs Accelerate's
 with ``total_limit`` off and deletes the same oldest folders Accelerate would have deleted, but
-only once the new folder is durable (:func:`folders_past_limit`, :func:`remove_folders`): so a folder whose save is
-in flight is never deleted, the previous checkpoint stays until its successor is loadable, and
-``k + 1`` folders exist meanwhile; the deletion happens at :meth:`FastPersistStateHooks.wait`
-or at the next ``save_state``/``load_state``. ``load_state`` waits for the save in flight before
-Accelerate picks or reads its folder. To copy or remove a folder right after ``save_state``,
-call ``hooks.wait()`` first: until it returns, the weights are still being written.
+only once the new folder is durable (:func:`folders_past_limit`, :func:`remove_folders`): so a
+folder whose save is in flight is never deleted and the previous checkpoint stays until its
+successor is loadable (``k + 1`` folders exist meanwhile). ``load_state`` waits for the save in
+flight before Accelerate picks or reads its folder.
 
 What the hooks cannot reach, since Accelerate writes and reads it itself after the hook: the
 optimizer state (``optimizer.bin``), schedulers, the grad scaler, the RNG states
 (``random_states_*.pkl``), dataloader samplers and ``register_for_checkpointing`` objects.
-They stay ``torch.save`` files written synchronously by ``save_state``, with no checksum and
-no fsync; :meth:`FastPersistStateHooks.wait` fsyncs them (and the directory) after the fact,
-so the directory is durable once it returns, but a crash during ``save_state`` can leave them
-partial. ``save_state`` writes into the folder in place, and ``load_state()`` with automatic
-naming picks the newest folder whether it is complete or not (a folder whose weights' save was
-killed is refused by the load hook with an error naming it; load the folder before it). Models
-of FSDP, DeepSpeed or Megatron-LM runs are saved by Accelerate itself (their hook list is
-empty). For checkpoints that appear only when complete, use :class:`~fastpersist.Checkpointer`
-or, under the Trainer, :mod:`.hf_trainer`.
+They stay ``torch.save`` files written synchronously by ``save_state``, with no checksum; the
+hooks fsync them (and the directory) after the fact, so the directory is durable once the
+weights are, but a crash during ``save_state`` can leave them partial. ``save_state`` writes
+into the folder in place, and ``load_state()`` with automatic naming picks the newest folder
+whether it is complete or not (a folder whose weights' save was killed is refused by the load
+hook with an error naming it; load the folder before it). Models of FSDP, DeepSpeed or
+Megatron-LM runs are saved by Accelerate itself (their hook list is empty). For checkpoints that
+appear only when complete, use :class:`~fastpersist.Checkpointer` or, under the Trainer,
+:mod:`.hf_trainer`.
 """
 
 from __future__ import annotations
@@ -160,18 +164,24 @@ class FastPersistStateHooks:
 
     Args:
         config: engine knobs for the models' saves and loads. Without it, a model's weights are
-            staged in snapshot mode (a pool of their size, capped at a quarter of RAM), so the
-            step after ``save_state`` waits for one memory copy, not for the disk.
+            staged in snapshot mode (a pool of their size, capped at a quarter of RAM), so
+            Accelerate's own writes (and, with `background`, the next steps) wait for one memory
+            copy, not for the disk.
+        background: ``save_state`` returns once the weights are staged, not committed; the
+            folder lacks them until :meth:`wait` (see the module docstring).
 
     Example:
         >>> hooks = FastPersistStateHooks().install(accelerator)   # doctest: +SKIP
         >>> accelerator.save_state(out); hooks.wait()              # doctest: +SKIP
     """
 
-    def __init__(self, config: Config | None = None) -> None:
+    def __init__(self, config: Config | None = None, *, background: bool = False) -> None:
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config={config!r}: expected a fastpersist.Config (or None for the defaults)")
+        if not isinstance(background, bool):
+            raise TypeError(f"background={background!r}: expected True or False")
         self.config = config
+        self.background = background
         self.accelerator: Any = None
         self._in_flight: list[SaveFuture] = []
         self._last_dir: str | None = None
@@ -258,17 +268,17 @@ class FastPersistStateHooks:
             elif output_dir is not None:
                 clean_folders([os.fspath(output_dir)], self._stripes())
             limit = project.total_limit
-            if not project.automatic_checkpoint_naming or limit is None:
-                return save_state(output_dir, *args, **kwargs)
-            retired = folders_past_limit(checkpoints, limit) if self.accelerator.is_main_process else []
+            retired: list[str] = []
+            if project.automatic_checkpoint_naming and limit is not None and self.accelerator.is_main_process:
+                retired = folders_past_limit(checkpoints, limit)
             project.total_limit = None  # Accelerate would delete them now, before the new folder is durable
             try:
                 location = save_state(output_dir, *args, **kwargs)
             finally:
                 project.total_limit = limit
             self._retire_after_commit = retired
-            if not self._in_flight:
-                self.wait()  # no weights of ours in flight (FSDP, no model): durable and rotated now
+            if not (self.background and self._in_flight):
+                self.wait()  # Accelerate's contract: the folder complete on return (and rotated)
             return location
 
         return wrapper
@@ -283,7 +293,7 @@ class FastPersistStateHooks:
 
     def _save_hook(self, models: list[Any], weights: list[dict[str, Any]], output_dir: str) -> None:
         self.wait()  # one save_state in flight at a time
-        for optimizer in self.accelerator._optimizers:
+        for optimizer in self.accelerator._optimizers if self.background else ():
             inner = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer's step bypasses its own hooks
             if id(inner) not in self._guarded:
                 guard_optimizer(inner, self)
