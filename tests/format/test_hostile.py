@@ -143,6 +143,8 @@ HAND_WRITTEN = {
     "huge file": lambda d: d["files"][0].update(len_bytes=(1 << 60) - 4096),
     "past 2**60": lambda d: d.update(total_bytes=1 << 70),
     "negative offset": lambda d: d["files"][0].update(stream_offset_bytes=-4096),
+    # A file starting inside a chunk: an incremental save would link its chunks by the offset.
+    "unaligned file": lambda d: d["files"][0].update(stream_offset_bytes=100),
     "negative blob": lambda d: d["blobs"][0].update(offset_bytes=-64),
     "overlapping blobs": lambda d: d["blobs"][1].update(offset_bytes=0),
     "overlapping files": lambda d: d["files"].append(dict(d["files"][0], name="data-w9-s0.bin")),

@@ -84,6 +84,13 @@ class FileEntry:
             "chunk_crc32c": self.chunk_crc32c,
         }
 
+    def chunk_runs(self, chunk_bytes: int) -> tuple[Run, ...]:
+        """``(file chunk, stream chunk, count)`` of each run of stream chunks the file holds (a
+        format 1.x file is one run: it starts on a chunk boundary, which :func:`parse` checks)."""
+        if self.stream_chunks is not None:
+            return self.stream_chunks
+        return ((0, self.stream_offset_bytes // chunk_bytes, _core.chunk_count(self.len_bytes, chunk_bytes)),)
+
     def runs(self, chunk_bytes: int, total_bytes: int) -> list[tuple[int, int, int]]:
         """``(file offset, stream offset, length)`` of each range of the stream the file holds."""
         return runs_in_bytes(

@@ -403,11 +403,9 @@ def _same_chunks(new: bytes, old: bytes, new_total: int, old_total: int, chunk: 
 
 def _holders(m: Manifest) -> dict[int, tuple[FileEntry, int]]:
     """Each chunk of `m`'s stream: the file that holds it, and which chunk of that file."""
-    chunk = m.chunk_bytes
     held: dict[int, tuple[FileEntry, int]] = {}
     for f in m.files:
-        runs = f.stream_chunks or ((0, f.stream_offset_bytes // chunk, _core.chunk_count(f.len_bytes, chunk)),)
-        for fc, sc, n in runs:
+        for fc, sc, n in f.chunk_runs(m.chunk_bytes):
             for i in range(n):
                 held[sc + i] = (f, fc + i)
     return held
