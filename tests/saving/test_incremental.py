@@ -93,6 +93,32 @@ def test_blocks_inside_a_tensor(tmp_path: Any) -> None:
     assert same(fp.load(tmp_path / "s1"), {"emb": table})
 
 
+def test_tied_weights_stay_tied_and_buffers_changed_in_forward_are_saved(tmp_path: Any) -> None:
+    """A model's own state: an embedding tied to the output layer (one blob, two keys) and
+    batch norm statistics that the forward pass changes without any optimizer step."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(512, 64)
+    head = torch.nn.Linear(64, 512, bias=False)
+    head.weight = emb.weight  # tied
+    norm = torch.nn.BatchNorm1d(64)
+    model = torch.nn.ModuleDict({"emb": emb, "head": head, "norm": norm})
+    fp.save(model.state_dict(), tmp_path / "s0", incremental=inc())
+    norm.train()
+    norm(torch.randn(32, 64))  # running_mean, running_var, num_batches_tracked change
+    state = model.state_dict()
+    result = fp.save(state, tmp_path / "s1", incremental=inc(tmp_path / "s0"))
+    stats = norm.running_mean.nbytes + norm.running_var.nbytes + norm.num_batches_tracked.nbytes
+    assert 0 < result.nbytes <= stats + 4 * BLOCK and result.nbytes < emb.weight.nbytes  # the table is linked
+    loaded = fp.load(tmp_path / "s1")
+    assert same(loaded, state) and int(loaded["norm.num_batches_tracked"]) == 1
+    assert loaded["emb.weight"].untyped_storage().data_ptr() == loaded["head.weight"].untyped_storage().data_ptr()
+    with torch.no_grad():
+        emb.weight[7] += 1  # through the tie: one block of the one blob
+    result = fp.save(model.state_dict(), tmp_path / "s2", incremental=inc(tmp_path / "s1"))
+    assert result.nbytes <= 2 * BLOCK
+    assert same(fp.load(tmp_path / "s2"), model.state_dict())
+
+
 def test_nothing_changed_writes_nothing_and_a_chain_of_steps_each_loads(tmp_path: Any) -> None:
     state = lora_like()
     states = []
