@@ -460,15 +460,20 @@ def _parse_blobs(items: object, where: str, total_bytes: int) -> list[tuple[int,
 
 
 def _check_tensors_fit(tensors: list[TensorRecord], blobs: list[tuple[int, int]], where: str) -> None:
+    def at(i: int, t: TensorRecord) -> str:  # built only for an error: a load may check 100,000s
+        return f"{where}: tensor {i} ({shown(t.key_path)})"
+
+    itemsizes: dict[tuple[str, str], int] = {}
     for i, t in enumerate(tensors):
-        at = f"{where}: tensor {i} ({shown(t.key_path)})"
         if not 0 <= t.blob < len(blobs):
-            raise CorruptCheckpointError(f"{at}: blob index {t.blob} out of range")
+            raise CorruptCheckpointError(f"{at(i, t)}: blob index {t.blob} out of range")
         if len(t.stride) != len(t.shape) or any(s < 0 for s in t.stride):
-            raise CorruptCheckpointError(f"{at}: stride {shown(t.stride)} does not fit shape {shown(t.shape)}")
+            raise CorruptCheckpointError(f"{at(i, t)}: stride {shown(t.stride)} does not fit shape {shown(t.shape)}")
         if t.device == "meta":  # shape and strides only: no bytes in the blob
             continue
-        itemsize = dtype_itemsize(t.kind, t.dtype)
+        itemsize = itemsizes.get((t.kind, t.dtype))
+        if itemsize is None:
+            itemsize = itemsizes[t.kind, t.dtype] = dtype_itemsize(t.kind, t.dtype)
         if 0 in t.shape:
             span = 0
         else:
@@ -476,6 +481,6 @@ def _check_tensors_fit(tensors: list[TensorRecord], blobs: list[tuple[int, int]]
         blob_len = blobs[t.blob][1]
         if t.offset_bytes < 0 or t.offset_bytes + span > blob_len or t.offset_bytes % itemsize:
             raise CorruptCheckpointError(
-                f"{at}: {shown(t.dtype)} {shown(t.shape)} at byte {t.offset_bytes} needs {span} bytes but blob "
+                f"{at(i, t)}: {shown(t.dtype)} {shown(t.shape)} at byte {t.offset_bytes} needs {span} bytes but blob "
                 f"{t.blob} has {blob_len}"
             )

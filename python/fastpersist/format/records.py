@@ -214,6 +214,9 @@ def records_to_json(records: list[TensorRecord]) -> list[dict[str, Any]]:
     ]
 
 
+_RECORD_FIELD_SET = frozenset(_RECORD_FIELDS)
+
+
 def _is_int(x: object) -> bool:
     return type(x) is int and 0 <= x < MAX_EXTENT
 
@@ -255,7 +258,7 @@ def _record_from_json(i: int, item: object) -> TensorRecord:
 
     if not isinstance(item, dict):
         raise bad(f"expected an object, got {type(item).__name__}")
-    if set(item) != set(_RECORD_FIELDS):
+    if item.keys() != _RECORD_FIELD_SET:
         missing = sorted(set(_RECORD_FIELDS) - set(item))
         extra = sorted(str(k) for k in set(item) - set(_RECORD_FIELDS))
         raise bad(f"wrong fields (missing {missing}, unexpected {shown(extra)})")

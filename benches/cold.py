@@ -1,0 +1,112 @@
+"""Cold loads against their peers, side by side in one run (issue 59's bench; more parts to come).
+
+``--part load``: one state of ``--total`` bytes in tensors of each ``--shapes`` size (float32),
+saved once by each writer; then, ``--reps`` rounds, each writer's file read cold (the page cache
+dropped, or the files evicted where that is refused), writers rotated from round to round:
+
+* ``fp.load``: into fresh tensors; ``fp.load(out=)``: into tensors that exist already;
+* ``torch.load`` of a ``torch.save`` file (``weights_only=True``, ``mmap=False``);
+* ``safetensors.torch.load_file`` of the same state (read whole into fresh tensors).
+
+Each timed call ends with one float read from every 4 KiB page of the result (safetensors maps
+its file and reads it lazily: the touch makes it read). Per writer and shape: the median seconds, its ratio to the best peer's median (below 1 beats
+every peer), and the spread (the slowest round / the median: a restart that is sometimes 2x
+slower is a slow restart).
+
+    python benches/cold.py --part load --total 1GiB --shapes 1GiB,1MiB,512KiB,4KiB --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import fastpersist as fp
+from fastpersist.tools.bench.system import drop_caches, evict_files
+from fastpersist.tools.units import parse_size
+
+WRITERS = ("fp.load", "fp.load(out=)", "torch.load", "safetensors")
+
+
+def state_of(total: int, each: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    count = max(1, total // each)
+    return {f"t{i:06d}": torch.randn(each // 4, generator=g) for i in range(count)}
+
+
+def touch(state: dict[str, torch.Tensor]) -> float:
+    """Reads one float of every 4 KiB page of every tensor: a loader that maps its file lazily
+    (safetensors does) pays its reads here, inside the timed call, as a training step would."""
+    return float(sum(float(t.view(-1)[::1024].sum()) for t in state.values()))
+
+
+def loaders(root: str, state: dict[str, torch.Tensor]) -> dict[str, Callable[[], Any]]:
+    from safetensors.torch import load_file, save_file
+
+    ck, pt, st = (os.path.join(root, n) for n in ("ck", "state.pt", "state.safetensors"))
+    fp.save(state, ck)
+    torch.save(state, pt)
+    save_file(state, st)
+    out = {k: torch.empty_like(v) for k, v in state.items()}
+    return {
+        "fp.load": lambda: fp.load(ck),
+        "fp.load(out=)": lambda: fp.load(ck, out=out) and out,
+        "torch.load": lambda: torch.load(pt, weights_only=True),
+        "safetensors": lambda: load_file(st),
+    }
+
+
+def part_load(args: argparse.Namespace, root: str) -> None:
+    total = parse_size(args.total)
+    print(f"{'tensors':>16} {'writer':<14} {'median s':>9} {'vs best':>8} {'slowest/median':>15}")
+    for shape in args.shapes.split(","):
+        each = parse_size(shape)
+        where = tempfile.mkdtemp(dir=root)
+        runs = loaders(where, state_of(total, each))
+        times: dict[str, list[float]] = {w: [] for w in runs}
+        order = list(runs)
+        for rep in range(args.reps):
+            for name in order[rep % len(order) :] + order[: rep % len(order)]:
+                if not drop_caches():
+                    evict_files([where])
+                start = time.perf_counter()
+                result = runs[name]()
+                touch(result)
+                times[name].append(time.perf_counter() - start)
+                del result
+        medians = {w: statistics.median(t) for w, t in times.items()}
+        label = f"{total // each} x {shape}"
+        for w, t in times.items():
+            best_peer = min(m for o, m in medians.items() if o != w)
+            print(f"{label:>16} {w:<14} {medians[w]:9.3f} {medians[w] / best_peer:7.2f}x {max(t) / medians[w]:14.2f}x")
+        shutil.rmtree(where)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["load"], default="load")
+    parser.add_argument("--total", default="1GiB", help="bytes of each state (default 1GiB)")
+    parser.add_argument("--shapes", default="1GiB,1MiB,512KiB,4KiB", help="tensor sizes, comma-separated")
+    parser.add_argument("--reps", type=int, default=5, help="rounds, medians reported (default 5)")
+    parser.add_argument("--dir", default="/var/tmp", help="where the files go (default /var/tmp)")
+    args = parser.parse_args(argv)
+    root = tempfile.mkdtemp(prefix="fp-cold-", dir=args.dir)
+    print(f"load average (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    try:
+        part_load(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
