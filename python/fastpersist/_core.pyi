@@ -33,6 +33,7 @@ __all__ = [
     "chunk_hashes",
     "chunk_runs",
     "chunk_spans",
+    "check_chunks",
     "crc32c",
     "direct_io_supported",
     "flatten_walk",
@@ -480,6 +481,13 @@ def writes_in_memory(paths: Sequence[_StrPath], backend: str, direct_io: str) ->
     each on a memory filesystem (a regular file or absent), O_DIRECT not required, not the null
     sink. Such files are written through mappings of them, or, a device save's one file, staged
     into its own mapping (:meth:`Arena.over_file`). The engine's one rule for it."""
+
+def check_chunks(
+    path: _StrPath, data: _Buffer, offset_bytes: int, chunk_bytes: int, chunk_crc32c: Sequence[int]
+) -> None:
+    """Checks `data`, the bytes at chunk-aligned `offset_bytes` of the part file `path`, against
+    `chunk_crc32c` (every chunk of that file): ``ChecksumMismatchError`` naming the first chunk
+    that differs (``ValueError`` for bytes past the recorded chunks or an unaligned offset)."""
 
 def crc32c(data: _Buffer) -> int:
     """crc32c (Castagnoli) of a buffer."""

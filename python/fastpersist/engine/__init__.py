@@ -5,7 +5,7 @@ every read of part files is a :func:`~fastpersist.engine.reads.read_ranges` call
 engine's buffers keep between saves and loads is registered in :mod:`~fastpersist.engine.kept_memory`."""
 
 from .copies import PartFile, check_part_file
-from .reads import ReadRange, first_bad_chunk, read_file_range, read_ranges
+from .reads import ReadRange, read_file_range, read_ranges
 from .writes import Crc32Field, Guard, JobHooks, WriteOptions, WriteRequest, start_write
 
 __all__ = [
@@ -17,7 +17,6 @@ __all__ = [
     "WriteOptions",
     "WriteRequest",
     "check_part_file",
-    "first_bad_chunk",
     "read_file_range",
     "read_ranges",
     "start_write",

@@ -1,5 +1,6 @@
 """A read of the engine, started in one place: byte ranges of part files into a buffer, every
-chunk's crc32c checked in Rust with the GIL released, and the check of bytes already in memory.
+chunk's crc32c checked in Rust with the GIL released (bytes already in memory are checked by
+``_core.check_chunks``, with the same error).
 
 Every reader (a load's stream and windows, the partner level's transfers, the remote level's
 uploads, the DCP reader, the tuner and ``fastpersist bench``) calls :func:`read_ranges`; the
@@ -16,8 +17,6 @@ Example:
     >>> dest = bytearray(_core.DIRECT_ALIGN_BYTES)
     >>> read_ranges([ReadRange(path, 5, 0, 5, 0, [_core.crc32c(b"hello")])], dest, chunk_bytes=1 << 20)
     5
-    >>> first_bad_chunk([_core.crc32c(b"hello")], 1 << 20, 0, b"jello") is not None
-    True
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import fastpersist._core as _core
 from ..errors import CorruptCheckpointError
 from ..format.quote import shown
 
-__all__ = ["ReadRange", "first_bad_chunk", "read_file_range", "read_ranges"]
+__all__ = ["ReadRange", "read_file_range", "read_ranges"]
 
 
 class ReadRange(NamedTuple):
@@ -87,17 +86,3 @@ def read_file_range(
     first = offset // chunk_bytes
     wanted = list(crcs[first : first + _core.chunk_count(length, chunk_bytes)]) if crcs else []
     read_ranges([ReadRange(path, file_len_bytes, offset, length, 0, wanted)], dest, chunk_bytes=chunk_bytes)
-
-
-def first_bad_chunk(crcs: Sequence[int], chunk_bytes: int, offset: int, data: Any) -> tuple[int, int, int, int] | None:
-    """The first chunk of `data` (the bytes at chunk-aligned `offset` of a file whose chunks have
-    the checksums `crcs`; empty: unchecked) whose crc32c differs: ``(start, end, found,
-    expected)`` in file offsets, or None when every chunk matches."""
-    if not crcs:
-        return None
-    first, view = offset // chunk_bytes, memoryview(data)  # slices of a view copy nothing
-    for i, (start, n) in enumerate(_core.chunk_spans(len(view), chunk_bytes)):
-        expected, found = crcs[first + i], _core.crc32c(view[start : start + n])
-        if found != expected:
-            return offset + start, offset + start + n, found, expected
-    return None

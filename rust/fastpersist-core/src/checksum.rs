@@ -1,7 +1,11 @@
 //! Checksums with runtime SIMD dispatch: crc32c (Castagnoli, as used by iSCSI and ext4) for our
 //! own chunks, and CRC-32 (IEEE 802.3, the one zip and gzip use) for the records of zip archives.
 
+use std::path::Path;
+
 use crc_fast::{CrcAlgorithm, Digest};
+
+use crate::error::{Error, Result};
 
 /// Incremental crc32c.
 #[derive(Clone)]
@@ -34,6 +38,50 @@ impl Crc32c {
 /// crc32c of `bytes` in one call.
 pub fn crc32c(bytes: &[u8]) -> u32 {
     crc_fast::checksum(CrcAlgorithm::Crc32Iscsi, bytes) as u32
+}
+
+/// Checks `bytes`, which lie at `offset_bytes` (a multiple of `chunk_bytes`) of the file `path`,
+/// chunk by chunk against `expected`, the recorded crc32c of every chunk of that file: the one
+/// check of bytes that arrived from elsewhere (a download, a store's piece) before they count.
+/// The first chunk that differs is `Error::ChecksumMismatch`, naming `path` and its offsets.
+pub fn check_chunks(
+    path: &Path,
+    bytes: &[u8],
+    offset_bytes: u64,
+    chunk_bytes: u64,
+    expected: &[u32],
+) -> Result<()> {
+    if chunk_bytes == 0 || !offset_bytes.is_multiple_of(chunk_bytes) {
+        return Err(Error::InvalidArgument(format!(
+            "{}: offset {offset_bytes} is not a multiple of the chunk size {chunk_bytes}",
+            path.display()
+        )));
+    }
+    let first = offset_bytes / chunk_bytes;
+    let mut at = offset_bytes;
+    for (i, piece) in bytes.chunks(chunk_bytes as usize).enumerate() {
+        let index = first + i as u64;
+        let Some(&want) = usize::try_from(index).ok().and_then(|k| expected.get(k)) else {
+            return Err(Error::InvalidArgument(format!(
+                "{}: bytes [{at}, {}) run past the {} chunks the manifest records",
+                path.display(),
+                at + piece.len() as u64,
+                expected.len()
+            )));
+        };
+        let found = crc32c(piece);
+        if found != want {
+            return Err(Error::ChecksumMismatch {
+                path: path.to_path_buf(),
+                offset_bytes: at,
+                len_bytes: piece.len() as u64,
+                expected: want,
+                found,
+            });
+        }
+        at += piece.len() as u64;
+    }
+    Ok(())
 }
 
 /// crc32c of `a` followed by `b`, from `crc32c(a)`, `crc32c(b)` and `b`'s length: how the
@@ -103,6 +151,35 @@ mod tests {
                 crc32c(&bytes)
             );
         }
+    }
+
+    #[test]
+    fn check_chunks_names_the_first_chunk_that_differs() {
+        let path = Path::new("store/step-3/data-w0-s0.bin");
+        let file: Vec<u8> = (0..10_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let crcs: Vec<u32> = file.chunks(4096).map(crc32c).collect();
+        assert!(check_chunks(path, &file, 0, 4096, &crcs).is_ok());
+        assert!(check_chunks(path, &file[4096..], 4096, 4096, &crcs).is_ok());
+        let mut bad = file[4096..].to_vec();
+        bad[5000] ^= 1; // inside the file's last chunk, [8192, 10000)
+        match check_chunks(path, &bad, 4096, 4096, &crcs) {
+            Err(Error::ChecksumMismatch {
+                offset_bytes,
+                len_bytes,
+                expected,
+                ..
+            }) => assert_eq!((offset_bytes, len_bytes, expected), (8192, 1808, crcs[2])),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            check_chunks(path, &file, 100, 4096, &crcs),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            check_chunks(path, &file[8192..], 12288, 4096, &crcs),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(check_chunks(path, &[], 12288, 4096, &crcs).is_ok());
     }
 
     #[test]

@@ -281,6 +281,31 @@ fn crc32c(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u32> {
     Ok(py.detach(|| checksum::crc32c(held.as_slice())))
 }
 
+/// Checks `data`, the bytes at chunk-aligned `offset_bytes` of the part file `path`, against
+/// `chunk_crc32c` (every chunk of that file): `ChecksumMismatchError` naming the first chunk that
+/// differs.
+#[pyfunction]
+fn check_chunks(
+    py: Python<'_>,
+    path: PathBuf,
+    data: &Bound<'_, PyAny>,
+    offset_bytes: u64,
+    chunk_bytes: u64,
+    chunk_crc32c: Vec<u32>,
+) -> PyResult<()> {
+    let held = HeldBuffer::get(data, false, "data")?;
+    py.detach(|| {
+        checksum::check_chunks(
+            &path,
+            held.as_slice(),
+            offset_bytes,
+            chunk_bytes,
+            &chunk_crc32c,
+        )
+    })
+    .into_py_result(py)
+}
+
 /// fsyncs a file.
 #[pyfunction]
 fn fsync_path(py: Python<'_>, path: PathBuf) -> PyResult<()> {
@@ -332,6 +357,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(is_memory_fs, m)?)?;
     m.add_function(wrap_pyfunction!(writes_in_memory, m)?)?;
     m.add_function(wrap_pyfunction!(crc32c, m)?)?;
+    m.add_function(wrap_pyfunction!(check_chunks, m)?)?;
     m.add_function(wrap_pyfunction!(fsync_path, m)?)?;
     m.add_function(wrap_pyfunction!(fsync_dir, m)?)?;
     m.add_function(wrap_pyfunction!(replace_atomically, m)?)?;
