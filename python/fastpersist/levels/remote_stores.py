@@ -23,7 +23,7 @@ import os
 import shutil
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import fastpersist._core as _core
@@ -45,6 +45,8 @@ __all__ = [
     "open_store",
 ]
 
+#: One piece of an object read from a store: ``(lo, hi, its bytes)``.
+Piece = tuple[int, int, bytes | memoryview]
 #: Bytes moved at a time (the throttle runs between pieces).
 COPY_PIECE_BYTES = 8 << 20
 #: The longest one request of a restore's first look at an object store may take, retries
@@ -180,7 +182,7 @@ class Store(abc.ABC):
             for _, _, data in self.read_pieces(key, f, checked=False):
                 out.append(data)
 
-    def read_pieces(self, key: str, f: FileCopy, *, checked: bool = True) -> Iterator[tuple[int, int, bytes]]:
+    def read_pieces(self, key: str, f: FileCopy, *, checked: bool = True) -> Iterator[Piece]:
         """The object's pieces ``(lo, hi, bytes)``, each checked against its chunk checksums
         (`checked` False: for a caller that checks them itself, as a download's part file does)."""
         for lo, hi in f.pieces():
@@ -246,6 +248,17 @@ class DirStore(Store):
         with open(self.where(key), "rb") as f:
             f.seek(lo)
             return f.read(hi - lo)
+
+    def read_pieces(self, key: str, f: FileCopy, *, checked: bool = True) -> Iterator[Piece]:
+        """A part file's pieces read by the engine, as an upload reads a local one (O_DIRECT where
+        the filesystem takes it, its size and, if `checked`, each chunk checked in Rust); each
+        piece is valid until the next is asked for. A manifest is read as any object."""
+        if not f.chunk_crc32c:
+            yield from super().read_pieces(key, f, checked=checked)
+            return
+        read = f if checked else replace(f, chunk_crc32c=[])
+        for (lo, hi), data in zip(f.pieces(), _engine_pieces(self.where(key), read, lambda n: None), strict=True):
+            yield lo, hi, data
 
     def children(self) -> list[str]:
         for name in os.listdir(self.root):
@@ -358,7 +371,7 @@ class S3Store(Store):
         except FileNotFoundError:
             return None
 
-    def read_pieces(self, key: str, f: FileCopy, *, checked: bool = True) -> Iterator[tuple[int, int, bytes]]:
+    def read_pieces(self, key: str, f: FileCopy, *, checked: bool = True) -> Iterator[Piece]:
         import obstore
 
         spans = f.pieces()
