@@ -6,14 +6,14 @@ dropped, or the files evicted where that is refused), writers rotated from round
 
 * ``fp.load``: into fresh tensors; ``fp.load(out=)``: into tensors that exist already;
 * ``torch.load`` of a ``torch.save`` file (``weights_only=True``, ``mmap=False``);
-* ``safetensors.torch.load_file`` of the same state (read whole into fresh tensors).
+* ``safetensors.torch.load_file`` of the same state.
 
 Each timed call ends with one float read from every 4 KiB page of the result (safetensors maps
-its file and reads it lazily: the touch makes it read). Per writer and shape: the median seconds, its ratio to the best peer's median (below 1 beats
-every peer), and the spread (the slowest round / the median: a restart that is sometimes 2x
-slower is a slow restart).
+its file and reads it lazily: the touch makes it read). Per writer and shape: the median
+seconds, its ratio to the best peer's median (below 1 beats every peer), and the spread (the
+slowest round / the median: a restart that is sometimes 2x slower is a slow restart).
 
-    python benches/cold.py --part load --total 1GiB --shapes 1GiB,1MiB,512KiB,4KiB --reps 5
+    python benches/cold.py --part load --total 1GiB --shapes 1GiB,4MiB,512KiB,64KiB --reps 5
 """
 
 from __future__ import annotations
