@@ -172,7 +172,9 @@ class FastPersistStateHooks:
 
     Example:
         >>> hooks = FastPersistStateHooks().install(accelerator)   # doctest: +SKIP
-        >>> accelerator.save_state(out); hooks.wait()              # doctest: +SKIP
+        >>> accelerator.save_state(out)  # complete and durable     # doctest: +SKIP
+        >>> hooks = FastPersistStateHooks(background=True).install(other)  # doctest: +SKIP
+        >>> other.save_state(out2); hooks.wait()  # durable at wait()      # doctest: +SKIP
     """
 
     def __init__(self, config: Config | None = None, *, background: bool = False) -> None:

@@ -45,8 +45,9 @@ __all__ = [
 #: Blobs up to a page are copied into storage of their own (a small allocation, cheap; and
 #: some torch APIs, torch.set_rng_state for one, crash on a tensor whose storage_offset is not
 #: 0); larger ones keep the pages they were read into, which go back to the OS when the tensor
-#: does. Copying up to 1 MiB, as before, made a load of 1,024 tensors of 512 KiB take 0.78 s
-#: against 0.35 s (medians of 5, cold): each copy faulted in fresh pages of its own.
+#: does. Copying up to 1 MiB, as before, made a cold load of 2,048 tensors of 512 KiB take
+#: 1.062 s against 0.537 s (benches/cold.py, docs/performance.md): each copy faulted in fresh
+#: pages of its own.
 OWN_STORAGE_BELOW_BYTES = 4096
 
 #: Bytes of stream read at a time when filling an existing state (``load(out=...)``); a blob
