@@ -48,6 +48,7 @@ __all__ = [
     "read_ranges_into",
     "PagedBuffer",
     "PartFileWriter",
+    "MemoryFileAhead",
 ]
 
 __version__: str
@@ -513,3 +514,16 @@ def flatten_walk(walker: object, state: object, path: str, env: dict[str, Any]) 
     node by ``walker.node(x, path, depth)``: the result is the Python walk's.
     ``env`` is ``fastpersist.format.nativewalk.ENV``.
     """
+
+@final
+class MemoryFileAhead:
+    """A file on a memory filesystem made ready for the save that will overwrite it with
+    `len_bytes` bytes (set to that length now): each ``advance`` allocates its next pages, else
+    maps it, else populates the mapping's next page tables, else keeps the mapping for the save,
+    at most `max_bytes` at a time with the GIL released; True once ready. Nothing changes a
+    byte of the file. `fd` is duplicated (the caller closes its own); `name` is for messages."""
+
+    def __new__(cls, fd: int, len_bytes: int, name: str | os.PathLike[str]) -> MemoryFileAhead: ...
+    def advance(self, max_bytes: int) -> bool: ...
+    @property
+    def allocated_bytes(self) -> int: ...

@@ -23,6 +23,7 @@ from fastpersist.format.layout import data_file_name
 from fastpersist.gpu.arenas import ARENAS, Arenas
 from fastpersist.gpu.copiers import use_copier
 from fastpersist.memory_level.recycle import file_to_stage_in, is_memory_root
+from fastpersist.memory_level.spares import wait_spare
 
 from fake_cuda import LaterCopier
 from gloo import HELPERS_DIR
@@ -112,14 +113,15 @@ def test_device_bytes_land_in_the_recycled_step_files_whose_arenas_serve_every_l
             assert len(RecordingCopier.destinations) == 2  # one copy per device tensor
             start, length = arenas.get(data, (0, 0))
             inside = [start <= p and p + n <= start + length for p, n in RecordingCopier.destinations]
-            if step < 3:
+            wait_spare()  # made after each of the first commits (spares.py), for the next save
+            if step == 0:
                 assert not any(inside) and data not in arenas  # a new file: an anonymous arena
                 continue
-            assert all(inside), step  # a recycled file: staged into its own pages
+            assert all(inside), step  # a spare or a recycled file: staged into its own pages
             in_place.add(data)
-            if step == 5:
+            if step == 3:
                 kept = list(ARENAS._kept)  # keep + 1 files rotate: no arena is made from here on
-            elif step > 5:
+            elif step > 3:
                 assert ARENAS._kept == kept
         assert len(in_place) == 3
         for step in ck.steps():
@@ -175,7 +177,8 @@ def test_a_deleted_root_gives_its_files_arenas_back_at_the_next_save(
         for step in range(3):
             ck.save(step, device_state(on_device, step))
             ck.wait()
-    assert len(file_arenas()) == 1
+            wait_spare()
+    assert len(file_arenas()) == 2  # keep + 1 files rotate (the second a spare), each with its arena
     shutil.rmtree(shm_root)
     fp.save(device_state(on_device, 1), os.path.join(workdir, "disk"), config=config())  # a disk save
     assert file_arenas() == {}
@@ -214,7 +217,8 @@ def test_a_full_memory_filesystem_fails_the_save_naming_the_file_and_keeps_the_l
                 on_device.add(state["w"].untyped_storage().data_ptr())
                 ck.save(step, state)
                 ck.wait()
-            assert len(file_arenas()) == 1  # step 0's file, recycled by step 2, was its arena
+                wait_spare()
+            assert len(file_arenas()) == 2  # step 1 took a spare, step 2 step 0's recycled file
             big = {"w": torch.ones(1_000_000)}  # 4 MB: more than the filesystem holds
             on_device.add(big["w"].untyped_storage().data_ptr())
             with pytest.raises(OSError) as raised:  # step 1's recycled file cannot grow to it

@@ -21,6 +21,7 @@ from ..format.manifest import read_manifest
 from ..loading.fill import check_out
 from ..loading.phases import PhaseClock
 from ..loading.pipeline import LoadOptions, load_checkpoint
+from ..memory_level.spares import make_spare
 from ..retention import retire, retire_in_group
 from ..saving.leftovers import stripe_leftovers
 from .host import LevelHost, gathered
@@ -62,6 +63,8 @@ class LocalLevel:
         else:
             assert host.config is not None
             retire_in_group(host.root, host.path(step), candidates, host.config, host.group, host.rank)
+        if host.rank == 0:
+            make_spare(host.root, host.path(step))  # a memory root with no retired step yet: files for the next save
 
     def latest(self) -> int | None:
         return self.host.local.latest()

@@ -55,6 +55,9 @@ from ..format.manifest import read_manifest
 
 __all__ = [
     "file_to_stage_in",
+    "open_dir_nofollow",
+    "recyclable_files",
+    "recycle_dir",
     "free_recycled",
     "is_memory_root",
     "recycle_checkpoint",
@@ -88,7 +91,7 @@ def file_to_stage_in(
     return (paths[0], parts[0].len_bytes) if _core.writes_in_memory(paths, backend, direct_io) else None
 
 
-def _open_dir(name: str, *, dir_fd: int | None = None) -> int | None:
+def open_dir_nofollow(name: str, *, dir_fd: int | None = None) -> int | None:
     """A descriptor of the directory `name` (relative to `dir_fd` when given), or None if it is
     absent, a symbolic link or not a directory: nothing here is reached through a link."""
     try:
@@ -102,7 +105,7 @@ def _open_dir(name: str, *, dir_fd: int | None = None) -> int | None:
 
 
 @contextlib.contextmanager
-def _recycle_dir(root: str, *, create: bool = False) -> Iterator[int | None]:
+def recycle_dir(root: str, *, create: bool = False) -> Iterator[int | None]:
     """The root's recycle directory, opened without following links (None when it has none).
 
     Everything in it is listed, moved and deleted relative to this descriptor, so a link
@@ -113,7 +116,7 @@ def _recycle_dir(root: str, *, create: bool = False) -> Iterator[int | None]:
     if create:
         with contextlib.suppress(FileExistsError):
             os.mkdir(path)
-    fd = _open_dir(path)
+    fd = open_dir_nofollow(path)
     if fd is None and os.path.lexists(path) and path not in _WARNED:
         _WARNED.add(path)
         log.warning(
@@ -137,7 +140,7 @@ def _single_file(path: str) -> bool:
     return stat.S_ISREG(st.st_mode) and st.st_nlink == 1
 
 
-def _data_files(path: str) -> list[str] | None:
+def recyclable_files(path: str) -> list[str] | None:
     """The manifests and data files of the checkpoint at `path`, or None if it may not be recycled
     (not a plain directory, unreadable, striped, a shard that is no plain directory, or a data
     file that is not a single plain file)."""
@@ -167,11 +170,11 @@ def recycle_checkpoint(root: str, path: str) -> bool:
 
     Older recycle entries are freed first, so at most one retired step's memory is held there.
     """
-    if not is_memory_root(root) or _data_files(path) is None:
+    if not is_memory_root(root) or recyclable_files(path) is None:
         return False
     try:
         manifest_id = read_manifest(path).checkpoint_id
-        with _recycle_dir(root, create=True) as bin_fd:
+        with recycle_dir(root, create=True) as bin_fd:
             if bin_fd is None:
                 return False
             _free_entries(bin_fd)
@@ -187,13 +190,13 @@ def recycle_checkpoint(root: str, path: str) -> bool:
 def _unlink_manifests(bin_fd: int, entry: str) -> None:
     """Removes the manifests of a recycle entry (and of its shards), through descriptors: without
     them the entry is plainly no checkpoint, even to fp.load or fp.verify."""
-    entry_fd = _open_dir(entry, dir_fd=bin_fd)
+    entry_fd = open_dir_nofollow(entry, dir_fd=bin_fd)
     if entry_fd is None:  # swapped for a link since the look: unlink the link itself
         os.unlink(entry, dir_fd=bin_fd)
         return
     try:
         shards = [s for s in sorted(os.listdir(entry_fd)) if SHARD_DIR.match(s)]
-        for fd in [entry_fd, *(_open_dir(s, dir_fd=entry_fd) for s in shards)]:
+        for fd in [entry_fd, *(open_dir_nofollow(s, dir_fd=entry_fd) for s in shards)]:
             if fd is None:
                 continue
             try:
@@ -208,7 +211,7 @@ def _unlink_manifests(bin_fd: int, entry: str) -> None:
 
 def recycled_entries(root: str) -> list[str]:
     """The entries of `root`'s recycle directory (none if it has none, or it is not a plain directory)."""
-    with _recycle_dir(root) as bin_fd:
+    with recycle_dir(root) as bin_fd:
         if bin_fd is None:
             return []
         return [os.path.join(root, RECYCLE_DIR, name) for name in sorted(os.listdir(bin_fd))]
@@ -216,7 +219,7 @@ def recycled_entries(root: str) -> list[str]:
 
 def free_recycled(root: str) -> list[str]:
     """Deletes every entry of `root`'s recycle directory (garbage by construction); returns them."""
-    with _recycle_dir(root) as bin_fd:
+    with recycle_dir(root) as bin_fd:
         if bin_fd is None:
             return []
         return [os.path.join(root, RECYCLE_DIR, name) for name in _free_entries(bin_fd)]
@@ -247,10 +250,11 @@ def take_recycled(root: str, tmp_dir: str, paths: list[str]) -> int:
     of a sharded save takes its own shard's file). A path with nothing to take stays absent and
     the engine creates it; so does a path outside `tmp_dir` (a stripe's), which is never taken.
     """
-    with _recycle_dir(root) as bin_fd:
+    with recycle_dir(root) as bin_fd:
         if bin_fd is None:
             return 0
-        entries = sorted(os.listdir(bin_fd))
+        # A dot-name is a spare still being made (spares.py): never taken half made.
+        entries = sorted(e for e in os.listdir(bin_fd) if not e.startswith("."))
         taken = 0
         for dest in paths:
             rel = os.path.relpath(dest, tmp_dir)
@@ -276,7 +280,7 @@ def _take(bin_fd: int, parts: list[str], dest: str) -> bool:
     try:
         where = bin_fd
         for name in parts[:-1]:
-            fd = _open_dir(name, dir_fd=where)
+            fd = open_dir_nofollow(name, dir_fd=where)
             if fd is None:
                 return False
             dirs.append(fd)

@@ -18,6 +18,7 @@ import fastpersist._core as _core
 
 from ..config import Config
 from ..futures import SaveResult
+from ..memory_level.spares import stop_spares
 from .group import GroupSaveJob
 from .incremental import Incremental
 from .job import SaveJob
@@ -50,6 +51,7 @@ def start_save(
     come flattened already (:func:`~fastpersist.saving.share_layout.flatten_to_save`).
     `incremental`: write only what changed since its base (one process only).
     Missing directories above `path` are created first (``mkdir -p``)."""
+    stop_spares()  # a spare being made for a memory root's next save yields the cores to this one
     make_parents(os.fspath(path), durable=config.durable)
     # The engine always runs on its own thread, so that waiting for it can be interrupted.
     job: SaveJob | GroupSaveJob

@@ -31,15 +31,29 @@ fn host_sources_on_a_disk_stage_through_the_pool() {
 }
 
 #[test]
-fn host_sources_on_a_memory_filesystem_stage_into_the_files_pages_unless_o_direct_is_required() {
+fn host_sources_on_a_memory_filesystem_overwrite_whole_files_in_place_unless_o_direct_is_required()
+{
     let shm = tempfile::tempdir_in("/dev/shm").unwrap();
     let (_, targets) = one_target_in(shm.path(), 3 * CHUNK);
-    let mode = StagingMode::choose(&targets, &options(), &JobHooks::default()).unwrap();
-    assert_eq!(mode, StagingMode::MappedFiles);
+    let choose = |options| StagingMode::choose(&targets, &options, &JobHooks::default()).unwrap();
+    // A new file, an empty one or one with holes has no pages to reuse: written through the
+    // pool, which allocates tmpfs pages faster than a new mapping does.
+    assert_eq!(choose(options()), StagingMode::Pool);
+    std::fs::write(&targets[0].path, b"").unwrap();
+    assert_eq!(choose(options()), StagingMode::Pool);
+    std::fs::File::options()
+        .write(true)
+        .open(&targets[0].path)
+        .unwrap()
+        .set_len(2 * CHUNK)
+        .unwrap();
+    assert_eq!(choose(options()), StagingMode::Pool);
+    // A recycled file (every page allocated) is overwritten through its mapping.
+    std::fs::write(&targets[0].path, vec![1; 2 * CHUNK as usize]).unwrap();
+    assert_eq!(choose(options()), StagingMode::MappedFiles);
     let mut required = options();
     required.direct = DirectMode::Require;
-    let mode = StagingMode::choose(&targets, &required, &JobHooks::default()).unwrap();
-    assert_eq!(mode, StagingMode::Pool);
+    assert_eq!(choose(required), StagingMode::Pool);
 }
 
 #[test]

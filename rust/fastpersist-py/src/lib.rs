@@ -5,6 +5,7 @@ mod arena;
 mod before_free;
 mod buffers;
 mod errors;
+mod file_ahead;
 mod handle;
 mod part_file;
 mod read;
@@ -344,6 +345,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<handle::WriteGate>()?;
     m.add_class::<PagedBuffer>()?;
     m.add_class::<part_file::PartFileWriter>()?;
+    m.add_class::<file_ahead::MemoryFileAhead>()?;
     m.add_function(wrap_pyfunction!(write::start_write, m)?)?;
     m.add_function(wrap_pyfunction!(read::read_ranges_into, m)?)?;
     m.add_function(wrap_pyfunction!(check_chunk_bytes, m)?)?;

@@ -158,6 +158,12 @@ pub(super) fn drop_deleted() -> usize {
     gone.len() // unmapped here, outside the lock
 }
 
+/// The inodes whose mappings are kept now.
+#[cfg(test)]
+pub(super) fn kept_inodes() -> Vec<u64> {
+    kept().iter().map(|m| m.ino).collect()
+}
+
 /// How many mappings are kept now.
 #[cfg(test)]
 pub(super) fn kept_count() -> usize {

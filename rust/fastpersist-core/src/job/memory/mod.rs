@@ -17,8 +17,11 @@
 //! A device job whose arena is its one file here is finished in place (`in_place`): staging put
 //! every byte into the file's pages already, so its chunks are only checksummed.
 
+mod ahead;
 mod in_place;
 mod mapped;
+
+pub use ahead::FileAhead;
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
@@ -59,6 +62,19 @@ pub fn is_memory_fs(dir: &Path) -> Result<bool> {
 /// the backend is not the null sink, and every file is on a memory filesystem.
 pub fn writes_in_memory(paths: &[&Path], direct: DirectMode, backend: BackendKind) -> bool {
     direct != DirectMode::Require && backend != BackendKind::Null && all_on_memory_fs(paths)
+}
+
+/// Whether a file at any of `paths` holds data with every page allocated (a recycled file, or
+/// a spare made ahead: `ahead`), so that writing through mappings reuses its pages. A file with
+/// holes is written as a new one: through the pool, which allocates faster than a mapping.
+pub(super) fn any_whole(paths: &[&Path]) -> bool {
+    paths.iter().any(|p| {
+        std::fs::symlink_metadata(p).is_ok_and(|m| {
+            m.is_file()
+                && m.len() > 0
+                && std::os::unix::fs::MetadataExt::blocks(&m).saturating_mul(512) >= m.len()
+        })
+    })
 }
 
 /// Whether every path's directory is on a memory filesystem (decided once per directory) and
@@ -126,21 +142,27 @@ fn populate(ranges: &[(usize, usize)], stop: &AtomicBool) {
         if stop.load(Ordering::Relaxed) || len == 0 {
             return;
         }
-        // Page-align the start (madvise needs it); the range stays inside the same mapping.
-        let aligned = addr & !(crate::DIRECT_ALIGN_BYTES - 1);
-        // SAFETY: madvise only populates page tables of our own live mapping (the caller joins
-        // this thread before unmapping); it reads or writes no memory through Rust references.
-        let rc = unsafe {
-            libc::madvise(
-                aligned as *mut libc::c_void,
-                len + (addr - aligned),
-                libc::MADV_POPULATE_WRITE,
-            )
-        };
-        if rc != 0 {
+        if !populate_range(addr, len) {
             return;
         }
     }
+}
+
+/// Populates the page tables of `[addr, addr + len)`, a range of one of our own live shared
+/// mappings (`MADV_POPULATE_WRITE`); whether the kernel did.
+fn populate_range(addr: usize, len: usize) -> bool {
+    // Page-align the start (madvise needs it); the range stays inside the same mapping.
+    let aligned = addr & !(crate::DIRECT_ALIGN_BYTES - 1);
+    // SAFETY: madvise only populates page tables of a live mapping of ours (the callers keep it
+    // mapped for the call); it reads or writes no memory through Rust references.
+    let rc = unsafe {
+        libc::madvise(
+            aligned as *mut libc::c_void,
+            len + (addr - aligned),
+            libc::MADV_POPULATE_WRITE,
+        )
+    };
+    rc == 0
 }
 
 /// Writes every target from the sources through shared mappings (see the module docs); fsyncs
@@ -275,7 +297,8 @@ mod tests {
                 .map(crate::checksum::crc32c)
                 .collect();
             assert_eq!(report.parts[0].chunk_crc32c, crcs);
-            assert!(!report.parts[0].direct);
+            // The new file is written through the pool; from then on, in place through a mapping.
+            assert!(round == 0 || !report.parts[0].direct);
             assert_eq!(*inode.get_or_insert(ino(&path)), ino(&path));
         }
     }
