@@ -22,7 +22,7 @@ import pickle
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar, cast
 
@@ -42,8 +42,10 @@ __all__ = [
     "collective",
     "control_for",
     "describe",
+    "failures_in",
     "forget_control",
     "group_rank_and_size",
+    "outcome",
     "writer_map",
 ]
 
@@ -255,18 +257,22 @@ def agree(
         if error is not None:
             raise error
         return
-    outcomes = collective(
-        control,
-        what,
-        lambda: control.all_gather(None if error is None else describe(error)),
-        raises,
-        consequence,
-    )
+    outcomes = collective(control, what, lambda: control.all_gather(outcome(error)), raises, consequence)
     if error is not None:
         raise error
-    for rank, why in enumerate(outcomes):
-        if why is not None:
-            raise raises(f"rank {control.rank}: rank {rank} failed to {what} ({why}){consequence}")
+    for rank, why in failures_in(outcomes):
+        raise raises(f"rank {control.rank}: rank {rank} failed to {what} ({why}){consequence}")
+
+
+def outcome(error: BaseException | None) -> str | None:
+    """What one rank tells the others of its part of a collective step: None if it went well,
+    else its error (:func:`describe`). Gathered, :func:`failures_in` reads them back."""
+    return None if error is None else describe(error)
+
+
+def failures_in(outcomes: Sequence[str | None]) -> list[tuple[int, str]]:
+    """``(rank, why)`` of each rank whose gathered :func:`outcome` says it failed, in rank order."""
+    return [(rank, why) for rank, why in enumerate(outcomes) if why is not None]
 
 
 def describe(error: BaseException) -> str:

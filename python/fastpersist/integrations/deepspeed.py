@@ -57,7 +57,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("fastpersist.integrations.deepspeed needs DeepSpeed: pip install deepspeed") from e
 
 from ..config import Config
-from ..distributed.control import ControlGroup, agree, collective, control_for, describe
+from ..distributed.control import ControlGroup, agree, collective, control_for, failures_in, outcome
 from ..errors import GroupSaveError
 from ..format.layout import write_small_file
 from ..futures import SaveFuture, SaveResult
@@ -237,10 +237,10 @@ class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (D
             error = error or e
         control = self.control
         what = f"agree that every rank's files of tag {tag.tag!r} are durable"
-        mine = (error and describe(error), tag.staged_files)
+        mine = (outcome(error), tag.staged_files)
         consequence = f"; {LATEST_NAME!r} in {tag.save_dir} still names the previous tag"
         outcomes = collective(control, what, lambda: control.all_gather(mine), GroupSaveError, consequence)
-        failed = {rank: why for rank, (why, _) in enumerate(outcomes) if why is not None}
+        failed = failures_in([why for why, _ in outcomes])
         if tag.staging is not None:
             if failed or not any(staged for _, staged in outcomes):  # (nothing staged: save_16bit_model's tag)
                 tag.staging.discard()
@@ -251,7 +251,7 @@ class FastPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # (D
         if error is not None:
             raise error
         if failed:
-            rank, why = next(iter(failed.items()))
+            rank, why = failed[0]
             raise GroupSaveError(
                 f"rank {control.rank}: rank {rank} failed to save its files of tag {tag.tag!r} ({why}); "
                 f"{LATEST_NAME!r} in {tag.save_dir} still names the previous tag"

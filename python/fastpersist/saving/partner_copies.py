@@ -39,7 +39,7 @@ from typing import Any
 import fastpersist._core as _core
 
 from ..config import Config
-from ..distributed.control import control_for, describe, writer_map
+from ..distributed.control import control_for, failures_in, outcome, writer_map
 from ..distributed.placement import Placement
 from ..distributed.transfer import ShareFile, Transfer, send_and_receive
 from ..errors import GroupSaveError
@@ -95,11 +95,10 @@ class PartnerSaveJob(GroupSaveJob):
         assert message is not None
         tmp = tmp_dir_for(self.path, message.checkpoint_id)
         tmp_lock, own_error = self._make_node_dir(tmp)
-        errors = self._collective(
-            "learn whether every node could start",
-            lambda: self.control.all_gather(describe(own_error) if own_error is not None else ""),
+        started = self._collective(
+            "learn whether every node could start", lambda: self.control.all_gather(outcome(own_error))
         )
-        failed = [(r, e) for r, e in enumerate(errors) if e]
+        failed = failures_in(started)
         if failed:
             if tmp_lock is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -192,8 +191,8 @@ class PartnerSaveJob(GroupSaveJob):
         return len(transfers)
 
     def _gather_errors(self, what: str, error: BaseException | None) -> list[tuple[int, str]]:
-        errors = self._exchange(what, lambda: self.control.all_gather(describe(error) if error else ""))
-        return [(r, e) for r, e in enumerate(errors) if e]
+        """Every rank's outcome of `what` (control.agree's encoding), as ``(rank, why)`` failures."""
+        return failures_in(self._exchange(what, lambda: self.control.all_gather(outcome(error))))
 
     def finish(self, timeout: float | None = None) -> SaveResult:
         status, written, local_error = self._write_share(timeout)
