@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
@@ -54,13 +53,6 @@ def on_device() -> Iterator[set[int]]:
     with use_copier(lambda t: t.numel() > 0 and t.untyped_storage().data_ptr() in storages, RecordingCopier):
         yield storages
     ARENAS.clear()
-
-
-@pytest.fixture
-def shm_root() -> Iterator[str]:
-    parent = tempfile.mkdtemp(prefix="fp-test-arena-", dir=SHM)
-    yield os.path.join(parent, "ck")
-    shutil.rmtree(parent, ignore_errors=True)
 
 
 def device_state(on_device: set[int], step: int, n: int = 300_000) -> dict[str, Any]:

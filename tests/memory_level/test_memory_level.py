@@ -15,10 +15,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -37,13 +35,6 @@ from gloo import HELPERS_DIR
 SHM = "/dev/shm"
 pytestmark = pytest.mark.skipif(not (os.path.isdir(SHM) and is_memory_root(SHM)), reason="needs a tmpfs at /dev/shm")
 DATA = data_file_name(writer=0, stripe=0)
-
-
-@pytest.fixture
-def shm_root() -> Iterator[str]:
-    parent = tempfile.mkdtemp(prefix="fp-test-mem-", dir=SHM)
-    yield os.path.join(parent, "ck")
-    shutil.rmtree(parent, ignore_errors=True)
 
 
 def state_of(step: int, mib: int = 4) -> dict[str, object]:

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,14 +20,6 @@ from fastpersist.memory_level.spares import make_spare, stop_spares, wait_spare
 SHM = "/dev/shm"
 pytestmark = pytest.mark.skipif(not (os.path.isdir(SHM) and is_memory_root(SHM)), reason="needs a tmpfs at /dev/shm")
 DATA = data_file_name(writer=0, stripe=0)
-
-
-@pytest.fixture
-def shm_root() -> Iterator[str]:
-    parent = tempfile.mkdtemp(prefix="fp-test-spare-", dir=SHM)
-    yield os.path.join(parent, "ck")
-    wait_spare()
-    shutil.rmtree(parent, ignore_errors=True)
 
 
 def state_of(step: int, mib: int = 2) -> dict[str, object]:

@@ -55,12 +55,12 @@ from ..format.manifest import read_manifest
 
 __all__ = [
     "file_to_stage_in",
-    "open_dir_nofollow",
-    "recyclable_files",
-    "recycle_dir",
     "free_recycled",
     "is_memory_root",
+    "open_dir_nofollow",
+    "recyclable_files",
     "recycle_checkpoint",
+    "recycle_dir",
     "recycled_entries",
     "take_recycled",
 ]

@@ -74,10 +74,13 @@ _serial = itertools.count()
 def make_spare(root: str, step_path: str) -> threading.Thread | None:
     """Starts making a spare of the committed step `step_path`'s data files in the memory root
     `root`'s recycle directory, for its next save; returns the thread, or None when there is
-    nothing to do (not a memory root, or a spare is being made already)."""
+    nothing to do (not a memory root, files wait there already, or a spare is being made)."""
     global _running
     if not is_memory_root(root):
         return None
+    with recycle_dir(root) as bin_fd:
+        if bin_fd is not None and _holds_files(bin_fd):
+            return None  # a retired step's files serve the next save (every commit once steady)
     with _lock:
         if _running is not None and _running.thread.is_alive():
             return None
@@ -129,17 +132,17 @@ def _make(maker: _Maker, root: str, step_path: str) -> None:
 
 def _make_in(maker: _Maker, root: str, step_path: str) -> int:
     """Makes the spare; returns the bytes handed over (0 if none)."""
-    files = recyclable_files(step_path)
-    if not files:
-        return 0
-    wanted = [
-        (os.path.relpath(f, step_path), os.lstat(f).st_size) for f in files if os.path.basename(f) != MANIFEST_NAME
-    ]
     with recycle_dir(root, create=True) as bin_fd:
         if bin_fd is None or not _lock_root(bin_fd, maker.stop):
             return 0
         if _holds_files(bin_fd):
-            return 0  # a retired step's files (or another process's spare) wait already
+            return 0  # another process's spare (or a step retired since the look) waits already
+        files = recyclable_files(step_path)
+        if not files:
+            return 0
+        wanted = [
+            (os.path.relpath(f, step_path), os.lstat(f).st_size) for f in files if os.path.basename(f) != MANIFEST_NAME
+        ]
         making = f".making-{os.getpid()}-{next(_serial)}"
         os.mkdir(making, dir_fd=bin_fd)
         try:

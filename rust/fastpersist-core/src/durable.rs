@@ -20,23 +20,36 @@ pub fn preallocate(file: &File, len_bytes: u64) -> std::io::Result<()> {
     if len_bytes == 0 {
         return Ok(());
     }
-    let len = libc::off_t::try_from(len_bytes)
-        .map_err(|_| std::io::Error::from_raw_os_error(libc::EFBIG))?;
+    match reserve(file, 0, len_bytes) {
+        // Unsupported by this filesystem or file type: reserving was only an optimisation.
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::ENODEV | libc::ESPIPE | libc::EINVAL)
+            ) =>
+        {
+            Ok(())
+        }
+        other => other,
+    }
+}
+
+/// Reserves `[offset, offset + len_bytes)` of `file` (`fallocate`, keeping its size), retried
+/// when interrupted; every other failure (ENOSPC first) is the caller's.
+pub fn reserve(file: &File, offset: u64, len_bytes: u64) -> std::io::Result<()> {
+    let too_big = || std::io::Error::from_raw_os_error(libc::EFBIG);
+    let offset = libc::off_t::try_from(offset).map_err(|_| too_big())?;
+    let len = libc::off_t::try_from(len_bytes).map_err(|_| too_big())?;
     loop {
         // SAFETY: fallocate takes only integers; the fd stays open for the call (borrowed from
         // `file`).
-        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) };
+        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, offset, len) };
         if rc == 0 {
             return Ok(());
         }
         let err = std::io::Error::last_os_error();
-        match err.raw_os_error() {
-            Some(libc::EINTR) => continue,
-            // Unsupported by this filesystem or file type: reserving was only an optimisation.
-            Some(libc::EOPNOTSUPP | libc::ENOSYS | libc::ENODEV | libc::ESPIPE | libc::EINVAL) => {
-                return Ok(());
-            }
-            _ => return Err(err),
+        if err.raw_os_error() != Some(libc::EINTR) {
+            return Err(err);
         }
     }
 }

@@ -2,8 +2,6 @@
 //! Python sees it: a writable buffer that Python registers with CUDA once, and leases that a
 //! save takes for its job.
 
-use std::fs::File;
-use std::os::fd::BorrowedFd;
 use std::os::raw::c_int;
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -46,23 +44,9 @@ impl Arena {
     /// named `name` in messages: a regular file of exactly `file_len` bytes, all allocated.
     #[staticmethod]
     fn over_file(py: Python<'_>, fd: i32, file_len: u64, name: PathBuf) -> PyResult<Self> {
-        if fd < 0 {
-            return Err(PyValueError::new_err(format!(
-                "fd must be an open file descriptor, not {fd}"
-            )));
-        }
-        // SAFETY: the caller holds `fd` open for this call (it only lends it); it is duplicated
-        // at once, and the duplicate is what the arena owns.
-        let file = unsafe { BorrowedFd::borrow_raw(fd) }
-            .try_clone_to_owned()
-            .map_err(|e| {
-                PyOSError::new_err(format!(
-                    "cannot duplicate fd {fd} of {}: {e}",
-                    name.display()
-                ))
-            })?;
+        let file = crate::duplicate_fd(fd, &name)?;
         let inner = py
-            .detach(|| arena::Arena::over_file(File::from(file), file_len, &name))
+            .detach(|| arena::Arena::over_file(file, file_len, &name))
             .map_err(|e| to_pyerr(py, &e))?;
         Ok(Arena {
             inner,

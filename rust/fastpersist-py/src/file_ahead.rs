@@ -2,13 +2,10 @@
 //! GIL released for each (`fastpersist_core::job::FileAhead`; its Python driver is
 //! `fastpersist/memory_level/spares.py`).
 
-use std::fs::File;
-use std::os::fd::BorrowedFd;
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 
 use fastpersist_core::job::FileAhead;
-use pyo3::exceptions::{PyOSError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::errors::IntoPyResult;
@@ -34,23 +31,9 @@ impl MemoryFileAhead {
     /// `name` in messages, which the next save overwrites with `len_bytes` bytes.
     #[new]
     fn new(py: Python<'_>, fd: i32, len_bytes: u64, name: PathBuf) -> PyResult<Self> {
-        if fd < 0 {
-            return Err(PyValueError::new_err(format!(
-                "fd must be an open file descriptor, not {fd}"
-            )));
-        }
-        // SAFETY: the caller holds `fd` open for this call (it only lends it); it is duplicated
-        // at once, and the duplicate is what this object owns.
-        let file = unsafe { BorrowedFd::borrow_raw(fd) }
-            .try_clone_to_owned()
-            .map_err(|e| {
-                PyOSError::new_err(format!(
-                    "cannot duplicate fd {fd} of {}: {e}",
-                    name.display()
-                ))
-            })?;
+        let file = crate::duplicate_fd(fd, &name)?;
         let inner = py
-            .detach(|| FileAhead::new(File::from(file), len_bytes, &name))
+            .detach(|| FileAhead::new(file, len_bytes, &name))
             .into_py_result(py)?;
         Ok(MemoryFileAhead {
             inner: Mutex::new(inner),

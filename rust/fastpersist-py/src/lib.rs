@@ -238,6 +238,27 @@ fn io_choices(
     Ok((selection, DirectMode::parse(direct_io).into_py_result(py)?))
 }
 
+/// A file owning a duplicate of `fd`, an open descriptor the caller only lends for the call
+/// (it keeps and closes its own); `name` is for messages.
+pub(crate) fn duplicate_fd(fd: i32, name: &std::path::Path) -> PyResult<std::fs::File> {
+    if fd < 0 {
+        return Err(PyValueError::new_err(format!(
+            "fd must be an open file descriptor, not {fd}"
+        )));
+    }
+    // SAFETY: the caller holds `fd` open for this call; it is duplicated at once, and the
+    // duplicate is what the returned file owns.
+    let owned = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }
+        .try_clone_to_owned()
+        .map_err(|e| {
+            pyo3::exceptions::PyOSError::new_err(format!(
+                "cannot duplicate fd {fd} of {}: {e}",
+                name.display()
+            ))
+        })?;
+    Ok(std::fs::File::from(owned))
+}
+
 /// Probes io_uring now (uncached): None if usable, else why not. `simulate_errno` is a test hook.
 #[pyfunction]
 #[pyo3(signature = (simulate_errno=None))]

@@ -127,11 +127,11 @@ pub enum StagingMode {
     /// backend (`from_pool`).
     Pool,
     /// Host sources are copied straight into mappings of the files' pages: every target is a
-    /// regular file on a memory filesystem, one at least holds data in pages allocated already (a
-    /// recycled file, overwritten in place) and O_DIRECT was not required (`memory`). New files there go
-    /// through the pool: buffered writes allocate their pages as they copy, on the backend's
-    /// workers, 1.3-1.6x faster than reserving them and populating a new mapping first
-    /// (1 GiB to fresh /dev/shm files: 0.70-0.91 s against 1.12-1.18 s).
+    /// regular file on a memory filesystem, one at least holds data in pages allocated already
+    /// (a recycled file, overwritten in place) and O_DIRECT was not required (`memory`). New
+    /// files there go through the pool: writes allocate their pages as they copy, on the
+    /// backend's workers, 1.3-1.6x faster than reserving them and populating a new mapping
+    /// first (1 GiB to fresh /dev/shm files: 0.70-0.91 s against 1.12-1.18 s).
     MappedFiles,
     /// Chunks are staged window by window into the job's arena (device copies asked for per
     /// window) and written straight from there (`from_arena`); a write gate may hold the writes.

@@ -6,14 +6,11 @@
 //! nothing; its first `keep` saves would each allocate a fresh step's worth of tmpfs pages and
 //! populate a new mapping of them (about 0.4 s and 0.4 s per GiB here, against 0.15-0.3 s for the
 //! copy itself). The Python side (`memory_level/spares.py`) makes those files while the training
-//! step runs, on a low-priority thread that stops between slices once a save starts. Neither
-//! step changes a byte of the file, so a save that takes the file while it is still being made
-//! only finds less work left: its own `fallocate` reserves the rest, and a mapping that was not
-//! completed is not kept.
+//! step runs, on a low-priority thread that stops between slices once a save starts; it hands a
+//! file over only once its pages are all allocated. Neither step changes a byte of the file, and
+//! a mapping that was not completed is not kept (the save then maps and populates it itself).
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use super::mapped::MappedFile;
@@ -59,7 +56,7 @@ impl FileAhead {
                 .map_err(|e| Error::io("truncate", name, e))?;
         }
         // Pages a recycled file holds already need no allocating.
-        let allocated = if meta.blocks().saturating_mul(512) >= len_bytes {
+        let allocated = if super::is_whole(&meta, len_bytes) {
             len_bytes
         } else {
             0
@@ -87,7 +84,7 @@ impl FileAhead {
         if self.allocated < self.len_bytes {
             let n = step.min(self.len_bytes - self.allocated);
             let file = self.file.as_ref().expect("open until mapped");
-            allocate(file, self.allocated, n)
+            crate::durable::reserve(file, self.allocated, n)
                 .map_err(|e| Error::io("preallocate", &self.name, e))?;
             self.allocated += n;
             return Ok(false);
@@ -125,26 +122,10 @@ impl FileAhead {
     }
 }
 
-/// Reserves `[offset, offset + len)` of `file` (`fallocate`, keeping its size).
-fn allocate(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
-    let too_big = || std::io::Error::from_raw_os_error(libc::EFBIG);
-    let offset = libc::off_t::try_from(offset).map_err(|_| too_big())?;
-    let len = libc::off_t::try_from(len).map_err(|_| too_big())?;
-    loop {
-        // SAFETY: fallocate takes only integers; the fd stays open for the call (borrowed).
-        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, offset, len) };
-        if rc == 0 {
-            return Ok(());
-        }
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() != Some(libc::EINTR) {
-            return Err(err);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::MetadataExt;
+
     use super::*;
 
     fn shm_file() -> Option<(tempfile::TempDir, PathBuf, File)> {

@@ -1,6 +1,7 @@
-//! The in-memory level: a part file on a memory filesystem (tmpfs, ramfs) is written by copying
-//! the sources straight into a shared mapping of the file, checksumming each piece while it is
-//! hot. There is no staging copy (the copy into the file's pages *is* the staging), no O_DIRECT
+//! The in-memory level: a part file on a memory filesystem (tmpfs, ramfs) whose pages exist
+//! already (a recycled file, a spare made `ahead`; a job with none goes through the pool, see
+//! `StagingMode::MappedFiles`) is written by copying the sources straight into a shared mapping
+//! of the file, checksumming each piece while it is hot. There is no staging copy (the copy into the file's pages *is* the staging), no O_DIRECT
 //! attempt and no page-cache write path per 4 KiB page.
 //!
 //! The file is opened without truncation, so a file recycled from a retired step (renamed into
@@ -69,12 +70,14 @@ pub fn writes_in_memory(paths: &[&Path], direct: DirectMode, backend: BackendKin
 /// holes is written as a new one: through the pool, which allocates faster than a mapping.
 pub(super) fn any_whole(paths: &[&Path]) -> bool {
     paths.iter().any(|p| {
-        std::fs::symlink_metadata(p).is_ok_and(|m| {
-            m.is_file()
-                && m.len() > 0
-                && std::os::unix::fs::MetadataExt::blocks(&m).saturating_mul(512) >= m.len()
-        })
+        std::fs::symlink_metadata(p)
+            .is_ok_and(|m| m.is_file() && m.len() > 0 && is_whole(&m, m.len()))
     })
+}
+
+/// Whether the file described by `meta` has pages allocated for its first `len` bytes.
+fn is_whole(meta: &std::fs::Metadata, len: u64) -> bool {
+    std::os::unix::fs::MetadataExt::blocks(meta).saturating_mul(512) >= len
 }
 
 /// Whether every path's directory is on a memory filesystem (decided once per directory) and
@@ -125,7 +128,7 @@ fn open_files(targets: &[WriteTarget]) -> Result<Vec<(File, bool)>> {
             file.set_len(len)
                 .map_err(|e| Error::io("truncate", &target.path, e))?;
             // A recycled file that is whole has every page already: no hole to fault on.
-            if std::os::unix::fs::MetadataExt::blocks(&stat(&file)?).saturating_mul(512) < len {
+            if !is_whole(&stat(&file)?, len) {
                 crate::durable::preallocate(&file, len)
                     .map_err(|e| Error::io("preallocate", &target.path, e))?;
             }
