@@ -9,6 +9,7 @@ but this machine, nor an object store it did not name (``no_traffic_beyond_loopb
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 
@@ -16,6 +17,7 @@ import pytest
 
 import fastpersist as fp
 from fastpersist.gpu import pinned
+from fastpersist.memory_level.spares import wait_spare
 
 import netguard
 from backends import available_backends
@@ -80,6 +82,16 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A directory on a disk that accepts O_DIRECT (pytest's tmp dir is on the root ext4 here)."""
     path = tmp_path_factory.mktemp("ckpt")
     yield str(path)
+
+
+@pytest.fixture
+def shm_root() -> Iterator[str]:
+    """A fresh root under /dev/shm (the memory-level tests), removed after the test once any
+    spare being made for it (memory_level/spares.py) has been made or given up."""
+    parent = tempfile.mkdtemp(prefix="fp-test-mem-", dir="/dev/shm")
+    yield os.path.join(parent, "ck")
+    wait_spare()
+    shutil.rmtree(parent, ignore_errors=True)
 
 
 def is_root() -> bool:
